@@ -1,0 +1,30 @@
+# Two commands set everything up on a fresh Linux machine with Python 3.11:
+#   make train   installs into .venv and trains the tiny Llama on the embedded corpus (CPU)
+#   make test    installs into .venv and runs the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test bench install clean
+
+$(STAMP): requirements.txt requirements-dev.txt requirements-torch.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-torch.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) out .cache

@@ -1,0 +1,365 @@
+"""Typed configuration for nanotrn: dataclasses, named presets, command-line overrides, validation.
+
+A run is described by one `Config`. Presets give the starting values; `--section.key=value`
+overrides change them, type-checked. `validate()` rejects any layout that cannot work before a
+process group, a tokenizer or a model is touched.
+
+    python train.py --preset tiny --model.n_layers=2 --optim.lr=1e-3
+    python configs.py show --preset llama2_7b
+    python configs.py plan --preset llama2_70b
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4          # GQA: n_kv_heads < n_heads shares each K/V head over a group of Q heads
+    ffn_dim: int = 704           # SwiGLU hidden size
+    max_seq_len: int = 256       # RoPE is computed from positions, this only bounds them
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02       # Llama's initializer_range
+    checkpointing: str = "none"  # activation checkpointing: none | selective (attention core) | full (whole block)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                  # tensor parallel degree (inside one trn1 instance: NeuronLink)
+    pp: int = 1                  # pipeline parallel degree
+    dp: int = -1                 # data parallel degree; -1 = world_size / (tp * pp)
+    sp: bool = False             # sequence parallelism inside the TP group (needs tp > 1 to matter)
+    zero1: bool = False          # shard optimizer states over the DP group (HLAT 70B)
+    pp_schedule: str = "1f1b"    # 1f1b | gpipe
+    pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
+    pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    decay_steps: int = 280       # cosine from lr to min_lr over these steps after warmup
+    constant_steps: int = 0      # the blog's "constant step": hold lr after warmup before decay
+    max_steps: int = 300
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-5
+    weight_decay: float = 0.1
+    decay_norms: bool = True     # the blog decayed all parameters, norm weights included
+    grad_clip: float = 1.0
+    precision: str = "fp32"      # fp32 | mixed | bf16 | bf16_sr
+
+
+@dataclass
+class DataConfig:
+    data: str = "stdlib"         # "stdlib" (embedded corpus), or files / dirs / globs, comma-separated
+    tokenizer: str = ""          # a sentencepiece .model; empty = train one on the corpus and cache it
+    text_field: str = "text"     # column / JSON key holding the text
+    doc_per_line: bool = False   # .txt: one document per line instead of one per file
+    seq_len: int = 256
+    global_batch: int = 16       # sequences per optimizer step, over all DP ranks and microbatches
+    micro_batch: int = 8         # sequences per rank per forward/backward
+    bos: bool = True
+    eos: bool = True
+    val_fraction: float = 0.01   # held-out share of documents, never trained on
+    seed: int = 1234
+    cache_dir: str = ".cache"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "out/ckpt"
+    interval: int = 0            # steps between saves; 0 = only at the end
+    keep: int = 3                # keep the last K complete checkpoints
+    async_save: bool = True
+    resume: bool = True          # continue from the newest complete checkpoint if there is one
+
+
+@dataclass
+class LogConfig:
+    interval: int = 10
+    eval_interval: int = 100
+    eval_windows: int = 8
+    tensorboard: str = "out/tb"  # empty = no event files
+    sample_tokens: int = 64      # length of the sample printed at the end
+    on_nonfinite: str = "stop"   # stop | skip
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    seed: int = 1337
+    device: str = "auto"         # auto | cpu | cuda | xla
+    out_dir: str = "out"
+    preset: str = "tiny"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- presets
+
+def tiny() -> Config:
+    """The CPU default: a 5M-parameter Llama that learns Python visibly in a few minutes."""
+    return Config(preset="tiny")
+
+
+def _llama2(model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float) -> Config:
+    # The blog's table (and HLAT): seq 4096, GBS 1024, per-core batch 1, cosine lr with 2000
+    # warmup and 480k decay steps over 500k steps, AdamW (0.9, 0.95) eps 1e-5, wd 0.1 on all
+    # parameters including norms, clip 1.0, BF16 with stochastic rounding, selective checkpointing.
+    return Config(
+        preset="",
+        model=model,
+        parallel=parallel,
+        optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=480_000,
+                          constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
+                          weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision="bf16_sr"),
+        data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
+        ckpt=CheckpointConfig(interval=1000, keep=3),
+        log=LogConfig(interval=1, eval_interval=1000, eval_windows=32),
+    )
+
+
+def llama2_7b() -> Config:
+    # TP=8 PP=1 with SP: the blog's fastest 7B layout, four model copies per trn1.32xlarge.
+    c = _llama2(ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                            ffn_dim=11008, max_seq_len=4096, checkpointing="selective"),
+                ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4, min_lr=3e-5)
+    c.preset = "llama2_7b"
+    return c
+
+
+def llama2_70b() -> Config:
+    # HLAT 70B: TP=32 PP=8 with ZeRO-1 (fp32 master weights: precision "mixed").
+    # lr 1.5e-4 to 1.5e-5 comes from the HLAT 70B scripts; every other setting is the blog's.
+    c = _llama2(ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                            ffn_dim=28672, max_seq_len=4096, checkpointing="selective"),
+                ParallelConfig(tp=32, pp=8, sp=True, zero1=True), lr=1.5e-4, min_lr=1.5e-5)
+    c.optim.precision = "mixed"
+    c.preset = "llama2_70b"
+    return c
+
+
+PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b}
+
+CHOICES = {
+    "model.checkpointing": ("none", "selective", "full"),
+    "parallel.pp_schedule": ("1f1b", "gpipe"),
+    "parallel.pp_p2p": ("send", "allgather"),
+    "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
+    "log.on_nonfinite": ("stop", "skip"),
+    "device": ("auto", "cpu", "cuda", "xla"),
+}
+
+# Short flags a reader types most; each maps to one dotted key.
+ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
+           "zero1": "parallel.zero1", "lr": "optim.lr", "steps": "optim.max_steps",
+           "precision": "optim.precision", "data": "data.data", "tokenizer": "data.tokenizer",
+           "seq_len": "data.seq_len", "global_batch": "data.global_batch",
+           "micro_batch": "data.micro_batch"}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. Raised before any work starts."""
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
+    """Every settable dotted key -> (the dataclass that holds it, its field)."""
+    keys = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            for g in fields(value):
+                keys[f"{f.name}.{g.name}"] = (value, g)
+        else:
+            keys[f.name] = (cfg, f)
+    return keys
+
+
+def _parse_value(key: str, text: str, typ) -> object:
+    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text.replace("_", ""))
+        if typ is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"--{key}={text!r}: expected a {typ.__name__}") from None
+
+
+def apply_overrides(cfg: Config, args: list[str]) -> Config:
+    """Apply `--section.key=value` (or `--key value`) arguments to cfg, type-checked."""
+    keys = _all_keys(cfg)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --model.n_layers=4")
+        body = arg[2:]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, text = body, args[i + 1]
+            i += 1
+        else:
+            key, text = body, "true"          # a bare --flag sets a bool
+        key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys) + list(ALIASES), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key --{key}{hint} (python configs.py show lists them all)")
+        holder, f = keys[key]
+        value = _parse_value(key, text, f.type)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
+        setattr(holder, f.name, value)
+        i += 1
+    return cfg
+
+
+def from_args(argv: list[str]) -> Config:
+    """Build a Config from a preset (--preset NAME) and overrides."""
+    argv = list(argv)
+    name = "tiny"
+    for i, a in enumerate(argv):
+        if a.startswith("--preset"):
+            if "=" in a:
+                name = a.split("=", 1)[1]
+                del argv[i]
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError("--preset needs a name: " + ", ".join(PRESETS))
+                name = argv[i + 1]
+                del argv[i:i + 2]
+            break
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=2)
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
+    return apply_overrides(PRESETS[name](), argv)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def resolve_dp(cfg: Config, world_size: int) -> int:
+    """The data-parallel degree for this world size (checks world = TP x PP x DP)."""
+    p = cfg.parallel
+    if p.tp < 1 or p.pp < 1:
+        raise ConfigError(f"tp={p.tp} and pp={p.pp} must be >= 1")
+    if world_size % (p.tp * p.pp) != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
+                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
+    dp = world_size // (p.tp * p.pp)
+    if p.dp not in (-1, dp):
+        raise ConfigError(f"world size {world_size} != tp*pp*dp = {p.tp}*{p.pp}*{p.dp}; launch "
+                          f"{p.tp * p.pp * p.dp} processes or set --dp={dp} (or -1 to infer it)")
+    return dp
+
+
+def grad_accum_steps(cfg: Config, dp: int) -> int:
+    """Microbatches per optimizer step on each DP rank."""
+    d = cfg.data
+    if d.global_batch % (d.micro_batch * dp) != 0:
+        raise ConfigError(f"global batch {d.global_batch} is not divisible by micro_batch*dp = "
+                          f"{d.micro_batch}*{dp}; pick a global batch that is a multiple of "
+                          f"{d.micro_batch * dp}")
+    return d.global_batch // (d.micro_batch * dp)
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Reject a configuration that cannot work. Called before any process group or model exists."""
+    m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
+    for key, allowed in CHOICES.items():
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if value not in allowed:
+            raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(allowed)}")
+    if m.dim % m.n_heads != 0:
+        raise ConfigError(f"dim {m.dim} is not divisible by n_heads {m.n_heads}")
+    if m.head_dim % 2 != 0:
+        raise ConfigError(f"head_dim {m.head_dim} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads != 0:
+        raise ConfigError(f"n_heads {m.n_heads} is not divisible by n_kv_heads {m.n_kv_heads} (GQA groups)")
+    if m.n_heads % p.tp != 0:
+        raise ConfigError(f"n_heads {m.n_heads} is not divisible by tp {p.tp}: each TP rank must hold "
+                          f"whole attention heads; pick tp from the divisors of {m.n_heads}")
+    if m.n_kv_heads % p.tp != 0 and p.tp % m.n_kv_heads != 0:
+        # tp > n_kv_heads works when each KV head is replicated on tp / n_kv_heads ranks (NxD does
+        # this for 70B: 8 KV heads at TP=32); anything else would split a KV head.
+        raise ConfigError(f"n_kv_heads {m.n_kv_heads} and tp {p.tp}: one must divide the other "
+                          f"so every TP rank holds whole KV groups")
+    if p.pp > m.n_layers:
+        raise ConfigError(f"pp {p.pp} is larger than n_layers {m.n_layers}")
+    if p.pp_cuts:
+        cuts = [int(c) for c in p.pp_cuts.split(",")]
+        if len(cuts) != p.pp - 1 or cuts != sorted(set(cuts)) or not (0 < cuts[0] and cuts[-1] < m.n_layers):
+            raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be {p.pp - 1} increasing layer indices "
+                              f"strictly between 0 and n_layers {m.n_layers}")
+    elif m.n_layers % p.pp != 0:
+        raise ConfigError(f"n_layers {m.n_layers} is not divisible by pp {p.pp}; change pp or give "
+                          f"explicit stage boundaries with --parallel.pp_cuts")
+    if p.sp and p.tp > 1 and (d.seq_len % p.tp != 0):
+        raise ConfigError(f"sequence parallelism splits seq_len {d.seq_len} over tp {p.tp}: not divisible")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"seq_len {d.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
+    dp = resolve_dp(cfg, world_size)
+    accum = grad_accum_steps(cfg, dp)
+    if p.pp > 1 and accum < p.pp:
+        raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, "
+                          f"got {accum} (global_batch / (micro_batch * dp)); raise the global batch "
+                          f"or lower micro_batch")
+    if not (0 <= o.min_lr <= o.lr):
+        raise ConfigError(f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr})")
+    if o.max_steps < 1 or o.warmup_steps < 0 or o.decay_steps < 0:
+        raise ConfigError("max_steps must be >= 1 and warmup/decay steps >= 0")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"val_fraction {d.val_fraction} must be in [0, 1)")
+
+
+def describe(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("show", "plan"):
+        sys.exit("usage: python configs.py show|plan [--preset NAME] [--section.key=value ...]")
+    cmd, rest = sys.argv[1], sys.argv[2:]
+    try:
+        cfg = from_args(rest)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    if cmd == "show":
+        print(describe(cfg))
+    else:
+        sys.exit("configs.py plan: the memory and layout planner is not written yet (issue 10)")

@@ -1,0 +1,302 @@
+"""The Llama 2 decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied embedding and head.
+
+Two choices from the HLAT/blog setup shape this file:
+- Coalesced projections. q, k and v share one `qkv_proj`, gate and up share one `gate_up_proj`
+  (the blog: fewer, larger matmuls and fewer TP/SP collectives). Rows of `qkv_proj` are laid out
+  per KV group: [q heads of group 0 | k_0 | v_0 | q heads of group 1 | k_1 | v_1 | ...], so a
+  contiguous column-parallel shard holds whole heads and whole KV groups (torchtitan's GQA lesson).
+  `gate_up_proj` is [gate | up]; tensor parallelism re-lays it per rank as [gate shard | up shard].
+- Scaled init. The attention and MLP output projections start with std init_std / sqrt(2 * n_layers):
+  without it the blog's 7B loss diverged after 22k steps.
+
+Everything else follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32),
+so `from_hf` / `to_hf` convert weights by reshaping only, and the tests compare logits to 1e-5.
+
+Packed sequences: `doc_ids` [B, T] marks which document each token belongs to. A token attends
+only to earlier tokens of its own document, and `positions` restart at 0 at each document.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from configs import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalize in fp32 even when the model is bf16: the mean of squares loses too much in bf16.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin of the rotary angles for integer positions [B, T] -> two [B, 1, T, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq          # [B, T, head_dim/2]
+    angles = torch.cat((angles, angles), dim=-1)              # rotate-half layout, as in HF Llama
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention_core(q, k, v, mask):
+    """Softmax attention over [B, H, T, hd]; the part selective checkpointing recomputes."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # Head counts are those held by this module: tensor parallelism lowers them to the
+        # rank's share when it swaps the projections for their parallel versions.
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.selective_checkpoint = cfg.checkpointing == "selective"
+
+    def forward(self, x, cos, sin, mask):
+        qkv = self.qkv_proj(x)
+        B, T, _ = qkv.shape          # T is the full sequence even when x is a sequence shard (SP)
+        rep = self.n_heads // self.n_kv_heads
+        qkv = qkv.view(B, T, self.n_kv_heads, rep + 2, self.head_dim)
+        q = qkv[:, :, :, :rep].reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, rep].transpose(1, 2)                  # [B, n_kv, T, hd]
+        v = qkv[:, :, :, rep + 1].transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # GQA: q head h reads KV head h // rep, so each KV head is repeated over its group.
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        if self.selective_checkpoint and torch.is_grad_enabled():
+            y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False)
+        else:
+            y = attention_core(q, k, v, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens, positions=None, doc_ids=None):
+        """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under tensor parallelism)."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = document_mask(doc_ids) if doc_ids is not None else None
+        for layer in self.layers:
+            if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.lm_head(self.norm(x))
+
+    # ------------------------------------------------------------------ initialization
+    def init_weights(self, seed: int):
+        """Initialize every parameter from (seed, its name) alone, so any sharding of the same
+        model, initialized with the same seed, holds the same full weights."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(init_param(name, tuple(p.shape), self.cfg, seed))
+        return self
+
+    @torch.no_grad()
+    def generate(self, tokens, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50):
+        """Sample continuations of tokens [B, T]. Recomputes the whole context per token (no KV
+        cache): plain and short, fine for the samples a training run prints."""
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.cfg.max_seq_len:]
+            logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            tokens = torch.cat((tokens, nxt), dim=1)
+        return tokens
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> boolean [B, 1, T, T]: True where query i may attend key j, i.e. j <= i
+    and both tokens are in the same document. Built from comparisons only, so shapes stay static."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full-shape initial value of one parameter, from its name and the seed only."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std = cfg.init_std / math.sqrt(2.0 * cfg.n_layers)      # scaled init (the blog, HLAT)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * std
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies; targets of -100 are ignored. The caller divides by the number of
+    valid tokens in the whole global batch (torchtitan's rule), which makes every layout agree."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+
+
+def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:
+    d, L, f, v = cfg.dim, cfg.n_layers, cfg.ffn_dim, cfg.vocab_size
+    qkv = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    per_layer = qkv + cfg.n_heads * cfg.head_dim * d + 3 * d * f + 2 * d
+    return L * per_layer + d + (2 * v * d if embeddings else v * d)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) for every matmul weight
+    (the embedding lookup is not a matmul), plus causal attention scores and values:
+    6 * n_layers * seq_len * dim (12 * L * T * d halved because the mask is causal)."""
+    matmul_weights = num_params(cfg, embeddings=False) - (2 * cfg.n_layers + 1) * cfg.dim   # minus norms
+    return 6 * matmul_weights + 6 * cfg.n_layers * seq_len * cfg.dim
+
+
+# ----------------------------------------------------------------------------- Hugging Face format
+
+def _qkv_to_fused(q, k, v, cfg: ModelConfig):
+    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, q.shape[1]
+    q = q.view(cfg.n_kv_heads, rep, hd, d)
+    k, v = k.view(cfg.n_kv_heads, 1, hd, d), v.view(cfg.n_kv_heads, 1, hd, d)
+    return torch.cat((q, k, v), dim=1).reshape(-1, d)
+
+
+def _fused_to_qkv(w, cfg: ModelConfig):
+    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, w.shape[1]
+    w = w.view(cfg.n_kv_heads, rep + 2, hd, d)
+    return w[:, :rep].reshape(-1, d), w[:, rep].reshape(-1, d), w[:, rep + 1].reshape(-1, d)
+
+
+def from_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+    """Hugging Face LlamaForCausalLM weights -> ours (q/k/v and gate/up joined)."""
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
+           "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        out[o + "attn.qkv_proj.weight"] = _qkv_to_fused(
+            sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"], sd[h + "self_attn.v_proj.weight"], cfg)
+        out[o + "attn.o_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
+        out[o + "mlp.gate_up_proj.weight"] = torch.cat((sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]))
+        out[o + "mlp.down_proj.weight"] = sd[h + "mlp.down_proj.weight"]
+        out[o + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+        out[o + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+    """Ours -> Hugging Face LlamaForCausalLM weights (q/k/v and gate/up split)."""
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"],
+           "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        h, o = f"model.layers.{i}.", f"layers.{i}."
+        q, k, v = _fused_to_qkv(sd[o + "attn.qkv_proj.weight"], cfg)
+        out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"], out[h + "self_attn.v_proj.weight"] = q, k, v
+        out[h + "self_attn.o_proj.weight"] = sd[o + "attn.o_proj.weight"]
+        gate, up = sd[o + "mlp.gate_up_proj.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = sd[o + "mlp.down_proj.weight"]
+        out[h + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "initializer_range": cfg.init_std, "hidden_act": "silu",
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    if hf.get("tie_word_embeddings"):
+        raise ValueError("tied embeddings are not supported: nanotrn's Llama has a separate lm_head")
+    if hf.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {hf['rope_scaling']} is not supported (Llama 2 uses none)")
+    return ModelConfig(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
+                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                       n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                       max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-5),
+                       rope_theta=hf.get("rope_theta", 10000.0), init_std=hf.get("initializer_range", 0.02),
+                       **overrides)
+
+
+def save_hf(model: Llama, folder: str, dtype: torch.dtype = torch.float32):
+    """Write a folder that transformers.LlamaForCausalLM.from_pretrained loads."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}, model.cfg)
+    save_file(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(model.cfg, dtype), f, indent=2)
+
+
+def load_hf(folder: str, **overrides) -> Llama:
+    """Build our Llama from a Hugging Face folder (config.json + *.safetensors, sharded or not)."""
+    from safetensors.torch import load_file
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = model_config_from_hf(json.load(f), **overrides)
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    sd = {}
+    for n in files:
+        sd.update(load_file(os.path.join(folder, n)))
+    model = Llama(cfg)
+    model.load_state_dict({k: v.float() for k, v in from_hf_state_dict(sd, cfg).items()})
+    return model
