@@ -1,33 +1,74 @@
-"""Tensor, sequence, pipeline and data parallelism on torch.distributed.
+"""Tensor, sequence and data parallelism on torch.distributed: how HLAT splits a Llama over NeuronCores.
 
-(Skeleton: the rank grid and the single-process paths. Tensor/sequence/data parallel layers and
-gradient reduction are filled in by the parallel.py issue.)
+The pieces, top to bottom (names follow Megatron-LM and NeuronX Distributed, so a reader can map
+each one onto theirs):
+
+1. The rank grid. ranks = arange(world).reshape(PP, DP, TP): TP ranks are neighbours (one trn1
+   instance, NeuronLink), PP is outermost. `rank_groups` lists every group of every kind; the same
+   lists create the gloo/nccl groups and, on XLA, the full replica-group mesh of each collective.
+2. Collectives, wrapped in one place (`all_reduce`, `_all_gather`, `_reduce_scatter`) so that one
+   step's communication can be counted (`count_collectives`).
+3. The region operators as autograd Functions: each is one collective forward and its transpose
+   backward (f/g of Megatron, and the sequence-parallel all-gather / reduce-scatter pair).
+4. Parallel layers: ColumnParallelLinear (output features split), RowParallelLinear (input features
+   split), VocabParallelEmbedding and VocabParallelHead (vocabulary split, padded to a TP multiple).
+5. Sharding rules full <-> shard, by parameter name: the one place that knows that qkv_proj is laid
+   out per KV group and gate_up_proj per rank as [gate shard | up shard].
+6. build_model: the Llama on the meta device, its layers swapped for parallel ones, then each local
+   shard materialized from the full-shape init of model.init_param: same seed, same full weights,
+   whatever the layout, and no rank ever holds the full 7B.
+7. Vocab-parallel cross entropy: the loss from sharded logits, with two small all-reduces.
+8. Gradients: TP-replicated sums (SP norms, replicated KV heads), the DP all-reduce in flat buckets
+   scaled 1/DP, and clipping on the true global norm.
+9. Full state dicts: gather shards to full shape, or load this rank's shard of full weights.
+
+Sequence parallelism (the blog's SP=8 with TP=8): between the TP regions the residual stream is
+split along the sequence, [B, T/tp, dim], so norms and residual adds run on 1/tp of the tokens and
+activations take 1/tp of the memory. The column-parallel input all-gathers the sequence, the
+row-parallel output reduce-scatters it: the same bytes as the all-reduce they replace.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import configs
+from configs import Config, ConfigError, ModelConfig
+import model as llama
+
+BUCKET_BYTES = 64 * 2**20   # DP all-reduce bucket: big enough to amortize latency, small enough in memory
 
 
-def rank_groups(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+# ----------------------------------------------------------------------------- 1. the rank grid
+
+def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1) -> dict[str, list[list[int]]]:
     """All groups of each kind, as plain lists of global ranks, from ONE layout:
     ranks = arange(world).reshape(PP, DP, TP), as in NxD. TP is contiguous (one trn1 instance,
-    NeuronLink), PP outermost. The same lists create gloo/nccl groups and the XLA mesh."""
+    NeuronLink), PP outermost. The same lists create gloo/nccl groups and the XLA mesh.
+    kv_replicas > 1 (more TP ranks than KV heads, 70B: 8 KV heads at TP=32) adds "kv": the runs of
+    kv_replicas neighbouring TP ranks that hold copies of the same KV head."""
     dp = world // (tp * pp)
     grid = torch.arange(world).reshape(pp, dp, tp)
-    return {
+    groups = {
         "tp": grid.reshape(pp * dp, tp).tolist(),
         "dp": grid.permute(0, 2, 1).reshape(pp * tp, dp).tolist(),
         "pp": grid.permute(1, 2, 0).reshape(dp * tp, pp).tolist(),
     }
+    if kv_replicas > 1:
+        groups["kv"] = grid.reshape(-1, kv_replicas).tolist()
+    return groups
 
 
 @dataclass
 class Grid:
-    """Where this rank sits: its coordinates and its process groups (None when single-process)."""
+    """Where this rank sits: its coordinates and its process groups. A group is None when its
+    degree is 1 (nothing to communicate), so every collective on it is a no-op."""
     world: int = 1
     rank: int = 0
     tp: int = 1
@@ -39,8 +80,614 @@ class Grid:
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
+    kv_group: object = None      # TP ranks sharing one replicated KV head (only when tp > n_kv_heads)
     backend: str = ""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def kv_replicas(m: ModelConfig, tp: int) -> int:
+    """How many TP ranks hold a copy of each KV head: 1 unless tp > n_kv_heads."""
+    return max(1, tp // m.n_kv_heads)
+
+
+def check_layout(cfg: Config, world: int) -> None:
+    """Every reason a layout cannot work, raised as ConfigError before any process group exists."""
+    configs.validate(cfg, world)
+    tp = cfg.parallel.tp
+    if cfg.model.ffn_dim % tp != 0:
+        raise ConfigError(f"ffn_dim {cfg.model.ffn_dim} is not divisible by tp {tp}: gate_up_proj and "
+                          f"down_proj are split over the TP ranks; pick tp from the divisors of it")
+
+
+def backend_for(device_type: str) -> str:
+    """The collective backend follows the device: gloo on CPU, nccl on CUDA, xla on Trainium."""
+    return {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}[device_type]
+
+
+def _device_type(cfg: Config) -> str:
+    """cfg.device, with "auto" resolved: xla on Trainium (PJRT_DEVICE=NEURON), else cuda, else cpu.
+    PJRT_DEVICE=CPU does not count: importing torch_xla sets it, and XLA:CPU has no multi-process
+    collectives (trainium.md), so CPU runs use gloo."""
+    if cfg.device != "auto":
+        return cfg.device
+    if os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
+        return "xla"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(cfg: Config, device: torch.device | str | None = None) -> Grid:
+    """Validate the layout, then create the process groups of this torchrun process.
+    Reads RANK and WORLD_SIZE (and MASTER_ADDR/PORT through env://) from torchrun. World 1: Grid()."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    check_layout(cfg, world)                 # bad input fails here, before any process group work
+    if world == 1:
+        return Grid()
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    backend = backend_for(torch.device(device).type if device is not None else _device_type(cfg))
+    if backend == "xla" and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+        raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
+                          "collectives between processes; use --device=cpu to train with gloo")
+    if backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers "xla" and patches new_group
+        dist.init_process_group("xla", init_method="xla://")
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)     # env://
+    return new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
+
+
+def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str) -> Grid:
+    """Create every group of every kind (new_group is collective: all ranks create all groups, in
+    the same order) and keep the ones this rank belongs to."""
+    dp = world // (tp * pp)
+    mine = {}
+    for kind, lists in rank_groups(world, tp, pp, kv_reps).items():
+        if len(lists[0]) == 1:
+            continue
+        # XLA compiles each collective with the replica groups of ALL ranks: without the full mesh
+        # a sub-group collective would be compiled with this group alone (trainium.md).
+        opts = {"xla_pg_options": {"mesh": lists}} if backend == "xla" else None
+        for ranks in lists:
+            group = dist.new_group(ranks, pg_options=opts)
+            if rank in ranks:
+                mine[kind] = group
+    return Grid(world=world, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=rank % tp,
+                dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp), tp_group=mine.get("tp"),
+                dp_group=mine.get("dp"), pp_group=mine.get("pp"), kv_group=mine.get("kv"), backend=backend)
+
+
+def barrier(grid: Grid) -> None:
+    if grid.world > 1:
+        dist.barrier()
+
+
+def destroy(grid: Grid) -> None:
+    if grid.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- 2. collectives
+# Every collective of this file goes through these three functions, so a test or a benchmark can
+# count one step's communication per kind (count_collectives). Bytes counted: the full tensor
+# (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the input).
+
+_counters: list[list] = []   # open count_collectives() logs; empty (and unused) in normal runs
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """with count_collectives() as log: ... -> log is a list of (op, group, bytes)."""
+    log = []
+    _counters.append(log)
+    try:
+        yield log
+    finally:
+        _counters.remove(log)
+
+
+def _record(op: str, group, t: torch.Tensor):
+    for log in _counters:
+        log.append((op, group, t.numel() * t.element_size()))
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce (SUM by default) over group; returns t. A no-op when group is None."""
+    if group is None:
+        return t
+    _record("all_reduce", group, t)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's x along dim (collectives concatenate along dim 0: move dim there)."""
+    n = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    _record("all_gather", group, out)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum x over the group and keep this rank's 1/n slice along dim."""
+    n = dist.get_world_size(group)
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"sequence parallelism: dim {dim} of size {x.shape[dim]} is not divisible by "
+                         f"tp {n}; use a sequence length that is a multiple of tp")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    _record("reduce_scatter", group, x)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
+# ----------------------------------------------------------------------------- 3. region operators
+# Tensors are [batch, seq, features]; SEQ is the dimension sequence parallelism splits.
+# Collectives write in place, so each works on a copy: autograd may hold the original.
+
+SEQ = 1
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward; backward all-reduces, because each rank's column-parallel linear gives
+    only its output shard's share of the input gradient."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward (sum the row-parallel partial outputs); identity backward."""
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather the last dim forward (e.g. full logits for sampling); split backward."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, dim=-1), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """SP before a column-parallel linear: all-gather the sequence forward; backward reduce-scatters,
+    summing the ranks' partial input gradients and keeping this rank's sequence shard."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, dim=SEQ), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """SP after a row-parallel linear: reduce-scatter forward (sum partial outputs, keep this rank's
+    sequence shard); backward all-gathers the sequence."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, dim=SEQ), None
+
+
+def copy_to_tensor_parallel_region(x, group):
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x, group):
+    return _GatherFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+# ----------------------------------------------------------------------------- 4. parallel layers
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., shard] = x @ W[shard].T: this rank holds `out_local` rows of W (output features).
+    Input: replicated [B, T, in] (f operator), or with SP a sequence shard [B, T/tp, in] that is
+    all-gathered first. Output: this rank's output features over the full sequence."""
+    def __init__(self, in_features: int, out_local: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[..., shard] @ W[:, shard].T: this rank holds `in_local` columns of W
+    and its input is already split the same way (the output of a column-parallel layer). The partial
+    outputs are all-reduced (g), or with SP reduce-scattered back to sequence shards."""
+    def __init__(self, in_local: int, out_features: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.group)
+        return reduce_from_tensor_parallel_region(y, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * V_local, (rank + 1) * V_local) of the (padded) embedding table. Each rank looks up
+    the tokens it owns, writes zeros for the others, and the sum over ranks is the full lookup:
+    all-reduced, or with SP reduce-scattered straight into sequence shards."""
+    def __init__(self, vocab_local: int, dim: int, tp_rank: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = tp_rank * vocab_local
+        self.weight = nn.Parameter(torch.empty(vocab_local, dim))
+
+    def forward(self, tokens):
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(x, self.group)
+        return reduce_from_tensor_parallel_region(x, self.group)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """lm_head split over the vocabulary: logits [B, T, V_local], this rank's slice of the padded
+    vocabulary. Padding columns (vocab rounded up to a TP multiple) are set to -inf, so no softmax,
+    loss or sampler ever gives them probability."""
+    def __init__(self, dim: int, vocab_local: int, n_real: int, group, sequence_parallel: bool):
+        super().__init__(dim, vocab_local, group, sequence_parallel)
+        self.n_real = n_real          # real (non-padding) vocabulary entries in this rank's slice
+
+    def forward(self, x):
+        logits = super().forward(x)
+        if self.n_real < logits.shape[-1]:
+            pad = torch.arange(logits.shape[-1], device=logits.device) >= self.n_real
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+
+# ----------------------------------------------------------------------------- 5. sharding rules
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def _kind(name: str) -> str:
+    """How a parameter is split over TP, from its name in model.Llama."""
+    if name.endswith(("embed.weight", "lm_head.weight")):
+        return "vocab"
+    for suffix, kind in (("qkv_proj.weight", "qkv"), ("gate_up_proj.weight", "gate_up"),
+                         ("o_proj.weight", "row"), ("down_proj.weight", "row")):
+        if name.endswith(suffix):
+            return kind
+    return "replicated"              # norm weights
+
+
+def _qkv_view(w: torch.Tensor, n_kv: int, rep: int, m: ModelConfig) -> torch.Tensor:
+    """Rows of qkv_proj as [KV group, q heads of the group + k + v, head_dim, dim]."""
+    return w.view(n_kv, rep + 2, m.head_dim, w.shape[-1])
+
+
+def shard_tensor(name: str, full: torch.Tensor, m: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's piece of the full-shape parameter `name`."""
+    kind = _kind(name)
+    if tp == 1 or kind == "replicated":
+        return full
+    if kind == "vocab":                  # pad rows with zeros to a TP multiple, then split rows
+        padded = full.new_zeros((padded_vocab(full.shape[0], tp),) + tuple(full.shape[1:]))
+        padded[:full.shape[0]] = full
+        return padded.chunk(tp)[tp_rank]
+    if kind == "row":
+        return full.chunk(tp, dim=1)[tp_rank]
+    if kind == "gate_up":                # gate_up = [gate | up] -> [gate shard | up shard]
+        gate, up = full.chunk(2)
+        return torch.cat((gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]))
+    # qkv: rows are [q heads of group g | k_g | v_g] per KV group g.
+    groups = _qkv_view(full, m.n_kv_heads, m.n_heads // m.n_kv_heads, m)
+    r = kv_replicas(m, tp)
+    if r == 1:                           # n_kv_heads % tp == 0: whole KV groups per rank
+        return groups.chunk(tp)[tp_rank].reshape(-1, full.shape[1])
+    # tp > n_kv_heads: rank holds n_heads/tp q heads of group g = tp_rank // r and a copy of k_g, v_g
+    g, j, q_local = tp_rank // r, tp_rank % r, m.n_heads // tp
+    rep = m.n_heads // m.n_kv_heads
+    q = groups[g, j * q_local:(j + 1) * q_local]
+    return torch.cat((q, groups[g, rep:rep + 2])).reshape(-1, full.shape[1])
+
+
+def unshard_tensors(name: str, shards: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
+    """Inverse of shard_tensor: the full-shape parameter from all TP ranks' pieces (in rank order)."""
+    tp, kind = len(shards), _kind(name)
+    if tp == 1 or kind == "replicated":
+        return shards[0]
+    if kind == "vocab":
+        return torch.cat(shards)[:m.vocab_size]
+    if kind == "row":
+        return torch.cat(shards, dim=1)
+    if kind == "gate_up":
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    r, d = kv_replicas(m, tp), shards[0].shape[1]
+    if r == 1:
+        return torch.cat(shards)
+    q_local = m.n_heads // tp
+    full = []
+    for g in range(m.n_kv_heads):        # q heads from each replica, k and v from the first
+        views = [_qkv_view(s, 1, q_local, m)[0] for s in shards[g * r:(g + 1) * r]]
+        full += [v[:q_local] for v in views] + [views[0][q_local:]]
+    return torch.cat(full).reshape(-1, d)
+
+
+# ----------------------------------------------------------------------------- 6. building the model
+
+def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> llama.Llama:
+    """Swap the Llama's layers for their TP (and SP) versions, holding this rank's share."""
+    m, tp, group = model.cfg, grid.tp, grid.tp_group
+    hd, n_kv_local = m.head_dim, max(1, m.n_kv_heads // tp)
+    v_local = padded_vocab(m.vocab_size, tp) // tp
+    n_real = min(v_local, max(0, m.vocab_size - grid.tp_rank * v_local))
+    model.embed = VocabParallelEmbedding(v_local, m.dim, grid.tp_rank, group, sequence_parallel)
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        attn.n_heads, attn.n_kv_heads = m.n_heads // tp, n_kv_local     # the forward reads these
+        attn.qkv_proj = ColumnParallelLinear(m.dim, (attn.n_heads + 2 * n_kv_local) * hd, group, sequence_parallel)
+        attn.o_proj = RowParallelLinear(attn.n_heads * hd, m.dim, group, sequence_parallel)
+        mlp.gate_up_proj = ColumnParallelLinear(m.dim, 2 * m.ffn_dim // tp, group, sequence_parallel)
+        mlp.down_proj = RowParallelLinear(m.ffn_dim // tp, m.dim, group, sequence_parallel)
+    model.lm_head = VocabParallelHead(m.dim, v_local, n_real, group, sequence_parallel)
+    return model
+
+
+def mark_parameters(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> None:
+    """Tag parameters the way NxD does, for clipping, ZeRO-1 and the TP gradient sums:
+    p.tensor_model_parallel: split over TP (each rank's piece is distinct);
+    p.sequence_parallel: replicated over TP but fed by sequence shards (grads summed over TP);
+    p.kv_replicas, p.q_rows: qkv rows past q_rows are a KV head copied on kv_replicas ranks."""
+    if grid.tp == 1:
+        return
+    r = kv_replicas(model.cfg, grid.tp)
+    for name, p in model.named_parameters():
+        kind = _kind(name)
+        p.tensor_model_parallel = kind != "replicated"
+        if kind == "replicated" and sequence_parallel:
+            p.sequence_parallel = True
+        if kind == "qkv" and r > 1:
+            p.kv_replicas, p.q_rows = r, model.cfg.n_heads // grid.tp * model.cfg.head_dim
+
+
+def build_model(cfg: Config, grid: Grid, device) -> llama.Llama:
+    """The Llama for this rank: TP/SP-parallelized for grid, initialized from cfg.seed so that every
+    layout holds the same full weights. Built on the meta device (no memory), then each local shard
+    is materialized from its full-shape initial value, one parameter at a time."""
+    device = torch.device(device)
+    if grid.world > 1 and backend_for(device.type) != grid.backend:
+        raise ConfigError(f"the model would live on {device} but the process groups use {grid.backend}: "
+                          f"pass the device to parallel.init_distributed(cfg, device), or set --device")
+    with torch.device("meta"):
+        model = llama.Llama(cfg.model)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    sp = cfg.parallel.sp and grid.tp > 1
+    if grid.tp > 1:
+        tensor_parallelize(model, grid, sp)
+    model.to_empty(device=device)
+    mark_parameters(model, grid, sp)          # after to_empty: it makes new Parameter objects
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
+            p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
+    return model
+
+
+# ----------------------------------------------------------------------------- 7. loss
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy from logits split over the vocabulary, without gathering them (Megatron):
+    the softmax needs only the global max and the global sum of exponentials, and the target logit
+    lives on exactly one rank. Two all-reduces of [B, T] numbers instead of [B, T, V]."""
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start):
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        v_local = logits.shape[-1]
+        top = logits.max(dim=-1).values
+        all_reduce(top, group, op=dist.ReduceOp.MAX)
+        exp = (logits - top.unsqueeze(-1)).exp()
+        local_t = targets - vocab_start
+        mine = (local_t >= 0) & (local_t < v_local)
+        local_t = local_t.clamp(0, v_local - 1)          # -100 and other ranks' targets: any column
+        picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - top
+        picked = torch.where(mine, picked, torch.zeros_like(picked))   # where, not *: picked may be -inf
+        stats = all_reduce(torch.stack((exp.sum(-1), picked)), group)
+        sum_exp, target_logit = stats[0], stats[1]
+        valid = targets != -100
+        loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine & valid, valid)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        # d loss / d logit = softmax - one_hot(target), on valid positions only
+        g = softmax * valid.unsqueeze(-1)
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1).to(g.dtype))
+        return (g * grad).to(ctx.dtype), None, None, None
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Sum of token cross-entropies (targets of -100 ignored); vocab-parallel when grid.tp > 1.
+    Every TP rank returns the same value. The caller divides by the global valid-token count."""
+    if grid.tp == 1:
+        return llama.loss_sum(logits, targets)
+    return _VocabParallelCrossEntropy.apply(logits, targets, grid.tp_group, grid.tp_rank * logits.shape[-1])
+
+
+# ----------------------------------------------------------------------------- 8. gradients
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int):
+    """Consecutive runs of same-dtype tensors of at most bucket_bytes (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    """Sum tensors over group in ONE collective: flatten, scale, all-reduce, copy back."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if scale != 1.0:
+        flat.mul_(scale)
+    all_reduce(flat, group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
+
+
+@torch.no_grad()
+def reduce_tp_replicated_gradients(model: nn.Module, grid: Grid) -> None:
+    """Sum over TP the gradients of weights that several TP ranks hold copies of:
+    - SP norm weights: each rank saw only its sequence shard (NxD allreduce_sequence_parallel_gradients);
+    - replicated KV heads (tp > n_kv_heads): each copy got the gradient of its own q heads only.
+    Once per step, after the last microbatch (gradients add up linearly). Also needed with ZeRO-1."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    if sp and grid.tp_group is not None:
+        _all_reduce_flat(sp, grid.tp_group)
+    kv = [p.grad[p.q_rows:] for p in params if getattr(p, "kv_replicas", 1) > 1]
+    if kv and grid.kv_group is not None:
+        _all_reduce_flat(kv, grid.kv_group)
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Once per step, after the last microbatch's backward (never on the others):
+    the TP sums above, then the DP all-reduce: SUM over the DP group only, in flat buckets, each
+    scaled by 1/DP. Never 1/world: xm.reduce_gradients divides by the world size even with DP
+    groups, which is the bug that made HLAT's run diverge (the blog). With TP=8, 1/world would
+    shrink every gradient 8 times."""
+    reduce_tp_replicated_gradients(model, grid)
+    if grid.dp_group is None:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for bucket in _buckets(grads, bucket_bytes):
+        _all_reduce_flat(bucket, grid.dp_group, scale=1.0 / grid.dp)
+
+
+def _global_norm(pairs, grid: Grid) -> torch.Tensor:
+    """L2 norm over every (parameter, tensor of its shape) pair, each weight counted exactly once:
+    TP-split pieces all count; TP-replicated weights (norms) only on TP rank 0; a replicated KV
+    head's rows 1/kv_replicas on each copy. Partial sums are added over TP and PP."""
+    squares = []
+    for p, t in pairs:
+        t = t.float()
+        if getattr(p, "kv_replicas", 1) > 1:
+            squares.append(t[:p.q_rows].pow(2).sum() + t[p.q_rows:].pow(2).sum() / p.kv_replicas)
+        elif getattr(p, "tensor_model_parallel", False) or grid.tp_rank == 0:
+            squares.append(t.pow(2).sum())
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=pairs[0][1].device)
+    all_reduce(total, grid.tp_group)
+    all_reduce(total, grid.pp_group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def param_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
+    """The global L2 norm of the weights (the blog watched it: about 1,600 at init for 7B)."""
+    return _global_norm([(p, p.detach()) for p in model.parameters()], grid)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
+    """Scale gradients so the global L2 norm is at most max_norm; returns the norm before clipping
+    as a tensor (no host sync). Each weight counts exactly once in the global sum of squares:
+    TP-split pieces all count; TP-replicated weights (norms) only on TP rank 0; a replicated KV
+    head's rows 1/kv_replicas on each copy. Partial sums are added over TP and PP; DP ranks already
+    hold identical reduced gradients."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    norm = _global_norm([(p, p.grad) for p in params], grid)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+# ----------------------------------------------------------------------------- 9. full state dicts
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full-shape weights (or gradients, grads=True) of this rank's model, on every rank of its TP
+    group: each TP-split tensor is all-gathered and put back together (vocab padding dropped).
+    Holds one full model per rank: fine for tests, HF export and tiny runs; for 7B, export from a
+    checkpoint instead."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        if t is None:
+            continue
+        t = t.detach()
+        if grid.tp > 1 and _kind(name) != "replicated":
+            t = unshard_tensors(name, list(_all_gather(t, grid.tp_group, dim=0).chunk(grid.tp)), model.cfg)
+        out[name] = t.clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
+    """Copy this rank's shard of full-shape weights into the model (inverse of gather_full_state_dict)."""
+    names = {n for n, _ in model.named_parameters()}
+    missing, unexpected = names - full_sd.keys(), full_sd.keys() - names
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for name, p in model.named_parameters():
+        p.copy_(shard_tensor(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))

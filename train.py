@@ -10,16 +10,17 @@ the newest complete checkpoint; then steps until max_steps, logging, evaluating 
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 
 import torch
 
+import checkpoint
 import configs
 import data
 import model as llama
+import monitor
 import optim
 import parallel
 
@@ -29,11 +30,12 @@ import parallel
 
 def pick_device(name: str) -> torch.device:
     """xla when torch_xla is importable and an XLA device exists (or asked for), else cuda, else cpu."""
-    if name in ("auto", "xla"):
+    # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
+    # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
+    if name == "xla" or (name == "auto" and os.environ.get("PJRT_DEVICE")):
         try:
             import torch_xla
-            if name == "xla" or os.environ.get("PJRT_DEVICE"):
-                return torch_xla.device()
+            return torch_xla.device()
         except ImportError:
             if name == "xla":
                 raise configs.ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None
@@ -53,7 +55,8 @@ def sync(device: torch.device):
 
 # ----------------------------------------------------------------------------- one step
 
-def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config) -> dict:
+def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
+               guard=None) -> dict:
     """Forward and backward over this rank's microbatches, reduce gradients, clip, update.
 
     Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
@@ -62,7 +65,8 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     (never the world size: HLAT diverged when the all-reduce divided by world size). Every layout
     and every gradient accumulation therefore yields the same gradient. Gradients are reduced once,
     after the last microbatch: nothing is communicated on the others.
-    Returns tensors only; nothing here forces a host sync (XLA)."""
+    guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
+    False skips the update. Returns tensors only; nothing here forces a host sync (XLA)."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
@@ -73,23 +77,29 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
         (loss * scale).backward()
         loss_sum = loss_sum + loss.detach()
     if getattr(optimizer, "zero1", False):
+        # ZeRO-1: the optimizer's reduce-scatter replaces the DP all-reduce; the TP sums
+        # (SP norm weights, replicated KV heads) still come first.
+        parallel.reduce_tp_replicated_gradients(model, grid)
         grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)
     else:
         parallel.reduce_gradients(model, grid)
         grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens}
+    skipped = guard is not None and not guard(loss, grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped}
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_windows: int, grid: parallel.Grid) -> torch.Tensor:
-    """Mean token loss over a fixed number of held-out windows (the same ones every time)."""
+def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device) -> torch.Tensor:
+    """Mean token loss over a fixed number of held-out batches: the same ones every time."""
     model.eval()
+    loader.reset()
     total, count = 0.0, 0
-    for _ in range(n_windows):
-        b = next(loader)
+    for _ in range(n_batches):
+        b = to_device(next(loader), device)
         total = total + parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid)
         count = count + (b["targets"] != -100).sum()
     model.train()
@@ -108,56 +118,78 @@ def main(argv: list[str]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     configs.validate(cfg, world)                       # every layout error, before any work
     device = pick_device(cfg.device)
-    grid = parallel.init_distributed(cfg)
+    grid = parallel.init_distributed(cfg, device)
     accum = configs.grad_accum_steps(cfg, grid.dp)
     log = print if grid.is_main else (lambda *a, **k: None)
     log(f"nanotrn: preset {cfg.preset or '-'}, device {device}, world {grid.world} = "
         f"tp {grid.tp} x pp {grid.pp} x dp {grid.dp}, {accum} microbatches of {cfg.data.micro_batch}")
+    checkpoint.seed_all(cfg.seed)
 
-    # Data: the tokenizer is trained on the corpus at first use and cached (rank 0 first).
-    torch.manual_seed(cfg.seed)
-    if grid.is_main:
-        tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
-    parallel.barrier(grid)
-    if not grid.is_main:
-        tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
-    train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train")
-    val_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val") if cfg.log.eval_interval else None
+    # Data. The tokenizer is trained on the corpus at first use and cached (one process trains,
+    # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
+    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+    train_loader = data.PackedLoader(cfg.data, tok, dp_rank=grid.dp_rank, dp_size=grid.dp, split="train")
+    val_loader = (data.PackedLoader(cfg.data, tok, dp_rank=grid.dp_rank, dp_size=grid.dp, split="val")
+                  if cfg.log.eval_interval else None)
 
     # Model and optimizer. Initialization depends only on the seed, never on the layout.
     model = parallel.build_model(cfg, grid, device)
     model.to(optim.param_dtype(cfg.optim.precision))
     optimizer = optim.build_optimizer(model, cfg, grid)
-    n_params = llama.num_params(cfg.model)
     flops_tok = llama.flops_per_token(cfg.model, cfg.data.seq_len)
-    log(f"model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per token, "
-        f"precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
+    log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
+        f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
 
+    # Resume from the newest complete, valid checkpoint: model, optimizer, data position, RNG.
+    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print)
     step, tokens_seen = 0, 0
-    t_last, tokens_last = time.perf_counter(), 0
-    while step < cfg.optim.max_steps:
-        lr = optim.lr_at(step, cfg.optim)
-        optimizer.set_lr(lr)
-        t_data = time.perf_counter()
-        batches = [to_device(next(train_loader), device) for _ in range(accum)]
-        data_wait = time.perf_counter() - t_data
-        out = train_step(model, optimizer, batches, grid, cfg)
-        sync(device)
-        step += 1
-        tokens_seen += cfg.data.global_batch * cfg.data.seq_len
-        if step % cfg.log.interval == 0 or step == cfg.optim.max_steps:
-            loss, gnorm = out["loss"].item(), out["grad_norm"].item()   # host read only at log steps
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                raise SystemExit(f"step {step}: non-finite loss {loss} / grad norm {gnorm}; stopping")
-            dt = time.perf_counter() - t_last
-            tok_s = (tokens_seen - tokens_last) / dt
-            mfu = tok_s * flops_tok / (grid.world * 1e12)   # placeholder peak: replaced by monitor
-            log(f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | grad norm {gnorm:.3f} | "
-                f"{tok_s:,.0f} tok/s | data wait {data_wait * 1e3:.0f} ms")
-            t_last, tokens_last = time.perf_counter(), tokens_seen
-        if val_loader is not None and cfg.log.eval_interval and step % cfg.log.eval_interval == 0:
-            vl = evaluate(model, val_loader, cfg.log.eval_windows, grid).item()
-            log(f"step {step:6d} | val loss {vl:.4f} | val ppl {math.exp(min(vl, 20)):.2f}")
+    loaded = ckpt.load_latest()
+    if loaded is not None:
+        model.load_state_dict(loaded.model)
+        if loaded.optim is not None:
+            optimizer.load_state_dict(loaded.optim)
+        if loaded.data is not None:
+            train_loader.load_state_dict(loaded.data)
+        if loaded.rng is not None:
+            checkpoint.set_rng_state(loaded.rng, device)
+        step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)
+    batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
+
+    peak = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops)
+    mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
+                          device=device, start_step=step, tokens_seen=tokens_seen)
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    eval_batches = -(-cfg.log.eval_windows // cfg.data.micro_batch)
+    try:
+        while step < cfg.optim.max_steps:
+            ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
+            lr = optim.lr_at(step, cfg.optim)
+            optimizer.set_lr(lr)
+            t_data = time.perf_counter()
+            micro = [next(batches) for _ in range(accum)]
+            data_wait = time.perf_counter() - t_data
+            out = train_step(model, optimizer, micro, grid, cfg,
+                             guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm))
+            sync(device)
+            step += 1
+            tokens_seen += tokens_per_step
+            log_now = step % cfg.log.interval == 0
+            mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=lr, tokens=tokens_per_step,
+                     data_wait=data_wait, skipped=out["skipped"],
+                     param_norm=parallel.param_norm(model, grid) if log_now else None)
+            if val_loader is not None and step % cfg.log.eval_interval == 0:
+                mon.eval(step, evaluate(model, val_loader, eval_batches, grid, device))
+            if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps:
+                mon.flush()                             # raises on a poisoned state: it is never saved
+                ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
+                          extra={"tokens_seen": tokens_seen})
+        mon.flush()
+    finally:
+        ckpt.close()                                    # waits for the save in flight
+        mon.close()
+        train_loader.close()
+        if val_loader is not None:
+            val_loader.close()
 
     # The end: the full model on rank 0, exported in Hugging Face format, and a short sample.
     full = parallel.gather_full_state_dict(model, grid)
@@ -167,17 +199,15 @@ def main(argv: list[str]) -> None:
         out_dir = os.path.join(cfg.out_dir, "hf")
         llama.save_hf(final, out_dir)
         log(f"saved the final model to {out_dir} (Hugging Face format)")
-        prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)
-        sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
-        log("sample:\n" + tok.decode(sample))
-    train_loader.close()
-    if val_loader is not None:
-        val_loader.close()
+        if cfg.log.sample_tokens:
+            prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)
+            sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
+            log("sample:\n" + tok.decode(sample))
     parallel.destroy(grid)
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except configs.ConfigError as e:
-        sys.exit(f"config error: {e}")
+    except (configs.ConfigError, checkpoint.CheckpointError, monitor.NonFiniteError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,715 @@
+"""Data: raw text in, packed windows of token ids out, tokenized online while training runs.
+
+The blog kept the raw corpus as one Arrow file and tokenized and packed it online on every DP rank:
+re-tokenizing offline costs days each time an experiment changes its data or tokenizer. Four steps:
+
+1. Sources -> documents. `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
+   with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and `prepare`
+   write it) and Parquet; "stdlib" = the .py files of this interpreter's standard library.
+2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or
+   trains a byte-fallback BPE of exactly the model's vocab size on the corpus and caches it.
+3. Split, shard, shuffle. A hash of the document index holds out `val_fraction` of the documents.
+   Each epoch the train documents are permuted from (seed, epoch) and DP rank r takes every dp-th.
+4. Pack. A rank tokenizes its documents in order (BOS/EOS each) into one stream cut into windows of
+   seq_len + 1 tokens, no padding; a long document continues in the next window. Windows carry
+   per-document positions and ids; targets never cross a document boundary. The partial window at
+   the end of an epoch is dropped and counted: the only loss.
+
+A loader's position is (epoch, document, token offset in it): the partial-window buffer is exactly
+the tokens from there on, so the state is a few integers however long documents are, and a restored
+loader re-tokenizes from there and yields the very same windows. A thread packs ahead of training.
+
+    python data.py prepare SRC... --out corpus.arrow             # many files -> one Arrow file
+    python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import queue
+import sys
+import sysconfig
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
+import torch
+
+from configs import ConfigError, DataConfig
+
+SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
+MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
+
+
+class DataError(ConfigError):
+    """Data that cannot be used as given. Raised before training starts, naming the fix."""
+
+
+# ----------------------------------------------------------------------------- 1. sources
+
+def stdlib_files() -> list[str]:
+    """The embedded corpus: every .py file of the running interpreter's standard library."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def resolve_paths(spec: str) -> list[str]:
+    """'stdlib', files, directories (recursive) and globs, comma-separated -> file list."""
+    paths = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        if entry == "stdlib":
+            found = stdlib_files()
+        elif os.path.isdir(entry):
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(entry) for f in fs if f.endswith(SUFFIXES))
+        elif any(c in entry for c in "*?["):
+            found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+        elif os.path.isfile(entry):
+            found = [entry]
+        else:
+            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
+                            f"or 'stdlib', comma-separated)")
+        if not found:
+            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
+        paths += found
+    for p in paths:
+        if not p.endswith(SUFFIXES):
+            raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
+                            f"(or convert it with `python data.py prepare`)")
+    seen = set()
+    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+class Source:
+    """n documents; read(local ids) -> raw bytes (or None) per document; where(i) names one."""
+    jsonl, n = False, 0
+
+    def where(self, i):
+        return f"{self.path}[{i}]"
+
+
+class FileDocs(Source):
+    """One document per file (.txt, .md, .py): the stdlib corpus is 1,800 of these."""
+
+    def __init__(self, paths: list[str]):
+        self.paths, self.n = paths, len(paths)
+
+    def read(self, ids):
+        return [pathlib.Path(self.paths[i]).read_bytes() for i in ids]
+
+    def where(self, i):
+        return self.paths[i]
+
+
+class LineDocs(Source):
+    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus).
+    Opening finds every newline with numpy, 64 MiB at a time; lines are then read with pread."""
+
+    def __init__(self, path: str, jsonl: bool, field: str, block: int = 1 << 26):
+        self.path, self.jsonl, self.field, size = path, jsonl, field, os.path.getsize(path)
+        with open(path, "rb") as f:
+            ends = [np.flatnonzero(np.frombuffer(f.read(block), np.uint8) == 10) + s for s in range(0, size, block)]
+        self.ends = np.concatenate(ends + [np.zeros(0, np.int64)]).astype(np.int64)
+        if size and (not len(self.ends) or self.ends[-1] != size - 1):
+            self.ends = np.append(self.ends, size)        # a last line without a newline
+        self.starts, self.n = np.concatenate(([0], self.ends[:-1] + 1)).astype(np.int64), len(self.ends)
+        self.fd = os.open(path, os.O_RDONLY)              # os.pread: safe from several threads
+        if jsonl:
+            self._check_first_record()
+
+    def _check_first_record(self):
+        """A wrong file or field shows on the first record: refuse it now, not mid-training."""
+        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
+        if i is None:
+            return
+        try:
+            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
+                            f"must be one JSON object") from None
+        if not isinstance(rec, dict) or self.field not in rec:
+            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
+                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
+                            f"--data.text_field to the one holding the text")
+
+    def read(self, ids):
+        return [os.pread(self.fd, int(self.ends[i] - self.starts[i]), int(self.starts[i])).rstrip(b"\r")
+                for i in ids]
+
+    def where(self, i):
+        return f"{self.path}:{i + 1}"
+
+
+class ColumnDocs(Source):
+    """A text column: documents are rows, read by index with Arrow's take().
+    Arrow IPC (the stream format `datasets.save_to_disk` writes, or the file format) is memory-mapped:
+    opening a terabyte file costs nothing and only the rows read are paged in. Parquet must be
+    decompressed: its column is loaded at first read (convert big Parquet corpora with `prepare`)."""
+
+    def __init__(self, path: str, field: str):
+        self.path, self.field, self.col = path, field, None
+        try:
+            if path.endswith(".parquet"):
+                meta = pq.ParquetFile(path).metadata
+                self.n = meta.num_rows
+                text_column(meta.schema.to_arrow_schema().empty_table(), field, path)    # checks only
+                return
+            source = pa.memory_map(path, "r")
+            if source.read(6) == b"ARROW1":
+                table = pa.ipc.open_file(source).read_all()   # zero-copy views into the map
+            else:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({e})") from None
+        self.col = text_column(table, field, path)
+        self.n = len(self.col)
+
+    def read(self, ids):
+        if self.col is None:
+            self.col = text_column(pq.read_table(self.path, columns=[self.field], memory_map=True),
+                                   self.field, self.path)
+        return self.col.take(pa.array(ids, pa.int64())).to_pylist()
+
+
+def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
+    """The text column viewed as bytes, so the Corpus decodes (and counts bad UTF-8) in one place."""
+    if field not in table.column_names:
+        raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
+                        f"--data.text_field to the one holding the text")
+    col = table.column(field)
+    if pa.types.is_string(col.type) or pa.types.is_binary(col.type):
+        return col.cast(pa.binary())                    # same offsets layout: a view, no copy
+    if pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type):
+        return col.cast(pa.large_binary())
+    raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
+
+
+class Corpus:
+    """All documents of a data spec, indexed 0..n_docs-1 in a fixed order (the sources in the order
+    given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document."""
+
+    def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False):
+        self.spec, self.sources, self.warned = spec, [], collections.Counter()
+        paths = resolve_paths(spec)
+        empty = [p for p in paths if os.path.getsize(p) == 0]
+        self.empty_files = len(empty)
+        if empty:
+            print(f"[data] {len(empty)} empty files skipped (the first: {empty[0]})", file=sys.stderr)
+        for p in paths:
+            if os.path.getsize(p) == 0:
+                continue
+            elif p.endswith(".jsonl"):
+                self.sources.append(LineDocs(p, True, text_field))
+            elif p.endswith((".arrow", ".parquet")):
+                self.sources.append(ColumnDocs(p, text_field))
+            elif doc_per_line and p.endswith(".txt"):
+                self.sources.append(LineDocs(p, False, text_field))
+            elif self.sources and isinstance(self.sources[-1], FileDocs):
+                self.sources[-1].paths.append(p)        # consecutive whole files share one source
+                self.sources[-1].n += 1
+            else:
+                self.sources.append(FileDocs([p]))
+        self.offsets = np.cumsum([0] + [s.n for s in self.sources])
+        self.n_docs = int(self.offsets[-1])
+        if self.n_docs == 0:
+            raise DataError(f"no documents in {spec!r} ({len(paths)} files, {self.empty_files} empty)")
+        # Identity of the corpus for caches and resume checks: file names and sizes (hashing the
+        # content of a terabyte corpus at every start would cost more than it protects; names, not
+        # full paths, so the same files mounted elsewhere or read from another directory still match).
+        ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
+        self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+    def warn(self, kind: str, msg: str):
+        self.warned[kind] += 1
+        if self.warned[kind] <= MAX_WARNINGS:
+            more = " (further warnings of this kind are only counted)" if self.warned[kind] == MAX_WARNINGS else ""
+            print(f"[data] warning: {msg}{more}", file=sys.stderr, flush=True)
+
+    def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
+        ids = np.asarray(ids, np.int64)
+        which = np.searchsorted(self.offsets, ids, side="right") - 1
+        out = [None] * len(ids)
+        for s in np.unique(which):
+            pick = np.flatnonzero(which == s)
+            src = self.sources[s]
+            local = ids[pick] - self.offsets[s]
+            for j, i, raw in zip(pick, local, src.read(local)):
+                out[j] = self._decode(raw, src, int(i), quiet)
+        return out
+
+    def _decode(self, raw, src, i: int, quiet: bool):
+        if raw is None:
+            return "", 0, False                         # a null in a text column: an empty document
+        try:
+            text, repl = raw.decode("utf-8"), 0
+        except UnicodeDecodeError:
+            text = raw.decode("utf-8", "replace")       # U+FFFD for each bad byte sequence
+            repl = text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+            if not quiet:
+                self.warn("utf8", f"{src.where(i)}: {repl} invalid UTF-8 sequences replaced by U+FFFD")
+        if src.jsonl and text.strip():
+            try:
+                text = json.loads(text)[src.field] or ""
+                if not isinstance(text, str):
+                    raise TypeError(f"field {src.field!r} holds a {type(text).__name__}, not a string")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not quiet:
+                    what = {KeyError: f"no field {src.field!r}", TypeError: str(e)}.get(type(e), f"not JSON ({e})")
+                    self.warn("bad_record", f"{src.where(i)}: {what}: line skipped")
+                return None, repl, True
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:              # a lone surrogate from a "\udc80" escape
+                fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+                repl, text = repl + fixed.count("\ufffd") - text.count("\ufffd"), fixed
+        return text, repl, False
+
+
+# ----------------------------------------------------------------------------- 2. tokenizer
+
+class Tokenizer:
+    """A sentencepiece model: ours, or a Llama 2 tokenizer.model unchanged."""
+
+    def __init__(self, path: str):
+        try:
+            self.path, self.sp = path, spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"{path}: not a sentencepiece model ({e})") from None
+        self.vocab_size = self.sp.vocab_size()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        # Identity = what encoding depends on: the pieces, their scores and the normalizer's effect
+        # (not the whole proto, which also records where the model was trained).
+        probe = " Hello,\n\t wörld 12 中 "
+        ident = [[self.sp.id_to_piece(i), self.sp.get_score(i)] for i in range(self.vocab_size)]
+        self.fingerprint = hashlib.sha256(json.dumps([ident, self.sp.encode(probe)]).encode()).hexdigest()[:16]
+        try:                                # sentencepiece >= 0.2.1 returns numpy arrays directly
+            self._numpy = self.sp.encode(["a"], out_type="numpy") is not None
+        except (ValueError, TypeError):
+            self._numpy = False
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1) -> list[np.ndarray]:
+        """Many documents at once: sentencepiece's batch API, in C++ threads without the GIL."""
+        if not texts:
+            return []
+        if self._numpy:
+            return self.sp.encode(texts, out_type="numpy", add_bos=bos, add_eos=eos, num_threads=threads)
+        ids = self.sp.encode(texts, add_bos=bos, add_eos=eos, num_threads=threads)
+        return [np.asarray(x, np.int32) for x in ids]
+
+
+TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
+TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
+
+
+def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None) -> Tokenizer:
+    """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces."""
+    if cfg.tokenizer:
+        if not os.path.isfile(cfg.tokenizer):
+            raise DataError(f"tokenizer {cfg.tokenizer!r} does not exist; give a sentencepiece "
+                            f".model file, or leave --data.tokenizer empty to train one on the corpus")
+        tok = Tokenizer(cfg.tokenizer)
+        if tok.vocab_size > vocab_size:
+            raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but the model's "
+                            f"vocab_size is {vocab_size}: token ids would index past the embedding; "
+                            f"set --model.vocab_size={tok.vocab_size} (or more)")
+    else:
+        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line)
+        key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
+                                         TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
+        path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+        # Every process of a launch calls this at once: one trains, the others wait for its file.
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(path):
+                train_tokenizer(corpus, split_documents(corpus.n_docs, cfg.val_fraction)[0], vocab_size, path)
+        tok = Tokenizer(path)
+    for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
+        if wanted and tid < 0:
+            raise DataError(f"tokenizer {tok.path} has no {name.upper()} piece; set --data.{name}=false")
+    return tok
+
+
+def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: str,
+                    max_chars: int = TOKENIZER_CHARS) -> None:
+    """Byte-fallback BPE with Llama 2's settings (identity normalization, spaces kept, digits split,
+    unk/bos/eos = 0/1/2), trained on lines sampled from the train documents. Deterministic: the
+    sample is fixed and sentencepiece does no sampling of its own, so every node gets the same model."""
+    t0, lines, order = time.time(), [], np.random.default_rng(0).permutation(doc_ids)
+    for start in range(0, len(order), 256):
+        docs = corpus.read(order[start:start + 256], quiet=True)
+        lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
+        chars = sum(map(len, lines))
+        if chars >= max_chars:
+            break
+    print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
+          f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+            add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+            character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=8192,
+            num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
+    except RuntimeError as e:
+        raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {e}. "
+                        f"Lower --model.vocab_size, add data, or pass --data.tokenizer") from None
+    os.replace(tmp + ".model", path)                    # atomic: a half-written model never exists
+    os.remove(tmp + ".vocab")
+    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- 3. split and shard
+
+def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, val ids). A document is held out when a hash of its index falls below
+    val_fraction: fixed for a corpus whatever the seed, DP degree or tokenizer."""
+    with np.errstate(over="ignore"):                    # splitmix64: wrapping uint64 arithmetic
+        z = np.arange(n_docs, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        u = ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    val = u < val_fraction
+    if val_fraction > 0 and not val.any() and n_docs >= 2:
+        val[np.argmin(u)] = True                        # a tiny corpus still gets one val document
+    return np.flatnonzero(~val), np.flatnonzero(val)
+
+
+# ----------------------------------------------------------------------------- 4. packing
+
+STAT_KEYS = ("documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
+
+
+class PackedLoader:
+    """Infinite iterator of packed batches for one DP rank: dicts of int64 tensors [micro_batch,
+    seq_len] with tokens, targets (-100 across document boundaries), positions, doc_ids.
+
+    train: epochs of this rank's share of the train documents, reshuffled each epoch.
+    val:   this rank's share of the held-out documents in a fixed order, cycled (an "epoch" is one
+           pass); `reset()` before each evaluation makes every evaluation read the same windows.
+    """
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
+                 split: str = "train", *, corpus: Corpus | None = None, threads: int = 1, prefetch: int = 4):
+        if split not in ("train", "val") or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need split 'train' or 'val' and 0 <= dp_rank < dp_size, got {split!r}, {dp_rank}, {dp_size}")
+        if cfg.seq_len < 1 or cfg.micro_batch < 1:
+            raise DataError(f"seq_len {cfg.seq_len} and micro_batch {cfg.micro_batch} must be >= 1")
+        self.cfg, self.tok, self.rank, self.dp, self.split = cfg, tok, dp_rank, dp_size, split
+        self.threads, self.prefetch = threads, prefetch
+        self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line)
+        train_ids, val_ids = split_documents(self.corpus.n_docs, cfg.val_fraction)
+        self.ids = train_ids if split == "train" else val_ids
+        if len(self.ids) < dp_size:
+            raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, "
+                            f"val_fraction {cfg.val_fraction}) for {dp_size} DP ranks: every rank needs "
+                            f"at least one; use more data" + (" or a larger val_fraction" if split == "val" else ""))
+        self._check_size()
+        # What a saved position means depends on these; a resume must match them.
+        self.fingerprint = {"corpus": self.corpus.fingerprint, "tokenizer": tok.fingerprint,
+                            "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos}
+        self._start_state = {"split": split, "dp_rank": dp_rank, "dp_size": dp_size, "epoch": 0,
+                             "doc": 0, "offset": 0, "stats": dict.fromkeys(STAT_KEYS + ("windows", "dropped_tail", "boundary_targets"), 0),
+                             **self.fingerprint}
+        self._state = self._start_state
+        self._gen = self._thread = self._error = None
+
+    def _check_size(self):
+        """Refuse a split smaller than one global batch (val: one micro batch per rank), early."""
+        c = self.cfg
+        windows = c.global_batch if self.split == "train" else self.dp * c.micro_batch
+        need, have, start, step = windows * (c.seq_len + 1), 0, 0, 4
+        while start < len(self.ids):            # 4, 8, 16, ... documents: stop as soon as enough
+            texts = [t for t, _, _ in self.corpus.read(self.ids[start:start + step], quiet=True) if t and not t.isspace()]
+            have += sum(len(x) for x in self.tok.encode_batch(texts, c.bos, c.eos, self.threads))
+            start, step = start + step, min(2 * step, 1024)
+            if have >= need:
+                return
+        what = f"global_batch {c.global_batch}" if self.split == "train" else f"dp {self.dp} x micro_batch {c.micro_batch}"
+        raise DataError(f"the {self.split} split of {c.data!r} has {have:,} tokens ({len(self.ids):,} documents) but "
+                        f"one batch needs {what} x (seq_len {c.seq_len} + 1) = {need:,} tokens; use more data, "
+                        f"or lower --global_batch / --seq_len" + (" or raise --data.val_fraction" if self.split == "val" else ""))
+
+    def documents(self, epoch: int) -> np.ndarray:
+        """This rank's document ids for an epoch, in reading order."""
+        ids = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.ids) if self.split == "train" else self.ids
+        return ids[self.rank::self.dp]
+
+    # ---------------------------------------------------------------- producer
+    def _produce(self, state: dict):
+        """Yield (batch, state after it) forever, starting exactly at `state`."""
+        c, L1 = self.cfg, self.cfg.seq_len + 1
+        epoch, nxt, skip = state["epoch"], state["doc"], state["offset"]
+        stats = dict(state["stats"])            # counts of documents fully behind the position
+        pending = collections.deque()           # (doc, per-document counts) of documents in flight
+        order = self.documents(epoch)
+        fresh, emitted = nxt == 0 and skip == 0, 0
+        tok = np.zeros(0, np.int32)
+        tdoc = toff = np.zeros(0, np.int64)     # per token: document (index into order), offset in it
+        pos, wins, chunk = 0, [], 64
+
+        def commit(until):                      # count the documents now fully behind the position
+            while pending and pending[0][0] < until:
+                for k, v in zip(STAT_KEYS, pending.popleft()[1]):
+                    stats[k] += v
+        while True:
+            while len(tok) - pos < L1 and nxt < len(order):
+                # Tokenize the next documents, ~64k tokens at a time: few Python calls per token.
+                ids = order[nxt:nxt + chunk]
+                docs = self.corpus.read(ids)
+                keep = [j for j, (t, _, _) in enumerate(docs) if t and not t.isspace()]
+                arrays = self.tok.encode_batch([docs[j][0] for j in keep], c.bos, c.eos, self.threads)
+                lens = np.zeros(len(ids), np.int64)
+                lens[keep] = [len(a) for a in arrays]
+                for j, (t, repl, bad) in enumerate(docs):
+                    pending.append((nxt + j, (int(lens[j] > 0), int(not bad and lens[j] == 0), int(bad), repl, int(lens[j]))))
+                new = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+                ndoc = np.repeat(np.arange(nxt, nxt + len(ids)), lens)
+                noff = np.arange(len(new)) - np.repeat(np.cumsum(lens) - lens, lens)
+                if skip:                        # resuming in the middle of document `nxt`
+                    new, ndoc, noff, skip = new[skip:], ndoc[skip:], noff[skip:], 0
+                tok, tdoc, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tdoc, ndoc), (toff, noff)))
+                pos, nxt = 0, nxt + len(ids)
+                chunk = int(np.clip(chunk * 65536 / max(len(new), 1), 16, 4096))
+            if len(tok) - pos >= L1:
+                wins.append((tok[pos:pos + L1], toff[pos:pos + L1] == 0))
+                pos += L1
+                emitted += 1
+                doc, off = (int(tdoc[pos]), int(toff[pos])) if pos < len(tok) else (nxt, 0)
+                if len(wins) == c.micro_batch:
+                    commit(doc)
+                    batch = self._batch(wins)
+                    stats["windows"] += len(wins)
+                    stats["boundary_targets"] += int((batch["targets"] == -100).sum())
+                    wins = []
+                    yield batch, {**self._start_state, "epoch": epoch, "doc": doc, "offset": off, "stats": dict(stats)}
+            else:                               # end of the epoch: drop the partial window, count it
+                if fresh and emitted == 0:
+                    raise DataError(f"DP rank {self.rank}'s share of the {self.split} split ({len(order)} "
+                                    f"documents) holds fewer than seq_len + 1 = {L1} tokens: it cannot fill "
+                                    f"one window; use more data, fewer DP ranks or a shorter --seq_len")
+                commit(len(order))
+                stats["dropped_tail"] += len(tok) - pos
+                epoch, nxt, pos, fresh, emitted = epoch + 1, 0, 0, True, 0
+                tok, tdoc, toff = tok[:0], tdoc[:0], toff[:0]
+                order = self.documents(epoch)
+
+    @staticmethod
+    def _batch(wins) -> dict[str, torch.Tensor]:
+        w = np.stack([t for t, _ in wins]).astype(np.int64)          # [B, seq_len + 1]
+        start = np.stack([s for _, s in wins])                        # True at a document's first token
+        ar = np.arange(w.shape[1])
+        doc = np.cumsum(start, axis=1) - start[:, :1]                 # 0 for the window's first document
+        positions = ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)
+        targets = w[:, 1:].copy()
+        targets[start[:, 1:]] = -100            # the next token opens another document: not predictable
+        as_t = torch.from_numpy
+        return {"tokens": as_t(np.ascontiguousarray(w[:, :-1])), "targets": as_t(targets),
+                "positions": as_t(np.ascontiguousarray(positions[:, :-1])),
+                "doc_ids": as_t(np.ascontiguousarray(doc[:, :-1]))}
+
+    # ---------------------------------------------------------------- consumer
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._error is not None:
+            raise self._error
+        if self._gen is None:
+            self._gen = self._produce(self._state)
+            if self.prefetch:
+                self._stop, self._queue = threading.Event(), queue.Queue(self.prefetch)
+                self._thread = threading.Thread(target=self._worker, args=(self._gen, self._queue, self._stop),
+                                                name=f"data-{self.split}-dp{self.rank}", daemon=True)
+                self._thread.start()
+        try:
+            item = self._queue.get() if self.prefetch else next(self._gen)
+        except Exception as e:                  # without a thread: fail the same way as with one
+            item = e
+        if isinstance(item, BaseException):
+            self._error = item
+            raise item
+        batch, self._state = item
+        return batch
+
+    @staticmethod
+    def _worker(gen, q: queue.Queue, stop: threading.Event):
+        try:
+            for item in gen:
+                if stop.is_set():
+                    return
+                q.put(item)                     # blocks while the queue is full: prefetch depth
+        except BaseException as e:              # handed to the training thread, raised there
+            q.put(e)
+
+    def state_dict(self) -> dict:
+        """The position after the last batch handed out (not after what the thread prefetched)."""
+        return {**self._state, "stats": dict(self._state["stats"])}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("dp_size") != self.dp:
+            raise DataError(f"the data state was saved with DP degree {sd.get('dp_size')} but this run "
+                            f"has DP degree {self.dp}: each rank's position is within its own shard of "
+                            f"the epoch and does not map exactly onto another degree. Resume with "
+                            f"{sd.get('dp_size')} DP ranks, or start the data afresh (skip the loader state)")
+        for key in ("split", "dp_rank") + tuple(self.fingerprint):
+            want = self.fingerprint.get(key, self._start_state[key])
+            if sd.get(key) != want:
+                raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has "
+                                f"{key}={want!r}: the saved position means nothing here; restore the "
+                                f"original setting or start the data afresh")
+        self.close()
+        self._state, self._gen, self._error = {**sd, "stats": dict(sd["stats"])}, None, None
+
+    def reset(self) -> None:
+        """Back to the start (use before each evaluation on the val split)."""
+        self.load_state_dict(self._start_state)
+
+    def stats(self) -> dict:
+        """Counts up to the last batch handed out. Documents are counted once fully behind the position."""
+        s = dict(self._state["stats"])
+        packed = s["windows"] * (self.cfg.seq_len + 1)
+        s.update(epoch=self._state["epoch"], empty_files=self.corpus.empty_files, split_documents=len(self.ids),
+                 packing_efficiency=packed / max(packed + s["dropped_tail"], 1))
+        return s
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the next batch starts a new one from the current position)."""
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():      # empty the queue so a blocked put() returns
+                try:
+                    self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread.join()
+        self._gen = self._thread = None
+
+
+# ----------------------------------------------------------------------------- to the device
+
+class DeviceLoader:
+    """Batches of a PackedLoader on `device`, with the loader's state of the batch last handed out.
+    On XLA, torch-xla's MpDeviceLoader uploads batches ahead in its own threads; the states are
+    queued in the same order so state_dict() still names the batch training received."""
+
+    def __init__(self, loader: PackedLoader, device: torch.device):
+        self.loader, self.device = loader, torch.device(device)
+        self._last, self._states = (loader.state_dict(), loader.stats()), collections.deque()
+        if self.device.type == "xla":
+            from torch_xla.distributed.parallel_loader import MpDeviceLoader
+            self._it = iter(MpDeviceLoader(self._record(), self.device, loader_prefetch_size=4,
+                                           device_prefetch_size=2))
+        else:
+            self._it = ({k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in self._record())
+
+    def _record(self):
+        for batch in self.loader:
+            self._states.append((self.loader.state_dict(), self.loader.stats()))
+            yield batch
+
+    __iter__ = PackedLoader.__iter__
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self._it)
+        self._last = self._states.popleft()
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._last[0]
+
+    def stats(self) -> dict:
+        return self._last[1]
+
+
+def to_device_loader(loader: PackedLoader, device: torch.device) -> DeviceLoader:
+    """Iterate `loader` on `device`: MpDeviceLoader on XLA, non-blocking copies elsewhere.
+    Restore the loader's state before wrapping it; save the wrapper's state_dict()."""
+    return DeviceLoader(loader, device)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line: bool = False,
+            force: bool = False) -> dict:
+    """The blog's offline step: many files -> one Arrow IPC stream with a large_string `text`
+    column (what datasets writes; `datasets.Dataset.from_file` reads it). Written to a temporary
+    file and renamed, so an existing file is never half-overwritten."""
+    if not out.endswith(".arrow"):
+        raise DataError(f"--out {out}: name the output file *.arrow so that --data finds it")
+    if os.path.exists(out) and not force:
+        raise DataError(f"{out} exists; pass --force to replace it")
+    if os.path.realpath(out) in {os.path.realpath(p) for p in resolve_paths(",".join(sources))}:
+        raise DataError(f"--out {out} is also one of the sources")
+    corpus = Corpus(",".join(sources), text_field, doc_per_line)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    schema = pa.schema({"text": pa.large_string()})
+    counts = collections.Counter(empty_files=corpus.empty_files)
+    t0 = shown = time.time()
+    tmp = f"{out}.tmp{os.getpid()}"
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for start in range(0, corpus.n_docs, 1024):
+            done, texts = min(start + 1024, corpus.n_docs), []
+            for text, repl, bad in corpus.read(np.arange(start, done)):
+                empty = not bad and (not text or text.isspace())
+                counts.update(utf8_replacements=repl, bad_records=bad, empty_docs=empty)
+                if not (bad or empty):
+                    texts.append(text)
+                    counts.update(documents=1, bytes=len(text.encode()))
+            writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
+            if time.time() - shown > 0.5 or done == corpus.n_docs:
+                shown, mb = time.time(), counts["bytes"] / 1e6
+                print(f"\r[prepare] {done:,}/{corpus.n_docs:,} documents ({100 * done / corpus.n_docs:.0f}%) "
+                      f"{mb:,.1f} MB, {mb / max(shown - t0, 1e-9):,.1f} MB/s", end="", file=sys.stderr, flush=True)
+    os.replace(tmp, out)
+    print(f"\n[prepare] wrote {out}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())),
+          file=sys.stderr, flush=True)
+    return dict(counts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("prepare", help="many text/jsonl/arrow/parquet files -> one Arrow file")
+    a.add_argument("sources", nargs="+")
+    a.add_argument("--out", required=True)
+    a.add_argument("--text-field", default="text")
+    for flag in ("--doc-per-line", "--force"):
+        a.add_argument(flag, action="store_true")
+    t = sub.add_parser("tokenizer", help="train and cache the default tokenizer (once, before a launch)")
+    for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache")):
+        t.add_argument(flag, default=default, type=type(default))
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "prepare":
+            prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force)
+        else:
+            tok = build_tokenizer(DataConfig(data=args.data, cache_dir=args.cache_dir), args.vocab)
+            print(tok.path)
+    except ConfigError as e:
+        sys.exit(f"data error: {e}")
+
+
+if __name__ == "__main__":
+    main()

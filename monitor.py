@@ -1,0 +1,398 @@
+"""Watching a run: metrics, MFU, the blog's gradient-spike detector, non-finite steps, TensorBoard
+and console lines, a progress display for long phases, and the curves PNG for the README.
+
+The blog caught divergence early by watching three signals: the loss, the gradient L2 norm and
+the parameter L2 norm (about 1,600 at initialization for 7B). This file logs those and the
+throughput numbers beside them:
+
+    mon = monitor.Monitor(cfg, flops_per_token=fpt, peak_flops=peak, is_main=grid.is_main, device=device)
+    if not mon.check_finite(step, loss, grad_norm):      # False: skip this optimizer step
+        ...
+    mon.step(step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=n, data_wait=s, param_norm=pn)
+    mon.flush()                                          # before every checkpoint save
+    mon.eval(step, val_loss)
+    mon.close()
+
+Lazy on XLA: `step` only keeps the tensors. Reading one to the host would cut the lazy graph and
+wait for the device, so values are read at log intervals only, all pending steps in one transfer.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from collections import deque
+
+import torch
+
+from configs import PEAK_FLOPS, Config
+
+
+# ----------------------------------------------------------------------------- peak FLOPs (MFU)
+
+def on_neuron() -> bool:
+    """True on a Trainium host: torch-xla with the Neuron PJRT plugin."""
+    return os.environ.get("PJRT_DEVICE", "").upper() == "NEURON"
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of a large matmul on this device: the peak MFU is quoted against where no datasheet
+    figure applies (CPU, a GPU we have no table for)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def run(k):
+        c = a
+        for _ in range(k):
+            c = a @ b
+        return c.float().sum().item()            # .item() waits for the device
+
+    run(2)
+    t = time.perf_counter()
+    run(reps)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> float:
+    """Peak FLOP/s of ONE device of this run: the configured figure if given, the trn1 datasheet
+    on a NeuronCore (95 TFLOPS bf16, 23.75 fp32), else a measured matmul rate."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "xla" and on_neuron():
+        return PEAK_FLOPS["fp32" if dtype == torch.float32 else "bf16"]
+    return measure_matmul_flops(device, dtype)
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Peak memory of this device as it reports it (CPU: peak resident set of the process)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "xla":
+            import torch_xla.core.xla_model as xm
+            info = xm.get_memory_info(device)
+            return info.get("peak_bytes_used", info.get("bytes_used", 0)) / 2**30 or None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB
+    except Exception:            # a backend without memory stats: say nothing rather than guess
+        return None
+
+
+# ----------------------------------------------------------------------------- gradient spikes
+
+class SpikeDetector:
+    """The blog's gradient-norm spike detector.
+
+    r is the running mean of the previous `window` (20) gradient norms. A step whose norm exceeds
+    r + margin (0.1) is a spike, and the spike lasts until the norm is back at or below r + margin
+    (r keeps moving meanwhile). The blog found over 86% of spikes last one step: those are benign.
+    Two warnings, the blog's signs of coming divergence:
+    - a spike that persists: longer than `persist` steps (5: "benign spikes return to normal
+      values within a few iterations");
+    - growth: the running mean exceeds `growth` (3) times its lowest value so far. The running
+      mean, not the raw norm, so that a single benign spike does not count as growth.
+    Nothing is judged until the window is full. Non-finite norms are left to the non-finite policy."""
+
+    def __init__(self, window: int = 20, margin: float = 0.1, growth: float = 3.0, persist: int = 5):
+        self.window, self.margin, self.growth, self.persist = window, margin, growth, persist
+        self.history = deque(maxlen=window)
+        self.spikes: list[tuple[int, int]] = []     # (first step, length) of every finished spike
+        self.current: list[int] | None = None       # [first step, length so far] of an open spike
+        self.lowest_mean = math.inf
+        self.growing = False
+
+    def update(self, step: int, norm: float) -> list[str]:
+        """Feed one step's gradient norm; returns the warnings this step raises."""
+        if not math.isfinite(norm):
+            return []
+        warnings = []
+        if len(self.history) == self.window:
+            r = sum(self.history) / self.window
+            if norm > r + self.margin:
+                if self.current is None:
+                    self.current = [step, 0]
+                self.current[1] += 1
+                if self.current[1] == self.persist + 1:
+                    warnings.append(f"step {step}: gradient-norm spike persists for {self.current[1]} steps "
+                                    f"(norm {norm:.3f} > running mean {r:.3f} + {self.margin}); benign spikes "
+                                    f"last one step: watch the loss for divergence")
+            elif self.current is not None:
+                self.spikes.append(tuple(self.current))
+                self.current = None
+        self.history.append(norm)
+        if len(self.history) == self.window:
+            mean = sum(self.history) / self.window
+            self.lowest_mean = min(self.lowest_mean, mean)
+            if mean > self.growth * self.lowest_mean and not self.growing:
+                warnings.append(f"step {step}: gradient norm (mean of {self.window} steps) {mean:.3f} has grown "
+                                f"over {self.growth:g}x its lowest {self.lowest_mean:.3f}: a sign of divergence")
+            self.growing = mean > self.growth * self.lowest_mean
+        return warnings
+
+    def summary(self) -> dict:
+        n = len(self.spikes)
+        one = sum(1 for _, length in self.spikes if length == 1)
+        return {"spikes": n, "one_step_share": one / n if n else float("nan"),
+                "longest": max((length for _, length in self.spikes), default=0),
+                "open": self.current[1] if self.current else 0}
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm under --log.on_nonfinite=stop."""
+
+
+def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
+    return (f"step {step}: non-finite loss {loss} / gradient norm {grad_norm}. Stopped before any "
+            f"checkpoint of this state was written; the newest checkpoint is the last good one. "
+            f"Resume from it (maybe with a lower --optim.lr), or pass --log.on_nonfinite=skip to skip "
+            f"such steps")
+
+
+# ----------------------------------------------------------------------------- the monitor
+
+class Monitor:
+    """Per-step metrics, console lines and TensorBoard for one run. Every rank makes one (all of
+    them apply the non-finite policy, so they all skip or stop together: pass the globally reduced
+    loss and gradient norm); only the main rank prints and writes event files.
+
+    peak_flops: the summed peak of every device in the run (device_peak_flops(...) x world).
+    tokens: the tokens of the whole global batch of a step: an int (the host knows it: no read), or
+    a tensor (read as fp32 at the flush: exact up to 2**24 tokens per step)."""
+
+    def __init__(self, cfg: Config, flops_per_token: float, peak_flops: float, is_main: bool = True,
+                 device: torch.device | str = "cpu", start_step: int = 0, tokens_seen: int = 0,
+                 print_fn=print, max_consecutive_skips: int = 20):
+        self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
+        self.is_main, self.device = is_main, torch.device(device)
+        self.lazy = self.device.type == "xla"
+        self.policy = cfg.log.on_nonfinite
+        self.interval = max(1, cfg.log.interval)
+        self.tokens_seen = tokens_seen
+        self.print = print_fn if is_main else (lambda *a, **k: None)
+        self.spikes = SpikeDetector()
+        self.pending: list[dict] = []
+        self.skipped = self.consecutive_skips = 0
+        self.max_consecutive_skips = max_consecutive_skips
+        self.last: dict = {}                          # the last flushed step's values
+        self._t_flush, self._tokens_since = time.perf_counter(), 0
+        self.writer = None
+        if is_main and cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step: after a resume, TensorBoard hides what a crashed run logged past the checkpoint.
+            self.writer = SummaryWriter(cfg.log.tensorboard, purge_step=start_step or None)
+
+    # -------------------------------------------------------------- non-finite policy
+    def check_finite(self, step: int, loss, grad_norm) -> bool:
+        """Call after the gradient norm is known and BEFORE optimizer.step(). True: go on.
+        False (on_nonfinite=skip): skip this update, zero the gradients, and go on.
+        Raises NonFiniteError (on_nonfinite=stop).
+        On XLA in stop mode nothing is read here (that would sync every step): the values are
+        checked at the next flush(), which train.py calls before every checkpoint save, so a poisoned
+        state can run a few steps but is never saved."""
+        if self.lazy and self.policy == "stop":
+            return True
+        loss_v, gn_v = float(loss), float(grad_norm)
+        if math.isfinite(loss_v) and math.isfinite(gn_v):
+            self.consecutive_skips = 0
+            return True
+        if self.policy == "stop":
+            raise NonFiniteError(_nonfinite_message(step, loss_v, gn_v))
+        self.skipped += 1
+        self.consecutive_skips += 1
+        self.print(f"step {step}: non-finite loss {loss_v} / gradient norm {gn_v}: update skipped "
+                   f"({self.skipped} skipped so far)")
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(f"step {step}: {self.consecutive_skips} consecutive non-finite steps; "
+                                 f"skipping cannot recover this run. Resume from the last checkpoint "
+                                 f"with a lower --optim.lr")
+        return False
+
+    # -------------------------------------------------------------- per step
+    def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
+             param_norm=None, skipped: bool = False):
+        """Record one optimizer step. Tensors are kept as they are; they are read at the log interval."""
+        self.pending.append({"step": step, "loss": loss, "grad_norm": grad_norm, "param_norm": param_norm,
+                             "lr": lr, "tokens": tokens, "data_wait": data_wait, "skipped": skipped})
+        if step % self.interval == 0:
+            self.flush()
+
+    def flush(self):
+        """Read every pending step's values (one device-to-host transfer), feed the spike detector,
+        write TensorBoard, print one console line. Call it before saving a checkpoint."""
+        if not self.pending:
+            return
+        keys = ("loss", "grad_norm", "param_norm", "lr", "tokens")
+        tensors = [r[k] for r in self.pending for k in keys if torch.is_tensor(r[k])]
+        dev = tensors[0].device if tensors else None
+        values = iter(torch.stack([t.detach().float().reshape(()).to(dev) for t in tensors]).cpu().tolist() if tensors else [])
+        rows = []
+        for r in self.pending:          # the same order as `tensors` was built in
+            rows.append(dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}))
+        self.pending = []
+        for r in rows:
+            if self.policy == "stop" and not r["skipped"] and not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])):
+                raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
+            for warning in self.spikes.update(r["step"], r["grad_norm"]):
+                self.print("warning: " + warning)
+            self.tokens_seen += int(r["tokens"])
+            self._tokens_since += int(r["tokens"])
+            self._scalars(r["step"], {"train/loss": r["loss"], "train/grad_norm": r["grad_norm"],
+                                      "train/param_norm": r["param_norm"], "train/lr": r["lr"],
+                                      "train/tokens_seen": self.tokens_seen, "perf/data_wait_s": r["data_wait"]})
+        now = time.perf_counter()
+        dt, last = now - self._t_flush, rows[-1]
+        tok_s = self._tokens_since / dt if dt > 0 else 0.0
+        mfu = tok_s * self.flops_per_token / self.peak_flops if self.peak_flops else float("nan")
+        wait = sum(r["data_wait"] for r in rows) / dt if dt > 0 else 0.0
+        mem = device_memory_gib(self.device)
+        s = self.spikes.summary()
+        self._scalars(last["step"], {"perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/data_wait_share": wait,
+                                     "perf/memory_gib": mem, "stability/spikes": s["spikes"],
+                                     "stability/one_step_spike_share": s["one_step_share"] if s["spikes"] else None,
+                                     "stability/skipped_steps": self.skipped})
+        self.last = dict(last, tokens_per_s=tok_s, mfu=mfu, data_wait_share=wait, memory_gib=mem, tokens_seen=self.tokens_seen)
+        self.print(f"step {last['step']:6d} | loss {last['loss']:.4f} | lr {last['lr']:.2e} | "
+                   f"grad norm {last['grad_norm']:.3f}"
+                   + (f" | param norm {last['param_norm']:.1f}" if last["param_norm"] is not None else "")
+                   + f" | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | data wait {wait:.0%}"
+                   + (f" | mem {mem:.2f} GiB" if mem is not None else ""))
+        self._t_flush, self._tokens_since = now, 0
+        if self.writer:
+            self.writer.flush()
+
+    def eval(self, step: int, val_loss):
+        """Validation loss on the held-out windows, and its perplexity."""
+        v = float(val_loss)
+        ppl = math.exp(min(v, 50.0))
+        self._scalars(step, {"val/loss": v, "val/perplexity": ppl})
+        self.print(f"step {step:6d} | val loss {v:.4f} | val ppl {ppl:.2f}")
+        if self.writer:
+            self.writer.flush()
+
+    def close(self):
+        """Flush what is pending, print the spike summary, close the event files."""
+        self.flush()
+        s = self.spikes.summary()
+        if s["spikes"]:
+            self.print(f"gradient-norm spikes: {s['spikes']}, {s['one_step_share']:.0%} lasted one step "
+                       f"(the blog: over 86%), longest {s['longest']} steps")
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+    def _scalars(self, step: int, values: dict):
+        if self.writer:
+            for tag, v in values.items():
+                if v is not None and math.isfinite(v):
+                    self.writer.add_scalar(tag, v, step)
+
+
+# ----------------------------------------------------------------------------- progress display
+
+class Progress:
+    """A progress line for long phases (tokenizer training, data preparation, first compile), with
+    no dependency. On a terminal it redraws one line; in a log file it writes a line per 10% (or
+    every 30 s when the total is unknown). `total=None` shows a count and the elapsed time.
+
+        with monitor.Progress(len(files), "tokenizing", unit="files") as bar:
+            for f in files:
+                ...
+                bar.update()"""
+
+    def __init__(self, total: int | None = None, desc: str = "", unit: str = "it", stream=None,
+                 enabled: bool = True, min_interval: float = 0.2):
+        self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
+        self.stream = stream or sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.min_interval = min_interval if self.tty else 30.0
+        self.n, self.t0 = 0, time.perf_counter()
+        self._last_draw, self._last_decile = self.t0, -1
+
+    def update(self, n: int = 1):
+        self.n += n
+        now = time.perf_counter()
+        if not self.enabled:
+            return
+        if self.total and not self.tty:
+            decile = min(10, self.n * 10 // self.total)
+            if decile > self._last_decile:
+                self._last_decile = decile
+                self._draw(now)
+        elif now - self._last_draw >= self.min_interval:
+            self._draw(now)
+
+    def _line(self, now: float) -> str:
+        elapsed = now - self.t0
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        if self.total:
+            eta = (self.total - self.n) / rate if rate > 0 else 0.0
+            return (f"{self.desc}: {self.n / self.total:4.0%} {self.n}/{self.total} {self.unit} "
+                    f"[{elapsed:.0f}s elapsed, {eta:.0f}s left, {rate:,.1f} {self.unit}/s]")
+        return f"{self.desc}: {self.n} {self.unit} [{elapsed:.0f}s, {rate:,.1f} {self.unit}/s]"
+
+    def _draw(self, now: float):
+        self._last_draw = now
+        self.stream.write(("\r" + self._line(now) + "\x1b[K") if self.tty else self._line(now) + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.enabled:
+            now = time.perf_counter()
+            line = f"{self.desc}: done, {self.n} {self.unit} in {now - self.t0:.1f}s"
+            self.stream.write(("\r" + line + "\x1b[K\n") if self.tty else line + "\n")
+            self.stream.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----------------------------------------------------------------------------- curves
+
+def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files of tb_dir: tag -> [(step, value)], by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})     # 0: keep every point
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def plot_curves(tb_dir: str, png: str) -> str:
+    """The blog's three stability plots from a run's event files: loss (with validation loss),
+    gradient norm, parameter norm. Writes png and returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = read_scalars(tb_dir)
+    panels = [("loss", ["train/loss", "val/loss"]), ("gradient L2 norm", ["train/grad_norm"]),
+              ("parameter L2 norm", ["train/param_norm"])]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (title, tags) in zip(axes, panels):
+        for tag in tags:
+            if s.get(tag):
+                steps, values = zip(*s[tag])
+                ax.plot(steps, values, label=tag, marker="o" if tag.startswith("val") else None,
+                        markersize=3, linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(tags) > 1:
+            ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+if __name__ == "__main__":
+    # python monitor.py plot out/tb out/curves.png
+    if len(sys.argv) == 4 and sys.argv[1] == "plot":
+        print(plot_curves(sys.argv[2], sys.argv[3]))
+    else:
+        sys.exit("usage: python monitor.py plot TB_DIR PNG")

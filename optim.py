@@ -1,0 +1,442 @@
+"""AdamW written out, four precision modes (with software stochastic rounding), the cosine
+learning-rate schedule, and ZeRO-1 (optimizer states sharded over the data-parallel group).
+
+Precision modes (`--optim.precision`), bytes of optimizer state per parameter in brackets:
+
+    fp32     params, grads, moments fp32                                   [8]
+    mixed    bf16 params and grads for compute; the optimizer keeps an fp32 master copy and
+             fp32 moments, and copies the master back into the bf16 params (round to nearest)  [12]
+    bf16     params, grads and moments bf16, every write rounded to nearest [4]
+    bf16_sr  as bf16, but every write of an updated value rounds stochastically [4]
+
+Why stochastic rounding (SR) matters (the blog: plain BF16 diverged, BF16 + SR converged like mixed
+precision with more throughput and less memory): bf16 keeps 8 significant bits, so a weight of 1.0
+can only move in steps of 2^-7. An Adam update of lr=3e-4 is far below half of that step, so round
+to nearest throws it away every time and the weight never moves. SR rounds up with probability
+(distance to the lower neighbour / gap), so the expected value of the rounded weight is exactly the
+fp32 value: small updates accumulate on average, with noise instead of bias.
+
+In every mode the update itself is computed in fp32; the modes differ only in what is stored and how
+it is rounded when written back.
+
+The call sequence train.py uses:
+
+    model.to(param_dtype(cfg.optim.precision))
+    opt = build_optimizer(model, cfg, grid)
+    opt.set_lr(lr_at(step, cfg.optim))
+    # without ZeRO-1: DP all-reduce and clipping in parallel.py, then opt.step(); opt.zero_grad()
+    # with ZeRO-1:    parallel.reduce_tp_replicated_gradients(model, grid)   # SP norms, KV copies
+    #                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip); opt.step(); opt.zero_grad()
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from configs import Config, OptimConfig
+import parallel
+from parallel import Grid
+
+PRECISIONS = ("fp32", "mixed", "bf16", "bf16_sr")
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype of the model's parameters (what forward and backward compute in)."""
+    _check_precision(precision)
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def state_dtype(precision: str) -> torch.dtype:
+    """The dtype of the Adam moments (and of the master copy in mixed precision)."""
+    _check_precision(precision)
+    return torch.float32 if precision in ("fp32", "mixed") else torch.bfloat16
+
+
+def _check_precision(precision: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def lr_at(step: int, o: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to o.lr over warmup_steps,
+    hold o.lr for constant_steps (the blog's "constant step"), cosine from o.lr to o.min_lr over
+    decay_steps, then o.min_lr for the rest of training."""
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps      # step 0 already trains (lr/warmup, not 0)
+    step -= o.warmup_steps + o.constant_steps
+    if step < 0:
+        return o.lr
+    if step >= o.decay_steps:
+        return o.min_lr
+    progress = step / o.decay_steps                      # 0 -> 1 over the decay phase
+    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 -> bf16, rounding to the upper or lower bf16 neighbour at random, with probability
+    proportional to closeness, so that E[result] == x.
+
+    bf16 is the top 16 bits of an fp32. Adding a uniform random integer in [0, 2^16) to the fp32 bit
+    pattern carries into bit 16 with probability (low 16 bits) / 2^16, i.e. exactly the fraction of
+    the way x lies from its lower neighbour (lower in magnitude: floats are sign-magnitude, so this
+    is symmetric for negative numbers). Truncating the low 16 bits then gives the bf16 value.
+    """
+    x = x.float()
+    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits += x.view(torch.int32)                    # in place: one temporary for the whole rounding
+    bits &= -65536                                 # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
+    # NaN stays NaN: a quiet NaN has the top mantissa bit set, which the truncation keeps.
+    return bits.view(torch.float32).to(torch.bfloat16)   # exact: the low 16 bits are already zero
+
+
+def _write(dst: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None):
+    """Store an fp32 result into dst: nothing to do when it was updated in place, stochastic
+    rounding when a generator is given and dst is bf16, otherwise round to nearest (copy_)."""
+    if dst is value:
+        return
+    if generator is not None and dst.dtype == torch.bfloat16:
+        dst.copy_(stochastic_round(value, generator))
+    else:
+        dst.copy_(value)
+
+
+# ----------------------------------------------------------------------------- AdamW
+
+@dataclass
+class _Slot:
+    """One run of elements the optimizer updates: a parameter, or a piece of one. Pieces exist
+    where elements differ in how they are shared over TP (a replicated KV head inside qkv_proj)
+    and, under ZeRO-1, where the rank's shard starts or ends inside a parameter."""
+    name: str
+    param: torch.nn.Parameter
+    value: torch.Tensor               # a flat view into the param's data: updated in place
+    exp_avg: torch.Tensor             # flat views into the moment buffers
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None       # flat view into the fp32 master copy ("mixed"), else None
+    group: dict                       # the param group: lr and weight_decay
+    sr_key: str                       # names this run's stochastic-rounding stream
+    norm_weight: float                # how much its squared grad counts in the global norm
+    lo: int                           # where its gradient lies: in p.grad.view(-1), or (ZeRO-1)
+    hi: int                           #   in this rank's flat gradient shard
+
+
+def tp_pieces(p: torch.nn.Parameter, grid: Grid) -> list[tuple[int, int, str, float]]:
+    """Split a parameter's flat elements by how they are shared over TP (attributes set by
+    parallel.mark_parameters, NxD's names): (start, end, sharing, norm weight) for each run.
+
+    sharing names the ranks holding identical copies of the run (they must round identically);
+    norm weight makes each element count once in the global grad norm summed over TP ranks:
+      not tensor_model_parallel (norm weights): copies on every TP rank, counted on TP rank 0;
+      tensor_model_parallel: a distinct piece per TP rank, counted fully;
+      qkv rows past p.q_rows when p.kv_replicas > 1: a KV head copied on kv_replicas neighbouring
+      TP ranks, counted 1/kv_replicas on each (parallel.clip_grad_norm_ does the same)."""
+    n, tp_rank = p.numel(), grid.tp_rank
+    if not getattr(p, "tensor_model_parallel", False):
+        return [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
+    r = getattr(p, "kv_replicas", 1)
+    if r == 1:
+        return [(0, n, f"tp{tp_rank}", 1.0)]
+    cut = p.q_rows * (n // p.shape[0])
+    return [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
+
+
+class AdamW:
+    """AdamW (Loshchilov & Hutter) with decoupled weight decay, step by step (see `_update`), in one
+    of four precision modes. Matches torch.optim.AdamW in fp32.
+
+    named_params: model.named_parameters() (names key the state_dict and the SR streams).
+      "mixed" copies its fp32 master from these params here: load pretrained weights before
+      building the optimizer (a resume restores the master from the optimizer state instead).
+    software_sr: round bf16_sr writes stochastically in software. Pass False on Trainium: there
+      bf16_sr means bf16 params with the hardware's stochastic rounding, switched on for every
+      fp32 -> bf16 conversion by NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the launch environment, and
+      the plain copy_ below is what the hardware rounds (torch-xla has no seeded randint path worth
+      paying for in the graph). build_optimizer turns it off for XLA params.
+    """
+    zero1 = False
+
+    def __init__(self, named_params, cfg: OptimConfig, grid: Grid | None = None, seed: int = 0,
+                 software_sr: bool = True):
+        _check_precision(cfg.precision)
+        self.cfg, self.grid = cfg, grid or Grid()
+        self.precision = cfg.precision
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        want = param_dtype(cfg.precision)
+        for n, p in named:
+            if p.dtype != want:
+                raise ValueError(f"precision {cfg.precision!r} trains {want} parameters but {n} is "
+                                 f"{p.dtype}; call model.to(optim.param_dtype({cfg.precision!r})) "
+                                 f"before building the optimizer")
+        # Weight decay on all parameters is the blog's setting; decay_norms=False exempts the 1-D
+        # parameters (the RMSNorm weights: decaying them pulls the norm gain towards 0).
+        decayed = [(n, p) for n, p in named if cfg.decay_norms or p.ndim >= 2]
+        exempt = [(n, p) for n, p in named if not (cfg.decay_norms or p.ndim >= 2)]
+        self.param_groups = [{"params": [p for _, p in g], "lr": cfg.lr, "weight_decay": wd}
+                             for g, wd in ((decayed, cfg.weight_decay), (exempt, 0.0)) if g]
+        self._group_of = {id(p): grp for grp in self.param_groups for p in grp["params"]}
+        self.named = named
+        self.step_count = 0               # optimizer steps taken (Adam's t, before this step)
+        self.sr_seed = seed
+        self.use_sr = cfg.precision == "bf16_sr" and software_sr
+        self._gen = None                  # created on first use, on the params' device
+        self.slots = self._make_slots()
+
+    # --------------------------------------------------------------- state layout
+    def _sr_key(self, name: str, sharing: str, offset: int) -> str:
+        # Each run gets its own random stream, a function of (seed, step, this key) only, so DP
+        # replicas round identically and stay identical, as do the TP copies of a norm weight or
+        # of a KV head; TP shards and pipeline stages draw independent noise. The stream state is
+        # therefore (seed, step), and the state_dict saves both.
+        return f"{name}|{sharing}|pp{self.grid.pp_rank}|{offset}"
+
+    def _make_slots(self) -> list[_Slot]:
+        sdt = state_dtype(self.precision)
+        self.state, slots = {}, []
+        for n, p in self.named:
+            st = {"exp_avg": torch.zeros_like(p, dtype=sdt), "exp_avg_sq": torch.zeros_like(p, dtype=sdt)}
+            if self.precision == "mixed":
+                st["master"] = p.detach().float().clone()
+            self.state[n] = st
+            flat = {k: t.view(-1) for k, t in st.items()}
+            for a, b, sharing, weight in tp_pieces(p, self.grid):
+                master = flat["master"][a:b] if "master" in flat else None
+                slots.append(_Slot(n, p, p.data.view(-1)[a:b], flat["exp_avg"][a:b], flat["exp_avg_sq"][a:b],
+                                   master, self._group_of[id(p)], self._sr_key(n, sharing, a), weight, a, b))
+        return slots
+
+    def _generator_for(self, s: _Slot) -> torch.Generator | None:
+        if not self.use_sr:
+            return None
+        if self._gen is None:
+            self._gen = torch.Generator(device=s.value.device)
+        digest = hashlib.blake2b(f"{self.sr_seed}|{self.step_count}|{s.sr_key}".encode(), digest_size=8).digest()
+        return self._gen.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    # --------------------------------------------------------------- the update
+    @torch.no_grad()
+    def _update(self, s: _Slot, grad: torch.Tensor):
+        c, t = self.cfg, self.step_count
+        lr, wd = s.group["lr"], s.group["weight_decay"]
+        # Everything below is fp32 arithmetic. `.float()` returns the tensor itself when it is
+        # already fp32, so fp32 state (and the mixed master) is updated in place; bf16 state is
+        # upcast into temporaries that `_write` rounds back at the end.
+        g = grad.float()
+        m, v = s.exp_avg.float(), s.exp_avg_sq.float()
+        w = s.master if s.master is not None else s.value.float()
+        # 1. decoupled weight decay: shrink the weight directly, outside the adaptive scaling
+        #    (AdamW's fix of Adam + L2, whose decay the 1/sqrt(v) factor would rescale per weight).
+        w.mul_(1.0 - lr * wd)
+        # 2. moments: running means of the gradient and of its square.
+        m.lerp_(g, 1.0 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+        # 3. bias correction (both moments start at 0), then the step lr * m_hat / (sqrt(v_hat) + eps).
+        bias1, bias2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(c.eps)
+        w.addcdiv_(m, denom, value=-lr / bias1)
+        # 4. write back: moments and weight, each rounded as the precision mode says.
+        gen = self._generator_for(s)
+        _write(s.exp_avg, m, gen)
+        _write(s.exp_avg_sq, v, gen)
+        _write(s.value, w, gen)
+
+    @torch.no_grad()
+    def step(self):
+        """One AdamW step on the (already DP-reduced and clipped) gradients; params without a
+        gradient are skipped, as torch.optim does."""
+        self.step_count += 1
+        for s in self.slots:
+            if s.param.grad is not None:
+                self._update(s, s.param.grad.view(-1)[s.lo:s.hi])
+
+    def zero_grad(self, set_to_none: bool = True):
+        for _, p in self.named:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def set_lr(self, lr: float):
+        for g in self.param_groups:
+            g["lr"] = lr
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (moments and master copy; not params/grads)."""
+        return sum(t.numel() * t.element_size() for t in self._state_tensors().values())
+
+    # --------------------------------------------------------------- checkpointing
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{n}.{k}": t for n, st in self.state.items() for k, t in st.items()}
+
+    def _layout(self) -> dict:
+        return {"kind": "full"}
+
+    def state_dict(self) -> dict:
+        """Moments, master weights, step and the SR stream state (seed; the stream of each tensor
+        is a function of seed and step). Tensors are returned by reference, as torch.optim does."""
+        return {"precision": self.precision, "step": self.step_count, "sr_seed": self.sr_seed,
+                "lr": [g["lr"] for g in self.param_groups], "layout": self._layout(),
+                "state": self._state_tensors()}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict):
+        if sd["precision"] != self.precision:
+            raise ValueError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
+                             f"uses {self.precision!r}; resume with --optim.precision={sd['precision']}")
+        if sd["layout"] != self._layout():
+            raise ValueError(f"optimizer state layout {sd['layout']} does not match this run's "
+                             f"{self._layout()}; ZeRO-1 shards must be resumed with the same DP "
+                             f"degree and rank, and with the same zero1 setting")
+        mine = self._state_tensors()
+        if set(sd["state"]) != set(mine):
+            missing, extra = sorted(set(mine) - set(sd["state"])), sorted(set(sd["state"]) - set(mine))
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}")
+        for k, t in mine.items():
+            src = sd["state"][k]
+            if src.shape != t.shape:
+                raise ValueError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {tuple(t.shape)}")
+            t.copy_(src)
+        self.step_count, self.sr_seed = sd["step"], sd["sr_seed"]
+        for g, lr in zip(self.param_groups, sd["lr"]):
+            g["lr"] = lr
+
+
+# ----------------------------------------------------------------------------- gradient norm
+
+def global_grad_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
+    """L2 norm of the whole model's gradient from this rank's pieces [(grad, norm_weight), ...]
+    (weights from tp_pieces: each element counts once over the TP group). Partial sums of squares
+    are added over TP and PP, and over DP when each DP rank holds a disjoint shard (ZeRO-1)."""
+    device = pieces[0][0].device if pieces else "cpu"
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, weight in pieces:
+        if weight:
+            total += g.float().pow(2).sum() * weight
+    for group in (grid.tp_group, grid.pp_group, grid.dp_group if over_dp else None):
+        parallel.all_reduce(total, group)          # a no-op for a group of one (None)
+    return total.sqrt()
+
+
+# ----------------------------------------------------------------------------- ZeRO-1
+
+class Zero1AdamW(AdamW):
+    """ZeRO stage 1 (HLAT 70B, NxD's NeuronZero1Optimizer): each DP rank keeps the optimizer state
+    (moments, and the fp32 master in "mixed") of only 1/DP of the parameters.
+
+    All local params are laid end to end in one flat index space of N elements, padded to a
+    multiple of DP; DP rank r owns [r*S, (r+1)*S) with S = ceil(N / DP). Per step:
+      1. reduce_scatter_and_clip: grads scaled by 1/DP (divide by the DP degree, not the world size:
+         HLAT diverged with xm's 1/world scaling), reduce-scattered over the DP group so each rank
+         receives the summed grads of its shard only; global norm over TP, PP and DP; clip.
+      2. step: AdamW on the shard, then all-gather the updated params over the DP group.
+    It replaces the DP all-reduce: the same bytes move (reduce-scatter + all-gather == all-reduce),
+    but optimizer memory drops by DP. The TP sums of parallel.reduce_tp_replicated_gradients must
+    still run before step 1. A param without a gradient counts as a zero gradient here (it is
+    still decayed), where the unsharded AdamW skips it.
+    """
+    zero1 = True
+
+    def __init__(self, named_params, cfg: OptimConfig, grid: Grid, seed: int = 0, software_sr: bool = True):
+        self._grad_shard = None
+        super().__init__(named_params, cfg, grid, seed, software_sr)
+
+    def _make_slots(self) -> list[_Slot]:
+        dp, r = self.grid.dp, self.grid.dp_rank
+        for n, p in self.named:
+            if not p.is_contiguous():
+                raise ValueError(f"ZeRO-1 needs contiguous parameters; {n} is not")
+        self.offsets, off = [], 0
+        for _, p in self.named:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.shard = -(-off // dp)                       # S = ceil(N / DP)
+        lo, hi = r * self.shard, (r + 1) * self.shard
+        device = self.named[0][1].device
+        sdt = state_dtype(self.precision)
+        self.flat = {"exp_avg": torch.zeros(self.shard, dtype=sdt, device=device),
+                     "exp_avg_sq": torch.zeros(self.shard, dtype=sdt, device=device)}
+        if self.precision == "mixed":
+            self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        slots = []
+        for (n, p), start in zip(self.named, self.offsets):
+            for a, b, sharing, weight in tp_pieces(p, self.grid):
+                a, b = max(start + a, lo), min(start + b, hi)      # the part of the run on this shard
+                if a >= b:
+                    continue                                       # it lies on other ranks' shards
+                value = p.data.view(-1)[a - start:b - start]
+                master = self.flat.get("master")
+                if master is not None:
+                    master = master[a - lo:b - lo]
+                    master.copy_(value)
+                slots.append(_Slot(n, p, value, self.flat["exp_avg"][a - lo:b - lo],
+                                   self.flat["exp_avg_sq"][a - lo:b - lo], master, self._group_of[id(p)],
+                                   self._sr_key(n, sharing, a - start), weight, a - lo, b - lo))
+        return slots
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.flat)
+
+    def _layout(self) -> dict:
+        return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel}
+
+    @torch.no_grad()
+    def reduce_scatter_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Replace the DP all-reduce: sum the grads over the DP group into this rank's shard
+        (scaled 1/DP), then clip on the true global norm. Returns the norm before clipping."""
+        g = self.grid
+        dtype = self.named[0][1].dtype
+        full = torch.zeros(self.shard * g.dp, dtype=dtype, device=self.flat["exp_avg"].device)
+        for (n, p), start in zip(self.named, self.offsets):
+            if p.grad is not None:       # a param without a grad contributes zeros
+                full[start:start + p.numel()].copy_(p.grad.view(-1))
+        full.mul_(1.0 / g.dp)
+        shard = torch.empty(self.shard, dtype=dtype, device=full.device)
+        dist.reduce_scatter_tensor(shard, full, group=g.dp_group)
+        norm = global_grad_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
+        if max_norm > 0:
+            shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(dtype))
+        self._grad_shard = shard
+        return norm
+
+    @torch.no_grad()
+    def step(self):
+        if self._grad_shard is None:
+            raise RuntimeError("ZeRO-1: call opt.reduce_scatter_and_clip(max_norm) before opt.step(); "
+                               "it reduces the gradients into this rank's shard (it replaces the DP all-reduce)")
+        self.step_count += 1
+        for s in self.slots:
+            self._update(s, self._grad_shard[s.lo:s.hi])
+        self._grad_shard = None
+        # Every rank updated only its shard: all-gather the params so each holds the full model again.
+        dtype = self.named[0][1].dtype
+        mine = torch.zeros(self.shard, dtype=dtype, device=self.flat["exp_avg"].device)
+        for s in self.slots:
+            mine[s.lo:s.hi] = s.value
+        full = torch.empty(self.shard * self.grid.dp, dtype=dtype, device=mine.device)
+        dist.all_gather_into_tensor(full, mine, group=self.grid.dp_group)
+        for (n, p), start in zip(self.named, self.offsets):
+            p.data.view(-1).copy_(full[start:start + p.numel()])
+
+
+# ----------------------------------------------------------------------------- construction
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = None,
+                    software_sr: bool | None = None) -> AdamW:
+    """AdamW over the model's parameters, sharded with ZeRO-1 when cfg.parallel.zero1 and DP > 1.
+    software_sr defaults to on, except for params on an XLA device (Trainium rounds in hardware)."""
+    grid = grid or Grid()
+    named = list(model.named_parameters())
+    if software_sr is None:
+        software_sr = all(p.device.type != "xla" for _, p in named)
+    if cfg.parallel.zero1 and grid.dp > 1:
+        return Zero1AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)
+    return AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)

@@ -1,0 +1,405 @@
+"""Pipeline parallelism: the Llama cut into stages over PP ranks, trained with a 1F1B or GPipe schedule.
+
+HLAT trained its 70B model at TP=32 x PP=8. This module is the PP part. It lives beside parallel.py
+(tensor, sequence and data parallelism, already ~700 lines) rather than inside it, and only uses
+parallel.py's public pieces: the rank grid and its groups, the TP/SP layers, the vocab-parallel
+loss, the DP gradient all-reduce and the global-norm clipping (which already adds over PP).
+
+The pieces, top to bottom:
+
+1. Stages. Layers are split evenly over the PP ranks, or at `--parallel.pp_cuts`. The embedding
+   lives on the first stage, the final norm, the head and the loss on the last. Parameters keep the
+   names they have in the whole model (`layers.{i}` with the GLOBAL i), so the layout-independent
+   init of model.init_param, full state dicts and checkpoints do not depend on the stage layout.
+2. Point-to-point between neighbouring stages: one function, `p2p`, two implementations.
+   "send" uses torch.distributed isend/irecv (gloo, nccl). "allgather" is what NxD does on XLA,
+   where send/recv lowers to an inefficient collective-permute: the two neighbours all-gather over
+   their own two-rank group and each keeps the peer's half. Activation shapes are fixed by the
+   config (micro_batch, seq_len, or seq_len / tp under SP, dim), so no shape messages are needed.
+3. Schedules. GPipe: every forward, then every backward; a stage holds all microbatches'
+   activations at once. 1F1B: stage s runs PP - s - 1 warm-up forwards, then alternates one
+   forward and one backward, then drains the remaining backwards; it never holds more than PP
+   microbatches' activations. Both have the same bubble: (PP - 1) / (microbatches + PP - 1).
+4. The training step. Same contract and same loss normalization as train.train_step: the loss is
+   the sum of token losses over the valid tokens of the whole global batch. Every stage reads the
+   same microbatches (PP ranks share a DP rank), so every stage counts the valid tokens itself and
+   no extra message is needed; only the last stage computes the loss. Each microbatch's backward
+   is scaled by dp / global_tokens, the DP all-reduce (SUM, x 1/dp) runs once per step, and the
+   global gradient norm is summed over TP and PP. So PP and non-PP gradients are identical (the
+   bug of torchtitan issue #2972 and of picotron's PP path, grad_acc times larger, is ruled out
+   by tests/test_pipeline.py).
+5. Full state dicts (for export), and evaluation through the pipeline.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import model as llama
+import parallel
+from configs import Config, ConfigError
+from parallel import Grid
+
+
+# ----------------------------------------------------------------------------- 1. stages
+
+def stage_bounds(cfg: Config) -> list[tuple[int, int]]:
+    """[start, end) of the layers of each stage: even, or cut at cfg.parallel.pp_cuts
+    ("3,6": stages [0,3), [3,6), [6,n_layers))."""
+    n, pp, cuts = cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.pp_cuts
+    if cuts:
+        edges = [0] + [int(c) for c in cuts.split(",")] + [n]
+        if len(edges) != pp + 1 or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ConfigError(f"pp_cuts {cuts!r} must be {pp - 1} increasing layer indices strictly "
+                              f"between 0 and n_layers {n}")
+    else:
+        if n % pp != 0:
+            raise ConfigError(f"n_layers {n} is not divisible by pp {pp}; change pp or give explicit "
+                              f"stage boundaries with --parallel.pp_cuts")
+        edges = [n // pp * s for s in range(pp + 1)]
+    return list(zip(edges, edges[1:]))
+
+
+def stage_of(name: str, bounds: list[tuple[int, int]]) -> int:
+    """The stage that holds parameter `name` (a name of the whole model)."""
+    if name.startswith("embed."):
+        return 0
+    if name.startswith("layers."):
+        i = int(name.split(".")[1])
+        return next(s for s, (a, b) in enumerate(bounds) if a <= i < b)
+    return len(bounds) - 1                                  # norm, lm_head
+
+
+class PipelineStage(nn.Module):
+    """One stage of the Llama: the embedding if first, layers [start, end), norm and head if last.
+    Layers sit in a ModuleDict keyed by their global index, so the parameter names are those of the
+    whole model. forward: tokens (first stage) or the previous stage's hidden states -> hidden
+    states, or logits on the last stage. Every stage computes RoPE and the document mask itself
+    from positions and doc_ids (all stages read the same batch), so only hidden states travel."""
+
+    def __init__(self, model: llama.Llama, bounds: list[tuple[int, int]], pp_rank: int):
+        super().__init__()
+        start, end = bounds[pp_rank]
+        self.cfg, self.bounds = model.cfg, bounds
+        self.first, self.last = pp_rank == 0, pp_rank == len(bounds) - 1
+        self.embed = model.embed if self.first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        self.norm = model.norm if self.last else None
+        self.lm_head = model.lm_head if self.last else None
+        self.comm: Comm | None = None          # set by build_model
+
+    def forward(self, x, positions, doc_ids=None):
+        # The same steps as model.Llama.forward, restricted to this stage's part.
+        if self.first:
+            x = self.embed(x)
+        cos, sin = llama.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = llama.document_mask(doc_ids) if doc_ids is not None else None
+        for layer in self.layers.values():
+            if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+def build_model(cfg: Config, grid: Grid, device) -> PipelineStage:
+    """This rank's stage, TP/SP-parallelized, initialized exactly as parallel.build_model does it
+    (from cfg.seed and the full-shape init of each parameter name), and its point-to-point links.
+    Collective: every rank must call it (the two-rank groups of "allgather" are created here)."""
+    bounds = stage_bounds(cfg)
+    # Only this stage's layers are ever materialized: no rank holds the whole model.
+    stage = _build(cfg, grid, device, lambda model: PipelineStage(model, bounds, grid.pp_rank))
+    stage.comm = Comm.create(cfg, grid)
+    return stage
+
+
+def _build(cfg, grid, device, stage):   # TEMPORARY copy of parallel.build_model with a stage hook
+    with torch.device("meta"):
+        model = llama.Llama(cfg.model)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    sp = cfg.parallel.sp and grid.tp > 1
+    if grid.tp > 1:
+        parallel.tensor_parallelize(model, grid, sp)
+    model = stage(model)
+    model.to_empty(device=device)
+    parallel.mark_parameters(model, grid, sp)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
+            p.copy_(parallel.shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
+    return model
+
+
+# ----------------------------------------------------------------------------- 2. point-to-point
+
+@dataclass
+class Comm:
+    """How this rank exchanges activations with its neighbours in its pipeline (the ranks with the
+    same TP and DP coordinates on the stages before and after it)."""
+    impl: str                                    # "send" | "allgather"
+    prev: int | None                             # global rank of the previous stage; None on the first
+    next: int | None                             # global rank of the next stage; None on the last
+    shape: tuple[int, ...]                       # every message: [micro_batch, seq (/tp with SP), dim]
+    group: object = None                         # the PP group ("send")
+    pairs: dict = field(default_factory=dict)    # peer -> (two-rank group, peer's index in it) ("allgather")
+    dtype: torch.dtype = torch.float32           # of the stage's parameters (set by reset: the model
+    device: torch.device = torch.device("cpu")   #   may be cast to bf16 after it is built)
+    wait_s: float = 0.0                          # seconds spent in p2p since the last reset
+    sent: int = 0                                # messages sent / received since the last reset
+    received: int = 0
+
+    def reset(self, model: nn.Module) -> None:
+        """Before a step: take the params' dtype and device, zero the counters."""
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.wait_s, self.sent, self.received = 0.0, 0, 0
+
+    @staticmethod
+    def create(cfg: Config, grid: Grid) -> "Comm":
+        seq = cfg.data.seq_len // grid.tp if cfg.parallel.sp and grid.tp > 1 else cfg.data.seq_len
+        stride = grid.tp * grid.dp                 # ranks = arange(world).reshape(PP, DP, TP)
+        comm = Comm(impl=cfg.parallel.pp_p2p,
+                    prev=grid.rank - stride if grid.pp_rank > 0 else None,
+                    next=grid.rank + stride if grid.pp_rank < grid.pp - 1 else None,
+                    shape=(cfg.data.micro_batch, seq, cfg.model.dim), group=grid.pp_group)
+        if comm.impl == "allgather":
+            comm.pairs = _pair_groups(grid)
+        return comm
+
+
+def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
+    """Two-rank groups for every pair of neighbouring stages, from the PP groups of rank_groups.
+    new_group is collective: every rank creates every pair, in the same order. On XLA each group
+    gets the mesh of all pairs created with it (XLA compiles a collective with the replica groups
+    of all ranks, trainium.md). As in NxD, pairs are made in two rounds, links (0,1), (2,3), ...
+    then (1,2), (3,4), ...: within one round no rank appears twice, so each mesh is a valid set of
+    disjoint replica groups."""
+    mine = {}
+    pp_groups = parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"]
+    for parity in (0, 1):
+        pairs = [[g[s], g[s + 1]] for s in range(parity, grid.pp - 1, 2) for g in pp_groups]
+        if not pairs:
+            continue
+        opts = {"xla_pg_options": {"mesh": pairs}} if grid.backend == "xla" else None
+        for pair in pairs:
+            group = dist.new_group(pair, pg_options=opts)
+            if grid.rank in pair:
+                peer = pair[1] if pair[0] == grid.rank else pair[0]
+                mine[peer] = (group, pair.index(peer))
+    return mine
+
+
+def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> torch.Tensor | None:
+    """Send `send` to `peer` and/or receive one message from it, in one blocking exchange.
+    Returns the received tensor (comm.shape, comm.dtype), or None.
+    peer None (no stage there: before the first, after the last) does nothing.
+    Both neighbours call p2p in the same order (the schedules guarantee it), which the
+    "allgather" form needs: it is a collective of the pair."""
+    if peer is None or (send is None and not recv):
+        return None
+    t0 = time.perf_counter()
+    if comm.impl == "send":
+        ops, buf = [], None
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), peer, comm.group))
+        if recv:
+            buf = torch.empty(comm.shape, dtype=comm.dtype, device=comm.device)
+            ops.append(dist.P2POp(dist.irecv, buf, peer, comm.group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    else:
+        # NxD on XLA: all-gather over the two-rank group; the side with nothing to send
+        # contributes zeros (the shapes must match), and a side that expects nothing ignores its half.
+        group, peer_index = comm.pairs[peer]
+        mine = send if send is not None else torch.zeros(comm.shape, dtype=comm.dtype, device=comm.device)
+        both = torch.empty(2 * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(both, mine.contiguous().view(-1), group=group)
+        buf = both.view(2, *comm.shape)[peer_index].clone() if recv else None   # only the peer's half stays alive
+    comm.wait_s += time.perf_counter() - t0
+    comm.sent += send is not None
+    comm.received += recv
+    return buf
+
+
+# ----------------------------------------------------------------------------- 3. schedules
+
+class _Microbatches:
+    """One step's forward/backward bookkeeping on this stage: the activations kept for backward
+    (input leaf and output of each microbatch in flight), their peak count, the summed loss."""
+
+    def __init__(self, stage: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid):
+        self.stage, self.batches, self.scale, self.grid = stage, batches, scale, grid
+        self.next_fwd = 0
+        self.live: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self.max_live = 0
+        self.loss_sum = torch.zeros((), device=scale.device)
+
+    def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward the next microbatch; x is the previous stage's output (None on the first stage).
+        Returns what goes to the next stage (None on the last)."""
+        b = self.batches[self.next_fwd]
+        self.next_fwd += 1
+        if self.stage.first:
+            inp, x = None, b["tokens"]
+        else:
+            inp = x = x.detach().requires_grad_()      # a leaf: its .grad goes back to the previous stage
+        out = self.stage(x, b["positions"], b.get("doc_ids"))
+        if self.stage.last:
+            loss = parallel.loss_sum(out, b["targets"], self.grid)
+            self.loss_sum += loss.detach()
+            out = loss * self.scale                     # the same normalization as train.train_step
+        self.live.append((inp, out))
+        self.max_live = max(self.max_live, len(self.live))
+        return None if self.stage.last else out.detach()
+
+    def backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward the oldest microbatch in flight; grad is d loss / d output from the next stage
+        (None on the last stage). Returns d loss / d input for the previous stage (None on the first)."""
+        inp, out = self.live.pop(0)
+        torch.autograd.backward(out, grad_tensors=grad)
+        return None if inp is None else inp.grad
+
+
+def gpipe(mb: _Microbatches, comm: Comm) -> None:
+    """All forwards, then all backwards: simple, but holds every microbatch's activations."""
+    for _ in mb.batches:
+        x = p2p(comm, None, comm.prev, recv=True)
+        p2p(comm, mb.forward(x), comm.next, recv=False)
+    for _ in mb.batches:
+        dy = p2p(comm, None, comm.next, recv=True)
+        p2p(comm, mb.backward(dy), comm.prev, recv=False)
+
+
+def one_f_one_b(mb: _Microbatches, comm: Comm) -> None:
+    """1F1B (PipeDream-flush, Megatron's non-interleaved schedule). Stage s first runs PP - s - 1
+    warm-up forwards, so that when the first backward arrives from the last stage it has exactly
+    the microbatches in flight that the pipeline needs; then each forward is followed by one
+    backward (steady state), so at most PP - s microbatches are alive; then the last backwards.
+    Sends and receives that happen at the same moment go as one exchange (send the forward output,
+    receive the next backward gradient), so neighbours always meet in the same order."""
+    m, grid = len(mb.batches), mb.grid
+    warmup = min(grid.pp - grid.pp_rank - 1, m)
+    for _ in range(warmup):
+        x = p2p(comm, None, comm.prev, recv=True)
+        p2p(comm, mb.forward(x), comm.next, recv=False)
+    steady = m - warmup
+    x = p2p(comm, None, comm.prev, recv=True) if steady else None
+    for i in range(steady):
+        y = mb.forward(x)
+        dy = p2p(comm, y, comm.next, recv=True)
+        dx = mb.backward(dy)
+        last = i == steady - 1
+        x = p2p(comm, dx, comm.prev, recv=not last)
+    for _ in range(warmup):
+        dy = p2p(comm, None, comm.next, recv=True)
+        p2p(comm, mb.backward(dy), comm.prev, recv=False)
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+# ----------------------------------------------------------------------------- 4. the training step
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle share of each stage in an ideal pipeline (equal stage times, free communication)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def check_microbatches(n: int, grid: Grid) -> None:
+    if n < grid.pp:
+        raise ConfigError(f"pipeline of {grid.pp} stages needs at least {grid.pp} microbatches per step, "
+                          f"got {n}; raise the global batch or lower micro_batch")
+
+
+def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config) -> dict:
+    """Forward and backward of this rank's microbatches through the pipeline, then (once) the
+    gradient reduction, clipping and update. The contract of train.train_step, plus pipeline stats:
+      loss, grad_norm, tokens: tensors, the same on every rank (loss summed over PP from the last stage);
+      bubble: (PP - 1) / (m + PP - 1); idle: the measured share of the schedule's time this rank
+        waited in p2p (host clock: meaningful on gloo and eager devices; on XLA the p2p ops are
+        lazy, so read idle from a profile there); max_live: peak activation sets held."""
+    check_microbatches(len(batches), grid)
+    t0 = time.perf_counter()
+    # Every stage holds the same microbatches (same DP rank), so each counts the valid tokens itself.
+    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
+    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
+    scale = grid.dp / global_tokens
+    mb = _Microbatches(model, batches, scale, grid)
+    comm = model.comm
+    comm.reset(model)
+    SCHEDULES[cfg.parallel.pp_schedule](mb, comm)
+    schedule_s = time.perf_counter() - t0
+    if getattr(optimizer, "zero1", False):
+        grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)   # its norm adds over PP
+    else:
+        parallel.reduce_gradients(model, grid)                  # DP all-reduce: once per step
+        grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)  # TP and PP
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # The loss exists on the last stage only: the others add zeros, so every rank gets it.
+    loss_sum = parallel.all_reduce(mb.loss_sum, grid.pp_group)
+    loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens,
+            "bubble": bubble_fraction(grid.pp, len(batches)), "idle": comm.wait_s / max(schedule_s, 1e-9),
+            "max_live": mb.max_live}
+
+
+# ----------------------------------------------------------------------------- 5. state dicts, evaluation
+
+def _my_pp_ranks(grid: Grid) -> list[int]:
+    return next(g for g in parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"] if grid.rank in g)
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full-shape weights (or gradients) of the WHOLE model on every rank: each stage gathers its
+    TP shards (parallel.gather_full_state_dict), then broadcasts each tensor over the PP group.
+    Plain tensor broadcasts, so it runs on XLA too. Holds one full model per rank (tests, export)."""
+    mine = parallel.gather_full_state_dict(model, grid, grads)
+    cfg = model.cfg
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).named_parameters()}
+    ranks = _my_pp_ranks(grid)
+    p = next(model.parameters())
+    out = {}
+    for name, shape in shapes.items():
+        s = stage_of(name, model.bounds)
+        t = mine[name] if s == grid.pp_rank else torch.empty(shape, dtype=p.dtype, device=p.device)
+        dist.broadcast(t, src=ranks[s], group=grid.pp_group)
+        out[name] = t
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: PipelineStage, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
+    """Copy this stage's TP shard of full-shape weights into it (the inverse of gather_full_state_dict)."""
+    names = {n for n, _ in model.named_parameters()}
+    parallel.load_full_state_dict(model, {k: v for k, v in full_sd.items() if k in names}, grid)
+
+
+@torch.no_grad()
+def evaluate(model: PipelineStage, loader, n_windows: int, grid: Grid) -> torch.Tensor:
+    """Mean token loss over n_windows held-out microbatches, forwarded through the pipeline
+    (train.evaluate's contract: the same value on every rank)."""
+    model.eval()
+    comm = model.comm
+    comm.reset(model)
+    device = comm.device
+    total, count = torch.zeros((), device=device), torch.zeros((), dtype=torch.long, device=device)
+    for _ in range(n_windows):
+        b = next(loader)
+        x = p2p(comm, None, comm.prev, recv=True)
+        out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"))
+        if model.last:
+            total += parallel.loss_sum(out, b["targets"], grid)
+        else:
+            p2p(comm, out, comm.next, recv=False)
+        count += (b["targets"] != -100).sum()
+    model.train()
+    total = parallel.all_reduce(parallel.all_reduce(total, grid.pp_group), grid.dp_group)
+    return total / parallel.all_reduce(count, grid.dp_group).clamp(min=1)

@@ -1,0 +1,295 @@
+"""Pre-flight health check: collective bandwidth over every group kind, and who is slow.
+
+Before training Llama 2 7B on 128 trn1 nodes the AWS team ran a "scrutiny check" of the network,
+and ran it again after every hardware failure before restarting. This is ours. It times
+all-reduce and all-gather over every group kind the run uses (the TP, DP and PP groups of
+parallel.rank_groups, the world) and between pairs of nodes, then names any rank, group or node
+far slower than the median. Exit status 1 when it names something, so a job script stops there.
+
+    torchrun --nproc_per_node=32 scripts/healthcheck.py --tp=8     # one trn1 node
+    scripts/launch.sh health --preset llama2_7b                    # the run's own layout
+    torchrun --nproc_per_node=4 scripts/healthcheck.py --tp=2 --backend=gloo   # anywhere (CPU)
+
+How a slow rank is found. In a collective every member waits for the last one to arrive, so a
+rank's own time says little: the late rank looks fast and its partners look slow. So every
+timed collective starts right after a barrier, and each rank records the time it spent inside
+the collective. The member that arrived last waited for nobody: the shortest time in the group
+is the group's transfer time. A rank's lateness is (the longest time in its group) - (its own
+time): how long the group waited for it. Both use only durations measured on one host, so no
+clocks are compared across nodes.
+  - a rank is late when its median lateness exceeds the median rank's by more than
+    max(--min-gap-ms, (--factor - 1) x its typical transfer time): it makes collectives
+    --factor times slower;
+  - a group is slow when its transfer time is over --factor x the median group of its kind;
+  - a rank whose TP group and DP group (and PP group) are all slow is the likely bad link;
+  - a node is slow when its pairs with both ring neighbours are slow, or all its ranks are late.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parallel import rank_groups  # noqa: E402  (the repository root, where parallel.py lives)
+
+OPS = ("all_reduce", "all_gather")
+
+
+def group_kinds(world: int, tp: int, pp: int, ranks_per_node: int) -> dict[str, list[list[int]]]:
+    """Every group kind to time: the training groups, the world, and node pairs.
+
+    Node pairs: rank j of node a with rank j of node b, for all j at once, so the pair of
+    instances moves data over their EFA links at full width. Two rounds, each node paired with
+    its ring neighbour on each side; a node whose two pairs are both slow is the bad one.
+    Only for an even number of nodes: on XLA every rank must take part in every collective."""
+    kinds = {k: v for k, v in rank_groups(world, tp, pp).items() if len(v[0]) > 1}
+    kinds["world"] = [list(range(world))]
+    n = world // ranks_per_node
+    if n >= 2 and n % 2 == 0 and world % ranks_per_node == 0:
+        for name, first in (("node_pair_a", 0), ("node_pair_b", 1)):
+            if n == 2 and first == 1:
+                break                    # two nodes: both rounds are the same pair
+            pairs = [((a + first) % n, (a + first + 1) % n) for a in range(0, n, 2)]
+            kinds[name] = [[a * ranks_per_node + j, b * ranks_per_node + j]
+                           for a, b in pairs for j in range(ranks_per_node)]
+    return kinds
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def setup(backend: str, timeout_s: float):
+    """Init the process group. Returns (backend, device, sync, host_group).
+
+    sync() waits until the device has really finished (XLA is lazy: torch_xla.sync() only
+    launches the graph). host_group is a gloo group for barriers and for gathering the
+    results: the xla backend's barrier is a no-op."""
+    if backend == "auto":
+        pjrt = os.environ.get("PJRT_DEVICE", "")
+        backend = "xla" if pjrt and pjrt != "CPU" else ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "xla":          # trn1: NeuronCores, collectives over NeuronLink and EFA
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
+        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
+
+        def sync():
+            torch_xla.sync()
+            xm.wait_device_ops()
+        return backend, torch_xla.device(), sync, dist.new_group(backend="gloo", timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout)
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return backend, device, torch.cuda.synchronize, dist.new_group(backend="gloo", timeout=timeout)
+    return backend, torch.device("cpu"), lambda: None, dist.group.WORLD
+
+
+def measure(kinds, backend, device, sync, host_group, nbytes: int, warmup: int, reps: int,
+            delay: tuple[int, float] | None) -> list[tuple]:
+    """Time every op over every kind; all groups of a kind run at once, as in training.
+    Returns records (kind, op, group_index, rep, rank, seconds) of this rank."""
+    rank = dist.get_rank()
+    records = []
+    for kind, groups in kinds.items():
+        mine, pg = None, None
+        for i, g in enumerate(groups):   # every rank creates every group, in the same order
+            opts = {"xla_pg_options": {"mesh": groups}} if backend == "xla" else None
+            created = dist.new_group(g, pg_options=opts) if opts else dist.new_group(g)
+            if rank in g:
+                mine, pg = i, created
+        n = len(groups[0])
+        numel = max(n, nbytes // 4) // n * n
+        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        chunk = buf[: numel // n].clone()
+        for op in OPS:
+            for rep in range(-warmup, reps):
+                dist.barrier(group=host_group)  # start together; then only lateness differs
+                if mine is None:
+                    continue
+                if delay is not None and delay[0] == rank:
+                    time.sleep(delay[1])         # --inject-delay: a late rank, for tests
+                t0 = time.perf_counter()
+                if op == "all_reduce":
+                    dist.all_reduce(buf, group=pg)
+                else:
+                    dist.all_gather_into_tensor(out, chunk, group=pg)
+                sync()
+                seconds = time.perf_counter() - t0
+                if rep >= 0:
+                    records.append((kind, op, mine, rep, rank, seconds))
+            buf.fill_(1.0)                       # keep all-reduce sums finite over the reps
+    return records
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def _median(xs) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _reference(xs) -> float:
+    """The median, the lower one for an even count: with two groups, one slow group must not
+    drag the reference halfway up to itself."""
+    return statistics.median_low(xs) if xs else 0.0
+
+
+def analyze(records, kinds, node_of: list[int], nbytes: int, factor: float, min_gap_s: float) -> dict:
+    """Turn everyone's records into bandwidths and verdicts. A pure function of the timings."""
+    world = len(node_of)
+    times = defaultdict(dict)                    # (kind, op, group, rep) -> {rank: seconds}
+    for kind, op, gi, rep, rank, s in records:
+        times[(kind, op, gi, rep)][rank] = s
+    late = defaultdict(list)                     # rank -> how long its groups waited for it
+    typical = defaultdict(list)                  # rank -> transfer times of its groups
+    transfer = defaultdict(list)                 # (kind, op, group) -> transfer time per rep
+    for (kind, op, gi, _), by_rank in times.items():
+        longest, shortest = max(by_rank.values()), min(by_rank.values())
+        transfer[(kind, op, gi)].append(shortest)
+        for r, s in by_rank.items():
+            late[r].append(longest - s)
+            typical[r].append(shortest)
+
+    late_med = {r: _median(late[r]) for r in range(world)}
+    base = _reference(list(late_med.values()))
+    late_ranks = [r for r in range(world)
+                  if late_med[r] - base > max(min_gap_s, (factor - 1) * _median(typical[r]))]
+
+    groups, slow = [], set()
+    for kind, gs in kinds.items():
+        n = len(gs[0])
+        for op in OPS:
+            t = {gi: _median(transfer[(kind, op, gi)]) for gi in range(len(gs)) if (kind, op, gi) in transfer}
+            med = _reference(list(t.values()))
+            for gi, s in t.items():
+                # bus bandwidth (nccl-tests convention): bytes each link carries per second
+                moved = (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n) * (nbytes // 4 * 4)
+                is_slow = len(t) > 1 and s > factor * med and s - med > min_gap_s
+                groups.append({"kind": kind, "op": op, "group": gi, "ranks": gs[gi], "ms": 1e3 * s,
+                               "busbw_gbps": moved / max(s, 1e-12) / 1e9, "slow": is_slow})
+                if is_slow:
+                    slow.add((kind, gi))
+
+    # A bad link or device slows every group its rank is in: intersect the training kinds.
+    rank_kinds = [k for k in ("tp", "dp", "pp") if k in kinds and len(kinds[k]) > 1]
+    suspects = []
+    if len(rank_kinds) >= 2:
+        for r in range(world):
+            if all(any((k, gi) in slow for gi, g in enumerate(kinds[k]) if r in g) for k in rank_kinds):
+                suspects.append(r)
+
+    # Node pairs: count, for each neighbour of a node, how many of their groups are slow.
+    votes = defaultdict(lambda: defaultdict(list))    # node -> neighbour -> [slow?]
+    for k in ("node_pair_a", "node_pair_b"):
+        for gi, g in enumerate(kinds.get(k, [])):
+            a, b = node_of[g[0]], node_of[g[1]]
+            votes[a][b].append((k, gi) in slow)
+            votes[b][a].append((k, gi) in slow)
+    nodes = sorted(set(node_of))
+    slow_nodes = []
+    for nd in nodes:
+        neighbours = votes[nd]
+        pairs_slow = len(neighbours) >= 2 and all(2 * sum(v) > len(v) for v in neighbours.values())
+        all_late = len(nodes) > 1 and all(r in late_ranks for r in range(world) if node_of[r] == nd)
+        if pairs_slow or all_late:
+            slow_nodes.append(nd)
+
+    return {"late_ms": [1e3 * late_med[r] for r in range(world)], "late_ranks": late_ranks,
+            "groups": groups, "slow_groups": sorted(slow), "suspect_ranks": suspects,
+            "slow_nodes": slow_nodes,
+            "healthy": not (late_ranks or slow or suspects or slow_nodes)}
+
+
+def report_text(rep: dict, hosts: list[str], node_of: list[int], factor: float) -> str:
+    lines = [f"{'kind':<12} {'op':<11} {'groups':>6} {'size':>5} {'median ms':>10} "
+             f"{'median busbw GB/s':>18} {'min busbw':>10}"]
+    by = defaultdict(list)
+    for g in rep["groups"]:
+        by[(g["kind"], g["op"])].append(g)
+    for (kind, op), gs in by.items():
+        bw = [g["busbw_gbps"] for g in gs]
+        lines.append(f"{kind:<12} {op:<11} {len(gs):>6} {len(gs[0]['ranks']):>5} "
+                     f"{_median([g['ms'] for g in gs]):>10.3f} {_median(bw):>18.3f} {min(bw):>10.3f}")
+    where = lambda r: f"rank {r} (node {node_of[r]}, {hosts[r]})"  # noqa: E731
+    med_late = _median(rep["late_ms"])
+    for r in rep["late_ranks"]:
+        lines.append(f"SLOW: {where(r)} is late: its groups waited {rep['late_ms'][r]:.1f} ms for it "
+                     f"per collective (median rank: {med_late:.1f} ms)")
+    for g in rep["groups"]:
+        if g["slow"]:
+            lines.append(f"SLOW: {g['kind']} group {g['ranks']} {g['op']}: {g['ms']:.2f} ms, "
+                         f"{g['busbw_gbps']:.3f} GB/s (over {factor}x the median group)")
+    for r in rep["suspect_ranks"]:
+        lines.append(f"SLOW: {where(r)}: every group it belongs to is slow (likely its link or device)")
+    for nd in rep["slow_nodes"]:
+        lines.append(f"SLOW: node {nd} ({hosts[node_of.index(nd)]})")
+    lines.append("healthy" if rep["healthy"] else "UNHEALTHY: fix or exclude the named ranks/nodes before training")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel degree of the run")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel degree of the run")
+    ap.add_argument("--mb", type=float, default=64.0, help="payload per collective, MB")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions (XLA compiles here)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per op and kind")
+    ap.add_argument("--factor", type=float, default=2.0, help="named when this many times the median")
+    ap.add_argument("--min-gap-ms", type=float, default=1.0, help="and at least this much slower")
+    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "nccl", "gloo"))
+    ap.add_argument("--ranks-per-node", type=int, default=0,
+                    help="default LOCAL_WORLD_SIZE (torchrun places ranks in blocks per node)")
+    ap.add_argument("--json", default="", help="also write the full report here (rank 0)")
+    ap.add_argument("--warn-only", action="store_true", help="exit 0 even when something is slow")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="a dead rank fails the check after this")
+    ap.add_argument("--inject-delay", default="", metavar="RANK:SECONDS",
+                    help="testing only: this rank sleeps before each collective")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    backend, device, sync, host_group = setup(args.backend, args.timeout_s)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % (args.tp * args.pp) or world % per_node:
+        sys.exit(f"healthcheck: world {world} must be a multiple of tp*pp={args.tp * args.pp} "
+                 f"and of ranks per node {per_node}")
+    delay = None
+    if args.inject_delay:
+        r, s = args.inject_delay.split(":")
+        delay = (int(r), float(s))
+    nbytes = int(args.mb * 2**20)
+    kinds = group_kinds(world, args.tp, args.pp, per_node)
+    records = measure(kinds, backend, device, sync, host_group, nbytes, args.warmup, args.reps, delay)
+
+    gathered = [None] * world                    # every rank gets everything: same verdict, same exit
+    dist.all_gather_object(gathered, (socket.gethostname(), records), group=host_group)
+    hosts = [h for h, _ in gathered]
+    all_records = [rec for _, recs in gathered for rec in recs]
+    node_of = [r // per_node for r in range(world)]
+    rep = analyze(all_records, kinds, node_of, nbytes, args.factor, args.min_gap_ms / 1e3)
+    if rank == 0:
+        print(f"healthcheck: {backend}, world {world} = {world // per_node} node(s) x {per_node}, "
+              f"tp={args.tp} pp={args.pp}, {args.mb:g} MB per collective, {args.reps} reps")
+        print(report_text(rep, hosts, node_of, args.factor), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world": world, "ranks_per_node": per_node, "hosts": hosts,
+                           "backend": backend, "tp": args.tp, "pp": args.pp, **rep}, f, indent=1)
+    dist.barrier(group=host_group)
+    dist.destroy_process_group()
+    return 0 if rep["healthy"] or args.warn_only else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

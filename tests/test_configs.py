@@ -1,0 +1,85 @@
+"""Presets hold the blog's settings; overrides are type-checked; bad layouts fail before any work."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import configs  # noqa: E402
+from configs import ConfigError  # noqa: E402
+
+
+def test_7b_preset_is_the_blogs_table():
+    c = configs.llama2_7b()
+    m, p, o, d = c.model, c.parallel, c.optim, c.data
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (4096, 32, 32, 32, 11008, 32000)
+    assert (d.seq_len, d.global_batch, d.micro_batch) == (4096, 1024, 1)
+    assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.max_steps, o.constant_steps) == (3e-4, 3e-5, 2000, 480_000, 500_000, 0)
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip, o.decay_norms) == (0.9, 0.95, 1e-5, 0.1, 1.0, True)
+    assert (p.tp, p.pp, p.sp, o.precision, m.checkpointing) == (8, 1, True, "bf16_sr", "selective")
+    # 128 trn1.32xlarge = 4096 NeuronCores: DP 512, gradient accumulation 2 (the blog's table)
+    configs.validate(c, world_size=128 * 32)
+    assert configs.resolve_dp(c, 4096) == 512 and configs.grad_accum_steps(c, 512) == 2
+
+
+def test_70b_preset_is_hlats_layout():
+    c = configs.llama2_70b()
+    m, p = c.model, c.parallel
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == (8192, 80, 64, 8, 28672)
+    assert (p.tp, p.pp, p.zero1, c.data.seq_len, c.data.global_batch) == (32, 8, True, 4096, 1024)
+    configs.validate(c, world_size=256 * 32)     # HLAT: 256 nodes; 8 KV heads replicated over TP=32
+
+
+def test_overrides_are_typed():
+    c = configs.from_args(["--model.n_layers=2", "--optim.lr", "3e-3", "--parallel.sp", "--tp=2",
+                           "--data.global_batch=1_024"])
+    assert c.model.n_layers == 2 and c.optim.lr == 3e-3 and c.parallel.sp is True
+    assert c.parallel.tp == 2 and c.data.global_batch == 1024
+    with pytest.raises(ConfigError, match="expected a int"):
+        configs.from_args(["--model.n_layers=two"])
+    with pytest.raises(ConfigError, match="choose one of fp32, mixed, bf16, bf16_sr"):
+        configs.from_args(["--optim.precision=fp16"])
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"did you mean --model\.n_layers"):
+        configs.from_args(["--model.n_layer=4"])
+    with pytest.raises(ConfigError, match=r"did you mean --optim\.warmup_steps"):
+        configs.from_args(["--optim.warmup=4"])
+    with pytest.raises(ConfigError, match="unknown preset 'llama2_7B'.*llama2_7b"):
+        configs.from_args(["--preset", "llama2_7B"])
+
+
+@pytest.mark.parametrize("args,world,message", [
+    (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=3"], 3, "n_heads 8 is not divisible by tp 3"),
+    (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=8", "--global_batch=16"], 8, None),   # KV replication: fine
+    (["--model.n_heads=12", "--model.n_kv_heads=4", "--tp=6", "--model.dim=384"], 6, "n_kv_heads 4 and tp 6"),
+    (["--model.n_layers=4", "--pp=3"], 3, "n_layers 4 is not divisible by pp 3"),
+    (["--model.n_layers=4", "--pp=3", "--parallel.pp_cuts=1,2", "--global_batch=24"], 3, None),
+    (["--global_batch=12", "--micro_batch=8"], 1, "global batch 12 is not divisible by micro_batch\\*dp = 8\\*1"),
+    (["--global_batch=16", "--micro_batch=8"], 4, "global batch 16 is not divisible by micro_batch\\*dp = 8\\*4"),
+    (["--tp=2"], 3, "world size 3 is not divisible by tp\\*pp = 2\\*1"),
+    (["--tp=2", "--dp=2"], 6, "world size 6 != tp\\*pp\\*dp = 2\\*1\\*2"),
+    (["--pp=2", "--model.n_layers=4", "--global_batch=8", "--micro_batch=8"], 2, "needs at least 2 microbatches"),
+    (["--model.dim=100", "--model.n_heads=8"], 1, "dim 100 is not divisible by n_heads 8"),
+    (["--data.seq_len=512"], 1, "seq_len 512 exceeds model.max_seq_len 256"),
+    (["--sp", "--tp=2", "--data.seq_len=255"], 2, "sequence parallelism splits seq_len 255"),
+])
+def test_bad_layouts_fail_with_clear_errors(args, world, message):
+    cfg = configs.from_args(args)
+    if message is None:
+        configs.validate(cfg, world)
+    else:
+        with pytest.raises(ConfigError, match=message):
+            configs.validate(cfg, world)
+
+
+def test_train_rejects_bad_config_before_any_work(tmp_path):
+    """A bad layout exits with the error, without tokenizing, building a model or writing output."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--tp=3", f"--out_dir={tmp_path}/out",
+                        f"--data.cache_dir={tmp_path}/cache"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "n_heads 8 is not divisible by tp 3" in r.stderr
+    assert not os.listdir(tmp_path)

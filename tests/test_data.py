@@ -1,0 +1,415 @@
+"""data.py: every source format, packing against a plain-Python reference, coverage over DP ranks,
+exact resume (mid-document, epoch boundary, with the prefetch thread), bad input, prepare, XLA."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+from configs import DataConfig, ModelConfig  # noqa: E402
+
+SEQ = 32
+VOCAB = 400
+WORDS = ["def", "return", "self", "value", "x", "print", "import", "lambda", "café", "naïve",
+         "中文", "for", "in", "range", "(", ")", ":", "=", "+", "1", "42", "\t", "  "]
+
+
+def make_docs(n=120, seed=0):
+    """Single-line documents (so .txt one-per-line can hold them too), a few much longer than a window."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 120, n)
+    lengths[[5, 17, 60]] = [900, 400, 1500]        # documents spanning many windows
+    return [" ".join(rng.choice(WORDS, k)) for k in lengths]
+
+
+DOCS = make_docs()
+
+
+def write_formats(root, docs):
+    """The same documents in every supported format; returns {format: data spec}."""
+    os.makedirs(root / "txt", exist_ok=True)
+    for i, d in enumerate(docs):
+        (root / "txt" / f"doc_{i:04d}.txt").write_text(d)
+    (root / "lines.txt").write_text("\n".join(docs) + "\n")
+    (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+    # datasets.save_to_disk layout: an IPC *stream* of record batches (string) plus json metadata.
+    os.makedirs(root / "hf", exist_ok=True)
+    schema = pa.schema({"text": pa.string()})
+    with pa.OSFile(str(root / "hf" / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        for s in range(0, len(docs), 25):
+            w.write_batch(pa.record_batch([pa.array(docs[s:s + 25], pa.string())], schema=schema))
+    (root / "hf" / "state.json").write_text("{}")
+    (root / "hf" / "dataset_info.json").write_text("{}")
+    # IPC *file* format, large_string
+    lschema = pa.schema({"text": pa.large_string()})
+    with pa.OSFile(str(root / "file.arrow"), "wb") as sink, pa.ipc.new_file(sink, lschema) as w:
+        w.write_batch(pa.record_batch([pa.array(docs, pa.large_string())], schema=lschema))
+    pq.write_table(pa.table({"text": docs}), str(root / "docs.parquet"), row_group_size=30)
+    return {"txt": str(root / "txt"), "txt_lines": str(root / "lines.txt"), "jsonl": str(root / "docs.jsonl"),
+            "arrow_stream_hf_dir": str(root / "hf"), "arrow_file_large": str(root / "file.arrow"),
+            "parquet": str(root / "docs.parquet")}
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    return write_formats(tmp_path_factory.mktemp("corpus"), DOCS)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tok(files, cache):
+    return data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=cache, val_fraction=0.1), VOCAB)
+
+
+def cfg(spec, **kw):
+    base = dict(data=spec, seq_len=SEQ, micro_batch=1, global_batch=4, val_fraction=0.1, seed=7,
+                doc_per_line=spec.endswith("lines.txt"))
+    return DataConfig(**{**base, **kw})
+
+
+def reference_stream(tok, docs, ids):
+    """Plain Python: each document encoded alone, with BOS and EOS, concatenated in reading order."""
+    ids_out, starts = [], []
+    for i in ids:
+        if docs[i].strip():
+            t = [tok.bos_id] + tok.encode(docs[i]) + [tok.eos_id]
+            starts += [True] + [False] * (len(t) - 1)
+            ids_out += t
+    return np.array(ids_out, np.int64), np.array(starts, bool)
+
+
+def reference_window(w, s):
+    """tokens, targets, positions, doc_ids of one window, by loops (no numpy tricks)."""
+    targets = [(-100 if s[i + 1] else int(w[i + 1])) for i in range(SEQ)]
+    positions, doc_ids, p, d = [], [], 0, 0
+    for i in range(SEQ):
+        if s[i] and i > 0:
+            p, d = 0, d + 1
+        positions.append(p)
+        doc_ids.append(d)
+        p += 1
+    return [torch.tensor(x) for x in (w[:-1].tolist(), targets, positions, doc_ids)]
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def equal(a, b):
+    return all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in ("tokens", "targets", "positions", "doc_ids"))
+
+
+# ----------------------------------------------------------------------------- coverage, formats
+
+@pytest.mark.parametrize("fmt", ["txt", "txt_lines", "jsonl", "arrow_stream_hf_dir", "arrow_file_large", "parquet"])
+def test_epoch_coverage_every_format_and_dp(files, tok, fmt):
+    """DP = 1, 2, 3: each rank's windows equal the reference packing of its documents; the ranks'
+    documents partition the train split; seen + dropped tails = the tokenized train split exactly."""
+    c = cfg(files[fmt])
+    train_ids, val_ids = data.split_documents(len(DOCS), c.val_fraction)
+    everything = reference_stream(tok, DOCS, train_ids)[0]
+    for dp in (1, 2, 3):
+        seen, dropped, docs_seen = [], 0, []
+        for r in range(dp):
+            loader = data.PackedLoader(c, tok, dp_rank=r, dp_size=dp)
+            order = loader.documents(0)
+            docs_seen += order.tolist()
+            stream, starts = reference_stream(tok, DOCS, order)
+            n = len(stream) // (SEQ + 1)
+            batches = take(loader, n + 1)           # the whole epoch and the first window of the next
+            for k, b in enumerate(batches[:n]):
+                w, s = stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)], starts[k * (SEQ + 1):(k + 1) * (SEQ + 1)]
+                for got, want in zip((b["tokens"][0], b["targets"][0], b["positions"][0], b["doc_ids"][0]),
+                                     reference_window(w, s)):
+                    assert torch.equal(got, want), (fmt, dp, r, k)
+            st = loader.stats()
+            tail = len(stream) - n * (SEQ + 1)
+            assert st["epoch"] == 1 and st["dropped_tail"] == tail < SEQ + 1
+            # Documents count once fully behind the position: all of epoch 0 and, of epoch 1, those
+            # ending inside its first window (k = the last document start at or before its end).
+            next_stream, next_starts = reference_stream(tok, DOCS, loader.documents(1))
+            k = np.flatnonzero(next_starts[:SEQ + 2])[-1]
+            assert st["documents"] == len(order) + next_starts[1:k + 1].sum()
+            assert st["tokens"] == len(stream) + k
+            assert torch.equal(batches[n]["tokens"][0], torch.from_numpy(next_stream[:SEQ]))
+            seen.append(stream[:n * (SEQ + 1)])
+            dropped += tail
+            loader.close()
+        assert sorted(docs_seen) == sorted(train_ids.tolist())     # disjoint and complete
+        assert not set(docs_seen) & set(val_ids.tolist())
+        seen = np.concatenate(seen)
+        counts_seen = np.bincount(seen, minlength=VOCAB)
+        counts_all = np.bincount(everything, minlength=VOCAB)
+        assert (counts_seen <= counts_all).all() and (counts_all - counts_seen).sum() == dropped < dp * (SEQ + 1)
+
+
+def test_formats_yield_identical_batches(files, tok):
+    ref = take(data.PackedLoader(cfg(files["txt"], micro_batch=3), tok, dp_rank=1, dp_size=2), 40)
+    for fmt, spec in files.items():
+        got = take(data.PackedLoader(cfg(spec, micro_batch=3), tok, dp_rank=1, dp_size=2), 40)
+        assert equal(ref, got), fmt
+
+
+def test_mixed_sources_dir_glob_and_list(files):
+    spec = f"{files['jsonl']},{os.path.dirname(files['txt_lines'])}/*.parquet"
+    corpus = data.Corpus(spec)
+    assert corpus.n_docs == 2 * len(DOCS)
+    assert [t for t, _, _ in corpus.read(np.array([3, len(DOCS) + 3]))] == [DOCS[3], DOCS[3]]
+    assert data.Corpus(files["txt"]).n_docs == len(DOCS)          # a directory, recursively
+
+
+# ----------------------------------------------------------------------------- resume
+
+def test_resume_mid_document_with_prefetch_thread(files, tok):
+    c = cfg(files["arrow_stream_hf_dir"], micro_batch=2)
+    straight = take(data.PackedLoader(c, tok, dp_rank=1, dp_size=2), 60)
+    a = data.PackedLoader(c, tok, dp_rank=1, dp_size=2, prefetch=8)
+    for n in range(1, 50):
+        next(a)
+        sd = a.state_dict()
+        if sd["offset"] > 3 * SEQ:                  # inside a long document, several windows deep
+            break
+    assert sd["offset"] > 3 * SEQ
+    stats_then = a.stats()
+    a.close()
+    sd = json.loads(json.dumps(sd))                 # plain data: goes in any checkpoint
+    b = data.PackedLoader(c, tok, dp_rank=1, dp_size=2)
+    b.load_state_dict(sd)
+    assert b.stats() == stats_then
+    assert equal(take(b, 60 - n), straight[n:])
+    ref = data.PackedLoader(c, tok, dp_rank=1, dp_size=2, prefetch=0)
+    take(ref, 60)
+    assert b.stats() == ref.stats()
+
+
+def test_resume_at_epoch_boundary(files, tok):
+    c = cfg(files["jsonl"], micro_batch=1)
+    a = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
+    n = len(reference_stream(tok, DOCS, a.documents(0))[0]) // (SEQ + 1)
+    straight = take(a, n + 10)
+    assert not np.array_equal(a.documents(0), a.documents(1))      # reshuffled per epoch
+    b = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
+    take(b, n)                                      # exactly the end of epoch 0
+    sd = b.state_dict()
+    b.close()
+    r = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
+    r.load_state_dict(sd)
+    assert equal(take(r, 10), straight[n:])
+    assert r.stats()["epoch"] == 1
+
+
+def test_resume_refuses_other_dp_degree_and_seed(files, tok):
+    a = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=2)
+    take(a, 3)
+    b = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=3)
+    with pytest.raises(data.DataError, match="DP degree 2.*DP degree 3"):
+        b.load_state_dict(a.state_dict())
+    c = data.PackedLoader(cfg(files["txt"], seed=8), tok, dp_rank=0, dp_size=2)
+    with pytest.raises(data.DataError, match="seed=7"):
+        c.load_state_dict(a.state_dict())
+
+
+# ----------------------------------------------------------------------------- split, batches, model
+
+def test_val_split_held_out_fixed_and_cycled(files, tok):
+    train, val = data.split_documents(1000, 0.05)
+    assert not set(train) & set(val) and len(train) + len(val) == 1000 and 30 < len(val) < 70
+    assert np.array_equal(val, data.split_documents(1000, 0.05)[1])
+    assert len(data.split_documents(5, 0.01)[1]) == 1                 # never empty for a tiny corpus
+    v = data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, split="val", dp_rank=0, dp_size=2)
+    assert set(v.documents(0)) <= set(data.split_documents(len(DOCS), 0.1)[1].tolist())
+    assert np.array_equal(v.documents(0), v.documents(5))               # val order never changes
+    first = take(v, 3)
+    v.reset()
+    assert equal(take(v, 3), first)
+
+
+def test_packed_batch_matches_separate_documents_in_the_model(files, tok):
+    """Positions and doc_ids make a packed window compute what each document computes alone."""
+    from model import Llama
+    b = next(data.PackedLoader(cfg(files["txt"], micro_batch=4), tok))
+    assert all(b[k].dtype == torch.int64 and b[k].shape == (4, SEQ) for k in b)
+    row = int(torch.argmax((b["doc_ids"].max(1).values >= 1).int()))  # a window holding a document start
+    torch.manual_seed(0)
+    m = Llama(ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                          max_seq_len=SEQ)).init_weights(0).eval()
+    with torch.no_grad():
+        packed = m(b["tokens"][row:row + 1], b["positions"][row:row + 1], b["doc_ids"][row:row + 1])[0]
+        for d in b["doc_ids"][row].unique():
+            sel = b["doc_ids"][row] == d
+            alone = m(b["tokens"][row:row + 1, sel])[0]
+            torch.testing.assert_close(packed[sel], alone, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "a_empty.txt").write_bytes(b"")
+    (d / "b_blank.txt").write_bytes(b"  \n\t\n")
+    (d / "c.txt").write_bytes(("x = 1 " * 40).encode() + b"caf\xe9 \xff\xfe end")
+    (d / "d.jsonl").write_bytes(b'{"text": "' + b"print(1) " * 30 + b'\xc3"}\n\n{"text": ""}\n')
+    c = cfg(str(d), seq_len=8, global_batch=2, val_fraction=0.0)
+    loader = data.PackedLoader(c, tok, prefetch=0)
+    # documents: 0 b_blank, 1 c, 2-4 the jsonl lines (text, blank line, empty text)
+    assert [t for t, _, _ in loader.corpus.read(range(5))][2:] == ["print(1) " * 30 + "\ufffd", "", ""]
+    while loader.stats()["epoch"] == 0:
+        next(loader)
+    st, behind = loader.stats(), set(loader.documents(1)[:loader.state_dict()["doc"]].tolist())
+    assert st["empty_files"] == 1
+    assert st["empty_docs"] == 3 + len(behind & {0, 3, 4}) and st["documents"] == 2 + len(behind & {1, 2})
+    assert st["utf8_replacements"] == 4 + 3 * (1 in behind) + (2 in behind)   # \xe9 \xff \xfe, \xc3
+    err = capsys.readouterr().err
+    assert "c.txt" in err and "invalid UTF-8" in err and "1 empty files skipped" in err
+
+
+def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
+                 '{not json\n{"body": "no text"}\n{"text": "w x \\udc80 y z"}\n')     # a lone surrogate
+    loader = data.PackedLoader(cfg(str(p), seq_len=4, global_batch=2, val_fraction=0.0), tok, prefetch=0)
+    while loader.stats()["epoch"] == 0:
+        next(loader)
+    st, behind = loader.stats(), set(loader.documents(1)[:loader.state_dict()["doc"]].tolist())
+    assert st["bad_records"] == 2 + len(behind & {2, 3}) and st["documents"] == 3 + len(behind & {0, 1, 4})
+    assert st["utf8_replacements"] == 1 + (4 in behind)
+    err = capsys.readouterr().err
+    assert "x.jsonl:3: not JSON" in err and "x.jsonl:4: no field 'text'" in err
+    p.write_text('{not json\n')
+    with pytest.raises(data.DataError, match=r"x.jsonl:1: not JSON"):
+        data.Corpus(str(p))
+
+
+def test_rank_share_below_one_window_fails_through_the_thread(tok, tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": " ".join(WORDS * 4)}) + "\n" + '{"text": "a"}\n')
+    c = cfg(str(tmp_path / "d.jsonl"), seq_len=16, global_batch=2, val_fraction=0.0)
+    failed, tiny, threads = [], None, []
+    for r in (0, 1):
+        loader = data.PackedLoader(c, tok, dp_rank=r, dp_size=2, prefetch=2)
+        if loader.documents(0).tolist() == [1]:
+            tiny = r                                    # this rank holds only the 3-token document
+        try:
+            take(loader, 3)
+        except data.DataError as e:
+            assert f"DP rank {r}'s share" in str(e) and "fewer than seq_len + 1 = 17 tokens" in str(e)
+            failed.append(r)
+            with pytest.raises(data.DataError):        # stays failed
+                next(loader)
+        threads.append(loader._thread)
+        loader.close()
+    assert failed == [tiny]
+    assert all(t is not None and not t.is_alive() for t in threads)                # close() stopped them
+
+
+def test_missing_text_column_names_the_columns(tmp_path):
+    pq.write_table(pa.table({"content": ["a"], "id": [1]}), str(tmp_path / "t.parquet"))
+    with pytest.raises(data.DataError, match=r"no column 'text'.*\['content', 'id'\].*text_field"):
+        data.Corpus(str(tmp_path / "t.parquet"))
+    schema = pa.schema({"body": pa.large_string()})
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as s, pa.ipc.new_stream(s, schema) as w:
+        w.write_batch(pa.record_batch([pa.array(["a"], pa.large_string())], schema=schema))
+    with pytest.raises(data.DataError, match=r"\['body'\]"):
+        data.Corpus(str(tmp_path / "t.arrow"))
+    (tmp_path / "t.jsonl").write_text('{"body": "a"}\n')
+    with pytest.raises(data.DataError, match=r"t.jsonl:1: no text field 'text'.*\['body'\]"):
+        data.Corpus(str(tmp_path / "t.jsonl"))
+
+
+def test_refusals_before_training(files, tok, cache, tmp_path):
+    with pytest.raises(data.DataError, match=f"{VOCAB} pieces but the model's vocab_size is 300"):
+        data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=300)
+    with pytest.raises(data.DataError, match=r"has [\d,]+ tokens .* needs global_batch 5000 x \(seq_len 32 \+ 1\) = 165,000"):
+        data.PackedLoader(cfg(files["txt"], global_batch=5000), tok)
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.Corpus(files["txt"] + "/nope.txt")
+    (tmp_path / "t.csv").write_text("a,b\n")
+    with pytest.raises(data.DataError, match="t.csv: unsupported file type"):
+        data.Corpus(f"{files['jsonl']},{tmp_path / 't.csv'}")
+    with pytest.raises(data.DataError, match="for 200 DP ranks"):
+        data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=200)
+    with pytest.raises(data.DataError, match="could not train a 100000-piece tokenizer"):
+        data.build_tokenizer(DataConfig(data=files["jsonl"], cache_dir=cache), 100000)
+
+
+# ----------------------------------------------------------------------------- tokenizer, prepare, device
+
+def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, tmp_path, capsys):
+    assert tok.vocab_size == VOCAB and (tok.bos_id, tok.eos_id) == (1, 2)
+    text = "def f(x):\n\treturn  café 中文 ✓ 42\n"        # indentation, accents, unseen char (bytes)
+    assert tok.decode(tok.encode(text)) == text
+    again = data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=cache, val_fraction=0.1), VOCAB)
+    assert again.path == tok.path and "training" not in capsys.readouterr().err     # from the cache
+    corpus = data.Corpus(files["txt"])
+    data.train_tokenizer(corpus, data.split_documents(corpus.n_docs, 0.1)[0], VOCAB, str(tmp_path / "b.model"))
+    assert data.Tokenizer(str(tmp_path / "b.model")).fingerprint == tok.fingerprint
+    # A given .model (here ours: the same settings as Llama 2's tokenizer.model) loads as is.
+    assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
+
+
+def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
+    out = str(tmp_path / "all.arrow")
+    data.main(["prepare", files["jsonl"], files["parquet"], "--out", out])
+    assert "[prepare]" in capsys.readouterr().err
+    table = pa.ipc.open_stream(pa.memory_map(out)).read_all()
+    assert table.schema.field("text").type == pa.large_string()
+    assert table.column("text").to_pylist() == DOCS + DOCS
+    with pytest.raises(SystemExit, match="exists; pass --force"):
+        data.main(["prepare", files["jsonl"], "--out", out])
+
+
+def test_stdlib_corpus_smoke():
+    corpus = data.Corpus("stdlib")
+    assert corpus.n_docs > 500
+    assert not any("site-packages" in p for p in data.stdlib_files())
+    assert "import" in corpus.read([corpus.n_docs // 2])[0][0]
+
+
+def test_device_loader_cpu_keeps_state_of_handed_batch(files, tok):
+    loader = data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, prefetch=4)
+    dl = data.to_device_loader(loader, torch.device("cpu"))
+    b = take(dl, 3)
+    ref = data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, prefetch=0)
+    assert equal(b, take(ref, 3)) and dl.state_dict() == ref.state_dict()
+
+
+XLA_SCRIPT = r"""
+import sys, time, torch, torch_xla
+sys.path.insert(0, sys.argv[1])
+import data
+from configs import DataConfig
+c = DataConfig(data=sys.argv[2], seq_len=32, micro_batch=2, global_batch=4, val_fraction=0.1, seed=7)
+tok = data.Tokenizer(sys.argv[3])
+dl = data.to_device_loader(data.PackedLoader(c, tok), torch_xla.device())
+got = [next(dl) for _ in range(5)]
+ref = data.PackedLoader(c, tok, prefetch=0)
+want = [next(ref) for _ in range(5)]
+assert all(g[k].device.type == "xla" and torch.equal(g[k].cpu(), w[k]) for g, w in zip(got, want) for k in w)
+assert dl.state_dict() == ref.state_dict(), "state must be that of the batch handed to training"
+for _ in range(100):                 # MpDeviceLoader's thread reads ahead of training (give it time)
+    if dl.loader.stats()["windows"] > ref.stats()["windows"]:
+        break
+    time.sleep(0.05)
+assert dl.loader.stats()["windows"] > ref.stats()["windows"], "MpDeviceLoader should have read ahead"
+print("XLA_OK")
+"""
+
+
+def test_device_loader_xla_uses_mpdeviceloader(files, tok):
+    pytest.importorskip("torch_xla")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", XLA_SCRIPT, root, files["txt"], tok.path], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert "XLA_OK" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,173 @@
+"""Monitoring: the blog's spike detector finds exactly the known spikes, non-finite steps skip or
+stop as configured, metrics stay lazy on XLA, TensorBoard files read back, curves and progress."""
+import io
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import configs  # noqa: E402
+import monitor  # noqa: E402
+from monitor import Monitor, NonFiniteError, SpikeDetector  # noqa: E402
+
+
+def feed(detector, norms):
+    warnings = []
+    for step, g in enumerate(norms, start=1):
+        warnings += [(step, w) for w in detector.update(step, g)]
+    return warnings
+
+
+def test_spike_detector_finds_the_planted_spikes():
+    # Base: 1.0 with a wiggle of +-0.03 (well under the 0.1 margin). Planted: one-step spikes at
+    # steps 40 and 70, a 3-step spike at 100-102, a 7-step spike at 150-156 (persists: > 5 steps).
+    norms = [1.0 + 0.03 * math.sin(0.7 * i) for i in range(1, 201)]
+    for first, length, height in ((40, 1, 0.5), (70, 1, 0.3), (100, 3, 0.4), (150, 7, 0.4)):
+        for s in range(first, first + length):
+            norms[s - 1] += height
+    d = SpikeDetector()
+    warnings = feed(d, norms)
+    assert d.spikes == [(40, 1), (70, 1), (100, 3), (150, 7)]
+    assert d.summary() == {"spikes": 4, "one_step_share": 0.5, "longest": 7, "open": 0}
+    # exactly one warning: the 7-step spike, on its 6th step
+    assert [s for s, _ in warnings] == [155] and "persists for 6 steps" in warnings[0][1]
+
+
+def test_growth_warning_when_mean_triples():
+    norms = [1.0] * 40 + [1.0 + 0.05 * k for k in range(1, 81)]       # lowest mean 1.0, then a ramp to 5.0
+    first_over = next(t for t in range(20, len(norms) + 1) if sum(norms[t - 20:t]) / 20 > 3.0)
+    warnings = [(s, w) for s, w in feed(SpikeDetector(), norms) if "grown" in w]
+    assert [s for s, _ in warnings] == [first_over]       # once, when it first crosses 3x
+
+
+def reference_spikes(norms, window=20, margin=0.1):
+    """The blog's definition, written out literally: r = mean of the previous 20 norms; a spike
+    starts when norm > r + 0.1 and lasts until a step where norm <= r + 0.1 again."""
+    spikes, start = [], None
+    for i in range(window, len(norms)):
+        above = norms[i] > sum(norms[i - window:i]) / window + margin
+        if above and start is None:
+            start = i
+        elif not above and start is not None:
+            spikes.append((start + 1, i - start))      # steps are 1-based
+            start = None
+    return spikes
+
+
+def test_spike_detector_on_a_recorded_run_matches_the_definition():
+    path = os.path.join(ROOT, "tests", "data", "monitor_grad_norms.txt")
+    norms = [float(line) for line in open(path) if not line.startswith("#")]
+    d = SpikeDetector()
+    feed(d, norms)
+    expected = reference_spikes(norms)
+    assert len(expected) > 20                     # the recording does have spikes to find
+    assert d.spikes == expected
+    one = sum(length == 1 for _, length in expected) / len(expected)
+    assert d.summary()["one_step_share"] == pytest.approx(one)
+    print(f"recorded run: {len(expected)} spikes, {one:.0%} lasted one step")
+
+
+def small_cfg(tmp_path, **log):
+    cfg = configs.tiny()
+    cfg.log.tensorboard = str(tmp_path / "tb") if tmp_path else ""
+    for k, v in log.items():
+        setattr(cfg.log, k, v)
+    return cfg
+
+
+def test_nonfinite_skip_and_stop(tmp_path):
+    lines = []
+    mon = Monitor(small_cfg(None, on_nonfinite="skip"), 1e6, 1e12, print_fn=lines.append, max_consecutive_skips=3)
+    assert mon.check_finite(1, torch.tensor(2.0), torch.tensor(0.5))
+    assert not mon.check_finite(2, torch.tensor(float("nan")), torch.tensor(0.5))
+    assert not mon.check_finite(3, torch.tensor(2.0), torch.tensor(float("inf")))
+    assert mon.skipped == 2 and "update skipped" in lines[-1]
+    assert mon.check_finite(4, 2.0, 0.5) and mon.consecutive_skips == 0
+    for s in (5, 6):
+        assert not mon.check_finite(s, float("nan"), 1.0)
+    with pytest.raises(NonFiniteError, match="3 consecutive non-finite"):
+        mon.check_finite(7, float("nan"), 1.0)
+
+    stop = Monitor(small_cfg(None, on_nonfinite="stop"), 1e6, 1e12, print_fn=lines.append)
+    with pytest.raises(NonFiniteError, match=r"step 9: non-finite loss nan.*last good one.*on_nonfinite=skip"):
+        stop.check_finite(9, torch.tensor(float("nan")), torch.tensor(1.0))
+
+
+def test_metrics_are_lazy_on_xla_and_stop_is_caught_at_flush():
+    # In a subprocess: PJRT_DEVICE must not leak into the other tests' device choice.
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {ROOT!r})
+        import torch_xla, torch_xla.debug.metrics as met
+        import configs, monitor
+        dev = torch_xla.device()
+        cfg = configs.tiny(); cfg.log.tensorboard = ""; cfg.log.interval = 5; cfg.log.on_nonfinite = "stop"
+        mon = monitor.Monitor(cfg, 1e6, 1e12, device=dev, print_fn=lambda *a: None)
+        reads = lambda: (met.metric_data("TransferFromDeviceTime") or [0])[0]
+        w = torch.ones(4, device=dev)
+        seen = []
+        try:
+            for s in range(1, 11):
+                loss = (w * s).sum() if s != 7 else (w * float("nan")).sum()
+                assert mon.check_finite(s, loss, w.norm())        # stop mode on XLA: nothing read here
+                mon.step(s, loss=loss, grad_norm=w.norm() * s, lr=1e-3, tokens=64)
+                torch_xla.sync()
+                seen.append(reads())
+        except monitor.NonFiniteError as e:
+            print("STOPPED", s, "|", e)
+        print("READS", seen)
+    """)
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # one device-to-host transfer per log interval (steps 5 and 10), none in between
+    assert "READS [0, 0, 0, 0, 1, 1, 1, 1, 1]" in out.stdout, out.stdout
+    assert "STOPPED 10 | step 7: non-finite loss nan" in out.stdout, out.stdout
+
+
+def test_tensorboard_scalars_read_back_and_curves(tmp_path):
+    cfg = small_cfg(tmp_path, interval=4)
+    lines = []
+    mon = Monitor(cfg, flops_per_token=2e6, peak_flops=5e11, print_fn=lines.append)
+    losses = [5.0 - 0.1 * s for s in range(1, 13)]
+    for s in range(1, 13):
+        mon.step(s, loss=torch.tensor(losses[s - 1]), grad_norm=torch.tensor(0.5 + 0.01 * s), lr=1e-3 * s,
+                 tokens=torch.tensor(4096), data_wait=0.002, param_norm=torch.tensor(100.0 + s))
+    mon.eval(12, torch.tensor(4.0))
+    last = mon.last
+    mon.close()
+    assert last["mfu"] == pytest.approx(last["tokens_per_s"] * 2e6 / 5e11)
+    assert len([l for l in lines if l.startswith("step")]) == 4           # 3 log intervals + 1 eval
+    assert "param norm 112.0" in lines[2] and "val ppl 54.60" in lines[3]
+    s = monitor.read_scalars(cfg.log.tensorboard)
+    assert [v for _, v in s["train/loss"]] == pytest.approx(losses)
+    assert [st for st, _ in s["train/grad_norm"]] == list(range(1, 13))
+    assert s["train/lr"][-1] == (12, pytest.approx(12e-3))
+    assert s["train/param_norm"][0] == (1, pytest.approx(101.0))
+    assert s["train/tokens_seen"][-1] == (12, 12 * 4096)
+    assert s["val/loss"] == [(12, 4.0)] and s["val/perplexity"][0][1] == pytest.approx(math.exp(4.0), rel=1e-6)
+    assert [st for st, _ in s["perf/tokens_per_s"]] == [4, 8, 12] and "perf/mfu" in s
+    png = monitor.plot_curves(cfg.log.tensorboard, str(tmp_path / "curves.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000
+
+
+def test_progress_in_a_log_file():
+    out = io.StringIO()                     # not a terminal: one line per 10%
+    with monitor.Progress(50, "tokenizer", unit="docs", stream=out) as bar:
+        for _ in range(50):
+            bar.update()
+    text = out.getvalue().splitlines()
+    assert text[0].startswith("tokenizer:   2% 1/50 docs") and text[-2].startswith("tokenizer: 100% 50/50 docs")
+    assert len(text) == 12 and text[-1].startswith("tokenizer: done, 50 docs in")
+    out = io.StringIO()
+    with monitor.Progress(None, "first compile", stream=out) as bar:     # unknown total
+        bar.update(3)
+    assert out.getvalue().startswith("first compile: done, 3 it in")

@@ -1,0 +1,431 @@
+"""optim.py: AdamW against torch.optim.AdamW, stochastic rounding, the schedule, ZeRO-1 over gloo."""
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configs  # noqa: E402
+import model as llama  # noqa: E402
+import optim  # noqa: E402
+from parallel import Grid  # noqa: E402
+
+BF16_ULP_AT_1 = 2.0 ** -7          # bf16 keeps 8 significant bits: the gap between 1 and the next value
+
+
+def tiny_config(precision="fp32", **optim_kw) -> configs.Config:
+    cfg = configs.tiny()
+    cfg.model = configs.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    ffn_dim=64, max_seq_len=16)
+    cfg.optim.precision = precision
+    for k, v in optim_kw.items():
+        setattr(cfg.optim, k, v)
+    return cfg
+
+
+def tiny_model(cfg) -> llama.Llama:
+    """The unsharded reference: same full weights as parallel.build_model gives any layout."""
+    return llama.Llama(cfg.model).init_weights(cfg.seed).to(optim.param_dtype(cfg.optim.precision))
+
+
+def batch(seed: int, n: int = 2, T: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (n, T + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def backward(model, tokens, targets, scale=None):
+    loss = llama.loss_sum(model(tokens), targets)
+    (loss / (scale or targets.numel())).backward()
+
+
+# ----------------------------------------------------------------------------- AdamW
+
+@pytest.mark.parametrize("decay_norms", [True, False])
+def test_adamw_fp32_matches_torch(decay_norms):
+    """fp32: our AdamW == torch.optim.AdamW step for step (same grads fed to both), lr changing
+    every step along the schedule."""
+    cfg = tiny_config(decay_norms=decay_norms, warmup_steps=2, decay_steps=4, lr=3e-3, min_lr=3e-4)
+    ours, ref = tiny_model(cfg), tiny_model(cfg)
+    opt = optim.build_optimizer(ours, cfg)
+    o = cfg.optim
+    decay = [p for p in ref.parameters() if decay_norms or p.ndim >= 2]
+    exempt = [p for p in ref.parameters() if not (decay_norms or p.ndim >= 2)]
+    assert exempt or decay_norms
+    groups = [{"params": decay, "weight_decay": o.weight_decay}] + ([{"params": exempt, "weight_decay": 0.0}] if exempt else [])
+    ref_opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    for step in range(6):
+        lr = optim.lr_at(step, o)
+        opt.set_lr(lr)
+        for g in ref_opt.param_groups:
+            g["lr"] = lr
+        backward(ours, *batch(step))
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+            assert (p - q).abs().max().item() < 1e-6, (step, n)
+    # the step really changed the weights (the comparison is not between two untouched models)
+    assert (ours.lm_head.weight - tiny_model(cfg).lm_head.weight).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("precision,bytes_per_param,pdtype,sdtype", [
+    ("fp32", 8, torch.float32, torch.float32), ("mixed", 12, torch.bfloat16, torch.float32),
+    ("bf16", 4, torch.bfloat16, torch.bfloat16), ("bf16_sr", 4, torch.bfloat16, torch.bfloat16)])
+def test_precision_modes_dtypes_and_state_bytes(precision, bytes_per_param, pdtype, sdtype):
+    cfg = tiny_config(precision)
+    model = tiny_model(cfg)
+    opt = optim.build_optimizer(model, cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == llama.num_params(cfg.model)
+    assert opt.state_bytes() == bytes_per_param * n
+    assert all(p.dtype == pdtype for p in model.parameters())
+    assert all(s.exp_avg.dtype == sdtype and s.exp_avg_sq.dtype == sdtype for s in opt.slots)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(model, *batch(0))
+    opt.step()
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    # fp32 moves every weight; in the bf16-param modes a first step of lr=1e-3 on a norm weight of
+    # 1.0 is below half a bf16 ulp and may round back to 1.0 (the point of the whole study)
+    assert all(changed) if precision == "fp32" else sum(changed) > len(changed) // 2
+    if precision == "mixed":
+        # the bf16 params are the fp32 master rounded to nearest, and the master moved by less
+        # than one bf16 ulp in places (it keeps what the bf16 params cannot)
+        for s in opt.slots:
+            assert s.master.dtype == torch.float32
+            assert torch.equal(s.value, s.master.to(torch.bfloat16))
+        assert any(not torch.equal(s.master, s.value.float()) for s in opt.slots)
+
+
+def test_wrong_param_dtype_and_precision_are_rejected():
+    cfg = tiny_config("mixed")
+    with pytest.raises(ValueError, match="param_dtype"):
+        optim.build_optimizer(llama.Llama(cfg.model), cfg)      # fp32 params for a bf16 mode
+    cfg.optim.precision = "fp16"
+    with pytest.raises(ValueError, match="bf16_sr"):
+        optim.param_dtype(cfg.optim.precision)
+
+
+def test_state_dict_roundtrip_and_mismatch_errors():
+    cfg = tiny_config("mixed")
+    model = tiny_model(cfg)
+    opt = optim.build_optimizer(model, cfg)
+    backward(model, *batch(0))
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = optim.build_optimizer(copy.deepcopy(model), cfg)
+    opt2.load_state_dict(sd)
+    assert opt2.step_count == 1
+    for a, b in zip(opt.slots, opt2.slots):
+        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+    other = tiny_config("bf16_sr")
+    with pytest.raises(ValueError, match="precision"):
+        optim.build_optimizer(tiny_model(other), other).load_state_dict(sd)
+    zero = optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, Grid(dp=2, dp_rank=0))
+    with pytest.raises(ValueError, match="same DP"):
+        zero.load_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+
+def _bf16_neighbours(x: torch.Tensor):
+    """The two bf16 values around each fp32 x (equal when x is a bf16 value), found with
+    nextafter rather than bit tricks."""
+    near = x.to(torch.bfloat16)
+    toward = torch.where(near.float() < x, torch.full_like(near, math.inf), torch.full_like(near, -math.inf))
+    other = torch.where(near.float() == x, near, torch.nextafter(near, toward))
+    return torch.minimum(near, other).float(), torch.maximum(near, other).float()
+
+
+def test_sr_result_is_always_a_bf16_neighbour():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * torch.logspace(-30, 30, 20000)    # both signs, wide range
+    x[:8] = torch.tensor([0.0, -0.0, 1.0, -2.0, 3.0, 1e-40, -1e-40, 3e38])   # exact, subnormal, huge
+    lo, hi = _bf16_neighbours(x)
+    r = optim.stochastic_round(x, torch.Generator().manual_seed(1))
+    assert r.dtype == torch.bfloat16
+    assert torch.all((r.float() == lo) | (r.float() == hi))
+    exact = lo == hi
+    assert torch.equal(r.float()[exact], x[exact])
+    assert (r.float() == lo)[~exact].any() and (r.float() == hi)[~exact].any()   # both directions occur
+    special = optim.stochastic_round(torch.tensor([math.nan, -math.nan, math.inf, -math.inf]), g).float()
+    assert special[:2].isnan().all() and special[2] == math.inf and special[3] == -math.inf
+
+
+def test_sr_is_unbiased_within_statistical_bound():
+    """Mean of N roundings of x: each rounding is lo or hi with p = (x - lo) / (hi - lo), so the mean
+    has std (hi - lo) * sqrt(p (1 - p) / N) <= gap / (2 sqrt N). Bound used: 5 of those stds.
+    Round to nearest, for contrast, is off by up to half a gap with no averaging out."""
+    N = 4000
+    g = torch.Generator().manual_seed(0)
+    x = (1.0 + torch.rand(64, generator=g)) * torch.tensor([1.0, -3e-3, 7e4, -0.5]).repeat(16)
+    lo, hi = _bf16_neighbours(x)
+    rounds = torch.stack([optim.stochastic_round(x, g).float() for _ in range(N)])
+    err = (rounds.double().mean(0) - x.double()).abs()
+    bound = 5 * (hi - lo).double() / (2 * math.sqrt(N))
+    assert torch.all(err <= bound), (err / bound).max()
+    rne_err = (x.to(torch.bfloat16).float().double() - x.double()).abs()
+    assert rne_err.max() > 10 * bound.max()      # the test would catch a round-to-nearest in disguise
+
+
+def test_update_below_half_ulp_moves_only_with_sr():
+    """w = 1.0 in bf16, add delta = 1e-3 (< half ulp = 3.9e-3) K times. Round to nearest never
+    moves; SR lands on 1 + K delta in expectation: each add is unbiased, so after K adds the error has
+    std <= ulp/2 * sqrt(K) per weight, averaged over M independent weights."""
+    K, M, delta = 200, 4096, 1e-3
+    g = torch.Generator().manual_seed(0)
+    rne = torch.ones(M, dtype=torch.bfloat16)
+    sr = torch.ones(M, dtype=torch.bfloat16)
+    for _ in range(K):
+        rne = (rne.float() + delta).to(torch.bfloat16)
+        sr = optim.stochastic_round(sr.float() + delta, g)
+    assert torch.all(rne == 1.0)
+    bound = 5 * (BF16_ULP_AT_1 / 2) * math.sqrt(K) / math.sqrt(M)
+    assert abs(sr.float().mean().item() - (1 + K * delta)) < bound
+
+
+def test_adamw_bf16_stalls_where_bf16_sr_follows_fp32():
+    """The blog's finding in miniature, through the optimizer: a constant gradient makes every Adam
+    step exactly lr (m_hat / sqrt(v_hat) = 1). With lr far below half a bf16 ulp, bf16 params never
+    move, bf16_sr params move by lr per step on average, like fp32."""
+    lr, K, M = 2e-4, 100, 4096
+    finals = {}
+    for precision in ("fp32", "bf16", "bf16_sr"):
+        cfg = tiny_config(precision, lr=lr, weight_decay=0.0, eps=1e-12)
+        w = torch.nn.Parameter(torch.ones(M, dtype=optim.param_dtype(precision)))
+        opt = optim.AdamW([("w", w)], cfg.optim, seed=3)
+        for _ in range(K):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        finals[precision] = w.detach().float()
+    assert torch.allclose(finals["fp32"], torch.full((M,), 1 - K * lr), atol=1e-5)
+    assert torch.all(finals["bf16"] == 1.0)
+    # SR noise on m and v makes the step not exactly lr; 10% of the expected move is still 6 sigma
+    assert abs(finals["bf16_sr"].mean().item() - (1 - K * lr)) < 0.1 * K * lr
+
+
+def test_sr_stream_is_seeded_and_resumes_exactly():
+    """Same seed -> bitwise the same run (DP replicas stay identical); a resumed run continues with
+    the same random stream as the uninterrupted one; another seed gives another run."""
+    def run(seed, steps, resume_from=None):
+        cfg = tiny_config("bf16_sr")
+        cfg.seed = seed
+        model = tiny_model(cfg)
+        opt = optim.build_optimizer(model, cfg)
+        start = 0
+        if resume_from is not None:
+            model.load_state_dict(resume_from[0])
+            opt.load_state_dict(resume_from[1])
+            start = opt.step_count
+        for step in range(start, steps):
+            backward(model, *batch(step))
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    full, _ = run(7, 4)
+    m2, o2 = run(7, 2)
+    saved = (copy.deepcopy(m2.state_dict()), copy.deepcopy(o2.state_dict()))
+    assert saved[1]["sr_seed"] == 7 and saved[1]["step"] == 2
+    resumed, _ = run(7, 4, resume_from=saved)
+    other, _ = run(8, 4)
+    for (n, a), b, c in zip(full.named_parameters(), resumed.parameters(), other.parameters()):
+        assert torch.equal(a, b), n
+    assert any(not torch.equal(a, c) for a, c in zip(full.parameters(), other.parameters()))
+
+
+def test_sr_streams_and_norm_weights_follow_tp_sharing():
+    """Norm weights (replicated over TP) and replicated KV heads must round identically on the TP
+    ranks holding copies; TP shards draw independent noise. Norm weights count each element once."""
+    cfg = tiny_config("bf16_sr")
+    shard = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    shard.tensor_model_parallel = True
+    qkv = torch.nn.Parameter(torch.ones(6, 4, dtype=torch.bfloat16))     # 2 q rows... then a KV head
+    qkv.tensor_model_parallel, qkv.kv_replicas, qkv.q_rows = True, 2, 2
+    norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    slots = [optim.AdamW([("w", shard), ("qkv", qkv), ("n", norm)], cfg.optim, Grid(tp=4, tp_rank=r)).slots
+             for r in range(4)]
+    keys = [[s.sr_key for s in ss] for ss in slots]
+    assert len({k[0] for k in keys}) == 4                  # shards: one stream per TP rank
+    assert len({k[1] for k in keys}) == 4                  # q rows of qkv: per TP rank
+    assert keys[0][2] == keys[1][2] != keys[2][2] == keys[3][2]   # KV head: shared by its 2 copies
+    assert len({k[3] for k in keys}) == 1                  # norm weight: one stream on all TP ranks
+    assert [(s.lo, s.hi) for s in slots[0]] == [(0, 16), (0, 8), (8, 24), (0, 4)]
+    weights = [[s.norm_weight for s in ss] for ss in slots]
+    assert [sum(w[3] for w in weights)] == [1.0] and weights[1][2] == 0.5
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def test_schedule_7b_closed_form():
+    o = configs.llama2_7b().optim        # 2000 warmup, 480k cosine 3e-4 -> 3e-5, 500k steps
+    assert (o.warmup_steps, o.decay_steps, o.max_steps, o.lr, o.min_lr) == (2000, 480_000, 500_000, 3e-4, 3e-5)
+
+    def cosine(s):
+        return 3e-5 + 0.5 * (1 + math.cos(math.pi * (s - 2000) / 480_000)) * (3e-4 - 3e-5)
+    expected = {0: 3e-4 * 1 / 2000, 1000: 3e-4 * 1001 / 2000, 2000: 3e-4, 250_000: cosine(250_000),
+                480_000: cosine(480_000), 500_000: 3e-5}
+    for step, lr in expected.items():
+        assert optim.lr_at(step, o) == pytest.approx(lr, rel=1e-12, abs=0), step
+    assert 3e-5 < optim.lr_at(480_000, o) < optim.lr_at(250_000, o) < 3e-4
+    assert optim.lr_at(482_000, o) == pytest.approx(3e-5) and optim.lr_at(482_001, o) == 3e-5
+
+
+def test_schedule_constant_phase_and_edges():
+    o = configs.OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, constant_steps=5, decay_steps=20)
+    assert [optim.lr_at(s, o) for s in (9, 10, 14)] == [1.0, 1.0, 1.0]   # warmup ends at lr, then holds
+    assert optim.lr_at(15, o) == 1.0 and optim.lr_at(25, o) == pytest.approx(0.55)
+    assert optim.lr_at(35, o) == 0.1
+    lrs = [optim.lr_at(s, o) for s in range(40)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:11]))                # warmup rises
+    assert all(a >= b for a, b in zip(lrs[15:35], lrs[16:36]))             # decay falls
+    o0 = configs.OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=0, decay_steps=0)
+    assert optim.lr_at(0, o0) == 0.1
+
+
+# ----------------------------------------------------------------------------- ZeRO-1
+
+def test_zero1_shards_cover_every_element_once():
+    """No collectives needed: the shard layout alone. Each rank's state is ceil(N / DP) elements
+    (1/DP of the unsharded state, padding aside), and the ranks' slots tile all N elements."""
+    cfg = tiny_config("mixed")
+    model = tiny_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    for dp in (2, 3):
+        covered = {name: torch.zeros(p.numel(), dtype=torch.int32) for name, p in model.named_parameters()}
+        for r in range(dp):
+            opt = optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, Grid(dp=dp, dp_rank=r))
+            assert opt.flat["exp_avg"].numel() == -(-n // dp)
+            assert opt.state_bytes() == 12 * -(-n // dp)
+            for s in opt.slots:
+                start = s.value.data_ptr() - s.param.data_ptr()
+                covered[s.name][start // s.value.element_size():][:s.value.numel()] += 1
+        assert all(torch.all(c == 1) for c in covered.values())
+    with pytest.raises(RuntimeError, match="reduce_scatter_and_clip"):
+        opt.step()
+
+
+def _init_gloo(rank: int, world: int, store_file: str):
+    # Rendezvous through a file unique to this test (not a TCP port picked in advance): concurrent
+    # test runs on a shared machine cannot join each other's groups.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+
+
+def _zero1_worker(rank: int, world: int, store_file: str):
+    """DP=2: ZeRO-1 against the unsharded optimizer on the whole batch, in every precision mode."""
+    _init_gloo(rank, world, store_file)
+    grid = Grid(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))))
+    try:
+        for precision in ("fp32", "mixed", "bf16", "bf16_sr"):
+            # clip 0.5 is below the tiny model's grad norm: clipping is active, so the global norm matters
+            cfg = tiny_config(precision, grad_clip=0.5, lr=3e-3)
+            cfg.parallel.zero1 = True
+            model, ref = tiny_model(cfg), tiny_model(cfg)
+            opt = optim.build_optimizer(model, cfg, grid)
+            ref_opt = optim.build_optimizer(ref, cfg)            # no grid: the unsharded optimizer
+            assert isinstance(opt, optim.Zero1AdamW) and not ref_opt.zero1
+            n = sum(p.numel() for p in model.parameters())
+            assert opt.state_bytes() * world == pytest.approx(ref_opt.state_bytes(), rel=1e-3)
+            for step in range(3):
+                tokens, targets = batch(step, n=4)
+                mine = slice(2 * rank, 2 * rank + 2)
+                # the train.py rule: local sum * dp / global tokens, then 1/DP in the reduce
+                backward(model, tokens[mine], targets[mine], scale=targets.numel() / world)
+                norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
+                opt.step()
+                opt.zero_grad()
+                backward(ref, tokens, targets)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optim.grad_clip)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert ref_norm > cfg.optim.grad_clip
+                if precision == "fp32":
+                    assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item()
+            # every rank holds the same full model after the all-gather
+            flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            assert torch.equal(gathered[0], gathered[1]), precision
+            diff = max((p.float() - q.float()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+            if precision == "fp32":
+                assert diff < 1e-6, diff
+            elif precision == "mixed":
+                # bf16 grads summed in another order: a few bf16 ulps of a 0.02-scale weight at most
+                assert diff < 4e-3, diff
+            assert math.isfinite(diff) and opt.step_count == 3
+            assert opt.flat["exp_avg"].numel() == -(-n // world)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_dp2_matches_unsharded(tmp_path):
+    mp.spawn(_zero1_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def _tp_dp_worker(rank: int, world: int, store_file: str):
+    """TP=2 x DP=2 with SP and a KV head replicated on both TP ranks (n_kv_heads=1): ZeRO-1 on
+    parallel.py's TP model against the unsharded optimizer on one full model."""
+    import parallel
+    _init_gloo(rank, world, store_file)
+    try:
+        for precision in ("fp32", "bf16_sr"):
+            cfg = tiny_config(precision, grad_clip=0.5, lr=3e-3)
+            cfg.model.n_kv_heads = 1
+            cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.zero1 = 2, True, True
+            grid = parallel.new_grid(world, rank, 2, 1, parallel.kv_replicas(cfg.model, 2), "gloo")
+            assert grid.dp == 2 and grid.kv_group is not None
+            model = parallel.build_model(cfg, grid, "cpu").to(optim.param_dtype(precision))
+            ref = tiny_model(cfg)
+            opt, ref_opt = optim.build_optimizer(model, cfg, grid), optim.build_optimizer(ref, cfg)
+            assert opt.zero1
+            for step in range(3):
+                tokens, targets = batch(step, n=4)
+                mine = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
+                loss = parallel.loss_sum(model(tokens[mine]), targets[mine], grid)
+                (loss * grid.dp / targets.numel()).backward()
+                parallel.reduce_tp_replicated_gradients(model, grid)    # SP norms, KV copies: sum over TP
+                norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
+                opt.step()
+                opt.zero_grad()
+                backward(ref, tokens, targets)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optim.grad_clip)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert ref_norm > cfg.optim.grad_clip
+                if precision == "fp32":
+                    assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item(), (norm, ref_norm)
+            full = parallel.gather_full_state_dict(model, grid)
+            if precision == "fp32":
+                for n, q in ref.named_parameters():
+                    assert (full[n] - q).abs().max().item() < 1e-6, n
+            else:
+                # copies must stay bitwise equal under SR: norm weights over TP, the KV head over its
+                # replicas, and every weight over DP
+                def same_over(t, group):
+                    ts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+                    dist.all_gather(ts, t.contiguous(), group=group)
+                    return all(torch.equal(ts[0], x) for x in ts)
+                blk = model.layers[0]
+                q_rows = blk.attn.qkv_proj.weight.q_rows
+                assert same_over(blk.attn_norm.weight.float(), grid.tp_group)
+                assert same_over(blk.attn.qkv_proj.weight[q_rows:].float(), grid.kv_group)
+                assert not same_over(blk.attn.qkv_proj.weight[:q_rows].float(), grid.tp_group)
+                for p in model.parameters():
+                    assert same_over(p.float(), grid.dp_group)
+                moved = (full["layers.0.attn.o_proj.weight"].float() - tiny_model(cfg).layers[0].attn.o_proj.weight.float())
+                assert moved.abs().max() > 1e-3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_tp2_dp2_matches_unsharded(tmp_path):
+    mp.spawn(_tp_dp_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)

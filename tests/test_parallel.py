@@ -1,0 +1,410 @@
+"""Tensor, sequence and data parallelism give the same numbers as one process (issue 4).
+
+One spawn of 4 gloo processes runs every layout (several layouts share one spawn to keep the file
+fast on 2 cores):
+  phase A, one world of 4:  TP=2 x DP=2 (SP off / on), TP=4 (SP off / on, the latter with full
+                            activation checkpointing; 2 KV heads, so each KV head is replicated on
+                            2 ranks: the 70B situation), the communication count, and the
+                            world-size normalization counter-example;
+  phase B, two worlds of 2: TP=2 (SP off / on) on ranks 0-1 while DP=2 runs on ranks 2-3.
+Every layout uses 2 microbatches per DP rank (gradient accumulation 2) and trains 3 steps with
+train.train_step and torch's AdamW. Each rank writes what it gathered (full-shape logits,
+gradients, weights) to a file; the tests compare them, in this process, with a plain
+single-process Llama (no parallel.py code in the reference).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configs  # noqa: E402
+import model as llama  # noqa: E402
+import parallel  # noqa: E402
+import train  # noqa: E402
+from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+
+GLOBAL_BATCH, SEQ, ACCUM, STEPS = 8, 16, 2, 3
+TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
+
+
+def tiny_cfg(tp: int = 1, dp: int = 1, sp: bool = False) -> configs.Config:
+    cfg = configs.tiny()
+    cfg.model = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                            max_seq_len=SEQ)      # vocab 97: padded to 98 (TP=2) and 100 (TP=4)
+    cfg.parallel = ParallelConfig(tp=tp, dp=dp, sp=sp)
+    cfg.data.seq_len, cfg.data.global_batch = SEQ, GLOBAL_BATCH
+    cfg.data.micro_batch = GLOBAL_BATCH // (dp * ACCUM)
+    cfg.optim.grad_clip = 0.5                     # below the norms seen here: clipping is active
+    cfg.seed = 7
+    return cfg
+
+
+def global_batch(step: int) -> dict:
+    """The step's whole batch. Sequence i has its first 2*i targets ignored (-100), so DP ranks hold
+    different numbers of valid tokens, and two packed documents (mask and positions restart)."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
+    targets = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
+    cut = torch.tensor([4 + i % 8 for i in range(GLOBAL_BATCH)])[:, None]
+    ar = torch.arange(SEQ)[None]
+    targets[ar < 2 * torch.arange(GLOBAL_BATCH)[:, None]] = -100
+    doc_ids = (ar >= cut).long()
+    return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
+
+
+def rank_batches(step: int, grid: parallel.Grid) -> list[dict]:
+    """This DP rank's microbatches: a contiguous 1/DP of the sequences, split into ACCUM pieces."""
+    full = global_batch(step)
+    per_rank = GLOBAL_BATCH // grid.dp
+    mine = {k: v[grid.dp_rank * per_rank:(grid.dp_rank + 1) * per_rank] for k, v in full.items()}
+    return [{k: v.chunk(ACCUM)[m] for k, v in mine.items()} for m in range(ACCUM)]
+
+
+def forward_backward(model, batches, grid, normalize: str = "global"):
+    """The first half of train.train_step, for the tests that look between backward and the update.
+    Loss normalization as train.py does it (torchtitan's rule): back-propagate
+    local_sum * dp / global_tokens, so reduce_gradients' SUM * 1/dp gives d(total / global_tokens).
+    normalize="local_mean" is the common mistake shown in test_world_size_normalization_is_wrong."""
+    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
+    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group)
+    scale = grid.dp / global_tokens if normalize == "global" else 1.0 / local_tokens
+    total = torch.zeros(())
+    for b in batches:
+        loss = parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid)
+        (loss * scale).backward()
+        total += loss.detach()
+    return total, global_tokens
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that gathers the full-shape gradients (reduced and clipped) at its first step."""
+    def __init__(self, model, grid, lr=1e-3):
+        super().__init__(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+        self.model, self.grid, self.grads = model, grid, None
+
+    def step(self, closure=None):
+        if self.grads is None:
+            self.grads = parallel.gather_full_state_dict(self.model, self.grid, grads=True)
+        return super().step(closure)
+
+
+# ----------------------------------------------------------------------------- the reference
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain single-process Llama, whole global batch in one forward, torch's own clipping."""
+    cfg = tiny_cfg()
+    model = llama.Llama(cfg.model).init_weights(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
+    for step in range(STEPS):
+        b = global_batch(step)
+        logits = model(b["tokens"], b["positions"], b["doc_ids"])
+        n = (b["targets"] != -100).sum()
+        loss = llama.loss_sum(logits, b["targets"]) / n
+        loss.backward()
+        if step == 0:
+            out["logits"] = logits.detach()
+            out["grads_unclipped"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+        if step == 0:
+            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out["loss"].append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- the spawned ranks
+
+def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
+    """Build, check the init, 3 training steps; write what this rank gathered to full shape."""
+    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    res = {"init": parallel.gather_full_state_dict(model, grid), "loss": [], "norm": []}
+    b0 = rank_batches(0, grid)[0]
+    with torch.no_grad():
+        logits = model(b0["tokens"], b0["positions"], b0["doc_ids"])
+    res["logits_local"] = logits
+    if grid.tp > 1:
+        logits = parallel.gather_from_tensor_parallel_region(logits, grid.tp_group)
+    res["logits"], res["logit_rows"] = logits, grid.dp_rank * (GLOBAL_BATCH // grid.dp)
+    opt = RecordingAdamW(model, grid)
+    for step in range(STEPS):
+        r = train.train_step(model, opt, rank_batches(step, grid), grid, cfg)
+        res["loss"].append(r["loss"])
+        res["norm"].append(r["grad_norm"])
+    res["grads"], res["params"] = opt.grads, parallel.gather_full_state_dict(model, grid)
+    # load_full_state_dict is the inverse: load the reference init into a differently seeded model.
+    cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp)
+    cfg2.seed = 8
+    other = parallel.build_model(cfg2, grid, torch.device("cpu"))
+    parallel.load_full_state_dict(other, res["init"], grid)
+    res["reloaded"] = parallel.gather_full_state_dict(other, grid)
+    torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))
+
+
+def count_step_collectives(cfg, grid, bucket_bytes=parallel.BUCKET_BYTES):
+    """One step's collectives, as (kind, op) -> [count, bytes]."""
+    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp"}
+    with parallel.count_collectives() as log:
+        forward_backward(model, rank_batches(0, grid), grid)
+        parallel.reduce_gradients(model, grid, bucket_bytes)
+        parallel.clip_grad_norm_(model.parameters(), 1.0, grid)
+    counts = {}
+    for op, group, nbytes in log:
+        c = counts.setdefault((kinds[id(group)], op), [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+    return counts
+
+
+def world_size_normalization(cfg, grid):
+    """Gradients three ways from the same backward: right (1/DP), xm.reduce_gradients' 1/world, and
+    a per-rank mean loss (each rank divides by its own token count)."""
+    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    out = {}
+    for how in ("right", "world", "local_mean"):
+        model.zero_grad(set_to_none=True)
+        forward_backward(model, rank_batches(0, grid), grid, "local_mean" if how == "local_mean" else "global")
+        if how == "world":            # what xm.reduce_gradients does: SUM over DP, scaled by 1/world
+            parallel.reduce_tp_replicated_gradients(model, grid)
+            for p in model.parameters():
+                parallel.all_reduce(p.grad.mul_(1.0 / grid.world), grid.dp_group)
+        else:
+            parallel.reduce_gradients(model, grid)
+        out[how] = parallel.gather_full_state_dict(model, grid, grads=True)
+    return out
+
+
+def _worker(rank: int, ports: list[int], out_dir: str):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
+                      WORLD_SIZE="4", LOCAL_RANK=str(rank))
+    # Phase A: one world of 4.
+    cfg = tiny_cfg(tp=2, dp=2)
+    grid = parallel.init_distributed(cfg)
+    assert (grid.tp, grid.dp, grid.tp_rank, grid.dp_rank, grid.backend) == (2, 2, rank % 2, rank // 2, "gloo")
+    for sp in (False, True):
+        run_layout(f"tp2dp2_sp{int(sp)}", tiny_cfg(tp=2, dp=2, sp=sp), grid, out_dir)
+    comm = {sp: count_step_collectives(tiny_cfg(tp=2, dp=2, sp=sp), grid) for sp in (False, True)}
+    comm["small_buckets"] = count_step_collectives(tiny_cfg(tp=2, dp=2), grid, bucket_bytes=1)
+    norm = world_size_normalization(tiny_cfg(tp=2, dp=2), grid)
+    if rank == 0:
+        torch.save({"comm": comm, "norm": norm}, os.path.join(out_dir, "phase_a.pt"))
+    cfg4 = tiny_cfg(tp=4, dp=1)
+    grid4 = parallel.new_grid(4, rank, 4, 1, parallel.kv_replicas(cfg4.model, 4), "gloo")
+    run_layout("tp4_sp0", tiny_cfg(tp=4, dp=1), grid4, out_dir)
+    cfg4 = tiny_cfg(tp=4, dp=1, sp=True)
+    cfg4.model.checkpointing = "full"       # the recomputed forward repeats its collectives in backward
+    run_layout("tp4_sp1_ckpt", cfg4, grid4, out_dir)
+    dist.destroy_process_group()
+
+    # Phase B: two independent worlds of 2: TP=2 on ranks 0-1, DP=2 on ranks 2-3.
+    os.environ.update(MASTER_PORT=str(ports[1 + rank // 2]), RANK=str(rank % 2), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank % 2))
+    if rank < 2:
+        grid = parallel.init_distributed(tiny_cfg(tp=2))
+        for sp in (False, True):
+            run_layout(f"tp2_sp{int(sp)}", tiny_cfg(tp=2, sp=sp), grid, out_dir)
+    else:
+        grid = parallel.init_distributed(tiny_cfg(dp=2))
+        run_layout("dp2", tiny_cfg(dp=2), grid, out_dir)
+    parallel.destroy(grid)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("parallel"))
+    ctx = mp.start_processes(_worker, args=(_free_ports(3), out_dir), nprocs=4, join=False, start_method="spawn")
+    deadline = time.time() + 600
+    while not ctx.join(timeout=5):       # raises if a rank failed
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("parallel workers did not finish in 600 s (a collective mismatch hangs)")
+    return out_dir
+
+
+LAYOUTS = {  # name -> ranks that wrote a file
+    "tp2_sp0": [0, 1], "tp2_sp1": [0, 1], "dp2": [0, 1],
+    "tp2dp2_sp0": [0, 1, 2, 3], "tp2dp2_sp1": [0, 1, 2, 3],
+    "tp4_sp0": [0, 1, 2, 3], "tp4_sp1_ckpt": [0, 1, 2, 3],
+}
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= TOL * scale, f"{what}: max-abs error {err:.3e} > {TOL} x {scale:.3e}"
+
+
+def load(spawned, name):
+    return [torch.load(os.path.join(spawned, f"{name}.rank{r}.pt")) for r in LAYOUTS[name]]
+
+
+# ----------------------------------------------------------------------------- layout tests
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(spawned, reference, name):
+    for rank, res in enumerate(load(spawned, name)):
+        where = f"{name} rank {rank}"
+        # Layout-independent init: exactly the single-process weights, and load is its inverse.
+        for k, v in reference["init"].items():
+            assert torch.equal(res["init"][k], v), f"{where}: init of {k} differs"
+            assert torch.equal(res["reloaded"][k], v), f"{where}: load_full_state_dict of {k}"
+        # Forward: the gathered logits; the padding columns (vocab 97 -> a TP multiple) are -inf.
+        full = res["logits"]
+        rows = slice(res["logit_rows"], res["logit_rows"] + full.shape[0])
+        assert_close(full[..., :97], reference["logits"][rows], f"{where}: logits")
+        assert torch.all(full[..., 97:] == float("-inf")), f"{where}: padding logits not masked"
+        for step in range(STEPS):
+            assert_close(res["loss"][step], reference["loss"][step], f"{where}: loss at step {step}")
+            assert_close(res["norm"][step], reference["norm"][step], f"{where}: grad norm at step {step}")
+        assert set(res["grads"]) == set(reference["grads"])
+        for k, g in reference["grads"].items():
+            assert_close(res["grads"][k], g, f"{where}: grad of {k} (step 0, reduced and clipped)")
+        for k, p in reference["params"].items():
+            assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
+
+
+def test_clipping_was_active(reference):
+    # Otherwise the grad-norm comparison above would not exercise the clip coefficient.
+    assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])
+
+
+def test_replicated_kv_heads_are_distinct_shards(spawned):
+    """TP=4 with 2 KV heads: ranks 0,1 hold copies of KV head 0, ranks 2,3 of KV head 1."""
+    res = load(spawned, "tp4_sp0")
+    m = tiny_cfg().model
+    w = res[0]["params"]["layers.0.attn.qkv_proj.weight"]
+    for r in range(4):
+        local = parallel.shard_tensor("layers.0.attn.qkv_proj.weight", w, m, 4, r).view(3, m.head_dim, m.dim)
+        groups = w.view(2, 4, m.head_dim, m.dim)        # [kv group, (q, q, k, v), hd, dim]
+        assert torch.equal(local[0], groups[r // 2, r % 2]) and torch.equal(local[1:], groups[r // 2, 2:])
+
+
+def test_world_size_normalization_is_wrong(spawned, reference):
+    """TP=2 x DP=2 on 4 ranks. Dividing the DP sum by the world size (xm.reduce_gradients, HLAT's
+    divergence) gives gradients TP=2 times too small; dividing each rank's loss by its own token
+    count (not the global one) weights the two DP halves wrongly. Only 1/DP + global tokens matches."""
+    norm = torch.load(os.path.join(spawned, "phase_a.pt"))["norm"]
+    ref = reference["grads_unclipped"]
+    for k, g in ref.items():
+        assert_close(norm["right"][k], g, f"right normalization: {k}")
+    for k, g in ref.items():   # exactly half of the right gradient: off by a factor TP
+        assert_close(norm["world"][k], g / 2, f"1/world normalization: {k}")
+        assert (norm["world"][k] - g).abs().max() > 0.49 * g.abs().max()
+    worst = max(((norm["local_mean"][k] - g).abs().max() / g.abs().max()).item() for k, g in ref.items())
+    assert worst > 0.05, f"per-rank mean loss should differ from the global mean (rel. error {worst:.3g})"
+
+
+def test_communication_matches_formulas(spawned):
+    """One step of TP=2 x DP=2: M=2 microbatches of b=2 sequences, T=16, d=64, L=2, fp32.
+    act = b*T*d*4 bytes (one [B, T, dim] activation), tok = b*T*4 (one float per token).
+
+    Without SP, per microbatch (TP group):
+      all-reduce: forward  1 (embedding) + 2L (o_proj, down_proj: row-parallel outputs)
+                  backward 2L (qkv_proj, gate_up_proj: column-parallel inputs) + 1 (lm_head input)
+                  loss     2 (max: tok bytes; [sum_exp, target logit]: 2*tok bytes)
+      -> M*(4L+4) all-reduces, M*((4L+2)*act + 3*tok) bytes.
+    With SP, per microbatch: all-gather 2L+1 forward (column inputs) + 2L+1 backward (row outputs),
+      reduce-scatter 2L+1 forward (embedding, row outputs) + 2L+1 backward (column inputs), each
+      act bytes; the loss's 2 all-reduces; once per step 1 all-reduce of the (2L+1) norm-weight
+      gradients, (2L+1)*d*4 bytes.
+    Per step: TP all-reduce of the clip norm (4 bytes); DP: 1 all-reduce of the token count (8
+    bytes, int64) and the gradient buckets: all local parameters, 1 bucket (64 MiB cap), or one
+    per parameter with a 1-byte cap. Nothing else: no DP traffic per microbatch."""
+    comm = torch.load(os.path.join(spawned, "phase_a.pt"))["comm"]
+    m = tiny_cfg().model
+    M, b, T, d, L, tp = ACCUM, GLOBAL_BATCH // (2 * ACCUM), SEQ, m.dim, m.n_layers, 2
+    act, tok = b * T * d * 4, b * T * 4
+    vp = parallel.padded_vocab(m.vocab_size, tp)
+    per_layer = ((m.n_heads + 2 * m.n_kv_heads) * m.head_dim * d + m.n_heads * m.head_dim * d + 3 * d * m.ffn_dim) // tp + 2 * d
+    local_params = 2 * vp // tp * d + L * per_layer + d
+    n_tensors = 2 + 6 * L + 1                     # embed, lm_head, final norm; 6 per layer
+    dp = {("dp", "all_reduce"): [2, 8 + 4 * local_params]}
+    assert comm[False] == {("tp", "all_reduce"): [M * (4 * L + 4) + 1, M * ((4 * L + 2) * act + 3 * tok) + 4], **dp}
+    assert comm[True] == {("tp", "all_gather"): [M * (4 * L + 2), M * (4 * L + 2) * act],
+                          ("tp", "reduce_scatter"): [M * (4 * L + 2), M * (4 * L + 2) * act],
+                          ("tp", "all_reduce"): [2 * M + 2, M * 3 * tok + (2 * L + 1) * d * 4 + 4], **dp}
+    assert comm["small_buckets"][("dp", "all_reduce")] == [1 + n_tensors, 8 + 4 * local_params]
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+def test_rank_groups_follow_nxd_layout():
+    g = parallel.rank_groups(8, tp=2, pp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert parallel.rank_groups(8, tp=4, pp=1, kv_replicas=2)["kv"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # 70B layout: every kind partitions the world.
+    g = parallel.rank_groups(256, tp=32, pp=8, kv_replicas=4)
+    for kind, groups in g.items():
+        assert sorted(r for grp in groups for r in grp) == list(range(256)), kind
+    assert len(g["tp"][0]) == 32 and len(g["dp"][0]) == 1 and len(g["pp"][0]) == 8
+
+
+@pytest.mark.parametrize("tp,n_kv", [(2, 2), (4, 2), (2, 1), (4, 4), (8, 2)])
+def test_shard_unshard_roundtrip(tp, n_kv):
+    m = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=8, n_kv_heads=n_kv, ffn_dim=128)
+    shapes = {n: tuple(p.shape) for n, p in llama.Llama(m).named_parameters()}
+    for name, shape in shapes.items():
+        full = torch.randn(shape)
+        shards = [parallel.shard_tensor(name, full, m, tp, r) for r in range(tp)]
+        assert len({s.shape for s in shards}) == 1, f"{name}: unequal shards"
+        assert torch.equal(parallel.unshard_tensors(name, shards, m), full), name
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("world,change,message", [
+    (3, dict(tp=2), "not divisible by tp*pp"),
+    (4, dict(tp=2, dp=4), "launch 8 processes or set --dp=2"),
+    (8, dict(tp=8), "n_heads 4 is not divisible by tp 8"),
+    (4, dict(tp=4, ffn_dim=126), "ffn_dim 126 is not divisible by tp 4"),
+    (2, dict(tp=2, dim=96, n_heads=6, n_kv_heads=3), "n_kv_heads 3 and tp 2"),
+    (4, dict(tp=4, sp=True, seq_len=14), "seq_len 14 over tp 4"),
+])
+def test_bad_layout_fails_before_process_groups(monkeypatch, world, change, message):
+    cfg = tiny_cfg()
+    cfg.data.micro_batch = 1
+    for k, v in change.items():
+        section = cfg.parallel if k in ("tp", "dp", "sp") else cfg.data if k == "seq_len" else cfg.model
+        setattr(section, k, v)
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.data.seq_len)
+    # torchrun's environment but no rendezvous server: any process-group work would hang or fail.
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parallel.init_distributed(cfg)
+    assert not dist.is_initialized()
+
+
+def test_world_one_needs_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    grid = parallel.init_distributed(tiny_cfg())
+    assert grid == parallel.Grid() and not dist.is_initialized()

@@ -1,0 +1,333 @@
+"""Pipeline parallelism gives the same numbers as one process (issue 5).
+
+One spawn of 8 gloo processes runs every layout, in three phases (worlds are torn down and
+re-created between phases, so several small layouts share one spawn and the file stays fast):
+  A, one world of 8:    PP=2 x TP=2 x DP=2, 1F1B, with "send" (SP off) and "allgather" (SP on);
+  B, two worlds of 4:   ranks 0-3: PP=2 x TP=2 (send, SP off; allgather, SP on), then PP=4 1F1B
+                        (allgather, 8 microbatches); ranks 4-7: PP=2 x DP=2 (send; allgather),
+                        then PP=4 GPipe (send, 8 microbatches);
+  C, four worlds of 2:  PP=2 with 1F1B / GPipe x send / allgather (4 microbatches; GPipe + send
+                        with full activation checkpointing, GPipe + allgather with uneven stages,
+                        pp_cuts=1).
+Each layout runs 3 AdamW steps (clipping active) and writes what it gathered to full shape
+(initial weights, step-0 gradients after reduction and clipping, final weights) plus its loss,
+grad norm, live-activation peak, message counts and one step's collectives. The tests compare
+them, in this process, with a plain single-process Llama on the same global batches. The grad
+norm is compared before clipping: a uniform gradient scale error (picotron's grad_acc-times-larger
+PP gradients) would survive clipping in the gradients themselves, not in the norm.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configs  # noqa: E402
+import model as llama  # noqa: E402
+import parallel  # noqa: E402
+import pipeline  # noqa: E402
+from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
+TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
+
+
+def tiny_cfg(pp=2, tp=1, dp=1, sp=False, schedule="1f1b", p2p="send", micro_batch=2, cuts="") -> configs.Config:
+    cfg = configs.tiny()
+    cfg.model = ModelConfig(vocab_size=97, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                            max_seq_len=SEQ)
+    cfg.parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, pp_schedule=schedule, pp_p2p=p2p, pp_cuts=cuts)
+    cfg.data.seq_len, cfg.data.global_batch, cfg.data.micro_batch = SEQ, GLOBAL_BATCH, micro_batch
+    cfg.optim.grad_clip = 0.5                     # below the norms seen here: clipping is active
+    cfg.seed = 7
+    return cfg
+
+
+def global_batch(step: int) -> dict:
+    """The step's whole batch: some targets ignored (-100), unevenly over sequences, and two packed
+    documents per sequence (positions restart, document mask)."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
+    targets = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
+    ar = torch.arange(SEQ)[None]
+    targets[ar < 2 * torch.arange(GLOBAL_BATCH)[:, None]] = -100
+    cut = torch.tensor([4 + i % 8 for i in range(GLOBAL_BATCH)])[:, None]
+    doc_ids = (ar >= cut).long()
+    return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
+
+
+def rank_batches(step: int, grid: parallel.Grid, cfg) -> list[dict]:
+    """This DP rank's microbatches (the same on every stage and TP rank of its pipeline)."""
+    full = global_batch(step)
+    per_rank = GLOBAL_BATCH // grid.dp
+    mine = {k: v[grid.dp_rank * per_rank:(grid.dp_rank + 1) * per_rank] for k, v in full.items()}
+    m = per_rank // cfg.data.micro_batch
+    return [{k: v.chunk(m)[i] for k, v in mine.items()} for i in range(m)]
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """torch's AdamW that gathers the whole model's gradients (reduced and clipped) at its first step."""
+    def __init__(self, model, grid):
+        super().__init__(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+        self.model, self.grid, self.grads = model, grid, None
+
+    def step(self, closure=None):
+        if self.grads is None:
+            self.grads = pipeline.gather_full_state_dict(self.model, self.grid, grads=True)
+        return super().step(closure)
+
+
+# ----------------------------------------------------------------------------- the reference
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain single-process Llama: the whole global batch in one forward, torch's own clipping."""
+    cfg = tiny_cfg(pp=1)
+    model = llama.Llama(cfg.model).init_weights(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
+    for step in range(STEPS):
+        b = global_batch(step)
+        loss = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
+        loss.backward()
+        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+        if step == 0:
+            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out["loss"].append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        b = global_batch(99)
+        out["eval"] = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
+    return out
+
+
+# ----------------------------------------------------------------------------- the spawned ranks
+
+def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
+    model = pipeline.build_model(cfg, grid, torch.device("cpu"))
+    res = {"init": pipeline.gather_full_state_dict(model, grid), "loss": [], "norm": [], "max_live": [],
+           "pp_rank": grid.pp_rank, "pp": grid.pp}
+    opt = RecordingAdamW(model, grid)
+    for step in range(STEPS):
+        batches = rank_batches(step, grid, cfg)
+        if step == STEPS - 1:          # one step's collectives (p2p is counted by the Comm)
+            with parallel.count_collectives() as log:
+                r = pipeline.train_step(model, opt, batches, grid, cfg)
+            kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp", id(grid.pp_group): "pp"}
+            res["collectives"] = sorted((kinds[id(g)], op) for op, g, _ in log)
+            res["messages"] = (model.comm.sent, model.comm.received)
+        else:
+            r = pipeline.train_step(model, opt, batches, grid, cfg)
+        res["loss"].append(r["loss"])
+        res["norm"].append(r["grad_norm"])
+        res["max_live"].append(r["max_live"])
+        res["microbatches"], res["bubble"], res["idle"] = len(batches), r["bubble"], r["idle"]
+    res["grads"], res["params"] = opt.grads, pipeline.gather_full_state_dict(model, grid)
+    res["eval"] = pipeline.evaluate(model, iter(rank_batches(99, grid, cfg)), len(batches), grid)
+    # load_full_state_dict is the inverse of the gather: load the initial weights into another seed.
+    cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
+                    cfg.data.micro_batch, cfg.parallel.pp_cuts)
+    cfg2.seed = 8
+    other = pipeline.build_model(cfg2, grid, torch.device("cpu"))
+    pipeline.load_full_state_dict(other, res["init"], grid)
+    res["reloaded"] = pipeline.gather_full_state_dict(other, grid)
+    torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))
+
+
+def _init(ports, port_index, rank, world, cfg) -> parallel.Grid:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[port_index]), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    return parallel.init_distributed(cfg)
+
+
+def _worker(rank: int, ports: list[int], out_dir: str):
+    torch.set_num_threads(1)
+    # Phase A: one world of 8, PP=2 x TP=2 x DP=2.
+    grid = _init(ports, 0, rank, 8, tiny_cfg(pp=2, tp=2, dp=2))
+    assert (grid.pp_rank, grid.dp_rank, grid.tp_rank) == (rank // 4, rank // 2 % 2, rank % 2)
+    run_layout("pp2tp2dp2_send", tiny_cfg(pp=2, tp=2, dp=2, p2p="send"), grid, out_dir)
+    run_layout("pp2tp2dp2_allgather_sp", tiny_cfg(pp=2, tp=2, dp=2, sp=True, p2p="allgather"), grid, out_dir)
+    parallel.destroy(grid)
+
+    # Phase B: two worlds of 4.
+    half, r = rank // 4, rank % 4
+    if half == 0:
+        grid = _init(ports, 1, r, 4, tiny_cfg(pp=2, tp=2))
+        run_layout("pp2tp2_send", tiny_cfg(pp=2, tp=2, p2p="send"), grid, out_dir)
+        run_layout("pp2tp2_allgather_sp", tiny_cfg(pp=2, tp=2, sp=True, p2p="allgather"), grid, out_dir)
+        cfg4 = tiny_cfg(pp=4, p2p="allgather", micro_batch=1)
+    else:
+        grid = _init(ports, 2, r, 4, tiny_cfg(pp=2, dp=2))
+        run_layout("pp2dp2_send", tiny_cfg(pp=2, dp=2, p2p="send"), grid, out_dir)
+        run_layout("pp2dp2_allgather", tiny_cfg(pp=2, dp=2, p2p="allgather"), grid, out_dir)
+        cfg4 = tiny_cfg(pp=4, schedule="gpipe", p2p="send", micro_batch=1)
+    grid4 = parallel.new_grid(4, r, 1, 4, 1, "gloo")        # PP=4 in the same world
+    run_layout(f"pp4_{cfg4.parallel.pp_schedule}", cfg4, grid4, out_dir)
+    parallel.destroy(grid)
+
+    # Phase C: four worlds of 2, PP=2: each schedule with each point-to-point.
+    schedule, p2p = [("1f1b", "send"), ("1f1b", "allgather"), ("gpipe", "send"), ("gpipe", "allgather")][rank // 2]
+    cfg = tiny_cfg(pp=2, schedule=schedule, p2p=p2p, cuts="1" if rank // 2 == 3 else "")
+    if rank // 2 == 2:
+        cfg.model.checkpointing = "full"         # the stage's own forward recomputes blocks too
+    grid = _init(ports, 3 + rank // 2, rank % 2, 2, cfg)
+    run_layout(f"pp2_{schedule}_{p2p}", cfg, grid, out_dir)
+    parallel.destroy(grid)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("pipeline"))
+    ctx = mp.start_processes(_worker, args=(_free_ports(7), out_dir), nprocs=8, join=False, start_method="spawn")
+    deadline = time.time() + 600
+    while not ctx.join(timeout=5):       # raises if a rank failed
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("pipeline workers did not finish in 600 s (a mismatched p2p or collective hangs)")
+    return out_dir
+
+
+LAYOUTS = {  # name -> number of ranks that wrote a file
+    "pp2tp2dp2_send": 8, "pp2tp2dp2_allgather_sp": 8,
+    "pp2tp2_send": 4, "pp2tp2_allgather_sp": 4, "pp2dp2_send": 4, "pp2dp2_allgather": 4,
+    "pp4_1f1b": 4, "pp4_gpipe": 4,
+    "pp2_1f1b_send": 2, "pp2_1f1b_allgather": 2, "pp2_gpipe_send": 2, "pp2_gpipe_allgather": 2,
+}
+
+
+def load(spawned, name):
+    return [torch.load(os.path.join(spawned, f"{name}.rank{r}.pt")) for r in range(LAYOUTS[name])]
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= TOL * scale, f"{what}: max-abs error {err:.3e} > {TOL} x {scale:.3e}"
+
+
+# ----------------------------------------------------------------------------- layout tests
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(spawned, reference, name):
+    for rank, res in enumerate(load(spawned, name)):
+        where = f"{name} rank {rank}"
+        for k, v in reference["init"].items():       # layout-independent init, and load inverts gather
+            assert torch.equal(res["init"][k], v), f"{where}: init of {k} differs"
+            assert torch.equal(res["reloaded"][k], v), f"{where}: load_full_state_dict of {k}"
+        for step in range(STEPS):                    # the loss is valid on every rank, not only the last stage
+            assert_close(res["loss"][step], reference["loss"][step], f"{where}: loss at step {step}")
+            assert_close(res["norm"][step], reference["norm"][step], f"{where}: grad norm at step {step}")
+        assert set(res["grads"]) == set(reference["grads"])
+        for k, g in reference["grads"].items():
+            assert_close(res["grads"][k], g, f"{where}: grad of {k} (step 0, reduced and clipped)")
+        for k, p in reference["params"].items():
+            assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
+        assert_close(res["eval"], reference["eval"], f"{where}: pipeline.evaluate")
+
+
+def test_clipping_was_active(reference):
+    assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b_send", "pp2_gpipe_allgather", "pp4_1f1b", "pp4_gpipe"])
+def test_live_activations(spawned, name):
+    """1F1B: stage s holds at most PP - s microbatches (<= PP) whatever m; GPipe holds all m."""
+    for res in load(spawned, name):
+        pp, s, m = res["pp"], res["pp_rank"], res["microbatches"]
+        assert m > pp                                 # otherwise the two schedules could not differ
+        want = pp - s if "1f1b" in name else m
+        assert res["max_live"] == [want] * STEPS, f"{name} stage {s}: live activations {res['max_live']}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_communication_per_step(spawned, name):
+    """Per step, whatever the number of microbatches m: DP all-reduces the token count, the gradients
+    (one bucket) and the loss: 3, so gradients are reduced once, not per microbatch; PP all-reduces
+    the clip norm and the loss: 2. Point-to-point: m activations forward over each link, m gradients
+    back, nothing else (no shape messages)."""
+    for res in load(spawned, name):
+        got = [c for c in res["collectives"] if c[0] != "tp"]
+        dp = [("dp", "all_reduce")] * 3 if "dp2" in name else []
+        assert got == sorted(dp + [("pp", "all_reduce")] * 2), f"{name}: {got}"
+        links = (res["pp_rank"] > 0) + (res["pp_rank"] < res["pp"] - 1)
+        assert res["messages"] == (links * res["microbatches"],) * 2
+
+
+def test_bubble_and_idle_are_reported(spawned):
+    for res in load(spawned, "pp4_1f1b"):
+        assert res["bubble"] == pytest.approx(3 / (8 + 3))
+        assert 0.0 < res["idle"] < 1.0
+
+
+# ----------------------------------------------------------------------------- stages and bad input
+
+def test_stage_bounds_and_names():
+    assert pipeline.stage_bounds(tiny_cfg(pp=2)) == [(0, 2), (2, 4)]
+    assert pipeline.stage_bounds(tiny_cfg(pp=4)) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    cfg = tiny_cfg(pp=3, cuts="1,3")
+    cfg.model.n_layers = 5
+    bounds = pipeline.stage_bounds(cfg)
+    assert bounds == [(0, 1), (1, 3), (3, 5)]
+    stages = {pipeline.stage_of(n, bounds) for n, _ in llama.Llama(cfg.model).named_parameters()
+              if n.startswith("layers.2.")}
+    assert stages == {1}
+    assert pipeline.stage_of("embed.weight", bounds) == 0 and pipeline.stage_of("lm_head.weight", bounds) == 2
+
+
+@pytest.mark.parametrize("world,change,message", [
+    (3, dict(pp=3), "n_layers 4 is not divisible by pp 3; change pp or give explicit stage boundaries"),
+    (2, dict(pp=2, micro_batch=8), "pipeline of 2 stages needs at least 2 microbatches per step, got 1"),
+    (2, dict(pp=2, cuts="0"), "pp_cuts '0' must be 1 increasing layer indices"),
+    (4, dict(pp=4, micro_batch=4), "pipeline of 4 stages needs at least 4 microbatches per step, got 2"),
+])
+def test_bad_pipeline_layout_fails_before_process_groups(monkeypatch, world, change, message):
+    cfg = tiny_cfg(**change)
+    # torchrun's environment but no rendezvous server: any process-group work would hang or fail.
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parallel.init_distributed(cfg)                # the path train.py takes
+    assert not dist.is_initialized()
+    if "microbatches" not in message:                 # the stage split checks it on its own too
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            pipeline.stage_bounds(cfg)
+
+
+def test_train_py_rejects_bad_pipeline_before_any_work(monkeypatch):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match="n_layers 4 is not divisible by pp 3"):
+        train.main(["--pp=3", "--model.n_layers=4", "--device=cpu"])
+    assert not dist.is_initialized()
+
+
+def test_train_step_rejects_too_few_microbatches():
+    grid = parallel.Grid(world=2, pp=2)               # no process groups: an error must come first
+    with pytest.raises(ConfigError, match="needs at least 2 microbatches per step, got 1"):
+        pipeline.train_step(None, None, [{}], grid, tiny_cfg())

@@ -1,0 +1,214 @@
+"""The trn1 launch scripts and the pre-flight health check.
+
+The scripts are checked by bash -n, shellcheck and their dry-run output (nothing here can start
+a Trainium job). The health check really runs: 4 gloo ranks under torchrun, one slowed on purpose.
+"""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh")) + sorted(SCRIPTS.glob("*.sbatch"))
+sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(ROOT))
+
+import healthcheck  # noqa: E402
+from parallel import rank_groups  # noqa: E402
+
+ARGS_7B = ["--preset", "llama2_7b", "--data", "/fsx/data/train.arrow", "--tokenizer", "/fsx/tok.model"]
+
+
+def run_script(args, **env):
+    """Run a script with a clean, explicit environment (no SLURM or Neuron variables leak in)."""
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable}
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, timeout=60,
+                          env={**base, **env}, cwd="/tmp")
+
+
+def parse_dry_run(out: str):
+    """-> (environment dict, [commands as argument lists], header lines) of a dry run."""
+    env, cmds, headers = {}, [], []
+    for line in out.splitlines():
+        if line.startswith("export "):
+            key, value = line[len("export "):].split("=", 1)
+            env[key] = shlex.split(value)[0] if value else ""
+        elif line.startswith("#"):
+            headers.append(line)
+        elif line.startswith("cd "):
+            continue
+        elif line.strip():
+            cmds.append(shlex.split(line))
+    return env, cmds, headers
+
+
+def test_shell_syntax():
+    assert len(SHELL_SCRIPTS) >= 3, SHELL_SCRIPTS
+    for path in SHELL_SCRIPTS:
+        r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{path.name}: {r.stderr}"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck not installed: apt-get update && apt-get install -y shellcheck")
+def test_shellcheck():
+    r = subprocess.run(["shellcheck", "-x", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dry_run_7b_on_16_nodes():
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", NNODES="16",
+                   MASTER_ADDR="trn-001", RUN_ID="job7")
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    env, cmds, headers = parse_dry_run(r.stdout)
+    assert "16 node(s) x 32 ranks = 512; tp=8 pp=1 dp=64; precision=bf16_sr" in headers[0]
+    assert cmds == [["torchrun", "--nproc_per_node=32", "--nnodes=16", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=trn-001:29500", "--rdzv-id=job7-train", "--max-restarts=3",
+                     "train.py", *ARGS_7B]]
+    flags = env["NEURON_CC_FLAGS"].split()
+    assert flags[:2] == ["--model-type=transformer", "--distribution-strategy=llm-training"]
+    assert "--cache_dir=/var/tmp/neuron-compile-cache" in flags      # local disk, not FSx
+    assert env["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    assert env["PJRT_DEVICE"] == "NEURON"
+    assert env["NEURON_FUSE_SOFTMAX"] == "1"
+    assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
+    assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"             # the preset is bf16_sr
+    assert env["MALLOC_ARENA_MAX"] == "64"
+    assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
+
+
+def test_dry_run_single_node_and_precision():
+    r = run_script([SCRIPTS / "launch.sh", "--dry-run", "train", *ARGS_7B, "--precision=bf16"])
+    assert r.returncode == 0, r.stderr
+    env, cmds, headers = parse_dry_run(r.stdout)
+    assert "1 node(s) x 32 ranks = 32; tp=8 pp=1 dp=4" in headers[0]
+    assert cmds[0][:5] == ["torchrun", "--nproc_per_node=32", "--nnodes=1", "--standalone", "--max-restarts=3"]
+    assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"             # no SR without bf16_sr
+    assert not any(k.startswith("FI_") for k in env)                    # EFA only between nodes
+
+
+def test_sbatch_runs_health_compile_train_with_one_environment():
+    r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B], DRY_RUN="1", SLURM_JOB_NUM_NODES="16",
+                   SLURM_JOB_NODELIST="trn[001-016]", SLURM_JOB_ID="42", SLURM_SUBMIT_DIR=str(ROOT),
+                   MASTER_ADDR="trn001", NEURON_CACHE_DIR="/opt/local-nvme/neuron-cache")
+    assert r.returncode == 0, r.stderr
+    steps = r.stdout.split("# srun")[1:]
+    assert len(steps) == 3
+    parsed = [parse_dry_run(s.split("\n", 1)[1]) for s in steps]    # drop the srun line
+    (henv, (health,), _), (cenv, (compile_,), _), (tenv, (train,), _) = parsed
+    assert health[-3:] == ["scripts/healthcheck.py", "--tp=8", "--pp=1"]
+    # the pre-compile pass is the same torchrun command under neuron_parallel_compile, with the
+    # same Neuron environment (same flags, same local cache) so the real run hits its cache
+    assert compile_[0] == "neuron_parallel_compile"
+    assert compile_[1:4] == train[:3] and "train.py" in compile_
+    i = compile_.index("train.py")
+    assert compile_[i:i + 1 + len(ARGS_7B)] == ["train.py", *ARGS_7B]
+    extra = compile_[i + 1 + len(ARGS_7B):]
+    assert "--optim.max_steps=10" in extra and "--ckpt.resume=false" in extra
+    assert "--ckpt.dir=out/precompile/ckpt" in extra                  # never the run's checkpoints
+    assert cenv == tenv == henv
+    assert "--cache_dir=/opt/local-nvme/neuron-cache" in tenv["NEURON_CC_FLAGS"]
+    assert "--max-restarts=3" in train and "--max-restarts=0" in compile_
+
+
+def test_bad_layout_fails_before_anything_starts():
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--tp=7"], NNODES="16", MASTER_ADDR="x")
+    assert r.returncode != 0
+    assert "tp 7" in r.stderr and "torchrun" not in r.stdout
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2", DRY_RUN="1")
+    assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
+
+
+def test_compile_cache_on_network_file_system_is_refused(tmp_path):
+    # No NFS/Lustre mount exists here: a `stat` shim reports the cache directory as Lustre (FSx).
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "stat").write_text("#!/bin/sh\necho lustre\n")
+    (shim / "stat").chmod(0o755)
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1",
+                   NEURON_CACHE_DIR="/fsx/neuron-cache", PATH=f"{shim}:{os.environ['PATH']}")
+    assert r.returncode != 0
+    assert "local disk" in r.stderr and "torchrun" not in r.stdout
+
+
+# ----------------------------------------------------------------------------- health check
+
+def test_healthcheck_uses_the_training_groups():
+    kinds = healthcheck.group_kinds(world=64, tp=8, pp=2, ranks_per_node=32)
+    ref = rank_groups(64, 8, 2)
+    assert kinds["tp"] == ref["tp"] and kinds["dp"] == ref["dp"] and kinds["pp"] == ref["pp"]
+    assert kinds["world"] == [list(range(64))]
+    assert kinds["node_pair_a"] == [[j, 32 + j] for j in range(32)]    # rank j of node 0 with node 1's
+    assert "node_pair_b" not in kinds                                   # 2 nodes: one pair only
+    kinds = healthcheck.group_kinds(world=8, tp=1, pp=1, ranks_per_node=1)
+    assert "tp" not in kinds                                            # groups of one are not timed
+    pair_nodes = lambda k: sorted(tuple(g) for g in kinds[k])  # noqa: E731
+    assert pair_nodes("node_pair_a") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert pair_nodes("node_pair_b") == [(1, 2), (3, 4), (5, 6), (7, 0)]
+
+
+def synthetic_records(kinds, arrival, transfer):
+    """Timings as the collectives would produce them: every member leaves when the last one has
+    arrived and the transfer is done, so a rank's time is (last arrival - its arrival) + transfer."""
+    records = []
+    for kind, groups in kinds.items():
+        for op in healthcheck.OPS:
+            for gi, g in enumerate(groups):
+                for rep in range(5):
+                    t = transfer(kind, g) * (1 + 0.05 * ((rep * 7 + gi) % 3))   # a little jitter
+                    last = max(arrival(r) for r in g)
+                    records += [(kind, op, gi, rep, r, last - arrival(r) + t) for r in g]
+    return records
+
+
+def test_analyze_locates_bad_link_and_bad_node():
+    world, per_node = 32, 4
+    kinds = healthcheck.group_kinds(world, tp=2, pp=1, ranks_per_node=per_node)
+    node_of = [r // per_node for r in range(world)]
+    ok = lambda r: 0.0  # noqa: E731
+
+    # rank 13's link is bad: every group it is in moves data 5x slower
+    rep = healthcheck.analyze(synthetic_records(kinds, ok, lambda k, g: 5e-3 if 13 in g else 1e-3),
+                              kinds, node_of, 2**20, factor=2.0, min_gap_s=1e-3)
+    assert rep["suspect_ranks"] == [13] and rep["late_ranks"] == [] and rep["slow_nodes"] == []
+    assert not rep["healthy"]
+
+    # node 5's network is bad: everything that leaves node 5 is slow (its TP groups are not)
+    def node5(kind, g):
+        return 5e-3 if kind != "tp" and any(node_of[r] == 5 for r in g) else 1e-3
+    rep = healthcheck.analyze(synthetic_records(kinds, ok, node5), kinds, node_of, 2**20, 2.0, 1e-3)
+    assert rep["slow_nodes"] == [5] and rep["suspect_ranks"] == [] and rep["late_ranks"] == []
+
+    # nothing wrong: nothing named
+    rep = healthcheck.analyze(synthetic_records(kinds, ok, lambda k, g: 1e-3), kinds, node_of, 2**20, 2.0, 1e-3)
+    assert rep["healthy"]
+    bw = {(g["kind"], g["op"]): g["busbw_gbps"] for g in rep["groups"]}
+    assert bw[("tp", "all_reduce")] == pytest.approx(2**20 / 1e-3 / 1e9, rel=0.1)  # 2(n-1)/n = 1
+
+
+def test_healthcheck_names_the_slowed_rank(tmp_path):
+    """4 gloo ranks under torchrun, each its own 'node'; rank 2 arrives 60 ms late at every
+    collective. It must be named, and nobody else."""
+    out = tmp_path / "health.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(SCRIPTS / "healthcheck.py"), "--backend=gloo", "--tp=2", "--mb=0.25", "--warmup=1",
+           "--reps=5", "--ranks-per-node=1", "--min-gap-ms=20", "--inject-delay=2:0.06", f"--json={out}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(r.stdout[-3000:])
+    assert r.returncode != 0, "an unhealthy check must fail the launch"
+    rep = json.loads(out.read_text())
+    assert rep["late_ranks"] == [2]
+    assert rep["late_ms"][2] == pytest.approx(60, abs=25)
+    assert rep["slow_nodes"] == [2] and rep["suspect_ranks"] == [] and rep["slow_groups"] == []
+    kinds = {g["kind"] for g in rep["groups"]}
+    assert {"tp", "dp", "world", "node_pair_a", "node_pair_b"} <= kinds
+    assert all(g["busbw_gbps"] > 0 for g in rep["groups"])
+    assert "SLOW: rank 2" in r.stdout

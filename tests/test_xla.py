@@ -1,0 +1,139 @@
+"""The trn1 code path on XLA:CPU (torch-xla, PJRT_DEVICE=CPU, one process).
+
+On Trainium every new graph costs minutes of neuronx-cc and every host read stalls the device.
+These tests run train.py itself (scripts/xla_check.py wraps its train_step and sync to read
+torch-xla's counters around every step) in a subprocess, so that PJRT_DEVICE and the metrics
+never leak into other tests:
+  - the tiny model trains 24 steps through log, eval and checkpoint steps; after the warm-up
+    (the first steps, the first eval and save, and the step after them) no graph is compiled,
+    the second eval and save included (aws-neuron-sdk #813: recompiling after a checkpoint);
+  - no step reads anything back to the host, and neither does the loop between steps except at
+    log, eval and checkpoint steps;
+  - the first losses equal eager CPU's within 1e-4 (fp32).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, LOG, EVAL, SAVE, EAGER = 24, 5, 10, 10, 3
+TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=176", "--data.seq_len=32", "--data.global_batch=4", "--data.micro_batch=2",
+        "--optim.warmup_steps=5", "--log.eval_windows=2", "--log.sample_tokens=4", "--precision=fp32"]
+HOST_READS = ("TransferFromDevice", "xla::_to_cpu", "aten::_local_scalar_dense")
+
+pytest.importorskip("torch_xla")
+
+
+def child_env():
+    return {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One XLA run of train.py (and an eager CPU reference of its first steps), watched."""
+    out = tmp_path_factory.mktemp("xla")
+    report = out / "report.json"
+    args = [*TINY, f"--optim.max_steps={STEPS}", f"--log.interval={LOG}", f"--log.eval_interval={EVAL}",
+            f"--ckpt.interval={SAVE}", f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard="]
+    cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--eager-steps={EAGER}",
+           f"--json={report}", "--", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rep = json.loads(report.read_text())
+    rep["stdout"], rep["ckpt_dir"] = r.stdout, out / "out" / "ckpt"
+    return rep
+
+
+def compiles(s, window):
+    return s[window]["UncachedCompile"]
+
+
+def test_xla_run_reaches_log_eval_and_checkpoint_steps(run):
+    steps = run["xla"]["steps"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    xla_out = run["stdout"].split("xla_check eager")[0].rsplit("nanotrn:", 1)[-1]    # the XLA run's log
+    assert xla_out.count("val loss") == STEPS // EVAL, xla_out[-2000:]
+    saved = sorted(p.name for p in run["ckpt_dir"].glob("step_*"))
+    assert {f"step_{SAVE:08d}", f"step_{2 * SAVE:08d}"} <= set(saved), saved
+
+
+def test_no_graph_compiled_after_warmup(run):
+    """Warm-up: steps 1-2 (the optimizer state appears in step 1), the first eval and checkpoint
+    (after step EVAL = SAVE) and the step after them. From then on, eval and save included,
+    every graph must come from the cache."""
+    steps = run["xla"]["steps"]
+    per_step = {s["step"]: (compiles(s, "in_step"), compiles(s, "after")) for s in steps}
+    print("graphs compiled (in the step, after it):", per_step)
+    warm = SAVE + 1
+    late = {k: v for k, v in per_step.items() if k > warm and k < STEPS and sum(v) > 0}
+    assert not late, f"recompiled after warm-up at steps {late} (step: compiles in step, after step)"
+    assert per_step[warm + 1][0] == 0 and per_step[2 * SAVE][1] == 0 and per_step[2 * SAVE + 1][0] == 0
+    assert sum(per_step[1]) >= 1                           # the counters do see compiles
+
+
+def test_no_host_sync_outside_log_eval_and_checkpoint_steps(run):
+    steps = run["xla"]["steps"]
+    reading = {k for k in range(1, STEPS + 1) if k % LOG == 0 or k % EVAL == 0 or k % SAVE == 0}
+    for s in steps:
+        inside = {k: s["in_step"][k] for k in HOST_READS if s["in_step"][k]}
+        assert not inside, f"step {s['step']} reads from the device inside the step: {inside}"
+        if s["step"] not in reading and s["step"] < STEPS:
+            between = {k: s["after"][k] for k in HOST_READS if s["after"][k]}
+            assert not between, f"after step {s['step']} (no log/eval/save) the loop reads from the device: {between}"
+    # and the counters do see reads: every log step reads loss and grad norm
+    assert all(steps[k - 1]["after"]["TransferFromDevice"] > 0 for k in range(LOG, STEPS, LOG))
+
+
+def test_first_losses_equal_eager_cpu(run):
+    xla, eager = run["xla"]["losses"][:EAGER], run["eager"]["losses"]
+    assert len(eager) == EAGER
+    assert xla == pytest.approx(eager, abs=1e-4), (xla, eager)
+
+
+OPTIMIZER_PROBE = textwrap.dedent("""
+    import sys
+    import torch, torch_xla, torch_xla.debug.metrics as met
+    import configs, optim, parallel
+    cfg = configs.from_args(["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1",
+                             "--model.ffn_dim=64", "--model.vocab_size=64", "--seq_len=8", "--global_batch=2",
+                             "--micro_batch=2"])
+    dev = torch_xla.device()
+    model = parallel.build_model(cfg, parallel.Grid(), dev)
+    opt = optim.build_optimizer(model, cfg, parallel.Grid())
+    tokens = torch.randint(0, 64, (2, 8)).to(dev)
+    def step(t):
+        opt.step_count = t - 1
+        opt.set_lr(optim.lr_at(t - 1, cfg.optim))
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch_xla.sync()
+    for t in (1, 2, 3):
+        step(t)
+    new = []
+    for t in list(range(4, 400, 7)) + [1000, 10**5]:   # past the step where sqrt(1 - 0.95**t) rounds to 1
+        before = met.counter_value("UncachedCompile")
+        step(t)
+        if met.counter_value("UncachedCompile") > before:
+            new.append(t)
+    print("recompiled at optimizer steps", new)
+    sys.exit(1 if new else 0)
+""")
+
+
+@pytest.mark.xfail(strict=True, reason="optim.AdamW passes per-step Python floats (lr, bias corrections) into "
+                   "the graph; when one rounds to 1.0 in fp32 (sqrt(1-0.95^t) near t=325) or equals another "
+                   "scalar, torch-xla bakes it in as a constant: a new graph. Fix: 0-dim device tensors.")
+def test_optimizer_graph_does_not_change_over_a_long_run():
+    """The optimizer's graph must not depend on the step number: at step ~325 (beta2 = 0.95) a
+    7B run on trn1 would stop for minutes of neuronx-cc, outside the pre-compiled graphs."""
+    r = subprocess.run([sys.executable, "-c", OPTIMIZER_PROBE], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
+    print(r.stdout[-2000:])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
