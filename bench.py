@@ -7,6 +7,7 @@ reference run side by side in the same process, on this machine.
     python bench.py parallel    # TP=2 and DP=2 against one process (gloo, CPU)
     python bench.py pp          # PP=2 1F1B vs GPipe vs one process
     python bench.py ckpt        # async vs synchronous checkpoint save, recovery time
+    python bench.py xla         # the trn1 path on XLA:CPU: graphs per step type, step time vs eager
 """
 from __future__ import annotations
 
@@ -499,7 +500,8 @@ def bench_ckpt(args):
         opt = optim.build_optimizer(model, cfg)
         state = lambda: (model.state_dict(), opt.state_dict())
         res["state_gb"] = (sum(t.numel() * 4 for t in model.state_dict().values()) + opt.state_bytes()) / 1e9
-        print(f"state: {res['params'] / 1e6:.0f}M params, fp32 params + 2 AdamW moments = {res['state_gb']:.2f} GB")
+        print(f"state: {res['params'] / 1e6:.0f}M params, fp32 params + 2 AdamW moments = {res['state_gb']:.2f} GB; "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
         def checkpointer(name, async_save):
             c = configs.Config(model=cfg.model)
@@ -551,10 +553,11 @@ def bench_ckpt(args):
         ck.wait()
         base += timed_steps(15)
         res.update(step_s=statistics.median(base), step_in_flight_s=statistics.median(during),
-                   steps_in_flight=len(during))
+                   steps_in_flight=len(during), write_under_load_s=ck.stats["write_s"])
         res["in_flight_overhead"] = res["step_in_flight_s"] / res["step_s"] - 1
         print(f"step (8 matmuls 1024^2) {1e3 * res['step_s']:.1f} ms alone, {1e3 * res['step_in_flight_s']:.1f} ms "
-              f"while a save is written ({len(during)} steps): {100 * res['in_flight_overhead']:+.0f}%")
+              f"while a save is written ({len(during)} steps): {100 * res['in_flight_overhead']:+.0f}%; the "
+              f"niced writer took {ck.stats['write_s']:.1f} s beside the steps")
         del ck, model, opt
 
         # 4. Restart after a kill: a run saves step 1, then is SIGKILLed halfway through writing step 2
@@ -636,13 +639,63 @@ def bench_ckpt(args):
             res["scale"].append(dict(mtbf_h=M_h, recovery=name, save=kind, interval_s=tau, utilization=u))
             print(f"{M_h:5d}h {name:>16} {kind:>6} {tau / 60:7.1f} min {100 * u:10.2f}%")
     print("(the blog measured 98.81% with automatic recovery, 77.83% with manual)")
+    res["load_average_end"] = os.getloadavg()[0]
+    print(f"load average at the end: {res['load_average_end']:.1f} on {os.cpu_count()} cores")
     with open(os.path.join(args.out, "ckpt.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'ckpt.json')}")
 
 
+def bench_xla(args):
+    """The trn1 code path on XLA:CPU against the eager CPU, same config, same process: train.py runs
+    twice under scripts/xla_check.py (eager CPU, then torch-xla with PJRT_DEVICE=CPU), the tiny preset
+    shrunk to 2 layers. Reports the graphs compiled per step type and the steady step time ratio.
+    XLA:CPU is not Trainium: the ratio says what lazy tracing costs on a CPU, not trn1 speed."""
+    import json
+    import os
+    import statistics
+    import subprocess
+
+    steps, log, ev, save = args.steps or 30, 10, 15, 15
+    os.makedirs(args.out, exist_ok=True)
+    report = os.path.join(args.out, "xla.json")
+    train_args = ["--model.n_layers=2", "--data.global_batch=8", "--data.micro_batch=8", "--log.eval_windows=8",
+                  f"--optim.max_steps={steps}", f"--log.interval={log}", f"--log.eval_interval={ev}",
+                  f"--ckpt.interval={save}", f"--out_dir={args.out}/xla-run", f"--ckpt.dir={args.out}/xla-run/ckpt",
+                  "--log.tensorboard=", "--log.sample_tokens=0", "--precision=fp32"]
+    import shutil
+    shutil.rmtree(os.path.join(args.out, "xla-run"), ignore_errors=True)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "xla_check.py"),
+           f"--eager-steps={steps}", f"--threads={args.threads}", f"--json={report}", "--", *train_args]
+    r = subprocess.run(cmd, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench.py xla: the run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    rep = json.load(open(report))
+
+    def pace(run):        # seconds between the ends of consecutive plain steps (no log/eval/save)
+        s = run["steps"]
+        plain = [i for i in range(3, len(s)) if all((i + 1) % k and (i) % k for k in (log, ev, save))]
+        return statistics.median(s[i]["end_s"] - s[i - 1]["end_s"] for i in plain)
+
+    xs = rep["xla"]["steps"]
+    kinds = {"step 1": xs[0]["in_step"]["UncachedCompile"], "step 2": xs[1]["in_step"]["UncachedCompile"],
+             "later steps": sum(s["in_step"]["UncachedCompile"] for s in xs[2:]),
+             f"first log step ({log})": xs[log - 1]["after"]["UncachedCompile"],
+             f"first eval + save ({ev})": xs[ev - 1]["after"]["UncachedCompile"],
+             "after every other step": sum(s["after"]["UncachedCompile"] for s in xs[:-1]
+                                           if s["step"] not in (log, ev))}
+    print(f"tiny preset, 2 layers, batch 8 x {256} tokens, {steps} steps, log every {log}, eval + save every {ev}")
+    print("graphs compiled on XLA: " + ", ".join(f"{k}: {v}" for k, v in kinds.items()))
+    t_x, t_e = pace(rep["xla"]), pace(rep["eager"])
+    diff = max(abs(a - b) for a, b in zip(rep["xla"]["losses"][:5], rep["eager"]["losses"][:5]))
+    print(f"steady step time: XLA:CPU {t_x * 1e3:.0f} ms, eager CPU {t_e * 1e3:.0f} ms: ratio {t_x / t_e:.2f}x; "
+          f"first 5 losses differ by at most {diff:.1e}; load average {os.getloadavg()[0]:.1f}")
+    with open(report, "w") as f:
+        json.dump({**rep, "graphs": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
+
+
 BENCHES = {"train": bench_train, "data": bench_data, "precision": bench_precision,
-           "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt}
+           "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

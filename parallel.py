@@ -9,7 +9,8 @@ each one onto theirs):
 2. Collectives, wrapped in one place (`all_reduce`, `_all_gather`, `_reduce_scatter`) so that one
    step's communication can be counted (`count_collectives`).
 3. The region operators as autograd Functions: each is one collective forward and its transpose
-   backward (f/g of Megatron, and the sequence-parallel all-gather / reduce-scatter pair).
+   backward (f/g of Megatron, the sequence-parallel all-gather / reduce-scatter pair, and the SP
+   column-parallel linear that saves only its input's sequence shard).
 4. Parallel layers: ColumnParallelLinear (output features split), RowParallelLinear (input features
    split), VocabParallelEmbedding and VocabParallelHead (vocabulary split, padded to a TP multiple).
 5. Sharding rules full <-> shard, by parameter name: the one place that knows that qkv_proj is laid
@@ -25,7 +26,8 @@ each one onto theirs):
 Sequence parallelism (the blog's SP=8 with TP=8): between the TP regions the residual stream is
 split along the sequence, [B, T/tp, dim], so norms and residual adds run on 1/tp of the tokens and
 activations take 1/tp of the memory. The column-parallel input all-gathers the sequence, the
-row-parallel output reduce-scatters it: the same bytes as the all-reduce they replace.
+row-parallel output reduce-scatters it: the same bytes as the all-reduce they replace, plus (as in
+Megatron) one all-gather per column-parallel linear in backward, so it need not save the full input.
 """
 from __future__ import annotations
 
@@ -227,11 +229,6 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    return x.chunk(n, dim=dim)[r].contiguous()
-
-
 # ----------------------------------------------------------------------------- 3. region operators
 # Tensors are [batch, seq, features]; SEQ is the dimension sequence parallelism splits.
 # Collectives write in place, so each works on a copy: autograd may hold the original.
@@ -272,12 +269,13 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.group, dim=-1), None
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(n, dim=-1)[r].contiguous(), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """SP before a column-parallel linear: all-gather the sequence forward; backward reduce-scatters,
-    summing the ranks' partial input gradients and keeping this rank's sequence shard."""
+    """SP: all-gather the sequence forward; backward reduce-scatters, summing the ranks' partial
+    input gradients and keeping this rank's shard. (Not before a linear: see the next one.)"""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -286,6 +284,28 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter(grad, ctx.group, dim=SEQ), None
+
+
+class _LinearWithSequenceParallel(torch.autograd.Function):
+    """SP column-parallel linear, y = all_gather(x) @ W.T, saving for backward only this rank's
+    sequence shard x [B, T/tp, in], not the gathered [B, T, in] that all_gather + F.linear saves:
+    tp times less saved input for each of the 2L+1 column-parallel linears (lm_head included).
+    Backward all-gathers x again for grad_W and reduce-scatters grad_x: one more all-gather each,
+    Megatron's price (LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel;
+    NxD's linear_with_async_allreduce with sequence_parallel_enabled)."""
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(_all_gather(x, group, dim=SEQ), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x_full = _all_gather(x, ctx.group, dim=SEQ)          # Megatron issues it first (async)
+        grad_x = _reduce_scatter(grad.matmul(weight), ctx.group, dim=SEQ)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        return grad_x, grad_w, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -301,32 +321,21 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, ctx.group, dim=SEQ), None
 
 
-def copy_to_tensor_parallel_region(x, group):
-    return _CopyToTensorParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x, group):
-    return _ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x, group):
-    return _GatherFromTensorParallelRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    return _GatherFromSequenceParallelRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+# Megatron's functional names, each (x, group) -> tensor.
+copy_to_tensor_parallel_region = _CopyToTensorParallelRegion.apply
+reduce_from_tensor_parallel_region = _ReduceFromTensorParallelRegion.apply
+gather_from_tensor_parallel_region = _GatherFromTensorParallelRegion.apply
+gather_from_sequence_parallel_region = _GatherFromSequenceParallelRegion.apply
+reduce_scatter_to_sequence_parallel_region = _ReduceScatterToSequenceParallelRegion.apply
+linear_with_sequence_parallel = _LinearWithSequenceParallel.apply    # (x, weight, group)
 
 
 # ----------------------------------------------------------------------------- 4. parallel layers
 
 class ColumnParallelLinear(nn.Module):
     """y[..., shard] = x @ W[shard].T: this rank holds `out_local` rows of W (output features).
-    Input: replicated [B, T, in] (f operator), or with SP a sequence shard [B, T/tp, in] that is
-    all-gathered first. Output: this rank's output features over the full sequence."""
+    Input: replicated [B, T, in] (f operator), or with SP a sequence shard [B, T/tp, in], gathered
+    here but saved as the shard. Output: this rank's output features over the full sequence."""
     def __init__(self, in_features: int, out_local: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -334,10 +343,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        return F.linear(x, self.weight)
+            return linear_with_sequence_parallel(x, self.weight, self.group)
+        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
 
 
 class RowParallelLinear(nn.Module):

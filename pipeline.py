@@ -316,10 +316,13 @@ def check_microbatches(n: int, grid: Grid) -> None:
                           f"got {n}; raise the global batch or lower micro_batch")
 
 
-def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config) -> dict:
+def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config,
+               guard=None) -> dict:
     """Forward and backward of this rank's microbatches through the pipeline, then (once) the
-    gradient reduction, clipping and update. The contract of train.train_step, plus pipeline stats:
-      loss, grad_norm, tokens: tensors, the same on every rank (loss summed over PP from the last stage);
+    gradient reduction, clipping and update. The contract of train.train_step (guard(loss,
+    grad_norm) -> False skips the update), plus pipeline statistics:
+      loss, grad_norm, tokens: tensors, the same on every rank (the loss is summed over PP from the
+        last stage, where it is computed), skipped;
       bubble: (PP - 1) / (m + PP - 1); idle: the measured share of the schedule's time this rank
         waited in p2p (host clock: meaningful on gloo and eager devices; on XLA the p2p ops are
         lazy, so read idle from a profile there); max_live: peak activation sets held."""
@@ -334,17 +337,21 @@ def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid,
     comm.reset(model)
     SCHEDULES[cfg.parallel.pp_schedule](mb, comm)
     schedule_s = time.perf_counter() - t0
+    # From here on exactly train.train_step: gradients reduced once per step, whatever m.
     if getattr(optimizer, "zero1", False):
+        parallel.reduce_tp_replicated_gradients(model, grid)
         grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)   # its norm adds over PP
     else:
         parallel.reduce_gradients(model, grid)                  # DP all-reduce: once per step
         grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)  # TP and PP
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     # The loss exists on the last stage only: the others add zeros, so every rank gets it.
     loss_sum = parallel.all_reduce(mb.loss_sum, grid.pp_group)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens,
+    skipped = guard is not None and not guard(loss, grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped,
             "bubble": bubble_fraction(grid.pp, len(batches)), "idle": comm.wait_s / max(schedule_s, 1e-9),
             "max_live": mb.max_live}
 
@@ -383,16 +390,18 @@ def load_full_state_dict(model: PipelineStage, full_sd: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
-def evaluate(model: PipelineStage, loader, n_windows: int, grid: Grid) -> torch.Tensor:
-    """Mean token loss over n_windows held-out microbatches, forwarded through the pipeline
-    (train.evaluate's contract: the same value on every rank)."""
+def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: torch.device) -> torch.Tensor:
+    """train.evaluate through the pipeline: mean token loss over n_batches held-out microbatches
+    (the same ones every time), the same value on every rank. Each batch goes forward stage by
+    stage; only the last stage computes the loss, the others add zeros."""
     model.eval()
+    loader.reset()
     comm = model.comm
     comm.reset(model)
-    device = comm.device
-    total, count = torch.zeros((), device=device), torch.zeros((), dtype=torch.long, device=device)
-    for _ in range(n_windows):
-        b = next(loader)
+    total = torch.zeros((), device=device)
+    count = torch.zeros((), dtype=torch.long, device=device)
+    for _ in range(n_batches):
+        b = {k: v.to(device) for k, v in next(loader).items()}
         x = p2p(comm, None, comm.prev, recv=True)
         out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"))
         if model.last:

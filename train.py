@@ -127,9 +127,10 @@ def main(argv: list[str]) -> None:
 
     # Data. The tokenizer is trained on the corpus at first use and cached (one process trains,
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
-    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
-    train_loader = data.PackedLoader(cfg.data, tok, dp_rank=grid.dp_rank, dp_size=grid.dp, split="train")
-    val_loader = (data.PackedLoader(cfg.data, tok, dp_rank=grid.dp_rank, dp_size=grid.dp, split="val")
+    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line)
+    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
+    train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus)
+    val_loader = (data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val", corpus=corpus)
                   if cfg.log.eval_interval else None)
 
     # Model and optimizer. Initialization depends only on the seed, never on the layout.

@@ -6,7 +6,8 @@ fast on 2 cores):
                             activation checkpointing; 2 KV heads, so each KV head is replicated on
                             2 ranks: the 70B situation), the communication count, and the
                             world-size normalization counter-example;
-  phase B, two worlds of 2: TP=2 (SP off / on) on ranks 0-1 while DP=2 runs on ranks 2-3.
+  phase B, two worlds of 2: TP=2 (SP off / on) on ranks 0-1 while DP=2 runs on ranks 2-3; then
+                            ranks 0-1 measure what SP's column-parallel linears save for backward.
 Every layout uses 2 microbatches per DP rank (gradient accumulation 2) and trains 3 steps with
 train.train_step and torch's AdamW. Each rank writes what it gathered (full-shape logits,
 gradients, weights) to a file; the tests compare them, in this process, with a plain
@@ -14,6 +15,7 @@ single-process Llama (no parallel.py code in the reference).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -24,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import configs  # noqa: E402
@@ -187,6 +190,61 @@ def world_size_normalization(cfg, grid):
     return out
 
 
+def saved_for_backward(fn, params):
+    """Run fn() and list what autograd saves for its backward: (shape, bytes) of every tensor given
+    to the saved-tensor pack hook, parameters left out (they are held anyway)."""
+    weights, saved = {p.data_ptr() for p in params}, []
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            saved.append((tuple(t.shape), t.numel() * t.element_size()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@contextlib.contextmanager
+def gather_then_linear():
+    """ColumnParallelLinear's SP forward as it was before _LinearWithSequenceParallel: all-gather,
+    then F.linear, which saves the gathered [B, T, in] input. The baseline of the memory tests."""
+    fixed = parallel.ColumnParallelLinear.forward
+    parallel.ColumnParallelLinear.forward = \
+        lambda self, x: F.linear(parallel.gather_from_sequence_parallel_region(x, self.group), self.weight)
+    try:
+        yield
+    finally:
+        parallel.ColumnParallelLinear.forward = fixed
+
+
+def sp_saved_memory(grid):
+    """TP=2 with SP: the activations a column-parallel linear, the vocab-parallel head and a whole
+    model save for backward, with the fix ("shard") and with all-gather + F.linear ("gathered");
+    and both paths' gradients for the same input and weights."""
+    cfg = tiny_cfg(tp=2, sp=True)
+    g = torch.Generator().manual_seed(grid.tp_rank)
+    x = torch.randn(2, SEQ // 2, cfg.model.dim, generator=g)         # this rank's sequence shard
+    layers = {"column": parallel.ColumnParallelLinear(cfg.model.dim, 48, grid.tp_group, True),
+              "head": parallel.VocabParallelHead(cfg.model.dim, 49, 49, grid.tp_group, True)}
+    for layer in layers.values():
+        layer.weight.data.normal_(generator=g)
+    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    b0 = rank_batches(0, grid)[0]
+    out = {}
+    for how in ("shard", "gathered"):
+        with gather_then_linear() if how == "gathered" else contextlib.nullcontext():
+            for name, layer in layers.items():
+                xs = x.clone().requires_grad_()
+                layer.weight.grad = None
+                y, saved = saved_for_backward(lambda: layer(xs), [layer.weight])
+                y.pow(2).sum().backward()
+                out[how, name] = {"saved": saved, "x_grad": xs.grad, "w_grad": layer.weight.grad}
+            _, saved = saved_for_backward(lambda: model(b0["tokens"], b0["positions"], b0["doc_ids"]),
+                                          list(model.parameters()))
+            out[how, "model"] = {"saved": saved, "batch": tuple(b0["tokens"].shape)}
+    return out
+
+
 def _worker(rank: int, ports: list[int], out_dir: str):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
@@ -217,6 +275,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
         grid = parallel.init_distributed(tiny_cfg(tp=2))
         for sp in (False, True):
             run_layout(f"tp2_sp{int(sp)}", tiny_cfg(tp=2, sp=sp), grid, out_dir)
+        torch.save(sp_saved_memory(grid), os.path.join(out_dir, f"sp_saved.rank{rank}.pt"))
     else:
         grid = parallel.init_distributed(tiny_cfg(dp=2))
         run_layout("dp2", tiny_cfg(dp=2), grid, out_dir)
@@ -328,10 +387,12 @@ def test_communication_matches_formulas(spawned):
                   backward 2L (qkv_proj, gate_up_proj: column-parallel inputs) + 1 (lm_head input)
                   loss     2 (max: tok bytes; [sum_exp, target logit]: 2*tok bytes)
       -> M*(4L+4) all-reduces, M*((4L+2)*act + 3*tok) bytes.
-    With SP, per microbatch: all-gather 2L+1 forward (column inputs) + 2L+1 backward (row outputs),
-      reduce-scatter 2L+1 forward (embedding, row outputs) + 2L+1 backward (column inputs), each
-      act bytes; the loss's 2 all-reduces; once per step 1 all-reduce of the (2L+1) norm-weight
-      gradients, (2L+1)*d*4 bytes.
+    With SP, per microbatch: all-gather 2L+1 forward (column inputs) + 2L+1 backward (row outputs)
+      + 2L+1 backward (column inputs again, for the weight gradients: _LinearWithSequenceParallel
+      saves only the sequence shard, Megatron's trade of one all-gather for tp times less memory),
+      so 6L+3, was 4L+2 when the gathered input was saved; reduce-scatter 2L+1 forward (embedding,
+      row outputs) + 2L+1 backward (column inputs); each act bytes; the loss's 2 all-reduces; once
+      per step 1 all-reduce of the (2L+1) norm-weight gradients, (2L+1)*d*4 bytes.
     Per step: TP all-reduce of the clip norm (4 bytes); DP: 1 all-reduce of the token count (8
     bytes, int64) and the gradient buckets: all local parameters, 1 bucket (64 MiB cap), or one
     per parameter with a 1-byte cap. Nothing else: no DP traffic per microbatch."""
@@ -345,10 +406,42 @@ def test_communication_matches_formulas(spawned):
     n_tensors = 2 + 6 * L + 1                     # embed, lm_head, final norm; 6 per layer
     dp = {("dp", "all_reduce"): [2, 8 + 4 * local_params]}
     assert comm[False] == {("tp", "all_reduce"): [M * (4 * L + 4) + 1, M * ((4 * L + 2) * act + 3 * tok) + 4], **dp}
-    assert comm[True] == {("tp", "all_gather"): [M * (4 * L + 2), M * (4 * L + 2) * act],
+    assert comm[True] == {("tp", "all_gather"): [M * (6 * L + 3), M * (6 * L + 3) * act],
                           ("tp", "reduce_scatter"): [M * (4 * L + 2), M * (4 * L + 2) * act],
                           ("tp", "all_reduce"): [2 * M + 2, M * 3 * tok + (2 * L + 1) * d * 4 + 4], **dp}
     assert comm["small_buckets"][("dp", "all_reduce")] == [1 + n_tensors, 8 + 4 * local_params]
+
+
+# ----------------------------------------------------------------------------- SP memory
+
+def sp_saved(spawned):
+    return [torch.load(os.path.join(spawned, f"sp_saved.rank{r}.pt")) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("layer", ["column", "head"])
+def test_sp_column_linear_saves_only_the_sequence_shard(spawned, layer):
+    """TP=2, SP: a column-parallel linear (and the vocab-parallel lm_head, its subclass) keeps for
+    backward its [b, T/2, d] input shard, not the all-gathered [b, T, d] (Megatron, NxD), and its
+    gradients equal those of all-gather + F.linear, which kept the gathered input."""
+    full = 2 * SEQ * tiny_cfg().model.dim * 4                      # bytes of a [b, T, d] fp32 input
+    for rank, res in enumerate(sp_saved(spawned)):
+        new, old = res["shard", layer], res["gathered", layer]
+        assert [n for _, n in new["saved"]] == [full // 2], f"rank {rank}: saved {new['saved']}"
+        assert [n for _, n in old["saved"]] == [full], f"rank {rank}: baseline saved {old['saved']}"
+        for k in ("x_grad", "w_grad"):
+            assert_close(new[k], old[k], f"rank {rank}: {layer} {k}")
+
+
+def test_sp_model_saves_tp_times_less_per_column_linear(spawned):
+    """Whole TP=2 SP model forward: the saved activations shrink by exactly the 2L+1 column-parallel
+    inputs (qkv_proj, gate_up_proj per layer, lm_head) times half a [b, T, d] activation; nothing
+    else changes."""
+    m = tiny_cfg().model
+    for rank, res in enumerate(sp_saved(spawned)):
+        b, T = res["shard", "model"]["batch"]
+        new, old = (sum(n for _, n in res[how, "model"]["saved"]) for how in ("shard", "gathered"))
+        print(f"rank {rank}: TP=2 SP model forward saves {new} bytes of activations (was {old})")
+        assert old - new == (2 * m.n_layers + 1) * b * (T - T // 2) * m.dim * 4, (rank, old, new)
 
 
 # ----------------------------------------------------------------------------- pure functions

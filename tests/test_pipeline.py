@@ -85,6 +85,19 @@ class RecordingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class FixedLoader:
+    """The held-out loader's interface as train.evaluate uses it: reset(), then next()."""
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def reset(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.batches[self.i - 1]
+
+
 # ----------------------------------------------------------------------------- the reference
 
 @pytest.fixture(scope="module")
@@ -132,8 +145,14 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         res["norm"].append(r["grad_norm"])
         res["max_live"].append(r["max_live"])
         res["microbatches"], res["bubble"], res["idle"] = len(batches), r["bubble"], r["idle"]
+    # The non-finite guard sees the step's loss and norm; returning False skips the update.
+    seen = []
+    r = pipeline.train_step(model, opt, rank_batches(STEPS, grid, cfg), grid, cfg,
+                            guard=lambda loss, norm: seen.append((loss, norm)) or False)
+    assert r["skipped"] and len(seen) == 1 and seen[0][0] is r["loss"]
     res["grads"], res["params"] = opt.grads, pipeline.gather_full_state_dict(model, grid)
-    res["eval"] = pipeline.evaluate(model, iter(rank_batches(99, grid, cfg)), len(batches), grid)
+    res["eval"] = pipeline.evaluate(model, FixedLoader(rank_batches(99, grid, cfg)), len(batches), grid,
+                                    torch.device("cpu"))
     # load_full_state_dict is the inverse of the gather: load the initial weights into another seed.
     cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
                     cfg.data.micro_batch, cfg.parallel.pp_cuts)
@@ -242,7 +261,7 @@ def test_layout_matches_single_process(spawned, reference, name):
         for k, g in reference["grads"].items():
             assert_close(res["grads"][k], g, f"{where}: grad of {k} (step 0, reduced and clipped)")
         for k, p in reference["params"].items():
-            assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
+            assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps (and a skipped one)")
         assert_close(res["eval"], reference["eval"], f"{where}: pipeline.evaluate")
 
 

@@ -19,6 +19,7 @@ SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh")) + sorted(SCRIPTS.glob("*.sbatch"))
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(ROOT))
 
+import configs  # noqa: E402
 import healthcheck  # noqa: E402
 from parallel import rank_groups  # noqa: E402
 
@@ -46,6 +47,17 @@ def parse_dry_run(out: str):
         elif line.strip():
             cmds.append(shlex.split(line))
     return env, cmds, headers
+
+
+def flat_config(argv) -> dict:
+    """train.py's arguments -> {"optim.lr": 3e-4, ...}, through configs.from_args."""
+    out = {}
+    for section, values in configs.from_args(argv).to_dict().items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    return out
 
 
 def test_shell_syntax():
@@ -114,6 +126,11 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     assert "--optim.max_steps=10" in extra and "--ckpt.resume=false" in extra
     assert "--ckpt.dir=out/precompile/ckpt" in extra                  # never the run's checkpoints
     assert cenv == tenv == henv
+    # and everything that shapes a graph is the run's own: only these keys may differ
+    ours, theirs = flat_config(compile_[i + 1:]), flat_config(train[train.index("train.py") + 1:])
+    differ = {k for k in ours if ours[k] != theirs[k]}
+    assert differ <= {"optim.max_steps", "log.eval_interval", "ckpt.interval", "ckpt.resume", "ckpt.dir",
+                      "out_dir", "log.tensorboard"}, differ
     assert "--cache_dir=/opt/local-nvme/neuron-cache" in tenv["NEURON_CC_FLAGS"]
     assert "--max-restarts=3" in train and "--max-restarts=0" in compile_
 
