@@ -81,10 +81,10 @@ def rng_state(device: torch.device | str | None = None) -> dict:
     """Every random stream this rank draws from: Python, numpy, torch CPU, and the device's own
     (CUDA, or XLA's seed). The stochastic-rounding stream is in the optimizer's state_dict."""
     s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
         s["cuda"] = torch.cuda.get_rng_state(dev)
-    if dev is not None and dev.type == "xla":
+    elif dev.type == "xla":
         import torch_xla.core.xla_model as xm
         s["xla"] = xm.get_rng_state(dev)
     return s

@@ -324,7 +324,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.pp > m.n_layers:
         raise ConfigError(f"pp {p.pp} is larger than n_layers {m.n_layers}")
     if p.pp_cuts:
-        cuts = [int(c) for c in p.pp_cuts.split(",")]
+        try:
+            cuts = [int(c) for c in p.pp_cuts.split(",")]
+        except ValueError:
+            raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be comma-separated layer indices, e.g. 3,6") from None
         if len(cuts) != p.pp - 1 or cuts != sorted(set(cuts)) or not (0 < cuts[0] and cuts[-1] < m.n_layers):
             raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be {p.pp - 1} increasing layer indices "
                               f"strictly between 0 and n_layers {m.n_layers}")

@@ -506,10 +506,12 @@ def mark_parameters(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> 
             p.kv_replicas, p.q_rows = r, model.cfg.n_heads // grid.tp * model.cfg.head_dim
 
 
-def build_model(cfg: Config, grid: Grid, device) -> llama.Llama:
+def build_model(cfg: Config, grid: Grid, device, stage=None) -> llama.Llama:
     """The Llama for this rank: TP/SP-parallelized for grid, initialized from cfg.seed so that every
     layout holds the same full weights. Built on the meta device (no memory), then each local shard
-    is materialized from its full-shape initial value, one parameter at a time."""
+    is materialized from its full-shape initial value, one parameter at a time.
+    stage: pipeline.py's hook, meta model -> the part this rank keeps (its pipeline stage, with the
+    whole model's parameter names); only that part is materialized."""
     device = torch.device(device)
     if grid.world > 1 and backend_for(device.type) != grid.backend:
         raise ConfigError(f"the model would live on {device} but the process groups use {grid.backend}: "
@@ -520,6 +522,8 @@ def build_model(cfg: Config, grid: Grid, device) -> llama.Llama:
     sp = cfg.parallel.sp and grid.tp > 1
     if grid.tp > 1:
         tensor_parallelize(model, grid, sp)
+    if stage is not None:
+        model = stage(model)
     model.to_empty(device=device)
     mark_parameters(model, grid, sp)          # after to_empty: it makes new Parameter objects
     with torch.no_grad():

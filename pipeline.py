@@ -113,26 +113,9 @@ def build_model(cfg: Config, grid: Grid, device) -> PipelineStage:
     Collective: every rank must call it (the two-rank groups of "allgather" are created here)."""
     bounds = stage_bounds(cfg)
     # Only this stage's layers are ever materialized: no rank holds the whole model.
-    stage = _build(cfg, grid, device, lambda model: PipelineStage(model, bounds, grid.pp_rank))
+    stage = parallel.build_model(cfg, grid, device, stage=lambda model: PipelineStage(model, bounds, grid.pp_rank))
     stage.comm = Comm.create(cfg, grid)
     return stage
-
-
-def _build(cfg, grid, device, stage):   # TEMPORARY copy of parallel.build_model with a stage hook
-    with torch.device("meta"):
-        model = llama.Llama(cfg.model)
-    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    sp = cfg.parallel.sp and grid.tp > 1
-    if grid.tp > 1:
-        parallel.tensor_parallelize(model, grid, sp)
-    model = stage(model)
-    model.to_empty(device=device)
-    parallel.mark_parameters(model, grid, sp)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
-            p.copy_(parallel.shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
-    return model
 
 
 # ----------------------------------------------------------------------------- 2. point-to-point

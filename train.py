@@ -23,6 +23,7 @@ import model as llama
 import monitor
 import optim
 import parallel
+import pipeline
 
 
 # ----------------------------------------------------------------------------- device
@@ -134,7 +135,8 @@ def main(argv: list[str]) -> None:
                   if cfg.log.eval_interval else None)
 
     # Model and optimizer. Initialization depends only on the seed, never on the layout.
-    model = parallel.build_model(cfg, grid, device)
+    pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
+    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device)
     model.to(optim.param_dtype(cfg.optim.precision))
     optimizer = optim.build_optimizer(model, cfg, grid)
     flops_tok = llama.flops_per_token(cfg.model, cfg.data.seq_len)
@@ -169,8 +171,8 @@ def main(argv: list[str]) -> None:
             t_data = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
             data_wait = time.perf_counter() - t_data
-            out = train_step(model, optimizer, micro, grid, cfg,
-                             guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm))
+            out = (pipeline.train_step if pp else train_step)(
+                model, optimizer, micro, grid, cfg, guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm))
             sync(device)
             step += 1
             tokens_seen += tokens_per_step
@@ -178,8 +180,11 @@ def main(argv: list[str]) -> None:
             mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=lr, tokens=tokens_per_step,
                      data_wait=data_wait, skipped=out["skipped"],
                      param_norm=parallel.param_norm(model, grid) if log_now else None)
+            if pp and log_now:
+                log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
+                    f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
-                mon.eval(step, evaluate(model, val_loader, eval_batches, grid, device))
+                mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device))
             if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps:
                 mon.flush()                             # raises on a poisoned state: it is never saved
                 ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
@@ -193,7 +198,7 @@ def main(argv: list[str]) -> None:
             val_loader.close()
 
     # The end: the full model on rank 0, exported in Hugging Face format, and a short sample.
-    full = parallel.gather_full_state_dict(model, grid)
+    full = (pipeline.gather_full_state_dict if pp else parallel.gather_full_state_dict)(model, grid)
     if grid.is_main:
         final = llama.Llama(cfg.model)
         final.load_state_dict({k: v.float() for k, v in full.items()})

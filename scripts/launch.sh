@@ -105,8 +105,14 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
     echo "# nanotrn $mode (dry run): $NNODES node(s) x $NPROC_PER_NODE ranks = $world; tp=$tp pp=$pp dp=$dp; precision=$precision"
     for v in "${NANOTRN_ENV_VARS[@]}"; do echo "export $v=$(quote "${!v}")"; done
     echo "cd $(quote "$root")"
+    if [[ "$mode" == compile ]]; then echo "rm -rf -- $(quote "$side")"; fi
     quote "${cmd[@]}"
     exit 0
 fi
 mkdir -p "$NEURON_CACHE_DIR"
+if [[ "$mode" == compile ]]; then
+    # The side directory holds only an earlier compile pass's invalid checkpoints; with them there,
+    # --ckpt.resume=false would refuse to start (and resuming would skip the steps to trace).
+    rm -rf -- "$side"
+fi
 exec "${cmd[@]}"

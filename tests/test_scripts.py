@@ -34,7 +34,7 @@ def run_script(args, **env):
 
 
 def parse_dry_run(out: str):
-    """-> (environment dict, [commands as argument lists], header lines) of a dry run."""
+    """-> (environment dict, [torchrun commands as argument lists], the other lines) of a dry run."""
     env, cmds, headers = {}, [], []
     for line in out.splitlines():
         if line.startswith("export "):
@@ -42,8 +42,8 @@ def parse_dry_run(out: str):
             env[key] = shlex.split(value)[0] if value else ""
         elif line.startswith("#"):
             headers.append(line)
-        elif line.startswith("cd "):
-            continue
+        elif line.startswith(("cd ", "rm ")):
+            headers.append(line)
         elif line.strip():
             cmds.append(shlex.split(line))
     return env, cmds, headers
@@ -114,7 +114,8 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     steps = r.stdout.split("# srun")[1:]
     assert len(steps) == 3
     parsed = [parse_dry_run(s.split("\n", 1)[1]) for s in steps]    # drop the srun line
-    (henv, (health,), _), (cenv, (compile_,), _), (tenv, (train,), _) = parsed
+    (henv, (health,), _), (cenv, (compile_,), cother), (tenv, (train,), _) = parsed
+    assert "rm -rf -- out/precompile" in cother       # the compile pass's own old checkpoints only
     assert health[-3:] == ["scripts/healthcheck.py", "--tp=8", "--pp=1"]
     # the pre-compile pass is the same torchrun command under neuron_parallel_compile, with the
     # same Neuron environment (same flags, same local cache) so the real run hits its cache
@@ -223,7 +224,7 @@ def test_healthcheck_names_the_slowed_rank(tmp_path):
     assert r.returncode != 0, "an unhealthy check must fail the launch"
     rep = json.loads(out.read_text())
     assert rep["late_ranks"] == [2]
-    assert rep["late_ms"][2] == pytest.approx(60, abs=25)
+    assert rep["late_ms"][2] == pytest.approx(60, abs=40)
     assert rep["slow_nodes"] == [2] and rep["suspect_ranks"] == [] and rep["slow_groups"] == []
     kinds = {g["kind"] for g in rep["groups"]}
     assert {"tp", "dp", "world", "node_pair_a", "node_pair_b"} <= kinds

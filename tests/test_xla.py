@@ -5,8 +5,9 @@ These tests run train.py itself (scripts/xla_check.py wraps its train_step and s
 torch-xla's counters around every step) in a subprocess, so that PJRT_DEVICE and the metrics
 never leak into other tests:
   - the tiny model trains 24 steps through log, eval and checkpoint steps; after the warm-up
-    (the first steps, the first eval and save, and the step after them) no graph is compiled,
-    the second eval and save included (aws-neuron-sdk #813: recompiling after a checkpoint);
+    (the first two steps, the first log, eval and save) no graph is compiled, the later logs,
+    evals and saves and the steps after them included (aws-neuron-sdk #813: recompiling after a
+    checkpoint);
   - no step reads anything back to the host, and neither does the loop between steps except at
     log, eval and checkpoint steps;
   - the first losses equal eager CPU's within 1e-4 (fp32).
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, LOG, EVAL, SAVE, EAGER = 24, 5, 10, 10, 3
+STEPS, LOG, EVAL, SAVE, EAGER = 24, 4, 10, 10, 3
 TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=32", "--data.global_batch=4", "--data.micro_batch=2",
         "--optim.warmup_steps=5", "--log.eval_windows=2", "--log.sample_tokens=4", "--precision=fp32"]
@@ -64,17 +65,19 @@ def test_xla_run_reaches_log_eval_and_checkpoint_steps(run):
 
 
 def test_no_graph_compiled_after_warmup(run):
-    """Warm-up: steps 1-2 (the optimizer state appears in step 1), the first eval and checkpoint
-    (after step EVAL = SAVE) and the step after them. From then on, eval and save included,
-    every graph must come from the cache."""
+    """Graphs may be compiled only for a new kind of work: the first two training steps (the
+    optimizer state appears in the first), the first log step (parameter norm, reading the
+    metrics) and the first eval and checkpoint save. Every later step, log, eval and save included
+    (a log right after a save, the steps after an eval and after a save: aws-neuron-sdk #813),
+    must find its graph in the cache."""
     steps = run["xla"]["steps"]
     per_step = {s["step"]: (compiles(s, "in_step"), compiles(s, "after")) for s in steps}
     print("graphs compiled (in the step, after it):", per_step)
-    warm = SAVE + 1
-    late = {k: v for k, v in per_step.items() if k > warm and k < STEPS and sum(v) > 0}
-    assert not late, f"recompiled after warm-up at steps {late} (step: compiles in step, after step)"
-    assert per_step[warm + 1][0] == 0 and per_step[2 * SAVE][1] == 0 and per_step[2 * SAVE + 1][0] == 0
-    assert sum(per_step[1]) >= 1                           # the counters do see compiles
+    allowed = {(1, 0), (2, 0), (LOG, 1), (EVAL, 1), (SAVE, 1)}
+    late = {(k, "in step" if w == 0 else "after it"): n for k, v in per_step.items() for w, n in enumerate(v)
+            if n and (k, w) not in allowed and k < STEPS}       # after the last step: the final export
+    assert not late, f"graphs compiled after warm-up (step, window): {late}; all: {per_step}"
+    assert per_step[1][0] >= 1                            # the counters do see compiles
 
 
 def test_no_host_sync_outside_log_eval_and_checkpoint_steps(run):
@@ -117,7 +120,7 @@ OPTIMIZER_PROBE = textwrap.dedent("""
     for t in (1, 2, 3):
         step(t)
     new = []
-    for t in list(range(4, 400, 7)) + [1000, 10**5]:   # past the step where sqrt(1 - 0.95**t) rounds to 1
+    for t in (4, 5, 50, 100, 200, 300, 320, 325, 326, 330, 400, 1000, 10**5):   # sqrt(1 - 0.95**t) == 1.0f from 326
         before = met.counter_value("UncachedCompile")
         step(t)
         if met.counter_value("UncachedCompile") > before:
