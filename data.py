@@ -572,7 +572,7 @@ class PackedLoader:
             raise DataError(f"the data state was saved with DP degree {sd.get('dp_size')} but this run "
                             f"has DP degree {self.dp}: each rank's position is within its own shard of "
                             f"the epoch and does not map exactly onto another degree. Resume with "
-                            f"{sd.get('dp_size')} DP ranks, or start the data afresh (skip the loader state)")
+                            f"{sd.get('dp_size')} DP ranks, or start the data stream afresh with --ckpt.reset_data")
         for key in ("split", "dp_rank") + tuple(self.fingerprint):
             want = self.fingerprint.get(key, self._start_state[key])
             if sd.get(key) != want:

@@ -82,9 +82,8 @@ class Attention(nn.Module):
         k = qkv[:, :, :, rep].transpose(1, 2)                  # [B, n_kv, T, hd]
         v = qkv[:, :, :, rep + 1].transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: q head h reads KV head h // rep, so each KV head is repeated over its group.
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+        if rep > 1:   # GQA: q head h reads KV head h // rep, so each KV head is repeated over its group
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.selective_checkpoint and torch.is_grad_enabled():
             y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False)
         else:

@@ -40,8 +40,9 @@ def on_neuron() -> bool:
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
     """FLOP/s of a large matmul on this device: the peak MFU is quoted against where no datasheet
     figure applies (CPU, a GPU we have no table for)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)     # its own stream: the training RNG stays untouched
+    a = torch.randn(n, n, generator=g, dtype=dtype).to(device)
+    b = torch.randn(n, n, generator=g, dtype=dtype).to(device)
 
     def run(k):
         c = a

@@ -139,7 +139,12 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
     else:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)     # env://
+        # A key prefix per torchrun restart: after --max-restarts relaunches the workers, the store
+        # still holds the dead attempt's addresses and gloo would connect to them.
+        store, _, _ = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                rank=rank, world_size=world)
     return new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
 
 

@@ -151,8 +151,12 @@ def main(argv: list[str]) -> None:
         model.load_state_dict(loaded.model)
         if loaded.optim is not None:
             optimizer.load_state_dict(loaded.optim)
-        if loaded.data is not None:
-            train_loader.load_state_dict(loaded.data)
+        # At another DP degree the saved data position does not map onto this one: data.py
+        # refuses it with both degrees named, rather than silently restarting the stream.
+        if loaded.data is not None or not cfg.ckpt.reset_data:
+            train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states[0])
+        else:
+            log("resuming at another DP degree with --ckpt.reset_data: the data stream starts afresh")
         if loaded.rng is not None:
             checkpoint.set_rng_state(loaded.rng, device)
         step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)
@@ -215,5 +219,5 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (configs.ConfigError, checkpoint.CheckpointError, monitor.NonFiniteError) as e:
+    except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
         sys.exit(f"error: {e}")
