@@ -516,7 +516,8 @@ class Checkpointer:
 
     def _barrier(self):
         if self.grid.world > 1 and dist.is_initialized():
-            dist.barrier()
+            import parallel                     # on xla, a gloo group: xla's own barrier is a no-op
+            parallel.barrier(self.grid)
 
     def _verify(self, d: Path, files: dict) -> str | None:
         """Check the crc32 of every file; each rank reads a 1/world share, and all ranks agree."""

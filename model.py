@@ -25,7 +25,7 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 from configs import ModelConfig
 
@@ -56,6 +56,24 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def checkpoint(fn, *args):
+    """fn(*args), its activations recomputed in backward instead of saved: torch's non-reentrant
+    checkpoint. The default `checkpoint_fn` of Llama (full: each block) and Attention (selective:
+    the attention core); use_xla_checkpointing swaps in torch-xla's on an XLA device."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def use_xla_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing for a model on an XLA device: torch_xla.utils.checkpoint.checkpoint,
+    torch's reentrant version (it has no other) plus an optimization barrier on the inputs of the
+    recomputation. Without the barrier XLA merges the recomputed forward with the original one, and
+    the activations are kept after all. Device code calls this; the model itself never asks."""
+    from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+    for m in model.modules():
+        if hasattr(m, "checkpoint_fn"):
+            m.checkpoint_fn = xla_checkpoint
+
+
 def attention_core(q, k, v, mask):
     """Softmax attention over [B, H, T, hd]; the part selective checkpointing recomputes."""
     if mask is None:
@@ -72,6 +90,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.selective_checkpoint = cfg.checkpointing == "selective"
+        self.checkpoint_fn = checkpoint
 
     def forward(self, x, cos, sin, mask):
         qkv = self.qkv_proj(x)
@@ -85,7 +104,7 @@ class Attention(nn.Module):
         if rep > 1:   # GQA: q head h reads KV head h // rep, so each KV head is repeated over its group
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.selective_checkpoint and torch.is_grad_enabled():
-            y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False)
+            y = self.checkpoint_fn(attention_core, q, k, v, mask)
         else:
             y = attention_core(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -123,6 +142,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.checkpoint_fn = checkpoint      # the attention modules hold it too (use_xla_checkpointing)
 
     def forward(self, tokens, positions=None, doc_ids=None):
         """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under tensor parallelism)."""
@@ -134,7 +154,7 @@ class Llama(nn.Module):
         mask = document_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers:
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = self.checkpoint_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
         return self.lm_head(self.norm(x))

@@ -226,9 +226,16 @@ class Monitor:
         if not self.pending:
             return
         keys = ("loss", "grad_norm", "param_norm", "lr", "tokens")
-        tensors = [r[k] for r in self.pending for k in keys if torch.is_tensor(r[k])]
-        dev = tensors[0].device if tensors else None
-        values = iter(torch.stack([t.detach().float().reshape(()).to(dev) for t in tensors]).cpu().tolist() if tensors else [])
+        tensors = [r[k].detach() for r in self.pending for k in keys if torch.is_tensor(r[k])]
+        if self.lazy and tensors:
+            # One transfer of the finished values, and no graph: a torch.stack over a varying number
+            # of pending steps (a flush before a save reads fewer) would compile one graph per count.
+            # torch-xla's own batched read (xm.save uses it); it has no public name in 2.9.
+            import torch_xla.core.xla_model as xm
+            values = iter([float(t) for t in xm._maybe_convert_to_cpu(tensors)])
+        else:
+            dev = tensors[0].device if tensors else None
+            values = iter(torch.stack([t.float().reshape(()).to(dev) for t in tensors]).cpu().tolist() if tensors else [])
         rows = []
         for r in self.pending:          # the same order as `tensors` was built in
             rows.append(dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}))

@@ -221,10 +221,21 @@ class AdamW:
         return self._gen.manual_seed(int.from_bytes(digest, "little") >> 1)
 
     # --------------------------------------------------------------- the update
-    @torch.no_grad()
-    def _update(self, s: _Slot, grad: torch.Tensor):
+    def _step_scalars(self) -> dict[int, torch.Tensor]:
+        """This step's scalars of each param group, [1 - lr * wd, -lr / bias1, sqrt(bias2)], sent to
+        the device in one tensor: id(group) -> its row. As Python floats they would enter the XLA
+        graph as constants whenever they hit a special value (sqrt(1 - 0.95^t) rounds to 1.0 in fp32
+        from t ~ 326), and each such step would compile a new graph (minutes of neuronx-cc on trn1)."""
         c, t = self.cfg, self.step_count
-        lr, wd = s.group["lr"], s.group["weight_decay"]
+        bias1, bias2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t      # both moments start at 0
+        rows = [[1.0 - g["lr"] * g["weight_decay"], -g["lr"] / bias1, math.sqrt(bias2)] for g in self.param_groups]
+        table = torch.tensor(rows, dtype=torch.float32, device=self.named[0][1].device if self.named else None)
+        return {id(g): row for g, row in zip(self.param_groups, table)}
+
+    @torch.no_grad()
+    def _update(self, s: _Slot, grad: torch.Tensor, k: torch.Tensor):
+        """One slot's AdamW step; k: its group's row of _step_scalars."""
+        c = self.cfg
         # Everything below is fp32 arithmetic. `.float()` returns the tensor itself when it is
         # already fp32, so fp32 state (and the mixed master) is updated in place; bf16 state is
         # upcast into temporaries that `_write` rounds back at the end.
@@ -233,14 +244,14 @@ class AdamW:
         w = s.master if s.master is not None else s.value.float()
         # 1. decoupled weight decay: shrink the weight directly, outside the adaptive scaling
         #    (AdamW's fix of Adam + L2, whose decay the 1/sqrt(v) factor would rescale per weight).
-        w.mul_(1.0 - lr * wd)
+        w.mul_(k[0])                                  # 1 - lr * wd
         # 2. moments: running means of the gradient and of its square.
         m.lerp_(g, 1.0 - c.beta1)
         v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-        # 3. bias correction (both moments start at 0), then the step lr * m_hat / (sqrt(v_hat) + eps).
-        bias1, bias2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t
-        denom = (v.sqrt() / math.sqrt(bias2)).add_(c.eps)
-        w.addcdiv_(m, denom, value=-lr / bias1)
+        # 3. bias correction, then the step lr * m_hat / (sqrt(v_hat) + eps), rounded as torch.optim's
+        #    w.addcdiv_(m, denom, value=-lr / bias1), which computes (value * m) / denom.
+        denom = (v.sqrt() / k[2]).add_(c.eps)
+        w.addcdiv_(m * k[1], denom)
         # 4. write back: moments and weight, each rounded as the precision mode says.
         gen = self._generator_for(s)
         _write(s.exp_avg, m, gen)
@@ -252,9 +263,10 @@ class AdamW:
         """One AdamW step on the (already DP-reduced and clipped) gradients; params without a
         gradient are skipped, as torch.optim does."""
         self.step_count += 1
+        k = self._step_scalars()
         for s in self.slots:
             if s.param.grad is not None:
-                self._update(s, s.param.grad.view(-1)[s.lo:s.hi])
+                self._update(s, s.param.grad.view(-1)[s.lo:s.hi], k[id(s.group)])
 
     def zero_grad(self, set_to_none: bool = True):
         for _, p in self.named:
@@ -413,8 +425,9 @@ class Zero1AdamW(AdamW):
             raise RuntimeError("ZeRO-1: call opt.reduce_scatter_and_clip(max_norm) before opt.step(); "
                                "it reduces the gradients into this rank's shard (it replaces the DP all-reduce)")
         self.step_count += 1
+        k = self._step_scalars()
         for s in self.slots:
-            self._update(s, self._grad_shard[s.lo:s.hi])
+            self._update(s, self._grad_shard[s.lo:s.hi], k[id(s.group)])
         self._grad_shard = None
         # Every rank updated only its shard: all-gather the params so each holds the full model again.
         dtype = self.named[0][1].dtype

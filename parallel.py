@@ -84,6 +84,7 @@ class Grid:
     pp_group: object = None
     kv_group: object = None      # TP ranks sharing one replicated KV head (only when tp > n_kv_heads)
     backend: str = ""
+    host_group: object = None    # gloo over all ranks, for barriers on xla (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -145,7 +146,10 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world)
-    return new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
+    grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
+    if backend == "xla":     # its barrier returns at once: barriers (checkpoint renames) need gloo
+        grid.host_group = dist.new_group(backend="gloo")
+    return grid
 
 
 def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str) -> Grid:
@@ -170,7 +174,7 @@ def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str
 
 def barrier(grid: Grid) -> None:
     if grid.world > 1:
-        dist.barrier()
+        dist.barrier(group=grid.host_group)     # on xla, gloo: the xla backend's barrier is a no-op
 
 
 def destroy(grid: Grid) -> None:
@@ -529,12 +533,16 @@ def build_model(cfg: Config, grid: Grid, device, stage=None) -> llama.Llama:
         tensor_parallelize(model, grid, sp)
     if stage is not None:
         model = stage(model)
-    model.to_empty(device=device)
-    mark_parameters(model, grid, sp)          # after to_empty: it makes new Parameter objects
+    # XLA: init on CPU, then move the model (the blog: "initialized on CPU and offloaded to Trainium");
+    # in-place copies into XLA tensors leave views that recompile graphs at each save and after evals.
+    build_on = torch.device("cpu") if device.type == "xla" else device
+    model.to_empty(device=build_on)
     with torch.no_grad():
         for name, p in model.named_parameters():
             full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
             p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
+    model = model.to(device)
+    mark_parameters(model, grid, sp)          # after the moves: they make new Parameter objects
     return model
 
 
@@ -662,11 +670,9 @@ def param_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
-    """Scale gradients so the global L2 norm is at most max_norm; returns the norm before clipping
-    as a tensor (no host sync). Each weight counts exactly once in the global sum of squares:
-    TP-split pieces all count; TP-replicated weights (norms) only on TP rank 0; a replicated KV
-    head's rows 1/kv_replicas on each copy. Partial sums are added over TP and PP; DP ranks already
-    hold identical reduced gradients."""
+    """Scale gradients so the global L2 norm (_global_norm: each weight counted once) is at most
+    max_norm; returns the norm before clipping as a tensor (no host sync). DP ranks already hold
+    identical reduced gradients."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())

@@ -130,13 +130,90 @@ OPTIMIZER_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="optim.AdamW passes per-step Python floats (lr, bias corrections) into "
-                   "the graph; when one rounds to 1.0 in fp32 (sqrt(1-0.95^t) near t=325) or equals another "
-                   "scalar, torch-xla bakes it in as a constant: a new graph. Fix: 0-dim device tensors.")
 def test_optimizer_graph_does_not_change_over_a_long_run():
     """The optimizer's graph must not depend on the step number: at step ~325 (beta2 = 0.95) a
-    7B run on trn1 would stop for minutes of neuronx-cc, outside the pre-compiled graphs."""
+    7B run on trn1 would stop for minutes of neuronx-cc, outside the pre-compiled graphs. Python
+    floats (lr, bias corrections) enter the graph as constants when they hit a special value
+    (sqrt(1 - 0.95^t) rounds to 1.0 in fp32 from t = 326): optim.AdamW sends them as a tensor."""
     r = subprocess.run([sys.executable, "-c", OPTIMIZER_PROBE], capture_output=True, text=True, timeout=300,
                        cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
     print(r.stdout[-2000:])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+CHECKPOINTING_PROBE = textwrap.dedent("""
+    import json
+    import torch, torch_xla, torch_xla.debug.metrics as met
+    import configs, model as llama, optim, parallel, train
+    xla = torch_xla.device()              # before any backward (see scripts/xla_check.py)
+    torch.manual_seed(0)
+    T = 16
+    doc_ids = (torch.arange(T) >= 6).long().expand(2, T)            # two packed documents
+    batches = [{"tokens": torch.randint(0, 64, (2, T)), "targets": torch.randint(0, 64, (2, T)),
+                "positions": torch.arange(T) - 6 * doc_ids, "doc_ids": doc_ids} for _ in range(4)]
+
+    def reads():
+        return (met.metric_data("TransferFromDeviceTime") or [0])[0]
+
+    def run(mode, device, xla_ckpt, steps=5):
+        cfg = configs.from_args(["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4",
+                                 "--model.n_kv_heads=2", "--model.ffn_dim=64", "--model.vocab_size=64",
+                                 f"--seq_len={T}", "--global_batch=2", "--micro_batch=2", "--precision=fp32",
+                                 f"--model.checkpointing={mode}"])
+        grid = parallel.Grid()
+        model = parallel.build_model(cfg, grid, device)
+        if xla_ckpt:
+            llama.use_xla_checkpointing(model)
+        opt = optim.build_optimizer(model, cfg, grid)
+        losses, compiles, barrier, host_reads = [], [], None, []
+        if device.type == "xla":              # the backward graph's text (nothing runs), then drop it
+            b = {k: v.to(device) for k, v in batches[0].items()}
+            parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid).backward()
+            barrier = "opt-barrier" in torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+            opt.zero_grad(set_to_none=True)
+            torch_xla.sync()
+        for step in range(steps):
+            opt.set_lr(optim.lr_at(step, cfg.optim))
+            micro = [{k: v.to(device) for k, v in batches[step % 4].items()}]
+            before, read = met.counter_value("UncachedCompile") or 0, reads()
+            losses.append(train.train_step(model, opt, micro, grid, cfg)["loss"])
+            train.sync(device)
+            compiles.append((met.counter_value("UncachedCompile") or 0) - before)
+            host_reads.append(reads() - read)
+        return {"losses": [float(x) for x in losses], "compiles": compiles, "host_reads": host_reads,
+                "barrier": barrier}
+
+    without = run("none", xla, True, steps=0)["barrier"]          # the counter-example: no barrier
+    for mode in ("selective", "full"):
+        r = run(mode, xla, True)
+        r.update(eager=run(mode, torch.device("cpu"), False)["losses"], barrier_without=without)
+        print("RESULT", mode, json.dumps(r))
+""")
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_on_xla(checkpointing_runs, mode):
+    """model.use_xla_checkpointing (torch-xla's checkpoint: an optimization barrier before the
+    recomputation, or XLA merges it with the forward and keeps the activations after all): the
+    backward graph holds the barrier (without checkpointing it has none), the losses equal eager
+    CPU's, and after two warm-up steps no graph is compiled. (torch's own non-reentrant checkpoint
+    does not run on XLA in torch 2.9: AttributeError, torch has no attribute xla.)"""
+    r = checkpointing_runs[mode]
+    assert r["barrier"] and not r["barrier_without"], r
+    assert r["losses"] == pytest.approx(r["eager"], abs=1e-4), r
+    assert all(n == 0 for n in r["compiles"][2:]) and r["compiles"][0] >= 1, r["compiles"]
+    assert not any(r["host_reads"]), f"host reads inside the steps: {r['host_reads']}"
+
+
+@pytest.fixture(scope="module")
+def checkpointing_runs():
+    r = subprocess.run([sys.executable, "-c", CHECKPOINTING_PROBE], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, mode, rest = line.split(" ", 2)
+            out[mode] = json.loads(rest)
+    print(out)
+    return out
