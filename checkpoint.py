@@ -120,6 +120,8 @@ class FaultInjector:
         NANOTRN_FAULT=0:4:save      rank 0 dies halfway through writing the checkpoint of step 4
         NANOTRN_FAULT=p=0.01        every rank, every step, dies with probability 0.01
         NANOTRN_FAULT=p=0.05,seed=3,max=2   ... with a seed, and at most 2 deaths in this ckpt.dir
+        NANOTRN_FAULT=nan:5         not a crash: step 5's gradients become NaN on every rank, to
+                                    exercise --log.on_nonfinite (train.py applies it)
 
     Each death is first appended (fsynced) to <ckpt.dir>/faults.log. A fixed fault fires only if
     faults.log does not hold it yet, so the restarted run goes through the step that killed it
@@ -130,10 +132,13 @@ class FaultInjector:
     def __init__(self, spec: str, rank: int, root: Path):
         self.spec, self.rank, self.log = spec.strip(), rank, Path(root) / "faults.log"
         self.p, self.seed, self.max, self.at, self.in_save = 0.0, 0, None, None, False
+        self.nan_step = None
         if not self.spec:
             return
         try:
-            if self.spec.startswith("p="):
+            if self.spec.startswith("nan:"):
+                self.nan_step = int(self.spec[4:])
+            elif self.spec.startswith("p="):
                 opts = dict(kv.split("=", 1) for kv in self.spec.split(","))
                 self.p, self.seed = float(opts["p"]), int(opts.get("seed", 0))
                 self.max = int(opts["max"]) if "max" in opts else None
@@ -146,7 +151,7 @@ class FaultInjector:
                 self.at, self.in_save = (int(parts[0]), int(parts[1])), len(parts) == 3
         except (ValueError, KeyError):
             raise CheckpointError(f"NANOTRN_FAULT={spec!r} is not understood; use RANK:STEP, "
-                                  f"RANK:STEP:save or p=PROB[,seed=N][,max=N]") from None
+                                  f"RANK:STEP:save, p=PROB[,seed=N][,max=N] or nan:STEP") from None
         self.fired = self.log.read_text().splitlines() if self.log.exists() else []
 
     @classmethod

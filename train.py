@@ -175,8 +175,14 @@ def main(argv: list[str]) -> None:
             t_data = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
             data_wait = time.perf_counter() - t_data
+            # NANOTRN_FAULT=nan:STEP: this step's gradients come out of backward as NaN, as in a
+            # numerical blow-up, to exercise --log.on_nonfinite on purpose.
+            poison = [p.register_hook(lambda g: g * float("nan")) for p in model.parameters()
+                      ] if step == ckpt.fault.nan_step else []
             out = (pipeline.train_step if pp else train_step)(
                 model, optimizer, micro, grid, cfg, guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm))
+            for h in poison:
+                h.remove()
             sync(device)
             step += 1
             tokens_seen += tokens_per_step

@@ -279,7 +279,22 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     else:
         grid = parallel.init_distributed(tiny_cfg(dp=2))
         run_layout("dp2", tiny_cfg(dp=2), grid, out_dir)
+        barrier_over_host_group(grid, out_dir)
     parallel.destroy(grid)
+
+
+def barrier_over_host_group(grid: parallel.Grid, out_dir: str):
+    """parallel.barrier over grid.host_group, the gloo group init_distributed adds on xla (whose own
+    barrier returns at once): rank 1 writes a file late; rank 0 must see it right after the barrier."""
+    grid.host_group = dist.new_group(backend="gloo")
+    late = os.path.join(out_dir, "barrier.late")
+    if grid.rank == 1:
+        time.sleep(0.5)
+        open(late, "w").close()
+    parallel.barrier(grid)
+    if grid.rank == 0:
+        with open(os.path.join(out_dir, "barrier.seen"), "w") as f:
+            f.write(str(os.path.exists(late)))
 
 
 def _free_ports(n: int) -> list[int]:
@@ -495,6 +510,11 @@ def test_bad_layout_fails_before_process_groups(monkeypatch, world, change, mess
     with pytest.raises(ConfigError, match=re.escape(message)):
         parallel.init_distributed(cfg)
     assert not dist.is_initialized()
+
+
+def test_barrier_waits_for_every_rank(spawned):
+    with open(os.path.join(spawned, "barrier.seen")) as f:
+        assert f.read() == "True", "parallel.barrier returned before rank 1 reached it"
 
 
 def test_world_one_needs_no_process_group(monkeypatch):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def run_train(tmp_path, *args, timeout=600, env=None):
@@ -31,3 +32,36 @@ def test_tiny_training_run_loss_falls(tmp_path):
     assert ls[-1] < ls[0] - 1.0, ls                     # from ~ln(4096)=8.3 down by well over a nat
     assert "val loss" in r.stdout and "sample:" in r.stdout
     assert os.path.exists(f"{tmp_path}/out/hf/model.safetensors")
+
+
+SMALL = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+         "--data.seq_len=64", "--model.max_seq_len=64", "--data.global_batch=4", "--data.micro_batch=4",
+         "--optim.max_steps=8", "--log.interval=1", "--log.eval_interval=0", "--log.sample_tokens=0",
+         "--ckpt.interval=3", "--ckpt.async_save=false"]
+
+
+def test_injected_nan_is_skipped(tmp_path):
+    """on_nonfinite=skip: the poisoned step changes nothing, training goes on and finishes."""
+    r = run_train(tmp_path, *SMALL, "--log.on_nonfinite=skip", env={"NANOTRN_FAULT": "nan:4"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "step 5: non-finite loss" in r.stdout and "update skipped" in r.stdout
+    assert os.path.isdir(f"{tmp_path}/out/ckpt/step_00000008")
+    import torch
+    sd = torch.load(f"{tmp_path}/out/ckpt/step_00000008/model_tp00_pp00.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in sd.values())
+
+
+def test_injected_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+    """on_nonfinite=stop: a clear message, no checkpoint of the poisoned state, the last good one intact."""
+    r = run_train(tmp_path, *SMALL, "--log.on_nonfinite=stop", env={"NANOTRN_FAULT": "nan:4"})
+    assert r.returncode != 0
+    assert "non-finite" in r.stderr, r.stderr[-2000:]
+    ckpts = sorted(d for d in os.listdir(f"{tmp_path}/out/ckpt") if d.startswith("step_"))
+    assert ckpts == ["step_00000003"], ckpts
+    import checkpoint
+    import configs
+    cfg = configs.from_args(SMALL + [f"--ckpt.dir={tmp_path}/out/ckpt"])
+    loaded = checkpoint.Checkpointer(cfg).load_latest()
+    assert loaded is not None and loaded.step == 3
+    import torch
+    assert all(torch.isfinite(v).all() for v in loaded.model.values())
