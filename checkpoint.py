@@ -514,9 +514,9 @@ class Checkpointer:
         """True only if every rank says ok (so that all ranks fall back together)."""
         if self.grid.world == 1 or not dist.is_initialized():
             return ok
-        dev = {"nccl": "cuda", "xla": self.device}.get(self.grid.backend, "cpu")
-        t = torch.tensor([int(ok)], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
+        t = torch.tensor([int(ok)], device="cuda" if self.grid.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.grid.host_group)
         return bool(t.item())
 
     def _barrier(self):

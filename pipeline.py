@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import model as llama
 import parallel
@@ -92,6 +91,7 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
         self.comm: Comm | None = None          # set by build_model
+        self.checkpoint_fn = llama.checkpoint  # full checkpointing; use_xla_checkpointing swaps it on XLA
 
     def forward(self, x, positions, doc_ids=None):
         # The same steps as model.Llama.forward, restricted to this stage's part.
@@ -101,7 +101,7 @@ class PipelineStage(nn.Module):
         mask = llama.document_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers.values():
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = self.checkpoint_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
         return self.lm_head(self.norm(x)) if self.last else x

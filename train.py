@@ -138,6 +138,8 @@ def main(argv: list[str]) -> None:
     pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
     model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device)
     model.to(optim.param_dtype(cfg.optim.precision))
+    if device.type == "xla":             # torch-xla's checkpoint adds the barrier XLA needs
+        llama.use_xla_checkpointing(model)
     optimizer = optim.build_optimizer(model, cfg, grid)
     flops_tok = llama.flops_per_token(cfg.model, cfg.data.seq_len)
     log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
