@@ -128,26 +128,6 @@ class _Slot:
     hi: int                           #   in this rank's flat gradient shard
 
 
-def tp_pieces(p: torch.nn.Parameter, grid: Grid) -> list[tuple[int, int, str, float]]:
-    """Split a parameter's flat elements by how they are shared over TP (attributes set by
-    parallel.mark_parameters, NxD's names): (start, end, sharing, norm weight) for each run.
-
-    sharing names the ranks holding identical copies of the run (they must round identically);
-    norm weight makes each element count once in the global grad norm summed over TP ranks:
-      not tensor_model_parallel (norm weights): copies on every TP rank, counted on TP rank 0;
-      tensor_model_parallel: a distinct piece per TP rank, counted fully;
-      qkv rows past p.q_rows when p.kv_replicas > 1: a KV head copied on kv_replicas neighbouring
-      TP ranks, counted 1/kv_replicas on each (parallel.clip_grad_norm_ does the same)."""
-    n, tp_rank = p.numel(), grid.tp_rank
-    if not getattr(p, "tensor_model_parallel", False):
-        return [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
-    r = getattr(p, "kv_replicas", 1)
-    if r == 1:
-        return [(0, n, f"tp{tp_rank}", 1.0)]
-    cut = p.q_rows * (n // p.shape[0])
-    return [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
-
-
 class AdamW:
     """AdamW (Loshchilov & Hutter) with decoupled weight decay, step by step (see `_update`), in one
     of four precision modes. Matches torch.optim.AdamW in fp32.
@@ -206,7 +186,7 @@ class AdamW:
                 st["master"] = p.detach().float().clone()
             self.state[n] = st
             flat = {k: t.view(-1) for k, t in st.items()}
-            for a, b, sharing, weight in tp_pieces(p, self.grid):
+            for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
                 master = flat["master"][a:b] if "master" in flat else None
                 slots.append(_Slot(n, p, p.data.view(-1)[a:b], flat["exp_avg"][a:b], flat["exp_avg_sq"][a:b],
                                    master, self._group_of[id(p)], self._sr_key(n, sharing, a), weight, a, b))
@@ -321,22 +301,6 @@ class AdamW:
             g["lr"] = lr
 
 
-# ----------------------------------------------------------------------------- gradient norm
-
-def global_grad_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
-    """L2 norm of the whole model's gradient from this rank's pieces [(grad, norm_weight), ...]
-    (weights from tp_pieces: each element counts once over the TP group). Partial sums of squares
-    are added over TP and PP, and over DP when each DP rank holds a disjoint shard (ZeRO-1)."""
-    device = pieces[0][0].device if pieces else "cpu"
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, weight in pieces:
-        if weight:
-            total += g.float().pow(2).sum() * weight
-    for group in (grid.tp_group, grid.pp_group, grid.dp_group if over_dp else None):
-        parallel.all_reduce(total, group)          # a no-op for a group of one (None)
-    return total.sqrt()
-
-
 # ----------------------------------------------------------------------------- ZeRO-1
 
 class Zero1AdamW(AdamW):
@@ -380,7 +344,7 @@ class Zero1AdamW(AdamW):
             self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
         slots = []
         for (n, p), start in zip(self.named, self.offsets):
-            for a, b, sharing, weight in tp_pieces(p, self.grid):
+            for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
                 a, b = max(start + a, lo), min(start + b, hi)      # the part of the run on this shard
                 if a >= b:
                     continue                                       # it lies on other ranks' shards
@@ -413,7 +377,7 @@ class Zero1AdamW(AdamW):
         full.mul_(1.0 / g.dp)
         shard = torch.empty(self.shard, dtype=dtype, device=full.device)
         dist.reduce_scatter_tensor(shard, full, group=g.dp_group)
-        norm = global_grad_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
+        norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
         if max_norm > 0:
             shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(dtype))
         self._grad_shard = shard

@@ -645,38 +645,56 @@ def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BY
         _all_reduce_flat(bucket, grid.dp_group, scale=1.0 / grid.dp)
 
 
-def _global_norm(pairs, grid: Grid) -> torch.Tensor:
-    """L2 norm over every (parameter, tensor of its shape) pair, each weight counted exactly once:
-    TP-split pieces all count; TP-replicated weights (norms) only on TP rank 0; a replicated KV
-    head's rows 1/kv_replicas on each copy. Partial sums are added over TP and PP."""
-    squares = []
-    for p, t in pairs:
-        t = t.float()
-        if getattr(p, "kv_replicas", 1) > 1:
-            squares.append(t[:p.q_rows].pow(2).sum() + t[p.q_rows:].pow(2).sum() / p.kv_replicas)
-        elif getattr(p, "tensor_model_parallel", False) or grid.tp_rank == 0:
-            squares.append(t.pow(2).sum())
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=pairs[0][1].device)
-    all_reduce(total, grid.tp_group)
-    all_reduce(total, grid.pp_group)
+def tp_pieces(p: torch.nn.Parameter, grid: Grid) -> list[tuple[int, int, str, float]]:
+    """The one rule for counting each weight once over TP (clipping, param norm, ZeRO-1): a
+    parameter's flat elements as runs (start, end, sharing, norm weight). `sharing` names the ranks
+    holding identical copies (optim.py rounds those identically). Norm weights: TP-replicated
+    (norms) count on TP rank 0 only; TP-split pieces count fully; a KV head copied on kv_replicas
+    ranks (rows past p.q_rows) counts 1/kv_replicas on each copy."""
+    n, tp_rank = p.numel(), grid.tp_rank
+    if not getattr(p, "tensor_model_parallel", False):
+        return [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
+    r = getattr(p, "kv_replicas", 1)
+    if r == 1:
+        return [(0, n, f"tp{tp_rank}", 1.0)]
+    cut = p.q_rows * (n // p.shape[0])
+    return [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
+
+
+def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
+    """L2 norm of a whole-model quantity from this rank's pieces [(tensor, weight), ...] (weights
+    from tp_pieces: each element counts once over TP). Partial sums of squares are added over TP
+    and PP, and over DP when each DP rank holds a disjoint shard (ZeRO-1)."""
+    total = torch.zeros((), dtype=torch.float32, device=pieces[0][0].device if pieces else "cpu")
+    for t, weight in pieces:
+        if weight:
+            total += t.float().pow(2).sum() * weight
+    for group in (grid.tp_group, grid.pp_group, grid.dp_group if over_dp else None):
+        all_reduce(total, group)
     return total.sqrt()
+
+
+def _norm_of(params, tensors, grid: Grid) -> torch.Tensor:
+    return global_norm([(t.reshape(-1)[a:b], w) for p, t in zip(params, tensors)
+                        for a, b, _, w in tp_pieces(p, grid)], grid)
 
 
 @torch.no_grad()
 def param_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     """The global L2 norm of the weights (the blog watched it: about 1,600 at init for 7B)."""
-    return _global_norm([(p, p.detach()) for p in model.parameters()], grid)
+    params = list(model.parameters())
+    return _norm_of(params, [p.detach() for p in params], grid)
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
-    """Scale gradients so the global L2 norm (_global_norm: each weight counted once) is at most
+    """Scale gradients so the global L2 norm (tp_pieces: each weight counted once) is at most
     max_norm; returns the norm before clipping as a tensor (no host sync). DP ranks already hold
     identical reduced gradients."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    norm = _global_norm([(p, p.grad) for p in params], grid)
+    norm = _norm_of(params, [p.grad for p in params], grid)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
