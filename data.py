@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 import torch
 
+import monitor
 from configs import ConfigError, DataConfig
 
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
@@ -666,7 +667,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     schema = pa.schema({"text": pa.large_string()})
     counts = collections.Counter(empty_files=corpus.empty_files)
-    t0 = shown = time.time()
+    bar = monitor.Progress(corpus.n_docs, "[prepare] documents", unit="docs")
     tmp = f"{out}.tmp{os.getpid()}"
     with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for start in range(0, corpus.n_docs, 1024):
@@ -678,12 +679,10 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
                     texts.append(text)
                     counts.update(documents=1, bytes=len(text.encode()))
             writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
-            if time.time() - shown > 0.5 or done == corpus.n_docs:
-                shown, mb = time.time(), counts["bytes"] / 1e6
-                print(f"\r[prepare] {done:,}/{corpus.n_docs:,} documents ({100 * done / corpus.n_docs:.0f}%) "
-                      f"{mb:,.1f} MB, {mb / max(shown - t0, 1e-9):,.1f} MB/s", end="", file=sys.stderr, flush=True)
+            bar.update(done - start)
+    bar.close()
     os.replace(tmp, out)
-    print(f"\n[prepare] wrote {out}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())),
+    print(f"[prepare] wrote {out}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())),
           file=sys.stderr, flush=True)
     return dict(counts)
 

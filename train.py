@@ -169,6 +169,8 @@ def main(argv: list[str]) -> None:
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     eval_batches = -(-cfg.log.eval_windows // cfg.data.micro_batch)
+    if device.type == "xla":
+        log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
     try:
         while step < cfg.optim.max_steps:
             ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
