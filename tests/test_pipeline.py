@@ -19,6 +19,7 @@ PP gradients) would survive clipping in the gradients themselves, not in the nor
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import sys
@@ -205,12 +206,20 @@ def _worker(rank: int, ports: list[int], out_dir: str):
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """n ports that are free now, BELOW the kernel's ephemeral range: later phases bind them minutes
+    after they are picked, and gloo's own connections take ephemeral ports meanwhile (a port picked
+    with bind(0) was seen taken by then: EADDRINUSE)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports, rng = [], random.Random()
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
