@@ -211,12 +211,18 @@ def main(argv: list[str]) -> None:
         if val_loader is not None:
             val_loader.close()
 
-    # The end: the full model on rank 0, exported in Hugging Face format, and a short sample.
+    # The end: the full model exported in Hugging Face format, and a short sample. Gathering the
+    # full model on every rank suits small models; a 7B run (32 ranks per host) exports from its
+    # checkpoint in one process instead.
+    out_dir = os.path.join(cfg.out_dir, "hf")
+    if llama.num_params(cfg.model) > 1e9:
+        log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
+        parallel.destroy(grid)
+        return
     full = (pipeline.gather_full_state_dict if pp else parallel.gather_full_state_dict)(model, grid)
     if grid.is_main:
         final = llama.Llama(cfg.model)
         final.load_state_dict({k: v.float() for k, v in full.items()})
-        out_dir = os.path.join(cfg.out_dir, "hf")
         llama.save_hf(final, out_dir)
         log(f"saved the final model to {out_dir} (Hugging Face format)")
         if cfg.log.sample_tokens:
