@@ -274,6 +274,24 @@ def bench_precision(args):
 
 
 
+def _launch_ranks(which: str, name: str, world: int, threads: int, steps: int, **env_extra):
+    """Run `bench.py <which>` as `world` gloo ranks (a torchrun-like environment) and wait for them."""
+    import os
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, **env_extra, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
+        cmd = [sys.executable, os.path.abspath(__file__), which, "--threads", str(threads), "--steps", str(steps)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit(f"bench.py {which}: the {name} run failed")
+
+
 def bench_parallel(args):
     """Training tokens/s of TP=2, TP=2 with SP, and DP=2 (two gloo processes of one thread each)
     against one process (one thread, and two threads: both cores), same global batch and tokens per
@@ -281,8 +299,6 @@ def bench_parallel(args):
     (re-running this file with BENCH_PARALLEL_LAYOUT set, torchrun-style environment)."""
     import json
     import os
-    import socket
-    import subprocess
     import tempfile
 
     import configs
@@ -334,20 +350,9 @@ def bench_parallel(args):
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for name, world, tp, dp, sp, threads in layouts:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
                 out = os.path.join(tmp, "result.json")
-                procs = []
-                for rank in range(world):
-                    env = dict(os.environ, BENCH_PARALLEL_LAYOUT=f"{tp},{dp},{sp}", BENCH_PARALLEL_OUT=out,
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                               LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
-                    cmd = [sys.executable, os.path.abspath(__file__), "parallel", "--threads", str(threads),
-                           "--steps", str(steps)]
-                    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
-                if any(p.wait() != 0 for p in procs):
-                    raise SystemExit(f"bench.py parallel: the {name} run failed")
+                _launch_ranks("parallel", name, world, threads, steps,
+                              BENCH_PARALLEL_LAYOUT=f"{tp},{dp},{sp}", BENCH_PARALLEL_OUT=out)
                 with open(out) as f:
                     runs[name].append(json.load(f)["tok_s"])
     results = {name: max(r) for name, r in runs.items()}
@@ -368,8 +373,6 @@ def bench_pp(args):
     2 rounds and the faster of the two is kept (a shared machine)."""
     import json
     import os
-    import socket
-    import subprocess
     import tempfile
 
     import configs
@@ -431,20 +434,9 @@ def bench_pp(args):
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
             for name, world, schedule, p2p, threads in layouts:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
                 out = os.path.join(tmp, "result.json")
-                procs = []
-                for rank in range(world):
-                    env = dict(os.environ, BENCH_PP_LAYOUT=f"{world},{schedule},{p2p}", BENCH_PP_OUT=out,
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                               LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
-                    cmd = [sys.executable, os.path.abspath(__file__), "pp", "--threads", str(threads),
-                           "--steps", str(steps)]
-                    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
-                if any(p.wait() != 0 for p in procs):
-                    raise SystemExit(f"bench.py pp: the {name} run failed")
+                _launch_ranks("pp", name, world, threads, steps,
+                              BENCH_PP_LAYOUT=f"{world},{schedule},{p2p}", BENCH_PP_OUT=out)
                 ranks = []
                 for rank in range(world):
                     with open(f"{out}.{rank}") as f:

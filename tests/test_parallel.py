@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
-import socket
 import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gloo_spawn import spawn_and_wait  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
@@ -298,35 +296,9 @@ def barrier_over_host_group(grid: parallel.Grid, out_dir: str):
             f.write(str(os.path.exists(late)))
 
 
-def _free_ports(n: int) -> list[int]:
-    """n ports that are free now, BELOW the kernel's ephemeral range: later phases bind them minutes
-    after they are picked, and gloo's own connections take ephemeral ports meanwhile (a port picked
-    with bind(0) was seen taken by then: EADDRINUSE)."""
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    ports, rng = [], random.Random()
-    while len(ports) < n:
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("parallel"))
-    ctx = mp.start_processes(_worker, args=(_free_ports(3), out_dir), nprocs=4, join=False, start_method="spawn")
-    deadline = time.time() + 600
-    while not ctx.join(timeout=5):       # raises if a rank failed
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("parallel workers did not finish in 600 s (a collective mismatch hangs)")
-    return out_dir
+    return spawn_and_wait(_worker, 3, 4, str(tmp_path_factory.mktemp("parallel")))
 
 
 LAYOUTS = {  # name -> ranks that wrote a file
