@@ -12,76 +12,89 @@ reference run side by side in the same process, on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 import torch
 
 
-def matmul_peak_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
-    """Measured matmul throughput of this machine: the 'peak' MFU is quoted against."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
+def fixed_malloc_thresholds():
+    """Pin glibc's allocator policy for this process. By default glibc adapts its mmap threshold
+    to the sizes freed so far, so whether a buffer is reused or page-faulted back in depends on what
+    ran before: on this machine transformers' bf16 step swung from 3,660 to 4,610 tok/s with which
+    of our attention paths ran in between. Pinned, neither model sets the other's costs."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)      # glibc's largest: buffers over 32 MiB are always mapped
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)       # keep up to 1 GiB of freed heap for reuse
 
 
 def bench_train(args):
     """Our Llama against transformers' LlamaForCausalLM on the identical config, in this run:
-    same weights, same batches, same torch.optim.AdamW; fp32 and bf16. Rounds alternate between
-    the two models so that machine noise hits both alike."""
+    same weights, same batches, same torch.optim.AdamW; fp32 and bf16. Ours runs twice, with each
+    attention (sdpa: torch's kernel; explicit: model.ExplicitAttention), with the fused head + loss
+    that training uses; transformers as it loads by default (SDPA attention). Rounds rotate over
+    the three so that machine noise hits all alike; each round gives a ratio to transformers, and
+    the median over rounds is reported beside the ratio of the totals."""
+    import statistics
     import transformers
     import model as llama
     from configs import ModelConfig
+    from monitor import measure_matmul_flops
+    fixed_malloc_thresholds()
     cfg = ModelConfig(vocab_size=8000, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, max_seq_len=256)
-    batch, seq, rounds, steps_per_round = 8, 256, args.steps or 6, 2
+    batch, seq, rounds, steps_per_round = 8, 256, args.steps or 8, 2
     flops_step = llama.flops_per_token(cfg, seq) * batch * seq
     print(f"config: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn_dim}, vocab "
           f"{cfg.vocab_size}, seq {seq}, batch {batch}, {torch.get_num_threads()} threads; "
-          f"{flops_step / 1e9:.1f} GFLOP per step")
+          f"{flops_step / 1e9:.1f} GFLOP per step; {rounds} rounds of {steps_per_round} steps")
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        ours = llama.Llama(cfg).init_weights(0)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        steps = {}
+        for attention in ("sdpa", "explicit"):
+            ours = llama.Llama(dataclasses.replace(cfg, attention=attention)).init_weights(0).to(dtype)
+
+            def ours_step(m=ours, opt=torch.optim.AdamW(ours.parameters(), lr=1e-4)):
+                (m(x, targets=y) / y.numel()).backward()
+                opt.step(); opt.zero_grad(set_to_none=True)
+            steps[f"ours ({attention})"] = ours_step
         hf_cfg = transformers.LlamaConfig(**{k: v for k, v in llama.hf_config(cfg).items()
                                              if k not in ("architectures", "model_type", "torch_dtype")})
         hf = transformers.LlamaForCausalLM(hf_cfg)
-        hf.load_state_dict(llama.to_hf_state_dict(ours.state_dict(), cfg))
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        hf.load_state_dict(llama.to_hf_state_dict(llama.Llama(cfg).init_weights(0).state_dict(), cfg))
+        hf.to(dtype)
 
-        ours.to(dtype), hf.to(dtype)
-
-        def ours_step(m=ours, opt=torch.optim.AdamW(ours.parameters(), lr=1e-4)):
-            (llama.loss_sum(m(x), y) / y.numel()).backward()
-            opt.step(); opt.zero_grad(set_to_none=True)
-
-        def hf_train_step(m=hf, opt=torch.optim.AdamW(hf.parameters(), lr=1e-4)):
+        def hf_step(m=hf, opt=torch.optim.AdamW(hf.parameters(), lr=1e-4)):
             logits = m(input_ids=x).logits
             torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
             opt.step(); opt.zero_grad(set_to_none=True)
+        steps["transformers"] = hf_step
 
-        times = {"ours": 0.0, "transformers": 0.0}
-        for name, fn in (("ours", ours_step), ("transformers", hf_train_step)):
+        for fn in steps.values():
             fn()                                          # warm-up: allocator, kernels
+        times = {name: [] for name in steps}
         for _ in range(rounds):
-            for name, fn in (("ours", ours_step), ("transformers", hf_train_step)):
+            for name, fn in steps.items():
                 t = time.perf_counter()
                 for _ in range(steps_per_round):
                     fn()
-                times[name] += time.perf_counter() - t
-        n = rounds * steps_per_round
-        tok_s = {k: n * batch * seq / v for k, v in times.items()}
+                times[name].append(time.perf_counter() - t)
+        peak = measure_matmul_flops(torch.device("cpu"), torch.bfloat16) / 1e9
+        tok_s = {k: rounds * steps_per_round * batch * seq / sum(v) for k, v in times.items()}
         results[dtype] = tok_s
-        peak = matmul_peak_gflops(torch.bfloat16)
-        gflops = tok_s["ours"] * flops_step / (batch * seq) / 1e9
-        print(f"{str(dtype).removeprefix('torch.'):>8}: ours {tok_s['ours']:8,.0f} tok/s | transformers "
-              f"{tok_s['transformers']:8,.0f} tok/s | ratio {tok_s['ours'] / tok_s['transformers']:.2f}x | "
-              f"ours {gflops:.0f} GFLOP/s = {gflops / peak:.0%} of the measured bf16 matmul peak "
-              f"({peak:.0f} GFLOP/s)")
+        name = str(dtype).removeprefix("torch.")
+        print(f"{name}: transformers {tok_s['transformers']:,.0f} tok/s; measured bf16 matmul peak {peak:.0f} GFLOP/s")
+        for k in ("ours (sdpa)", "ours (explicit)"):
+            per_round = [h / o for h, o in zip(times["transformers"], times[k])]
+            gflops = tok_s[k] * flops_step / (batch * seq) / 1e9
+            print(f"  {k:<16} {tok_s[k]:7,.0f} tok/s | vs transformers {tok_s[k] / tok_s['transformers']:.2f}x "
+                  f"(median of rounds {statistics.median(per_round):.2f}x, range {min(per_round):.2f}-{max(per_round):.2f}) | "
+                  f"{gflops:.0f} GFLOP/s = {gflops / peak:.0%} of the bf16 matmul peak")
     return results
 
 
@@ -580,7 +593,7 @@ def bench_ckpt(args):
             t_load = time.time()
             tokens = torch.randint(0, cfg.model.vocab_size, (1, 257))
             def step():
-                llama.loss_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward(); opt.step(); opt.zero_grad()
+                model(tokens[:, :-1], targets=tokens[:, 1:]).backward(); opt.step(); opt.zero_grad()
             step(); t_step1 = time.time(); step(); t_step2 = time.time()
             print(json.dumps(dict(t_start=t_start, t_import=t_import, t_build=t_build, t_load=t_load,
                                   t_step1=t_step1, t_step2=t_step2, step=loaded.step)))

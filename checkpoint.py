@@ -60,7 +60,7 @@ from configs import Config, ModelConfig
 from parallel import Grid
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.bad\d*)?$")     # step_00000200, or set aside: step_00000200.bad<time>
-MODEL_FIELDS_FREE = {"checkpointing"}                    # may change on resume: it does not touch weights
+MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
 
 
 class CheckpointError(RuntimeError):

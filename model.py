@@ -37,9 +37,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # torch's rms_norm accumulates the mean of squares in fp32 even for bf16 input (the same
-        # numbers as HF's explicit upcast, measured bit-equal) and is one fused op, not eight.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x / rms(x) * weight with the statistics and the product in fp32, rounded once to x's dtype:
+    the numbers of torch's F.rms_norm (bit-equal, tests/test_model.py). Its backward is written out,
+    dx = r * (g - xn * mean(g * xn)) with g = dy * weight, xn = x * r: five passes over the
+    activations where autograd through F.rms_norm's eight ops takes twelve (1.6x faster here)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.float32, copy=True)
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)        # 1 / rms, fp32
+        ctx.save_for_backward(x, r, weight)
+        return (xf.mul_(r) * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, r, weight = ctx.saved_tensors
+        xn = x.to(torch.float32, copy=True).mul_(r)
+        g = dy.float()
+        dweight = (g * xn).flatten(0, -2).sum(0).to(weight.dtype)
+        g = g * weight.float()
+        dx = g.sub_(xn.mul_((g * xn).mean(-1, keepdim=True))).mul_(r)
+        return dx.to(dy.dtype), dweight, None
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -51,8 +73,31 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def apply_rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (HF Llama)."""
+    return RoPE.apply(x, cos, sin)
+
+
+class RoPE(torch.autograd.Function):
+    """apply_rope with half-width in-place updates instead of neg, cat and a second product. The
+    rotation is orthogonal, so the backward is the rotation by the opposite angle."""
+
+    @staticmethod
+    def rotate(x, cos, sin, direction: float):
+        h = x.shape[-1] // 2
+        out = torch.mul(x, cos, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))   # contiguous [B, H, T, hd]
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-direction)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=direction)
+        return out
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return RoPE.rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return RoPE.rotate(grad, cos, sin, -1.0), None, None
 
 
 def checkpoint(fn, *args):
@@ -73,11 +118,63 @@ def use_xla_checkpointing(model: nn.Module) -> None:
             m.checkpoint_fn = xla_checkpoint
 
 
-def attention_core(q, k, v, mask):
-    """Softmax attention over [B, H, T, hd]; the part selective checkpointing recomputes."""
+def attention_core(q, k, v, mask, explicit: bool = False):
+    """Softmax attention over [B, H, T, hd]; the part selective checkpointing recomputes.
+    mask: boolean [B, 1, T, T], True where a query may attend a key, or None for causal."""
+    if explicit:
+        if mask is None:
+            T = q.shape[-2]
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return ExplicitAttention.apply(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, computed in fp32 and rounded once to s's dtype. torch's CPU
+    kernel does exactly that for bf16 input (bit-equal, tests/test_model.py) at half the memory
+    traffic of an fp32 copy. XLA reduces bf16 in bf16, so elsewhere the upcast is written out."""
+    if s.device.type == "cpu":
+        return torch.softmax(s, dim=-1)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
+
+
+class ExplicitAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(hd), masked) v as NxD's CoreAttention computes it for Llama on trn1:
+    score and value matmuls in the input dtype (bf16 on the TensorEngine), softmax in fp32. The
+    probabilities are saved and the backward is written out (dS = P * (dP - rowsum(dP * P))), so
+    autograd stores no fp32 copies. Against SDPA: on XLA, SDPA is the math path with bf16 upcast
+    to fp32 matmuls; on CPU at a few hundred tokens this is 2.6x faster than the flash kernel in
+    bf16, though slower in fp32, where flash skips the masked half. Its cost: [B, H, T, T]
+    probabilities per layer, which selective checkpointing recomputes instead of keeping."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        B, H, T, hd = q.shape
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)          # [B*H, T, hd]
+        # The mask as an additive bias, added inside the score GEMM together with the scale.
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.expand(B, H, T, T).reshape(B * H, T, T) if bias.dim() == 4 else bias.expand(B * H, T, T)
+        p = softmax_fp32(torch.baddbmm(bias, q, k.transpose(1, 2), alpha=hd ** -0.5))
+        ctx.save_for_backward(q, k, v, p)
+        return torch.bmm(p, v).view(B, H, T, hd)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        shape, scale = dout.shape, q.shape[-1] ** -0.5
+        dout = dout.flatten(0, 1)
+        dv = torch.bmm(p.transpose(1, 2), dout)
+        dp = torch.bmm(dout, v.transpose(1, 2))
+        if p.device.type == "cpu":      # fp32 inside, one rounding, as softmax_fp32
+            ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        else:
+            pf = p.float()
+            ds = (pf * (dp.float() - (dp.float() * pf).sum(-1, keepdim=True))).to(p.dtype)
+        dq = torch.bmm(ds, k).mul_(scale)
+        dk = torch.bmm(ds.transpose(1, 2), q).mul_(scale)
+        return dq.view(shape), dk.view(shape), dv.view(shape), None
 
 
 class Attention(nn.Module):
@@ -89,23 +186,25 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.selective_checkpoint = cfg.checkpointing == "selective"
+        self.explicit = cfg.attention == "explicit"
         self.checkpoint_fn = checkpoint
 
     def forward(self, x, cos, sin, mask):
         qkv = self.qkv_proj(x)
         B, T, _ = qkv.shape          # T is the full sequence even when x is a sequence shard (SP)
         rep = self.n_heads // self.n_kv_heads
-        qkv = qkv.view(B, T, self.n_kv_heads, rep + 2, self.head_dim)
-        q = qkv[:, :, :, :rep].reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = qkv[:, :, :, rep].transpose(1, 2)                  # [B, n_kv, T, hd]
-        v = qkv[:, :, :, rep + 1].transpose(1, 2)
+        # One split, so backward joins the three gradients with one cat (slicing would give each
+        # its own zero-filled qkv-sized gradient, summed).
+        q, k, v = qkv.view(B, T, self.n_kv_heads, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)    # [B, n_kv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if rep > 1:   # GQA: q head h reads KV head h // rep, so each KV head is repeated over its group
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.selective_checkpoint and torch.is_grad_enabled():
-            y = self.checkpoint_fn(attention_core, q, k, v, mask)
+            y = self.checkpoint_fn(attention_core, q, k, v, mask, self.explicit)
         else:
-            y = attention_core(q, k, v, mask)
+            y = attention_core(q, k, v, mask, self.explicit)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -140,11 +239,13 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.dim, cfg.vocab_size)
         self.checkpoint_fn = checkpoint      # the attention modules hold it too (use_xla_checkpointing)
 
-    def forward(self, tokens, positions=None, doc_ids=None):
-        """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under tensor parallelism)."""
+    def forward(self, tokens, positions=None, doc_ids=None, targets=None):
+        """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under tensor parallelism),
+        or, given targets [B, T], the sum of their cross-entropies (fp32; -100 ignored) computed
+        by the head without materializing the logits."""
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -156,6 +257,8 @@ class Llama(nn.Module):
                 x = self.checkpoint_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
+        if targets is not None:
+            return self.lm_head.loss_sum(self.norm(x), targets)
         return self.lm_head(self.norm(x))
 
     # ------------------------------------------------------------------ initialization
@@ -204,8 +307,59 @@ def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Te
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of token cross-entropies; targets of -100 are ignored. The caller divides by the number of
-    valid tokens in the whole global batch (torchtitan's rule), which makes every layout agree."""
+    valid tokens in the whole global batch (torchtitan's rule), which makes every layout agree.
+    The reference definition: training computes the same number through LMHead.loss_sum."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+
+
+class LMHead(nn.Linear):
+    """The output projection (untied). loss_sum(h, targets) fuses it with the cross entropy so
+    the [tokens, vocab] fp32 logits never exist whole: see LinearCrossEntropy."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__(dim, vocab_size, bias=False)
+
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten())
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """loss_sum(h @ W^T, targets) in row chunks of at most CHUNK_LOGITS logits (16 MiB in fp32),
+    with each chunk's gradient computed in the forward, while its logits are at hand, and kept
+    for backward (the chunked fused loss of Liger-Kernel and torchtune). The full fp32 logits,
+    their log-softmax and its gradient (three [tokens, vocab] fp32 tensors, 256 MiB per 2048
+    tokens at Llama's 32k vocab) are never built. The numbers are loss_sum's: the same bf16
+    logits upcast to fp32, the same bf16 logit gradient into the same matmuls (tests/test_model.py).
+    Backward only scales the kept gradients by d(loss)/d(sum)."""
+    CHUNK_LOGITS = 2 ** 22
+
+    @staticmethod
+    def forward(ctx, h, w, targets):
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        rows = max(1, LinearCrossEntropy.CHUNK_LOGITS // w.shape[0])
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        gh = torch.empty_like(h) if want_grad else None
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_grad else None
+        for i in range(0, h.shape[0], rows):
+            hc, t = h[i:i + rows], targets[i:i + rows]
+            valid = t != -100
+            t = t.masked_fill(~valid, 0)[:, None]
+            logp = torch.log_softmax(hc @ w.t(), dim=-1, dtype=torch.float32)      # = .float() first
+            total -= (logp.gather(1, t).squeeze(1) * valid).sum()
+            if want_grad:        # d(sum of losses)/d(logits) = softmax - one_hot(target), valid rows only
+                g = logp.exp_()
+                g.scatter_add_(1, t, -valid[:, None].to(g.dtype))
+                g = g.to(h.dtype).mul_(valid[:, None])
+                gh[i:i + rows] = g @ w
+                gw += g.t() @ hc
+        ctx.save_for_backward(gh, gw)
+        ctx.w_dtype = w.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        gh, gw = ctx.saved_tensors
+        return gh * grad.to(gh.dtype), (gw * grad).to(ctx.w_dtype), None
 
 
 def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:

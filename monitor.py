@@ -51,9 +51,12 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
         return c.float().sum().item()            # .item() waits for the device
 
     run(2)
-    t = time.perf_counter()
-    run(reps)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+    best = float("inf")
+    for _ in range(3):           # the best of three: a busy neighbour only ever slows a sample
+        t = time.perf_counter()
+        run(reps)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 * reps / best
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> float:

@@ -394,10 +394,11 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(ColumnParallelLinear):
     """lm_head split over the vocabulary: logits [B, T, V_local], this rank's slice of the padded
     vocabulary. Padding columns (vocab rounded up to a TP multiple) are set to -inf, so no softmax,
-    loss or sampler ever gives them probability."""
-    def __init__(self, dim: int, vocab_local: int, n_real: int, group, sequence_parallel: bool):
+    loss or sampler ever gives them probability. loss_sum: the vocab-parallel cross entropy."""
+    def __init__(self, dim: int, vocab_local: int, n_real: int, vocab_start: int, group, sequence_parallel: bool):
         super().__init__(dim, vocab_local, group, sequence_parallel)
         self.n_real = n_real          # real (non-padding) vocabulary entries in this rank's slice
+        self.vocab_start = vocab_start
 
     def forward(self, x):
         logits = super().forward(x)
@@ -405,6 +406,10 @@ class VocabParallelHead(ColumnParallelLinear):
             pad = torch.arange(logits.shape[-1], device=logits.device) >= self.n_real
             logits = logits.masked_fill(pad, float("-inf"))
         return logits
+
+    def loss_sum(self, h, targets):
+        """model.LMHead.loss_sum over the vocabulary shards: every TP rank returns the same sum."""
+        return _VocabParallelCrossEntropy.apply(self(h), targets, self.group, self.vocab_start)
 
 
 # ----------------------------------------------------------------------------- 5. sharding rules
@@ -494,7 +499,7 @@ def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) 
         attn.o_proj = RowParallelLinear(attn.n_heads * hd, m.dim, group, sequence_parallel)
         mlp.gate_up_proj = ColumnParallelLinear(m.dim, 2 * m.ffn_dim // tp, group, sequence_parallel)
         mlp.down_proj = RowParallelLinear(m.ffn_dim // tp, m.dim, group, sequence_parallel)
-    model.lm_head = VocabParallelHead(m.dim, v_local, n_real, group, sequence_parallel)
+    model.lm_head = VocabParallelHead(m.dim, v_local, n_real, grid.tp_rank * v_local, group, sequence_parallel)
     return model
 
 
@@ -579,14 +584,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = softmax * valid.unsqueeze(-1)
         g.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1).to(g.dtype))
         return (g * grad).to(ctx.dtype), None, None, None
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """Sum of token cross-entropies (targets of -100 ignored); vocab-parallel when grid.tp > 1.
-    Every TP rank returns the same value. The caller divides by the global valid-token count."""
-    if grid.tp == 1:
-        return llama.loss_sum(logits, targets)
-    return _VocabParallelCrossEntropy.apply(logits, targets, grid.tp_group, grid.tp_rank * logits.shape[-1])
 
 
 # ----------------------------------------------------------------------------- 8. gradients

@@ -78,7 +78,7 @@ class PipelineStage(nn.Module):
     """One stage of the Llama: the embedding if first, layers [start, end), norm and head if last.
     Layers sit in a ModuleDict keyed by their global index, so the parameter names are those of the
     whole model. forward: tokens (first stage) or the previous stage's hidden states -> hidden
-    states, or logits on the last stage. Every stage computes RoPE and the document mask itself
+    states; on the last stage logits, or given targets their summed loss. Every stage computes RoPE and the document mask itself
     from positions and doc_ids (all stages read the same batch), so only hidden states travel."""
 
     def __init__(self, model: llama.Llama, bounds: list[tuple[int, int]], pp_rank: int):
@@ -93,7 +93,7 @@ class PipelineStage(nn.Module):
         self.comm: Comm | None = None          # set by build_model
         self.checkpoint_fn = llama.checkpoint  # full checkpointing; use_xla_checkpointing swaps it on XLA
 
-    def forward(self, x, positions, doc_ids=None):
+    def forward(self, x, positions, doc_ids=None, targets=None):
         # The same steps as model.Llama.forward, restricted to this stage's part.
         if self.first:
             x = self.embed(x)
@@ -104,7 +104,11 @@ class PipelineStage(nn.Module):
                 x = self.checkpoint_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
-        return self.lm_head(self.norm(x)) if self.last else x
+        if not self.last:
+            return x
+        if targets is not None:
+            return self.lm_head.loss_sum(self.norm(x), targets)
+        return self.lm_head(self.norm(x))
 
 
 def build_model(cfg: Config, grid: Grid, device) -> PipelineStage:
@@ -231,11 +235,10 @@ class _Microbatches:
             inp, x = None, b["tokens"]
         else:
             inp = x = x.detach().requires_grad_()      # a leaf: its .grad goes back to the previous stage
-        out = self.stage(x, b["positions"], b.get("doc_ids"))
-        if self.stage.last:
-            loss = parallel.loss_sum(out, b["targets"], self.grid)
-            self.loss_sum += loss.detach()
-            out = loss * self.scale                     # the same normalization as train.train_step
+        out = self.stage(x, b["positions"], b.get("doc_ids"), b["targets"])
+        if self.stage.last:                             # out is the microbatch's summed loss
+            self.loss_sum += out.detach()
+            out = out * self.scale                      # the same normalization as train.train_step
         self.live.append((inp, out))
         self.max_live = max(self.max_live, len(self.live))
         return None if self.stage.last else out.detach()
@@ -386,9 +389,9 @@ def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: t
     for _ in range(n_batches):
         b = {k: v.to(device) for k, v in next(loader).items()}
         x = p2p(comm, None, comm.prev, recv=True)
-        out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"))
+        out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"), b["targets"])
         if model.last:
-            total += parallel.loss_sum(out, b["targets"], grid)
+            total += out
         else:
             p2p(comm, out, comm.next, recv=False)
         count += (b["targets"] != -100).sum()

@@ -73,8 +73,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     scale = grid.dp / global_tokens
     loss_sum = 0.0
     for b in batches:
-        logits = model(b["tokens"], b["positions"], b["doc_ids"])
-        loss = parallel.loss_sum(logits, b["targets"], grid)
+        loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])    # summed over tokens
         (loss * scale).backward()
         loss_sum = loss_sum + loss.detach()
     if getattr(optimizer, "zero1", False):
@@ -101,7 +100,7 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     total, count = 0.0, 0
     for _ in range(n_batches):
         b = to_device(next(loader), device)
-        total = total + parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid)
+        total = total + model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])
         count = count + (b["targets"] != -100).sum()
     model.train()
     total = parallel.all_reduce(total, grid.dp_group)

@@ -31,11 +31,15 @@ def max_rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+ATTENTION = ["sdpa", "explicit"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
-def test_hf_to_ours_logits_match(n_kv_heads):
+def test_hf_to_ours_logits_match(n_kv_heads, attention):
     """Hugging Face weights -> our fused layout: same logits to 1e-5 (fp32)."""
     torch.manual_seed(0)
-    cfg = tiny_cfg(n_kv_heads, rope_theta=5000.0)
+    cfg = tiny_cfg(n_kv_heads, rope_theta=5000.0, attention=attention)
     hf = hf_model(cfg)
     ours = llama.Llama(cfg).eval()
     ours.load_state_dict(llama.from_hf_state_dict(hf.state_dict(), cfg))
@@ -64,6 +68,30 @@ def test_ours_to_hf_roundtrip_through_files(tmp_path, n_kv_heads):
         assert torch.equal(back.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_training_gradients_match_hf(n_kv_heads, attention):
+    """The training path (hand-written backwards of RMSNorm, RoPE, explicit attention, and the
+    fused head + loss) gives HF autograd's loss and every gradient to 1e-5 (fp32)."""
+    torch.manual_seed(10)
+    cfg = tiny_cfg(n_kv_heads, attention=attention)
+    hf = hf_model(cfg).train()
+    ours = llama.Llama(cfg)
+    ours.load_state_dict(llama.from_hf_state_dict(hf.state_dict(), cfg))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 25))
+    targets = tokens[:, 1:].clone()
+    targets[0, :3] = -100
+    ref = torch.nn.functional.cross_entropy(hf(tokens[:, :-1]).logits.flatten(0, 1), targets.flatten(),
+                                            ignore_index=-100, reduction="sum")
+    ref.backward()
+    loss = ours(tokens[:, :-1], targets=targets)
+    loss.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    grads = llama.to_hf_state_dict({k: p.grad for k, p in ours.named_parameters()}, cfg)
+    for k, p in hf.named_parameters():
+        assert max_rel_err(grads[k], p.grad) < 1e-5, k
+
+
 def test_per_document_positions_match_hf_position_ids():
     """Positions restarting at a document start are the same RoPE positions HF gets as position_ids."""
     torch.manual_seed(2)
@@ -77,11 +105,12 @@ def test_per_document_positions_match_hf_position_ids():
         assert max_rel_err(ours(tokens, positions=pos), hf(tokens, position_ids=pos).logits) < 1e-5
 
 
-def test_document_masking_isolates_documents():
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_document_masking_isolates_documents(attention):
     """Changing the tokens of one packed document leaves every other document's logits unchanged,
     and each document's logits equal those of the document run on its own."""
     torch.manual_seed(3)
-    cfg = tiny_cfg(2)
+    cfg = tiny_cfg(2, attention=attention)
     m = llama.Llama(cfg).init_weights(seed=3).eval()
     lengths = [5, 9, 7, 11]
     doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
@@ -106,9 +135,10 @@ def test_document_masking_isolates_documents():
             offset += n
 
 
-def test_without_doc_ids_is_plain_causal():
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_without_doc_ids_is_plain_causal(attention):
     torch.manual_seed(4)
-    cfg = tiny_cfg(2)
+    cfg = tiny_cfg(2, attention=attention)
     m = llama.Llama(cfg).init_weights(seed=4).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 12))
     with torch.no_grad():
@@ -147,11 +177,12 @@ def test_init_depends_only_on_seed_and_name():
     assert torch.equal(w, a.layers[1].attn.qkv_proj.weight)
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_activation_checkpointing_same_gradients(mode):
+def test_activation_checkpointing_same_gradients(mode, attention):
     torch.manual_seed(5)
-    ref = llama.Llama(tiny_cfg(2)).init_weights(9)
-    ck = llama.Llama(tiny_cfg(2, checkpointing=mode)).init_weights(9)
+    ref = llama.Llama(tiny_cfg(2, attention=attention)).init_weights(9)
+    ck = llama.Llama(tiny_cfg(2, checkpointing=mode, attention=attention)).init_weights(9)
     tokens = torch.randint(0, 101, (2, 16))
     doc_ids = (torch.arange(16) >= 6).long().expand(2, 16)
     for m in (ref, ck):
@@ -174,3 +205,88 @@ def test_flops_per_token_counts_matmul_weights():
                          if p.dim() == 2 and not n.startswith("embed"))
     assert llama.num_params(cfg) == sum(p.numel() for p in m.parameters())
     assert llama.flops_per_token(cfg, 32) == 6 * matmul_weights + 6 * cfg.n_layers * 32 * cfg.dim
+
+
+# ----------------------------------------------------------------------------- hand-written backwards
+
+def test_rms_norm_function_is_torch_rms_norm():
+    """Forward bit-equal to F.rms_norm (fp32 and bf16); backward equal to autograd through it."""
+    torch.manual_seed(11)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(3, 7, 48).to(dtype).requires_grad_()
+        w = (1 + 0.1 * torch.randn(48)).to(dtype).requires_grad_()
+        dy = torch.randn(3, 7, 48).to(dtype)
+        ref = torch.nn.functional.rms_norm(x, (48,), w, 1e-5)
+        ref_dx, ref_dw = torch.autograd.grad(ref, (x, w), dy)
+        got = llama.RMSNormFunction.apply(x, w, 1e-5)
+        dx, dw = torch.autograd.grad(got, (x, w), dy)
+        assert torch.equal(got, ref), dtype
+        assert max_rel_err(dx.float(), ref_dx.float()) < tol and max_rel_err(dw.float(), ref_dw.float()) < tol, dtype
+    x32 = torch.randn(2, 5, 16)             # fp32 input: x.float() would be x itself; it must stay untouched
+    before = x32.clone()
+    llama.RMSNormFunction.apply(x32, torch.ones(16), 1e-5)
+    assert torch.equal(x32, before)
+
+
+def test_rope_function_matches_rotate_half():
+    torch.manual_seed(12)
+    x = torch.randn(2, 8, 5, 16).transpose(1, 2).requires_grad_()          # [B, H, T, hd], strided like q
+    cos, sin = llama.rope_cos_sin(torch.arange(8).expand(2, 8), 16, 10000.0, torch.float32)
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    got = llama.apply_rope(x, cos, sin)
+    dy = torch.randn_like(ref)
+    assert max_rel_err(got, ref) < 1e-6
+    assert max_rel_err(torch.autograd.grad(got, x, dy)[0], torch.autograd.grad(ref, x, dy)[0]) < 1e-6
+
+
+def test_cpu_bf16_softmax_is_fp32_softmax_rounded_once():
+    """softmax_fp32 relies on it: on CPU, torch's bf16 softmax equals the fp32 softmax of the same
+    numbers rounded once to bf16, so the explicit upcast (which XLA needs) would only cost time."""
+    s = (torch.randn(4, 3, 64, 64) * 5).bfloat16()
+    assert torch.equal(torch.softmax(s, -1), torch.softmax(s.float(), -1).bfloat16())
+
+
+def test_explicit_attention_bf16_as_accurate_as_sdpa():
+    """bf16 against an fp64 reference: the explicit path's output and gradients are within 2x of
+    the error of torch's SDPA (flash) kernel on the same inputs, causal and document-masked."""
+    torch.manual_seed(13)
+    B, H, T, hd = 2, 3, 64, 32
+    q, k, v = (torch.randn(B, H, T, hd).bfloat16().requires_grad_() for _ in range(3))
+    dy = torch.randn(B, H, T, hd).bfloat16()
+    doc = (torch.arange(T) >= 40).long().expand(B, T)
+    for mask in (None, llama.document_mask(doc)):
+        exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_out = llama.attention_core(*exact, mask)
+        ref = [ref_out, *torch.autograd.grad(ref_out, exact, dy.double())]
+        errs = {}
+        for explicit in (False, True):
+            out = llama.attention_core(q, k, v, mask, explicit)
+            got = [out, *torch.autograd.grad(out, (q, k, v), dy)]
+            errs[explicit] = [(a.double() - b).abs().max().item() for a, b in zip(got, ref)]
+        assert all(e <= 2 * max(s, 1e-3) for e, s in zip(errs[True], errs[False])), errs
+
+
+def test_fused_loss_is_loss_sum():
+    """LMHead.loss_sum over several chunks equals loss_sum on the full logits: the loss to 1e-6, the
+    gradients to 1e-5 (fp32); targets of -100 ignored; without grad the same loss."""
+    torch.manual_seed(14)
+    head = llama.LMHead(32, 101)
+    h = torch.randn(3, 40, 32, requires_grad=True)
+    targets = torch.randint(0, 101, (3, 40))
+    targets[1, 5:17] = -100
+    ref = llama.loss_sum(head(h), targets)
+    ref_grads = torch.autograd.grad(ref * 0.3, (h, head.weight))
+    old = llama.LinearCrossEntropy.CHUNK_LOGITS
+    llama.LinearCrossEntropy.CHUNK_LOGITS = 101 * 16            # 16 rows a chunk: 8 chunks, the last partial
+    try:
+        got = head.loss_sum(h, targets)
+        grads = torch.autograd.grad(got * 0.3, (h, head.weight))
+        with torch.no_grad():
+            no_grad = head.loss_sum(h, targets)
+    finally:
+        llama.LinearCrossEntropy.CHUNK_LOGITS = old
+    assert abs(got.item() - ref.item()) / ref.item() < 1e-6 and no_grad.item() == got.item()
+    for g, r in zip(grads, ref_grads):
+        assert max_rel_err(g, r) < 1e-5
+    assert h.grad is None and grads[0][1, 5:17].abs().max() == 0

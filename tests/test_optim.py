@@ -390,7 +390,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
             for step in range(3):
                 tokens, targets = batch(step, n=4)
                 mine = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
-                loss = parallel.loss_sum(model(tokens[mine]), targets[mine], grid)
+                loss = model(tokens[mine], targets=targets[mine])
                 (loss * grid.dp / targets.numel()).backward()
                 parallel.reduce_tp_replicated_gradients(model, grid)    # SP norms, KV copies: sum over TP
                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)

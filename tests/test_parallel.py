@@ -81,7 +81,7 @@ def forward_backward(model, batches, grid, normalize: str = "global"):
     scale = grid.dp / global_tokens if normalize == "global" else 1.0 / local_tokens
     total = torch.zeros(())
     for b in batches:
-        loss = parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid)
+        loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])
         (loss * scale).backward()
         total += loss.detach()
     return total, global_tokens
@@ -224,7 +224,7 @@ def sp_saved_memory(grid):
     g = torch.Generator().manual_seed(grid.tp_rank)
     x = torch.randn(2, SEQ // 2, cfg.model.dim, generator=g)         # this rank's sequence shard
     layers = {"column": parallel.ColumnParallelLinear(cfg.model.dim, 48, grid.tp_group, True),
-              "head": parallel.VocabParallelHead(cfg.model.dim, 49, 49, grid.tp_group, True)}
+              "head": parallel.VocabParallelHead(cfg.model.dim, 49, 49, 49 * grid.tp_rank, grid.tp_group, True)}
     for layer in layers.values():
         layer.weight.data.normal_(generator=g)
     model = parallel.build_model(cfg, grid, torch.device("cpu"))
@@ -264,6 +264,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     run_layout("tp4_sp0", tiny_cfg(tp=4, dp=1), grid4, out_dir)
     cfg4 = tiny_cfg(tp=4, dp=1, sp=True)
     cfg4.model.checkpointing = "full"       # the recomputed forward repeats its collectives in backward
+    cfg4.model.attention = "explicit"       # against the sdpa reference: the two paths agree under TP too
     run_layout("tp4_sp1_ckpt", cfg4, grid4, out_dir)
     dist.destroy_process_group()
 

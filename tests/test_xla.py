@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, LOG, EVAL, SAVE, EAGER = 24, 4, 10, 10, 3
 TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=32", "--data.global_batch=4", "--data.micro_batch=2",
-        "--optim.warmup_steps=5", "--log.eval_windows=2", "--log.sample_tokens=4", "--precision=fp32"]
+        "--optim.warmup_steps=5", "--log.eval_windows=2", "--log.sample_tokens=4", "--precision=fp32",
+        "--model.attention=explicit"]           # what the trn1 presets run
 HOST_READS = ("TransferFromDevice", "xla::_to_cpu", "aten::_local_scalar_dense")
 
 pytest.importorskip("torch_xla")
@@ -99,6 +100,35 @@ def test_first_losses_equal_eager_cpu(run):
     assert xla == pytest.approx(eager, abs=1e-4), (xla, eager)
 
 
+ATTENTION_HLO = textwrap.dedent("""
+    import json, re
+    import torch, torch_xla
+    import model as llama
+    dev = torch_xla.device()
+    out = {}
+    for explicit in (False, True):
+        q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.bfloat16, device=dev, requires_grad=True) for _ in range(3))
+        y = llama.attention_core(q, k, v, None, explicit)
+        y.backward(torch.ones_like(y))
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([y, q.grad, k.grad, v.grad])
+        out[str(explicit)] = {"dots": sorted(set(re.findall(r"= (\\w+)\\[[^\\]]*\\]\\{[^}]*\\} dot\\(", hlo))),
+                              "f32_reduce": bool(re.search(r"= f32\\[[^\\]]*\\]\\{[^}]*\\} reduce\\(", hlo))}
+    print(json.dumps(out))
+""")
+
+
+def test_explicit_attention_keeps_bf16_matmuls_on_xla():
+    """Why the trn1 presets use explicit attention: torch-xla lowers SDPA to the math path, which
+    upcasts bf16 q, k, v and runs every attention matmul in fp32 (4x slower on the TensorEngine).
+    The explicit path's matmuls stay bf16, and its softmax reduces in fp32, not XLA's bf16 reduce."""
+    r = subprocess.run([sys.executable, "-c", ATTENTION_HLO], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    hlo = json.loads(r.stdout.strip().splitlines()[-1])
+    assert hlo["False"]["dots"] == ["f32"], hlo
+    assert hlo["True"]["dots"] == ["bf16"] and hlo["True"]["f32_reduce"], hlo
+
+
 OPTIMIZER_PROBE = textwrap.dedent("""
     import sys
     import torch, torch_xla, torch_xla.debug.metrics as met
@@ -168,7 +198,7 @@ CHECKPOINTING_PROBE = textwrap.dedent("""
         losses, compiles, barrier, host_reads = [], [], None, []
         if device.type == "xla":              # the backward graph's text (nothing runs), then drop it
             b = {k: v.to(device) for k, v in batches[0].items()}
-            parallel.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"], grid).backward()
+            model(b["tokens"], b["positions"], b["doc_ids"], b["targets"]).backward()
             barrier = "opt-barrier" in torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
             opt.zero_grad(set_to_none=True)
             torch_xla.sync()
