@@ -19,16 +19,18 @@ import time
 import torch
 
 
-def fixed_malloc_thresholds():
-    """Pin glibc's allocator policy for this process. By default glibc adapts its mmap threshold
-    to the sizes freed so far, so whether a buffer is reused or page-faulted back in depends on what
-    ran before: on this machine transformers' bf16 step swung from 3,660 to 4,610 tok/s with which
-    of our attention paths ran in between. Pinned, neither model sets the other's costs."""
+def no_page_fault_churn():
+    """Take glibc's allocator out of the comparison. By default it maps buffers above an adaptive
+    threshold (at most 32 MiB) fresh from the OS and returns them on free, so every step page-faults
+    them in again, at a cost that varies with the kernel's state; and the threshold adapts to the
+    sizes freed so far, so one model's buffers change the other's costs (transformers' bf16 step
+    swung from 3,660 to 4,610 tok/s with which of our attention paths ran in between). With no
+    mmap and no trimming, every buffer of either model is reused from the heap after warm-up."""
     import ctypes
     libc = ctypes.CDLL(None)
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)      # glibc's largest: buffers over 32 MiB are always mapped
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)       # keep up to 1 GiB of freed heap for reuse
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def bench_train(args):
@@ -43,7 +45,7 @@ def bench_train(args):
     import model as llama
     from configs import ModelConfig
     from monitor import measure_matmul_flops
-    fixed_malloc_thresholds()
+    no_page_fault_churn()
     cfg = ModelConfig(vocab_size=8000, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, max_seq_len=256)
     batch, seq, rounds, steps_per_round = 8, 256, args.steps or 8, 2
     flops_step = llama.flops_per_token(cfg, seq) * batch * seq

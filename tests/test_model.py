@@ -34,6 +34,13 @@ def max_rel_err(a, b):
 ATTENTION = ["sdpa", "explicit"]
 
 
+@pytest.fixture(autouse=True)
+def several_query_blocks(monkeypatch):
+    """Explicit attention in query blocks of 10 rows, so that these short sequences span several
+    blocks and end with a partial one (the default, 128, would make every test a single block)."""
+    monkeypatch.setattr(llama.ExplicitAttention, "QUERY_BLOCK", 10)
+
+
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
 def test_hf_to_ours_logits_match(n_kv_heads, attention):
