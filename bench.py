@@ -68,7 +68,7 @@ def bench_train(args):
         hf_cfg = transformers.LlamaConfig(**{k: v for k, v in llama.hf_config(cfg).items()
                                              if k not in ("architectures", "model_type", "torch_dtype")})
         hf = transformers.LlamaForCausalLM(hf_cfg)
-        hf.load_state_dict(llama.to_hf_state_dict(llama.Llama(cfg).init_weights(0).state_dict(), cfg))
+        hf.load_state_dict(llama.to_hf_state_dict(ours.state_dict(), cfg))    # the same weights (seed 0)
         hf.to(dtype)
 
         def hf_step(m=hf, opt=torch.optim.AdamW(hf.parameters(), lr=1e-4)):

@@ -146,6 +146,14 @@ def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
 
 
+def softmax_fp32_backward(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The gradient through softmax_fp32, p * (dp - rowsum(dp * p)), in fp32, rounded once."""
+    if p.device.type == "cpu":
+        return torch._softmax_backward_data(dp, p, -1, p.dtype)
+    pf = p.float()
+    return (pf * (dp.float() - (dp.float() * pf).sum(-1, keepdim=True))).to(p.dtype)
+
+
 class ExplicitAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(hd), masked) v as NxD's CoreAttention computes it for Llama on trn1:
     score and value matmuls in the input dtype (bf16 on the TensorEngine), softmax in fp32. The
@@ -183,14 +191,11 @@ class ExplicitAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         # The last block sees every key: it starts dk and dv, the earlier blocks add to their prefix.
         for i in reversed(range(len(probs))):
-            p, s = probs[i], i * ExplicitAttention.QUERY_BLOCK
-            e, do = s + p.shape[1], dout[:, s:s + p.shape[1]]
-            dp = torch.bmm(do, v[:, :e].transpose(1, 2))
-            if p.device.type == "cpu":      # fp32 inside, one rounding, as softmax_fp32
-                ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-            else:
-                pf = p.float()
-                ds = (pf * (dp.float() - (dp.float() * pf).sum(-1, keepdim=True))).to(p.dtype)
+            p = probs[i]
+            s = i * ExplicitAttention.QUERY_BLOCK
+            e = s + p.shape[1]
+            do = dout[:, s:e]
+            ds = softmax_fp32_backward(torch.bmm(do, v[:, :e].transpose(1, 2)), p)
             torch.bmm(ds, k[:, :e], out=dq[:, s:e]).mul_(scale)
             if i == len(probs) - 1:
                 dv, dk = torch.bmm(p.transpose(1, 2), do), torch.bmm(ds.transpose(1, 2), q[:, s:e]).mul_(scale)

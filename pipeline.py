@@ -78,8 +78,9 @@ class PipelineStage(nn.Module):
     """One stage of the Llama: the embedding if first, layers [start, end), norm and head if last.
     Layers sit in a ModuleDict keyed by their global index, so the parameter names are those of the
     whole model. forward: tokens (first stage) or the previous stage's hidden states -> hidden
-    states; on the last stage logits, or given targets their summed loss. Every stage computes RoPE and the document mask itself
-    from positions and doc_ids (all stages read the same batch), so only hidden states travel."""
+    states; on the last stage logits, or given targets their summed loss. Every stage computes
+    RoPE and the document mask itself from positions and doc_ids (all stages read the same batch),
+    so only hidden states travel."""
 
     def __init__(self, model: llama.Llama, bounds: list[tuple[int, int]], pp_rank: int):
         super().__init__()

@@ -1,4 +1,5 @@
-"""Spawning gloo worlds for the distributed tests (test_parallel.py, test_pipeline.py)."""
+"""Shared by the distributed tests (test_parallel.py, test_pipeline.py): spawning gloo worlds, and
+the single-process reference every layout is compared with."""
 import random
 import socket
 import time
@@ -36,3 +37,34 @@ def spawn_and_wait(worker, n_ports: int, nprocs: int, out_dir: str, timeout_s: f
                 p.kill()
             pytest.fail(f"workers did not finish in {timeout_s:.0f} s (a mismatched collective hangs)")
     return out_dir
+
+
+def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99) -> dict:
+    """Plain single-process Llama: the whole global batch in one forward, the plain loss on full
+    logits, torch's own clipping and AdamW. Returns the initial weights; per step the loss and the
+    clipped norm; at step 0 the logits and the gradients before and after clipping; the final
+    weights; and the loss of batch eval_step after training."""
+    import torch
+    import model as llama
+    model = llama.Llama(cfg.model).init_weights(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
+    for step in range(steps):
+        b = global_batch(step)
+        logits = model(b["tokens"], b["positions"], b["doc_ids"])
+        loss = llama.loss_sum(logits, b["targets"]) / (b["targets"] != -100).sum()
+        loss.backward()
+        if step == 0:
+            out["logits"] = logits.detach()
+            out["grads_unclipped"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+        if step == 0:
+            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        out["loss"].append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        b = global_batch(eval_step)
+        out["eval"] = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
+    return out

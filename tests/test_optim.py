@@ -44,6 +44,16 @@ def backward(model, tokens, targets, scale=None):
     (loss / (scale or targets.numel())).backward()
 
 
+def reference_step(ref, ref_opt, tokens, targets, clip: float) -> torch.Tensor:
+    """One unsharded step on the full batch, torch's clipping; returns the (active) clipped norm."""
+    backward(ref, tokens, targets)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert ref_norm > clip
+    return ref_norm
+
+
 # ----------------------------------------------------------------------------- AdamW
 
 @pytest.mark.parametrize("decay_norms", [True, False])
@@ -343,11 +353,7 @@ def _zero1_worker(rank: int, world: int, store_file: str):
                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
                 opt.step()
                 opt.zero_grad()
-                backward(ref, tokens, targets)
-                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optim.grad_clip)
-                ref_opt.step()
-                ref_opt.zero_grad()
-                assert ref_norm > cfg.optim.grad_clip
+                ref_norm = reference_step(ref, ref_opt, tokens, targets, cfg.optim.grad_clip)
                 if precision == "fp32":
                     assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item()
             # every rank holds the same full model after the all-gather
@@ -396,11 +402,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
                 opt.step()
                 opt.zero_grad()
-                backward(ref, tokens, targets)
-                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optim.grad_clip)
-                ref_opt.step()
-                ref_opt.zero_grad()
-                assert ref_norm > cfg.optim.grad_clip
+                ref_norm = reference_step(ref, ref_opt, tokens, targets, cfg.optim.grad_clip)
                 if precision == "fp32":
                     assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item(), (norm, ref_norm)
             full = parallel.gather_full_state_dict(model, grid)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gloo_spawn import spawn_and_wait  # noqa: E402
+from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
@@ -103,28 +103,7 @@ class RecordingAdamW(torch.optim.AdamW):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Plain single-process Llama, whole global batch in one forward, torch's own clipping."""
-    cfg = tiny_cfg()
-    model = llama.Llama(cfg.model).init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
-    out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
-    for step in range(STEPS):
-        b = global_batch(step)
-        logits = model(b["tokens"], b["positions"], b["doc_ids"])
-        n = (b["targets"] != -100).sum()
-        loss = llama.loss_sum(logits, b["targets"]) / n
-        loss.backward()
-        if step == 0:
-            out["logits"] = logits.detach()
-            out["grads_unclipped"] = {k: p.grad.clone() for k, p in model.named_parameters()}
-        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
-        if step == 0:
-            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
-        out["loss"].append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
-    return out
+    return single_process_reference(tiny_cfg(), global_batch, STEPS)
 
 
 # ----------------------------------------------------------------------------- the spawned ranks

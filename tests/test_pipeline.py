@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gloo_spawn import spawn_and_wait  # noqa: E402
+from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
@@ -100,26 +100,7 @@ class FixedLoader:
 
 @pytest.fixture(scope="module")
 def reference():
-    """Plain single-process Llama: the whole global batch in one forward, torch's own clipping."""
-    cfg = tiny_cfg(pp=1)
-    model = llama.Llama(cfg.model).init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
-    out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
-    for step in range(STEPS):
-        b = global_batch(step)
-        loss = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
-        loss.backward()
-        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
-        if step == 0:
-            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
-        out["loss"].append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        b = global_batch(99)
-        out["eval"] = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
-    return out
+    return single_process_reference(tiny_cfg(pp=1), global_batch, STEPS)
 
 
 # ----------------------------------------------------------------------------- the spawned ranks
