@@ -1,4 +1,4 @@
-"""The planner (`python configs.py plan`): it reproduces the blog's and HLAT's layout choices from
+"""The planner (`python plan.py`): it reproduces the blog's and HLAT's layout choices from
 per-core memory, and its memory model matches a real training step measured on this CPU."""
 import os
 import subprocess
@@ -10,7 +10,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import configs  # noqa: E402
-from configs import Layout, estimate  # noqa: E402
+import plan  # noqa: E402
+from plan import Layout, estimate  # noqa: E402
 import model as llama  # noqa: E402
 
 WORLD = 128 * 32       # the blog's cluster: 128 trn1.32xlarge
@@ -46,11 +47,11 @@ def test_planner_counts_every_parameter():
     for c in (configs.tiny(), configs.llama2_7b(), configs.llama2_70b()):
         e = estimate(c, Layout(1, 1, 1, False, False, "none", 1), world=1)
         assert e.params == llama.num_params(c.model)
-        assert e.weights == e.params * configs.PRECISION_BYTES[c.optim.precision][0]
+        assert e.weights == e.params * plan.PRECISION_BYTES[c.optim.precision][0]
 
 
 def test_plan_command_prints_the_tables():
-    out = subprocess.run([sys.executable, "configs.py", "plan", "--preset", "llama2_70b"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "plan.py", "--preset", "llama2_70b"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
