@@ -47,7 +47,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # 1f1b | gpipe
     pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
-    cores: int = 0               # planner only: NeuronCores it lays out (0 = 4096, the blog's 128 trn1.32xlarge)
+    instance: str = "trn1"       # trn1 | trn2: the instance type (INSTANCES): the planner, the MFU peak, ranks per node
+    cores: int = 0               # planner only: NeuronCores it lays out (0 = 128 instances, the blog's cluster)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class LogConfig:
     tensorboard: str = "out/tb"  # empty = no event files
     sample_tokens: int = 64      # length of the sample printed at the end
     on_nonfinite: str = "stop"   # stop | skip
-    peak_tflops: float = 0.0     # per-device peak for MFU; 0 = trn1 datasheet on Neuron, a measured matmul elsewhere
+    peak_tflops: float = 0.0     # per-device peak for MFU; 0 = the --instance datasheet on Neuron, a measured matmul elsewhere
 
 
 @dataclass
@@ -175,6 +176,7 @@ CHOICES = {
     "model.attention": ("sdpa", "explicit"),
     "parallel.pp_schedule": ("1f1b", "gpipe"),
     "parallel.pp_p2p": ("send", "allgather"),
+    "parallel.instance": ("trn1", "trn2"),
     "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
     "log.on_nonfinite": ("stop", "skip"),
     "device": ("auto", "cpu", "cuda", "xla"),
@@ -182,7 +184,7 @@ CHOICES = {
 
 # Short flags a reader types most; each maps to one dotted key.
 ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
-           "zero1": "parallel.zero1", "lr": "optim.lr", "steps": "optim.max_steps",
+           "zero1": "parallel.zero1", "instance": "parallel.instance", "lr": "optim.lr", "steps": "optim.max_steps",
            "precision": "optim.precision", "data": "data.data", "tokenizer": "data.tokenizer",
            "seq_len": "data.seq_len", "global_batch": "data.global_batch",
            "micro_batch": "data.micro_batch"}
@@ -363,9 +365,32 @@ def describe(cfg: Config) -> str:
 
 
 # ----------------------------------------------------------------------------- hardware
-# Peak dense FLOPS per NeuronCore (the Neuron docs' trn1.32xlarge page: 190 / 47.5 TFLOPS per chip,
-# two cores per chip). MFU (monitor.py) and the planner (plan.py) read it.
-PEAK_FLOPS = {"bf16": 95e12, "fp32": 23.75e12}   # per core: 190 / 47.5 TFLOPS per chip
+
+@dataclass(frozen=True)
+class Instance:
+    """One Trainium instance type, per rank (one rank per NeuronCore; on trn2 per logical core)."""
+    name: str
+    cores: int                   # ranks per instance: torchrun --nproc_per_node
+    hbm: int                     # bytes of device memory per core
+    bf16_flops: float            # dense peak FLOP/s per core (MFU and the planner quote against it)
+    fp32_flops: float
+    link_bw: float               # bytes/s per core over NeuronLink, between the chips of one instance
+    efa_bw: float                # bytes/s per instance over EFA, between instances
+
+
+# The Neuron docs (Release 2.29), "Trainium Architecture" / "Amazon EC2 Trn1 Architecture":
+#   trn1.32xlarge: 16 Trainium chips x 2 NeuronCore-v2; per chip 190 BF16 / 47.5 FP32 TFLOPS,
+#   32 GiB HBM; NeuronLink-v2 (384 GiB/s per chip, shared by its 2 cores); EFA 800 Gbps.
+# "Trainium2 Architecture" / "Amazon EC2 Trn2 Architecture" / "Logical NeuronCore configuration":
+#   trn2.48xlarge: 16 Trainium2 chips x 8 NeuronCore-v3; per chip 667 BF16 / 181 FP32 TFLOPS
+#   (10.7 / 2.9 PFLOPS per instance), 96 GiB HBM, NeuronLink-v3 1.28 TB/s per chip (4x4 torus);
+#   EFAv3 3.2 Tbps per instance. The default LNC=2 makes two physical cores one logical core:
+#   4 per chip, 64 ranks per instance, 24 GiB each ("Best practices for training": "approximately
+#   24 GiB of HBM per rank, before runtime overhead"). Per logical core: 667/4 = 166.75 TFLOPS.
+INSTANCES = {
+    "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8),
+    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.28e12 / 4, 3.2e12 / 8),
+}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from configs import PEAK_FLOPS, Config
+from configs import INSTANCES, Config
 
 
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)
@@ -59,13 +59,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
     return 2 * n ** 3 * reps / best
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0) -> float:
-    """Peak FLOP/s of ONE device of this run: the configured figure if given, the trn1 datasheet
-    on a NeuronCore (95 TFLOPS bf16, 23.75 fp32), else a measured matmul rate."""
+def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0,
+                      instance: str = "trn1") -> float:
+    """Peak FLOP/s of ONE device of this run: the configured figure if given, the datasheet of the
+    instance type on a NeuronCore (configs.INSTANCES: trn1 95 TFLOPS bf16 / 23.75 fp32 per core,
+    trn2 166.75 / 45.25 per logical core), else a measured matmul rate."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "xla" and on_neuron():
-        return PEAK_FLOPS["fp32" if dtype == torch.float32 else "bf16"]
+        hw = INSTANCES[instance]
+        return hw.fp32_flops if dtype == torch.float32 else hw.bf16_flops
     return measure_matmul_flops(device, dtype)
 
 

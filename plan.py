@@ -3,24 +3,21 @@ layouts fit, fastest first. Arithmetic on the config only: no model is built, no
 
     python plan.py --preset llama2_7b
     python plan.py --preset llama2_70b --parallel.cores=2048
+    python plan.py --preset llama2_7b --instance trn2      # trn2.48xlarge: 64 logical cores each
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
 
-from configs import PEAK_FLOPS, Config, ConfigError, ModelConfig, from_args
+from configs import INSTANCES, Config, ConfigError, Instance, ModelConfig, from_args
 from model import LinearCrossEntropy, flops_per_token, num_params
 
-# Hardware: the Neuron docs' trn1.32xlarge page. Every judgment call is marked "assumption".
+# Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
 
-HBM_PER_CORE = 16 * 2**30       # 32 GiB per Trainium chip, two NeuronCores per chip
 RESERVE = 2 * 2**30             # assumption: runtime, compiled program, collective buffers, compiler
                                 # scratch. Neuron publishes no figure, and users report HBM OOM at compile
                                 # time for layouts that fit by arithmetic (aws-neuron-sdk #884, #1014)
-CORES_PER_NODE = 32
-NEURONLINK_BW = 192 * 2**30     # bytes/s per core: 384 GiB/s NeuronLink-v2 per chip, shared by 2 cores
-EFA_BW = 800e9 / 8              # bytes/s per trn1.32xlarge (8 x 100 Gbps EFA)
 STATED_MFU = 0.40               # the MFU the headline step time is quoted at
 COMPUTE_EFFICIENCY = 0.50       # assumption: share of peak the compiled matmuls sustain; recompute,
                                 # pipeline bubble and exposed communication then lower the real MFU
@@ -69,7 +66,7 @@ class Estimate:
     pp_link: str
     dp_link: str
     stage: str = "all"            # the pipeline stage these bytes are for: first, last or all
-    peak: float = PEAK_FLOPS["bf16"]
+    peak: float = INSTANCES["trn1"].bf16_flops
 
     @property
     def step_s(self) -> float:
@@ -116,24 +113,26 @@ def activation_bytes(m: ModelConfig, seq: int, mb: int, tp: int, sp: bool, ckpt:
     return rows * in_flight * layers * _layer_act_bytes(m, seq, tp, sp, ckpt, ab, attention)
 
 
-def _comm_seconds(per_core: float, stride: int, size: int, world: int, ring: bool) -> tuple[float, str]:
+def _comm_seconds(hw: Instance, per_core: float, stride: int, size: int, world: int, ring: bool) -> tuple[float, str]:
     """Time for a collective whose groups are `size` ranks `stride` apart. Inside one instance it
     runs on NeuronLink at each core's share. Across instances the instance's EFA carries, per
     group touching it, one ring crossing (ring) or every core's own bytes (pipeline send/recv)."""
     if size == 1:
         return 0.0, "-"
-    if stride * size <= CORES_PER_NODE or world <= CORES_PER_NODE:
-        return per_core / NEURONLINK_BW, "NeuronLink"
-    ranks_here = max(1, min(size, CORES_PER_NODE // stride))      # of one group, on one instance
-    node_bytes = per_core * (CORES_PER_NODE // ranks_here if ring else CORES_PER_NODE)
-    return node_bytes / EFA_BW, "EFA"
+    n = hw.cores
+    if stride * size <= n or world <= n:
+        return per_core / hw.link_bw, "NeuronLink"
+    ranks_here = max(1, min(size, n // stride))      # of one group, on one instance
+    node_bytes = per_core * (n // ranks_here if ring else n)
+    return node_bytes / hw.efa_bw, "EFA"
 
 
 def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None,
              attention: str = "math") -> Estimate:
     """Memory, time and traffic per core of `layout` (default: the configured one) on `world` cores."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
-    world = world or p.cores or 4096
+    hw = INSTANCES[p.instance]
+    world = world or p.cores or 128 * hw.cores
     L = layout or Layout(p.tp, p.pp, max(1, world // (p.tp * p.pp)), p.sp and p.tp > 1, p.zero1,
                          m.checkpointing, d.micro_batch)
     wb, gb, ob, ab = PRECISION_BYTES[cfg.optim.precision]
@@ -164,7 +163,7 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     flops = flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world
     recompute = {"none": 0, "selective": 2 * m.n_layers * d.seq_len * m.dim,
                  "full": flops_per_token(m, d.seq_len) / 3}[L.checkpointing]
-    peak = PEAK_FLOPS["fp32" if ab == 4 else "bf16"] * COMPUTE_EFFICIENCY
+    peak = (hw.fp32_flops if ab == 4 else hw.bf16_flops) * COMPUTE_EFFICIENCY
     compute = (flops + recompute * d.global_batch * d.seq_len / world) / peak
     bubble = compute * (L.pp - 1) / mbs
     # Per microbatch and layer, TP moves 4 activations forward and 4 back (all-gather/reduce-scatter
@@ -174,20 +173,20 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     tp_bytes = n_msgs * act_msg * (L.tp - 1) / L.tp
     pp_bytes = 0 if L.pp == 1 else 2 * mbs * act_msg / (L.tp if L.sp else 1)
     dp_bytes = 2 * (L.dp - 1) / L.dp * n * max(gb, wb)          # all-reduce, or reduce-scatter + all-gather
-    tp_s = tp_bytes / NEURONLINK_BW
-    pp_s, pp_link = _comm_seconds(pp_bytes, L.tp * L.dp, L.pp, world, ring=False)
-    dp_s, dp_link = _comm_seconds(dp_bytes, L.tp, L.dp, world, ring=True)
+    tp_s = tp_bytes / hw.link_bw
+    pp_s, pp_link = _comm_seconds(hw, pp_bytes, L.tp * L.dp, L.pp, world, ring=False)
+    dp_s, dp_link = _comm_seconds(hw, dp_bytes, L.tp, L.dp, world, ring=True)
     # Assumption: TP and PP transfers block compute; the DP reduction overlaps the last microbatch's backward.
     dp_s = max(0.0, dp_s - compute / mbs * 2 / 3)
     return Estimate(L, mbs, n, n * wb, n * gb, n * ob / (L.dp if L.zero1 else 1), act, loss, total,
-                    total <= HBM_PER_CORE - RESERVE, flops, compute, bubble, tp_bytes, pp_bytes,
+                    total <= hw.hbm - RESERVE, flops, compute, bubble, tp_bytes, pp_bytes,
                     dp_bytes, tp_s, pp_s, dp_s, pp_link, dp_link, stage, peak / COMPUTE_EFFICIENCY)
 
 
-def _tps(m: ModelConfig) -> list[int]:
+def _tps(m: ModelConfig, hw: Instance) -> list[int]:
     """TP degrees inside one instance that keep whole attention heads and whole KV groups per rank."""
-    return [t for t in (1, 2, 4, 8, 16, 32)
-            if m.n_heads % t == 0 and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0)]
+    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.cores
+            and m.n_heads % t == 0 and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0)]
 
 
 def _layout(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, ckpt: str, mb: int):
@@ -202,7 +201,7 @@ def layouts(cfg: Config, world: int) -> list[Layout]:
     """Every layout to consider on `world` cores: TP from _tps, PP dividing the layers, with and
     without SP and ZeRO-1, each checkpointing mode, micro-batches 1, 2, 4 and the configured one."""
     found = {_layout(cfg, world, tp, pp, sp, z, ckpt, mb)
-             for tp in _tps(cfg.model) for pp in range(1, cfg.model.n_layers + 1)
+             for tp in _tps(cfg.model, INSTANCES[cfg.parallel.instance]) for pp in range(1, cfg.model.n_layers + 1)
              for sp in (False, True) for z in (False, True) for ckpt in ("none", "selective", "full")
              for mb in {1, 2, 4, cfg.data.micro_batch}}
     return sorted(x for x in found if x is not None)
@@ -211,13 +210,14 @@ def layouts(cfg: Config, world: int) -> list[Layout]:
 def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     """The report `python plan.py` prints."""
     m, d = cfg.model, cfg.data
-    world = world or cfg.parallel.cores or 4096
+    hw = INSTANCES[cfg.parallel.instance]
+    world = world or cfg.parallel.cores or 128 * hw.cores
     gib = lambda b: f"{b / 2**30:6.2f}"
     e = estimate(cfg, world=world)
     L, fpt, tokens = e.layout, flops_per_token(m, d.seq_len), d.global_batch * d.seq_len
-    peak = PEAK_FLOPS["fp32" if cfg.optim.precision == "fp32" else "bf16"]
+    peak = hw.fp32_flops if cfg.optim.precision == "fp32" else hw.bf16_flops
     lines = [
-        f"plan: {cfg.preset or 'custom'} on {world} NeuronCores ({world / CORES_PER_NODE:g} trn1.32xlarge), "
+        f"plan: {cfg.preset or 'custom'} on {world} NeuronCores ({world / hw.cores:g} {hw.name}), "
         f"seq {d.seq_len}, global batch {d.global_batch}, precision {cfg.optim.precision}",
         f"model: {num_params(m) / 1e9:.2f}B parameters, {fpt / 1e9:.2f} GFLOP per token (6N + attention), "
         f"{tokens / 1e6:.2f}M tokens per step",
@@ -232,8 +232,8 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         f"  optimizer    {'sharded over DP' if L.zero1 else 'replicated'.ljust(15)}   {gib(e.optimizer)}",
         f"  activations  {L.checkpointing + (' + SP' if L.sp else '')}".ljust(34) + gib(e.activations),
         f"  logits/loss                     {gib(e.loss)}",
-        f"  total                           {gib(e.total)} of {(HBM_PER_CORE - RESERVE) / 2**30:.0f} usable "
-        f"(16 GiB - {RESERVE / 2**30:.0f} GiB reserve): {'fits' if e.fits else 'DOES NOT FIT'}",
+        f"  total                           {gib(e.total)} of {(hw.hbm - RESERVE) / 2**30:.0f} usable "
+        f"({hw.hbm / 2**30:.0f} GiB - {RESERVE / 2**30:.0f} GiB reserve): {'fits' if e.fits else 'DOES NOT FIT'}",
         f"  traffic per core per step: TP {e.tp_bytes / 1e9:.2f} GB NeuronLink, PP {e.pp_bytes / 1e9:.2f} GB "
         f"{e.pp_link}, DP {e.dp_bytes / 1e9:.2f} GB {e.dp_link}",
         f"  estimated step {e.step_s:.2f} s = compute {e.compute_s:.2f} + bubble {e.bubble_s:.2f} + TP "
@@ -245,7 +245,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
                for mb in (1, 2, 4) for sp in (False, L.tp > 1)]
         lines.append(f"  {ckpt:13s}" + "".join(f"       {gib(row[i])} {gib(row[i + 1])}" for i in range(0, 6, 2)))
     lines += ["", "  same settings on other layouts:   TP  PP   DP  states  activ.   total  (GiB per core)"]
-    for tp in _tps(m):
+    for tp in _tps(m, hw):
         for pp in sorted({1, L.pp}):
             if world % (tp * pp) == 0 and m.n_layers % pp == 0:   # memory even where the batch can't split
                 dp = world // (tp * pp)

@@ -163,7 +163,8 @@ def main(argv: list[str]) -> None:
         step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)
     batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
 
-    peak = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops)
+    peak = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops,
+                                     cfg.parallel.instance)
     mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len

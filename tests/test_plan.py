@@ -106,3 +106,26 @@ def test_tiny_memory_estimate_matches_a_measured_step(ckpt):
     planned = estimate(cfg, world=1, attention="flash").total
     print(f"tiny, checkpointing {ckpt}: planner {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert abs(planned - measured) <= 0.25 * measured
+
+
+def test_trn2_is_one_row_of_the_instance_table():
+    # trn2.48xlarge at LNC=2: 64 ranks per instance, 24 GiB and 166.75 bf16 TFLOPS per logical core.
+    # 7B at TP=4 (one Trainium2 chip) fits there and not on trn1's 16 GiB cores; 70B still needs
+    # model parallelism beyond one chip.
+    c1, c2 = configs.llama2_7b(), configs.from_args(["--preset", "llama2_7b", "--instance", "trn2"])
+    four = Layout(4, 1, 1024, True, False, "selective", 1)
+    e1, e2 = estimate(c1, four, 4096), estimate(c2, four, 4096)
+    assert e1.total == e2.total and not e1.fits and e2.fits      # same bytes, a bigger core
+    assert e2.peak == configs.INSTANCES["trn2"].bf16_flops and e2.compute_s < e1.compute_s
+    assert estimate(c2).layout.dp == 128 * 64 // 8               # default: 128 instances of 64 ranks
+    c70 = configs.from_args(["--preset", "llama2_70b", "--instance", "trn2"])
+    assert not estimate(c70, Layout(4, 1, 2048, True, True, "selective", 1), 8192).fits
+    assert estimate(c70).fits
+
+
+def test_plan_command_on_trn2():
+    out = subprocess.run([sys.executable, "plan.py", "--preset", "llama2_7b", "--instance", "trn2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "on 8192 NeuronCores (128 trn2.48xlarge)" in out.stdout and "of 22 usable (24 GiB" in out.stdout
+    assert "166.75 TFLOPS per core" in out.stdout
