@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,11 +272,31 @@ class Loaded:
     optim: dict | None         # this rank's optimizer state, idem (None if load_optim=False or none saved)
     data: object               # this rank's data-loader state (None if the DP degree changed)
     rng: dict | None           # this rank's RNG streams (None at another layout: not comparable)
-    data_states: list | None   # every saved DP rank's loader state, when the DP degree changed
+    data_states: Sequence | None   # every saved DP rank's loader state (read when indexed), at another DP degree
 
     @property
     def extra(self) -> dict:
         return self.meta["extra"]
+
+
+class LazyList(Sequence):
+    """n items, each read by read(i) when first indexed."""
+
+    def __init__(self, n: int, read):
+        self.n, self.read, self.got = n, read, {}
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        if i % self.n not in self.got:
+            self.got[i % self.n] = self.read(i % self.n)
+        return self.got[i % self.n]
+
+    def __eq__(self, other):
+        return list(self) == list(other)
 
 
 # ----------------------------------------------------------------------------- the checkpointer
@@ -613,11 +634,13 @@ class Checkpointer:
         elif saved["dp"] == now["dp"]:
             data = rank_file(g.dp_rank * saved["tp"])["data"]      # the rank at (pp 0, this dp, tp 0)
         else:
-            data_states = [rank_file(r * saved["tp"])["data"] for r in range(saved["dp"])]
+            # Read on first use: a data loader takes only the saved ranks owning its streams (one or
+            # two at any scale), not all DP ranks' files on every rank.
+            data_states = LazyList(saved["dp"], lambda r: rank_file(r * saved["tp"])["data"])
         if saved != now:
             self.say(f"{d.name} was saved at layout {saved}, this run is {now}: model"
                      f"{' and optimizer' if optim is not None else ''} resharded; RNG streams start from "
-                     f"the seed" + ("" if data is not None else "; data loaders get every saved DP rank's state"))
+                     f"the seed" + ("" if data is not None else "; data loaders take the saved positions of their streams"))
         return Loaded(meta["step"], d, meta, model, optim, data, rng, data_states)
 
     def _read_optim(self, d: Path, saved: dict, now: dict) -> dict:

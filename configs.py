@@ -91,7 +91,7 @@ class CheckpointConfig:
     keep: int = 3                # keep the last K complete checkpoints
     async_save: bool = True
     resume: bool = True          # continue from the newest complete checkpoint if there is one
-    reset_data: bool = False     # resuming at another DP degree: start the data stream afresh
+    reset_data: bool = False     # on resume, start the data stream afresh (needed after a change of global batch)
 
 
 @dataclass

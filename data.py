@@ -8,16 +8,19 @@ re-tokenizing offline costs days each time an experiment changes its data or tok
    write it) and Parquet; "stdlib" = the .py files of this interpreter's standard library.
 2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or
    trains a byte-fallback BPE of exactly the model's vocab size on the corpus and caches it.
-3. Split, shard, shuffle. A hash of the document index holds out `val_fraction` of the documents.
-   Each epoch the train documents are permuted from (seed, epoch) and DP rank r takes every dp-th.
-4. Pack. A rank tokenizes its documents in order (BOS/EOS each) into one stream cut into windows of
-   seq_len + 1 tokens, no padding; a long document continues in the next window. Windows carry
-   per-document positions and ids; targets never cross a document boundary. The partial window at
-   the end of an epoch is dropped and counted: the only loss.
+3. Split and streams. A hash of the document index holds out `val_fraction` of the documents.
+   Each epoch the train documents are permuted from (seed, epoch) and dealt to `global_batch`
+   streams; global batch b is window b of every stream, and DP rank r packs only its share of
+   the streams. The batches are thus the same whatever the DP degree and micro-batch.
+4. Pack. A stream tokenizes its documents in order (BOS/EOS each) into one sequence cut into
+   windows of seq_len + 1 tokens, no padding; a long document continues in the next window.
+   Windows carry per-document positions and ids; targets never cross a document boundary. The
+   partial window at the end of a stream's epoch is dropped and counted: the only loss.
 
-A loader's position is (epoch, document, token offset in it): the partial-window buffer is exactly
-the tokens from there on, so the state is a few integers however long documents are, and a restored
-loader re-tokenizes from there and yields the very same windows. A thread packs ahead of training.
+A stream's position is (epoch, document, token offset in it): the partial-window buffer is exactly
+the tokens from there on, so the state is a few integers per stream however long documents are,
+and a restored loader, at any DP degree, re-tokenizes from there and yields the very same windows.
+A thread packs ahead of training.
 
     python data.py prepare SRC... --out corpus.arrow             # many files -> one Arrow file
     python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
@@ -400,15 +403,30 @@ def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.nd
 # ----------------------------------------------------------------------------- 4. packing
 
 STAT_KEYS = ("documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
+COUNTERS = STAT_KEYS + ("windows", "dropped_tail", "boundary_targets")
 
 
 class PackedLoader:
     """Infinite iterator of packed batches for one DP rank: dicts of int64 tensors [micro_batch,
     seq_len] with tokens, targets (-100 across document boundaries), positions, doc_ids.
 
-    train: epochs of this rank's share of the train documents, reshuffled each epoch.
-    val:   this rank's share of the held-out documents in a fixed order, cycled (an "epoch" is one
-           pass); `reset()` before each evaluation makes every evaluation read the same windows.
+    The stream is defined by global window index, not by the layout. A split has S streams (train:
+    S = global_batch). In epoch e, stream s reads the documents permutation_e[s::S] and packs them
+    on its own; global batch b is window b of every stream, in stream order. DP rank r owns the
+    streams [r*S/dp, (r+1)*S/dp) and hands out their windows round-robin, micro_batch at a time.
+    So every DP degree and micro-batch sees the very same global batches (and the same loss curve),
+    a stream's position is a few integers (epoch, document, token offset, counts), and a run resumed
+    at another DP degree gives each rank the saved positions of the streams it now owns.
+    At the blog's scale (4096 cores = dp 512 x tp 8, global batch 1024) a rank packs 2 streams,
+    tokenizes only their documents and saves 2 positions; resumed at another DP degree it reads the
+    files of the one or two saved ranks that owned them. Every rank computes each epoch's
+    permutation of the document ids (8 bytes per document, independent of the number of ranks).
+
+    train: S = global_batch streams running through epochs of the train documents, reshuffled each
+           epoch (a stream starts its next epoch when its own share is used up).
+    val:   S = dp streams, one per rank, over the held-out documents in a fixed order, cycled (an
+           "epoch" is one pass); `reset()` before each evaluation makes every evaluation read the
+           same windows.
     """
 
     def __init__(self, cfg: DataConfig, tok: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
@@ -417,22 +435,30 @@ class PackedLoader:
             raise ValueError(f"need split 'train' or 'val' and 0 <= dp_rank < dp_size, got {split!r}, {dp_rank}, {dp_size}")
         if cfg.seq_len < 1 or cfg.micro_batch < 1:
             raise DataError(f"seq_len {cfg.seq_len} and micro_batch {cfg.micro_batch} must be >= 1")
+        self.n_streams = cfg.global_batch if split == "train" else dp_size
+        if split == "train" and cfg.global_batch % (dp_size * cfg.micro_batch):
+            raise DataError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} "
+                            f"x dp {dp_size}; pick a multiple of {cfg.micro_batch * dp_size}")
         self.cfg, self.tok, self.rank, self.dp, self.split = cfg, tok, dp_rank, dp_size, split
         self.threads, self.prefetch = threads, prefetch
+        k = self.n_streams // dp_size
+        self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
         self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line)
         train_ids, val_ids = split_documents(self.corpus.n_docs, cfg.val_fraction)
         self.ids = train_ids if split == "train" else val_ids
-        if len(self.ids) < dp_size:
-            raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, "
-                            f"val_fraction {cfg.val_fraction}) for {dp_size} DP ranks: every rank needs "
-                            f"at least one; use more data" + (" or a larger val_fraction" if split == "val" else ""))
         self._check_size()
+        if len(self.ids) < self.n_streams:
+            raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, val_fraction "
+                            f"{cfg.val_fraction}) for {self.n_streams} streams (" + ("one per sequence of the global "
+                            "batch" if split == "train" else "one per DP rank") + "): each needs at least one; use "
+                            "more data" + (" or a larger val_fraction" if split == "val" else " or a smaller --global_batch"))
+        self._perms = {}                        # epoch -> permutation of the split, the last few
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "tokenizer": tok.fingerprint,
                             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos}
-        self._start_state = {"split": split, "dp_rank": dp_rank, "dp_size": dp_size, "epoch": 0,
-                             "doc": 0, "offset": 0, "stats": dict.fromkeys(STAT_KEYS + ("windows", "dropped_tail", "boundary_targets"), 0),
-                             **self.fingerprint}
+        start = {"epoch": 0, "doc": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
+        self._start_state = {"split": split, "n_streams": self.n_streams, "dp_size": dp_size, **self.fingerprint,
+                             "streams": {str(s): start for s in self.streams}}
         self._state = self._start_state
         self._gen = self._thread = self._error = None
 
@@ -452,23 +478,43 @@ class PackedLoader:
                         f"one batch needs {what} x (seq_len {c.seq_len} + 1) = {need:,} tokens; use more data, "
                         f"or lower --global_batch / --seq_len" + (" or raise --data.val_fraction" if self.split == "val" else ""))
 
-    def documents(self, epoch: int) -> np.ndarray:
-        """This rank's document ids for an epoch, in reading order."""
-        ids = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.ids) if self.split == "train" else self.ids
-        return ids[self.rank::self.dp]
+    def documents(self, stream: int, epoch: int) -> np.ndarray:
+        """The document ids `stream` reads in `epoch`, in order."""
+        if self.split == "val":
+            return self.ids[stream::self.n_streams]
+        if epoch not in self._perms:            # streams cross an epoch at different times: keep a few
+            perms = {e: p for e, p in self._perms.items() if e > epoch - 3}
+            self._perms = {**perms, epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(self.ids)}
+        return self._perms[epoch][stream::self.n_streams]
 
     # ---------------------------------------------------------------- producer
     def _produce(self, state: dict):
-        """Yield (batch, state after it) forever, starting exactly at `state`."""
+        """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
+        round-robin, micro_batch windows per batch."""
+        own = [str(s) for s in self.streams]
+        positions = {s: state["streams"][s] for s in own}
+        packers = [self._pack(int(s), positions[s]) for s in own]
+        done = [positions[s]["stats"]["windows"] for s in own]
+        i, wins = sum(n > min(done) for n in done), []      # mid-round: the streams ahead come first
+        while True:
+            tokens, starts, positions[own[i]] = next(packers[i])
+            wins.append((tokens, starts))
+            i = (i + 1) % len(own)
+            if len(wins) == self.cfg.micro_batch:
+                yield self._batch(wins), {**state, "streams": dict(positions)}
+                wins = []
+
+    def _pack(self, stream: int, state: dict):
+        """Yield (window tokens, document starts, position after it) of one stream forever, from `state`."""
         c, L1 = self.cfg, self.cfg.seq_len + 1
         epoch, nxt, skip = state["epoch"], state["doc"], state["offset"]
         stats = dict(state["stats"])            # counts of documents fully behind the position
         pending = collections.deque()           # (doc, per-document counts) of documents in flight
-        order = self.documents(epoch)
+        order = self.documents(stream, epoch)
         fresh, emitted = nxt == 0 and skip == 0, 0
         tok = np.zeros(0, np.int32)
         tdoc = toff = np.zeros(0, np.int64)     # per token: document (index into order), offset in it
-        pos, wins, chunk = 0, [], 64
+        pos, chunk, want = 0, 16, max(2 * L1, 65536 // len(self.streams))   # tokens per read
 
         def commit(until):                      # count the documents now fully behind the position
             while pending and pending[0][0] < until:
@@ -476,7 +522,7 @@ class PackedLoader:
                     stats[k] += v
         while True:
             while len(tok) - pos < L1 and nxt < len(order):
-                # Tokenize the next documents, ~64k tokens at a time: few Python calls per token.
+                # Tokenize the next documents, `want` tokens at a time: few Python calls per token.
                 ids = order[nxt:nxt + chunk]
                 docs = self.corpus.read(ids)
                 keep = [j for j, (t, _, _) in enumerate(docs) if t and not t.isspace()]
@@ -492,29 +538,27 @@ class PackedLoader:
                     new, ndoc, noff, skip = new[skip:], ndoc[skip:], noff[skip:], 0
                 tok, tdoc, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tdoc, ndoc), (toff, noff)))
                 pos, nxt = 0, nxt + len(ids)
-                chunk = int(np.clip(chunk * 65536 / max(len(new), 1), 16, 4096))
+                chunk = int(np.clip(chunk * want / max(len(new), 1), 1, 4096))
             if len(tok) - pos >= L1:
-                wins.append((tok[pos:pos + L1], toff[pos:pos + L1] == 0))
+                window, starts = tok[pos:pos + L1], toff[pos:pos + L1] == 0
                 pos += L1
                 emitted += 1
                 doc, off = (int(tdoc[pos]), int(toff[pos])) if pos < len(tok) else (nxt, 0)
-                if len(wins) == c.micro_batch:
-                    commit(doc)
-                    batch = self._batch(wins)
-                    stats["windows"] += len(wins)
-                    stats["boundary_targets"] += int((batch["targets"] == -100).sum())
-                    wins = []
-                    yield batch, {**self._start_state, "epoch": epoch, "doc": doc, "offset": off, "stats": dict(stats)}
+                commit(doc)
+                stats["windows"] += 1
+                stats["boundary_targets"] += int(starts[1:].sum())     # targets masked in this window
+                yield window, starts, {"epoch": epoch, "doc": doc, "offset": off, "stats": dict(stats)}
             else:                               # end of the epoch: drop the partial window, count it
                 if fresh and emitted == 0:
-                    raise DataError(f"DP rank {self.rank}'s share of the {self.split} split ({len(order)} "
-                                    f"documents) holds fewer than seq_len + 1 = {L1} tokens: it cannot fill "
-                                    f"one window; use more data, fewer DP ranks or a shorter --seq_len")
+                    raise DataError(f"stream {stream} of the {self.split} split ({len(order)} documents in epoch "
+                                    f"{epoch}) holds fewer than seq_len + 1 = {L1} tokens: it cannot fill one "
+                                    f"window; use more data, a shorter --seq_len or " +
+                                    ("a smaller --global_batch" if self.split == "train" else "fewer DP ranks"))
                 commit(len(order))
                 stats["dropped_tail"] += len(tok) - pos
                 epoch, nxt, pos, fresh, emitted = epoch + 1, 0, 0, True, 0
                 tok, tdoc, toff = tok[:0], tdoc[:0], toff[:0]
-                order = self.documents(epoch)
+                order = self.documents(stream, epoch)
 
     @staticmethod
     def _batch(wins) -> dict[str, torch.Tensor]:
@@ -565,34 +609,55 @@ class PackedLoader:
             q.put(e)
 
     def state_dict(self) -> dict:
-        """The position after the last batch handed out (not after what the thread prefetched)."""
-        return {**self._state, "stats": dict(self._state["stats"])}
+        """The position after the last batch handed out (not after what the thread prefetched):
+        this rank's streams only. Plain data (JSON-able), never mutated once handed out."""
+        return {**self._state, "streams": dict(self._state["streams"])}
 
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("dp_size") != self.dp:
-            raise DataError(f"the data state was saved with DP degree {sd.get('dp_size')} but this run "
-                            f"has DP degree {self.dp}: each rank's position is within its own shard of "
-                            f"the epoch and does not map exactly onto another degree. Resume with "
-                            f"{sd.get('dp_size')} DP ranks, or start the data stream afresh with --ckpt.reset_data")
-        for key in ("split", "dp_rank") + tuple(self.fingerprint):
-            want = self.fingerprint.get(key, self._start_state[key])
+    def load_state_dict(self, sd) -> None:
+        """Continue from a saved position: this rank's own state, or, after a change of DP degree,
+        the sequence of every saved DP rank's state (only those owning this rank's streams are read)."""
+        parts = [sd]
+        if not isinstance(sd, dict):                    # a sequence, one state per saved DP rank
+            self._check(sd[0])
+            per = self.n_streams // len(sd)             # streams per saved rank (contiguous)
+            parts = [sd[i] for i in sorted({s // per for s in self.streams})]
+        streams = {}
+        for p in parts:
+            self._check(p)
+            streams.update(p["streams"])
+        missing = [s for s in self.streams if str(s) not in streams]
+        if missing:
+            raise DataError(f"the data state holds no position for streams {missing[:8]} of this rank: it "
+                            f"was saved by another DP rank; give every saved DP rank's state")
+        self.close()
+        self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.streams}}
+        self._gen = self._error = None
+
+    def _check(self, sd: dict):
+        if sd.get("n_streams") != self.n_streams:
+            raise DataError(f"the data state was saved with {sd.get('n_streams')} streams (global batch) but this "
+                            f"run has {self.n_streams}: the stream is defined by the global batch, so it cannot "
+                            f"continue exactly. Resume with --global_batch={sd.get('n_streams')}, or start the data "
+                            f"stream afresh with --ckpt.reset_data")
+        for key in ("split",) + tuple(self.fingerprint):
+            want = self._start_state[key]
             if sd.get(key) != want:
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has "
                                 f"{key}={want!r}: the saved position means nothing here; restore the "
                                 f"original setting or start the data afresh")
-        self.close()
-        self._state, self._gen, self._error = {**sd, "stats": dict(sd["stats"])}, None, None
 
     def reset(self) -> None:
         """Back to the start (use before each evaluation on the val split)."""
         self.load_state_dict(self._start_state)
 
     def stats(self) -> dict:
-        """Counts up to the last batch handed out. Documents are counted once fully behind the position."""
-        s = dict(self._state["stats"])
+        """Counts over this rank's streams up to the last batch handed out (sum them over DP ranks for
+        the run's). Documents are counted once fully behind the position; epoch = the lowest stream's."""
+        positions = self._state["streams"].values()
+        s = {k: sum(p["stats"][k] for p in positions) for k in COUNTERS}
         packed = s["windows"] * (self.cfg.seq_len + 1)
-        s.update(epoch=self._state["epoch"], empty_files=self.corpus.empty_files, split_documents=len(self.ids),
-                 packing_efficiency=packed / max(packed + s["dropped_tail"], 1))
+        s.update(epoch=min(p["epoch"] for p in positions), empty_files=self.corpus.empty_files,
+                 split_documents=len(self.ids), packing_efficiency=packed / max(packed + s["dropped_tail"], 1))
         return s
 
     def close(self) -> None:

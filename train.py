@@ -152,12 +152,12 @@ def main(argv: list[str]) -> None:
         model.load_state_dict(loaded.model)
         if loaded.optim is not None:
             optimizer.load_state_dict(loaded.optim)
-        # At another DP degree the saved data position does not map onto this one: data.py
-        # refuses it with both degrees named, rather than silently restarting the stream.
-        if loaded.data is not None or not cfg.ckpt.reset_data:
-            train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states[0])
+        # The data stream is defined by global window index: at another DP degree each rank takes
+        # the saved positions of the streams it now owns (data.py), and the run continues exactly.
+        if cfg.ckpt.reset_data:
+            log("--ckpt.reset_data: the data stream starts afresh")
         else:
-            log("resuming at another DP degree with --ckpt.reset_data: the data stream starts afresh")
+            train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
         if loaded.rng is not None:
             checkpoint.set_rng_state(loaded.rng, device)
         step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)

@@ -113,51 +113,77 @@ def equal(a, b):
 # ----------------------------------------------------------------------------- coverage, formats
 
 @pytest.mark.parametrize("fmt", ["txt", "txt_lines", "jsonl", "arrow_stream_hf_dir", "arrow_file_large", "parquet"])
-def test_epoch_coverage_every_format_and_dp(files, tok, fmt):
-    """DP = 1, 2, 3: each rank's windows equal the reference packing of its documents; the ranks'
-    documents partition the train split; seen + dropped tails = the tokenized train split exactly."""
-    c = cfg(files[fmt])
+def test_epoch_coverage_every_format(files, tok, fmt):
+    """Each stream's windows equal the reference packing of its documents, then its next epoch's;
+    the streams' documents partition the train split; seen + dropped tails = the tokenized split."""
+    c = cfg(files[fmt])                             # global_batch 4 = 4 streams, handed out round-robin
+    S, L1 = c.global_batch, SEQ + 1
     train_ids, val_ids = data.split_documents(len(DOCS), c.val_fraction)
+    loader = data.PackedLoader(c, tok)
+    refs = [reference_stream(tok, DOCS, loader.documents(s, 0)) for s in range(S)]
+    ns = [len(stream) // L1 for stream, _ in refs]
+    batches = take(loader, S * (max(ns) + 1))       # every stream's epoch and into its next one
+    seen, dropped = [], 0
+    for s, (stream, starts) in enumerate(refs):
+        mine = batches[s::S]
+        for k in range(ns[s]):
+            for got, want in zip((mine[k][key][0] for key in ("tokens", "targets", "positions", "doc_ids")),
+                                 reference_window(stream[k * L1:(k + 1) * L1], starts[k * L1:(k + 1) * L1])):
+                assert torch.equal(got, want), (fmt, s, k)
+        nxt, nxt_starts = reference_stream(tok, DOCS, loader.documents(s, 1))
+        assert torch.equal(mine[ns[s]]["tokens"][0], torch.from_numpy(nxt[:SEQ]))
+        # Documents count once fully behind the position: all of epoch 0 and, of epoch 1, those
+        # ending inside the windows read (k = the last document start at or before their end).
+        p = loader.state_dict()["streams"][str(s)]
+        into = (len(mine) - ns[s]) * L1
+        k = np.flatnonzero(nxt_starts[:into + 1])[-1]
+        tail = len(stream) - ns[s] * L1
+        assert p["epoch"] == 1 and p["stats"]["dropped_tail"] == tail < L1
+        assert p["stats"]["documents"] == len(loader.documents(s, 0)) + nxt_starts[1:k + 1].sum()
+        assert p["stats"]["tokens"] == len(stream) + k
+        seen.append(stream[:ns[s] * L1])
+        dropped += tail
+    loader.close()
+    docs_seen = np.concatenate([loader.documents(s, 0) for s in range(S)])
+    assert sorted(docs_seen.tolist()) == sorted(train_ids.tolist())    # disjoint and complete
     everything = reference_stream(tok, DOCS, train_ids)[0]
-    for dp in (1, 2, 3):
-        seen, dropped, docs_seen = [], 0, []
-        for r in range(dp):
-            loader = data.PackedLoader(c, tok, dp_rank=r, dp_size=dp)
-            order = loader.documents(0)
-            docs_seen += order.tolist()
-            stream, starts = reference_stream(tok, DOCS, order)
-            n = len(stream) // (SEQ + 1)
-            batches = take(loader, n + 1)           # the whole epoch and the first window of the next
-            for k, b in enumerate(batches[:n]):
-                w, s = stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)], starts[k * (SEQ + 1):(k + 1) * (SEQ + 1)]
-                for got, want in zip((b["tokens"][0], b["targets"][0], b["positions"][0], b["doc_ids"][0]),
-                                     reference_window(w, s)):
-                    assert torch.equal(got, want), (fmt, dp, r, k)
-            st = loader.stats()
-            tail = len(stream) - n * (SEQ + 1)
-            assert st["epoch"] == 1 and st["dropped_tail"] == tail < SEQ + 1
-            # Documents count once fully behind the position: all of epoch 0 and, of epoch 1, those
-            # ending inside its first window (k = the last document start at or before its end).
-            next_stream, next_starts = reference_stream(tok, DOCS, loader.documents(1))
-            k = np.flatnonzero(next_starts[:SEQ + 2])[-1]
-            assert st["documents"] == len(order) + next_starts[1:k + 1].sum()
-            assert st["tokens"] == len(stream) + k
-            assert torch.equal(batches[n]["tokens"][0], torch.from_numpy(next_stream[:SEQ]))
-            seen.append(stream[:n * (SEQ + 1)])
-            dropped += tail
-            loader.close()
-        assert sorted(docs_seen) == sorted(train_ids.tolist())     # disjoint and complete
-        assert not set(docs_seen) & set(val_ids.tolist())
-        seen = np.concatenate(seen)
-        counts_seen = np.bincount(seen, minlength=VOCAB)
-        counts_all = np.bincount(everything, minlength=VOCAB)
-        assert (counts_seen <= counts_all).all() and (counts_all - counts_seen).sum() == dropped < dp * (SEQ + 1)
+    counts_seen = np.bincount(np.concatenate(seen), minlength=VOCAB)
+    counts_all = np.bincount(everything, minlength=VOCAB)
+    assert (counts_seen <= counts_all).all() and (counts_all - counts_seen).sum() == dropped < S * L1
+
+
+def global_batches(c, tok, dp, n, resume=None):
+    """n global batches of a run at DP degree dp: each rank's microbatches, ranks in order."""
+    loaders = [data.PackedLoader(c, tok, dp_rank=r, dp_size=dp) for r in range(dp)]
+    for loader in loaders if resume is not None else ():
+        loader.load_state_dict(resume)              # every saved rank's state: a DP change
+    accum = c.global_batch // (dp * c.micro_batch)
+    out = [torch.cat([next(x)["tokens"] for x in loaders for _ in range(accum)]) for _ in range(n)]
+    states = [json.loads(json.dumps(x.state_dict())) for x in loaders]      # plain data
+    stats = [x.stats() for x in loaders]
+    for x in loaders:
+        x.close()
+    return out, states, {k: sum(s[k] for s in stats) for k in data.COUNTERS}
+
+
+def test_same_global_batches_at_any_dp_and_micro_batch_and_resume_across_dp(files, tok):
+    """The stream is defined by global window index: DP 1, 2, 4 and micro-batches 1, 2, 4 give the
+    very same global batches, and a run saved at one DP degree continues exactly at another."""
+    c = lambda mb: cfg(files["jsonl"], micro_batch=mb)
+    ref, _, ref_stats = global_batches(c(1), tok, 1, 30)
+    for dp, mb in ((1, 4), (2, 1), (2, 2), (4, 1)):
+        got, _, stats = global_batches(c(mb), tok, dp, 30)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)) and stats == ref_stats, (dp, mb)
+    _, saved, _ = global_batches(c(2), tok, 2, 12)
+    for dp, mb in ((4, 1), (1, 2)):
+        got, _, stats = global_batches(c(mb), tok, dp, 18, resume=saved)
+        assert all(torch.equal(a, b) for a, b in zip(ref[12:], got)) and stats == ref_stats, (dp, mb)
 
 
 def test_formats_yield_identical_batches(files, tok):
-    ref = take(data.PackedLoader(cfg(files["txt"], micro_batch=3), tok, dp_rank=1, dp_size=2), 40)
+    ref = take(data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, dp_rank=1, dp_size=2), 40)
     for fmt, spec in files.items():
-        got = take(data.PackedLoader(cfg(spec, micro_batch=3), tok, dp_rank=1, dp_size=2), 40)
+        got = take(data.PackedLoader(cfg(spec, micro_batch=2), tok, dp_rank=1, dp_size=2), 40)
         assert equal(ref, got), fmt
 
 
@@ -178,9 +204,9 @@ def test_resume_mid_document_with_prefetch_thread(files, tok):
     for n in range(1, 50):
         next(a)
         sd = a.state_dict()
-        if sd["offset"] > 3 * SEQ:                  # inside a long document, several windows deep
+        if max(p["offset"] for p in sd["streams"].values()) > 3 * SEQ:     # inside a long document
             break
-    assert sd["offset"] > 3 * SEQ
+    assert max(p["offset"] for p in sd["streams"].values()) > 3 * SEQ
     stats_then = a.stats()
     a.close()
     sd = json.loads(json.dumps(sd))                 # plain data: goes in any checkpoint
@@ -194,30 +220,33 @@ def test_resume_mid_document_with_prefetch_thread(files, tok):
 
 
 def test_resume_at_epoch_boundary(files, tok):
-    c = cfg(files["jsonl"], micro_batch=1)
-    a = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
-    n = len(reference_stream(tok, DOCS, a.documents(0))[0]) // (SEQ + 1)
-    straight = take(a, n + 10)
-    assert not np.array_equal(a.documents(0), a.documents(1))      # reshuffled per epoch
-    b = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
-    take(b, n)                                      # exactly the end of epoch 0
+    c = cfg(files["jsonl"], micro_batch=1)          # 4 streams, round-robin: stream 0 is every 4th window
+    a = data.PackedLoader(c, tok)
+    n = len(reference_stream(tok, DOCS, a.documents(0, 0))[0]) // (SEQ + 1)
+    straight = take(a, 4 * n + 10)
+    assert not np.array_equal(a.documents(0, 0), a.documents(0, 1))      # reshuffled per epoch
+    b = data.PackedLoader(c, tok)
+    take(b, 4 * (n - 1) + 1)                        # exactly the end of stream 0's epoch 0
     sd = b.state_dict()
     b.close()
-    r = data.PackedLoader(c, tok, dp_rank=0, dp_size=3)
+    r = data.PackedLoader(c, tok)
     r.load_state_dict(sd)
-    assert equal(take(r, 10), straight[n:])
-    assert r.stats()["epoch"] == 1
+    assert equal(take(r, 10), straight[4 * (n - 1) + 1:][:10])
+    assert r.state_dict()["streams"]["0"]["epoch"] == 1
 
 
-def test_resume_refuses_other_dp_degree_and_seed(files, tok):
+def test_resume_refuses_other_global_batch_seed_or_rank(files, tok):
     a = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=2)
     take(a, 3)
-    b = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=3)
-    with pytest.raises(data.DataError, match="DP degree 2.*DP degree 3"):
+    b = data.PackedLoader(cfg(files["txt"], global_batch=8), tok, dp_rank=0, dp_size=2)
+    with pytest.raises(data.DataError, match="saved with 4 streams.*has 8.*--ckpt.reset_data"):
         b.load_state_dict(a.state_dict())
     c = data.PackedLoader(cfg(files["txt"], seed=8), tok, dp_rank=0, dp_size=2)
     with pytest.raises(data.DataError, match="seed=7"):
         c.load_state_dict(a.state_dict())
+    d = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=1, dp_size=2)
+    with pytest.raises(data.DataError, match=r"no position for streams \[2, 3\]"):
+        d.load_state_dict(a.state_dict())
 
 
 # ----------------------------------------------------------------------------- split, batches, model
@@ -228,8 +257,8 @@ def test_val_split_held_out_fixed_and_cycled(files, tok):
     assert np.array_equal(val, data.split_documents(1000, 0.05)[1])
     assert len(data.split_documents(5, 0.01)[1]) == 1                 # never empty for a tiny corpus
     v = data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, split="val", dp_rank=0, dp_size=2)
-    assert set(v.documents(0)) <= set(data.split_documents(len(DOCS), 0.1)[1].tolist())
-    assert np.array_equal(v.documents(0), v.documents(5))               # val order never changes
+    assert set(v.documents(0, 0)) <= set(data.split_documents(len(DOCS), 0.1)[1].tolist())
+    assert np.array_equal(v.documents(0, 0), v.documents(0, 5))         # val order never changes
     first = take(v, 3)
     v.reset()
     assert equal(take(v, 3), first)
@@ -254,6 +283,15 @@ def test_packed_batch_matches_separate_documents_in_the_model(files, tok):
 
 # ----------------------------------------------------------------------------- bad input
 
+def behind(loader):
+    """How often each document is fully behind the loader's position, over its streams and epochs."""
+    n = np.zeros(loader.corpus.n_docs, np.int64)
+    for s, p in loader.state_dict()["streams"].items():
+        for e in range(p["epoch"] + 1):
+            np.add.at(n, loader.documents(int(s), e)[:None if e < p["epoch"] else p["doc"]], 1)
+    return n
+
+
 def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     d = tmp_path / "bad"
     d.mkdir()
@@ -267,10 +305,10 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     assert [t for t, _, _ in loader.corpus.read(range(5))][2:] == ["print(1) " * 30 + "\ufffd", "", ""]
     while loader.stats()["epoch"] == 0:
         next(loader)
-    st, behind = loader.stats(), set(loader.documents(1)[:loader.state_dict()["doc"]].tolist())
+    st, n = loader.stats(), behind(loader)
     assert st["empty_files"] == 1
-    assert st["empty_docs"] == 3 + len(behind & {0, 3, 4}) and st["documents"] == 2 + len(behind & {1, 2})
-    assert st["utf8_replacements"] == 4 + 3 * (1 in behind) + (2 in behind)   # \xe9 \xff \xfe, \xc3
+    assert st["empty_docs"] == n[0] + n[3] + n[4] and st["documents"] == n[1] + n[2]
+    assert st["utf8_replacements"] == 3 * n[1] + n[2]               # \xe9 \xff \xfe, \xc3
     err = capsys.readouterr().err
     assert "c.txt" in err and "invalid UTF-8" in err and "1 empty files skipped" in err
 
@@ -282,9 +320,9 @@ def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     loader = data.PackedLoader(cfg(str(p), seq_len=4, global_batch=2, val_fraction=0.0), tok, prefetch=0)
     while loader.stats()["epoch"] == 0:
         next(loader)
-    st, behind = loader.stats(), set(loader.documents(1)[:loader.state_dict()["doc"]].tolist())
-    assert st["bad_records"] == 2 + len(behind & {2, 3}) and st["documents"] == 3 + len(behind & {0, 1, 4})
-    assert st["utf8_replacements"] == 1 + (4 in behind)
+    st, n = loader.stats(), behind(loader)
+    assert st["bad_records"] == n[2] + n[3] and st["documents"] == n[0] + n[1] + n[4]
+    assert st["utf8_replacements"] == n[4]
     err = capsys.readouterr().err
     assert "x.jsonl:3: not JSON" in err and "x.jsonl:4: no field 'text'" in err
     p.write_text('{not json\n')
@@ -298,12 +336,12 @@ def test_rank_share_below_one_window_fails_through_the_thread(tok, tmp_path):
     failed, tiny, threads = [], None, []
     for r in (0, 1):
         loader = data.PackedLoader(c, tok, dp_rank=r, dp_size=2, prefetch=2)
-        if loader.documents(0).tolist() == [1]:
+        if loader.documents(r, 0).tolist() == [1]:   # stream r is rank r's (global batch 2, dp 2)
             tiny = r                                    # this rank holds only the 3-token document
         try:
             take(loader, 3)
         except data.DataError as e:
-            assert f"DP rank {r}'s share" in str(e) and "fewer than seq_len + 1 = 17 tokens" in str(e)
+            assert f"stream {r} of the train split" in str(e) and "fewer than seq_len + 1 = 17 tokens" in str(e)
             failed.append(r)
             with pytest.raises(data.DataError):        # stays failed
                 next(loader)
@@ -337,8 +375,8 @@ def test_refusals_before_training(files, tok, cache, tmp_path):
     (tmp_path / "t.csv").write_text("a,b\n")
     with pytest.raises(data.DataError, match="t.csv: unsupported file type"):
         data.Corpus(f"{files['jsonl']},{tmp_path / 't.csv'}")
-    with pytest.raises(data.DataError, match="for 200 DP ranks"):
-        data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=200)
+    with pytest.raises(data.DataError, match="for 200 streams"):
+        data.PackedLoader(cfg(files["txt"], global_batch=200), tok, dp_rank=0, dp_size=200)
     with pytest.raises(data.DataError, match="could not train a 100000-piece tokenizer"):
         data.build_tokenizer(DataConfig(data=files["jsonl"], cache_dir=cache), 100000)
 
