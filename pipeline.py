@@ -137,14 +137,15 @@ class Comm:
     pairs: dict = field(default_factory=dict)    # peer -> (two-rank group, peer's index in it) ("allgather")
     dtype: torch.dtype = torch.float32           # of the stage's parameters (set by reset: the model
     device: torch.device = torch.device("cpu")   #   may be cast to bf16 after it is built)
+    cut: object = None                           # ends the traced graph after each exchange (reset)
     wait_s: float = 0.0                          # seconds spent in p2p since the last reset
     sent: int = 0                                # messages sent / received since the last reset
     received: int = 0
 
-    def reset(self, model: nn.Module) -> None:
-        """Before a step: take the params' dtype and device, zero the counters."""
+    def reset(self, model: nn.Module, cut) -> None:
+        """Before a step: take the params' dtype and device and the caller's graph cut, zero the counters."""
         p = next(model.parameters())
-        self.dtype, self.device = p.dtype, p.device
+        self.dtype, self.device, self.cut = p.dtype, p.device, cut
         self.wait_s, self.sent, self.received = 0.0, 0, 0
 
     @staticmethod
@@ -208,6 +209,12 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
         both = torch.empty(2 * mine.numel(), dtype=mine.dtype, device=mine.device)
         dist.all_gather_into_tensor(both, mine.contiguous().view(-1), group=group)
         buf = both.view(2, *comm.shape)[peer_index].clone() if recv else None   # only the peer's half stays alive
+    # Each exchange is its own graph, as NxD's NxDPPModel does (pipeline/model.py: _mark_step()
+    # after every send and recv task; pipeline/comm.py: "Isolate the CC graph to prevent hanging":
+    # every rank of a collective's replica group must load the graph holding it, and neighbours
+    # enter the steady state at different microbatches, so a collective fused with compute would
+    # sit in graphs the peer never runs).
+    comm.cut()
     comm.wait_s += time.perf_counter() - t0
     comm.sent += send is not None
     comm.received += recv
@@ -218,10 +225,12 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
 
 class _Microbatches:
     """One step's forward/backward bookkeeping on this stage: the activations kept for backward
-    (input leaf and output of each microbatch in flight), their peak count, the summed loss."""
+    (input leaf and output of each microbatch in flight), their peak count, the summed loss.
+    cut() after each forward and each backward: one graph per task, as NxDPPModel (pipeline/model.py,
+    _mark_step() at the end of its forward and backward step tasks)."""
 
-    def __init__(self, stage: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid):
-        self.stage, self.batches, self.scale, self.grid = stage, batches, scale, grid
+    def __init__(self, stage: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid, cut):
+        self.stage, self.batches, self.scale, self.grid, self.cut = stage, batches, scale, grid, cut
         self.next_fwd = 0
         self.live: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         self.max_live = 0
@@ -242,6 +251,7 @@ class _Microbatches:
             out = out * self.scale                      # the same normalization as train.train_step
         self.live.append((inp, out))
         self.max_live = max(self.max_live, len(self.live))
+        self.cut()
         return None if self.stage.last else out.detach()
 
     def backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -249,6 +259,7 @@ class _Microbatches:
         (None on the last stage). Returns d loss / d input for the previous stage (None on the first)."""
         inp, out = self.live.pop(0)
         torch.autograd.backward(out, grad_tensors=grad)
+        self.cut()
         return None if inp is None else inp.grad
 
 
@@ -303,11 +314,16 @@ def check_microbatches(n: int, grid: Grid) -> None:
                           f"got {n}; raise the global batch or lower micro_batch")
 
 
+def no_cut() -> None:
+    """The default graph cut: nothing (eager devices). train.py passes train.sync on XLA."""
+
+
 def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config,
-               guard=None) -> dict:
+               guard=None, cut=no_cut) -> dict:
     """Forward and backward of this rank's microbatches through the pipeline, then (once) the
     gradient reduction, clipping and update. The contract of train.train_step (guard(loss,
-    grad_norm) -> False skips the update), plus pipeline statistics:
+    grad_norm) -> False skips the update; cut() ends the traced graph after every forward,
+    backward and exchange, as NxDPPModel does), plus pipeline statistics:
       loss, grad_norm, tokens: tensors, the same on every rank (the loss is summed over PP from the
         last stage, where it is computed), skipped;
       bubble: (PP - 1) / (m + PP - 1); idle: the measured share of the schedule's time this rank
@@ -319,9 +335,9 @@ def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid,
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
-    mb = _Microbatches(model, batches, scale, grid)
+    mb = _Microbatches(model, batches, scale, grid, cut)
     comm = model.comm
-    comm.reset(model)
+    comm.reset(model, cut)
     SCHEDULES[cfg.parallel.pp_schedule](mb, comm)
     schedule_s = time.perf_counter() - t0
     # From here on exactly train.train_step: gradients reduced once per step, whatever m.
@@ -377,14 +393,16 @@ def load_full_state_dict(model: PipelineStage, full_sd: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
-def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: torch.device) -> torch.Tensor:
+def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: torch.device,
+             cut=no_cut) -> torch.Tensor:
     """train.evaluate through the pipeline: mean token loss over n_batches held-out microbatches
     (the same ones every time), the same value on every rank. Each batch goes forward stage by
-    stage; only the last stage computes the loss, the others add zeros."""
+    stage; only the last stage computes the loss, the others add zeros. cut() after each forward
+    and each exchange (p2p), as in training."""
     model.eval()
     loader.reset()
     comm = model.comm
-    comm.reset(model)
+    comm.reset(model, cut)
     total = torch.zeros((), device=device)
     count = torch.zeros((), dtype=torch.long, device=device)
     for _ in range(n_batches):
@@ -393,9 +411,10 @@ def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: t
         out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"), b["targets"])
         if model.last:
             total += out
-        else:
-            p2p(comm, out, comm.next, recv=False)
         count += (b["targets"] != -100).sum()
+        cut()
+        if not model.last:
+            p2p(comm, out, comm.next, recv=False)
     model.train()
     total = parallel.all_reduce(parallel.all_reduce(total, grid.pp_group), grid.dp_group)
     return total / parallel.all_reduce(count, grid.dp_group).clamp(min=1)

@@ -48,16 +48,25 @@ def pick_device(name: str) -> torch.device:
 
 
 def sync(device: torch.device):
-    """End of a step. On XLA this cuts the lazy graph and launches it; elsewhere nothing to do."""
+    """Cut the lazy graph here and launch it (XLA); elsewhere nothing to do. torch-xla traces until
+    a sync, so where the syncs are decides which graphs neuronx-cc compiles. As NxD and the HLAT
+    scripts do: one after each microbatch's backward (train_step's `cut`), one after the
+    reduce/clip/update (the loop below), one after each pipeline task (pipeline.py) and one per
+    evaluation batch. Without them a 7B step at 16 microbatches is ONE graph holding 16 copies of the
+    model, and its size grows with the accumulation (tests/test_xla_graphs.py counts the graphs)."""
     if device.type == "xla":
         import torch_xla
         torch_xla.sync()
 
 
+def no_cut() -> None:
+    """The default `cut` of train_step and evaluate: eager devices have no graph to cut."""
+
+
 # ----------------------------------------------------------------------------- one step
 
 def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
-               guard=None) -> dict:
+               guard=None, cut=no_cut) -> dict:
     """Forward and backward over this rank's microbatches, reduce gradients, clip, update.
 
     Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
@@ -67,7 +76,11 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     and every gradient accumulation therefore yields the same gradient. Gradients are reduced once,
     after the last microbatch: nothing is communicated on the others.
     guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
-    False skips the update. Returns tensors only; nothing here forces a host sync (XLA)."""
+    False skips the update. cut() ends the graph being traced (train.sync on XLA): called after each
+    microbatch's backward, so a step is a graph for the first microbatch (it creates the gradients),
+    one for every later microbatch (it adds to them), then the caller's sync ends the
+    reduce/clip/update graph. NxD's training loop and the HLAT scripts cut there too (xm.mark_step
+    after each microbatch). Returns tensors only; nothing here forces a host sync (XLA)."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
@@ -76,6 +89,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
         loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])    # summed over tokens
         (loss * scale).backward()
         loss_sum = loss_sum + loss.detach()
+        cut()                                   # one graph per microbatch (see sync)
     if getattr(optimizer, "zero1", False):
         # ZeRO-1: the optimizer's reduce-scatter replaces the DP all-reduce; the TP sums
         # (SP norm weights, replicated KV heads) still come first.
@@ -93,8 +107,10 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device) -> torch.Tensor:
-    """Mean token loss over a fixed number of held-out batches: the same ones every time."""
+def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device,
+             cut=no_cut) -> torch.Tensor:
+    """Mean token loss over a fixed number of held-out batches: the same ones every time.
+    cut() after each batch: one forward graph, whatever n_batches."""
     model.eval()
     loader.reset()
     total, count = 0.0, 0
@@ -102,6 +118,7 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
         b = to_device(next(loader), device)
         total = total + model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])
         count = count + (b["targets"] != -100).sum()
+        cut()
     model.train()
     total = parallel.all_reduce(total, grid.dp_group)
     return total / parallel.all_reduce(count, grid.dp_group).clamp(min=1)
@@ -169,6 +186,7 @@ def main(argv: list[str]) -> None:
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     eval_batches = -(-cfg.log.eval_windows // cfg.data.micro_batch)
+    cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
     if device.type == "xla":
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
     try:
@@ -184,10 +202,11 @@ def main(argv: list[str]) -> None:
             poison = [p.register_hook(lambda g: g * float("nan")) for p in model.parameters()
                       ] if step == ckpt.fault.nan_step else []
             out = (pipeline.train_step if pp else train_step)(
-                model, optimizer, micro, grid, cfg, guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm))
+                model, optimizer, micro, grid, cfg, guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm),
+                cut=cut)
             for h in poison:
                 h.remove()
-            sync(device)
+            sync(device)                                # the reduce/clip/update graph
             step += 1
             tokens_seen += tokens_per_step
             log_now = step % cfg.log.interval == 0
@@ -198,7 +217,8 @@ def main(argv: list[str]) -> None:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
-                mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device))
+                mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device,
+                                                                       cut=cut))
             if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps:
                 mon.flush()                             # raises on a poisoned state: it is never saved
                 ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
