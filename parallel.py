@@ -148,8 +148,20 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
                                 rank=rank, world_size=world)
     grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
     if backend == "xla":     # its barrier returns at once: barriers (checkpoint renames) need gloo
-        grid.host_group = dist.new_group(backend="gloo")
+        grid.host_group = new_host_group()
     return grid
+
+
+def new_host_group():
+    """A gloo group over all ranks for host-side barriers and agreement on XLA (whose own barrier
+    is a no-op). Built eagerly, gloo connects every pair: 4095 sockets per rank at 4096 ranks,
+    131k per trn1 node. Built lazily (TORCH_GLOO_LAZY_INIT, read when a group is constructed), a
+    rank connects to a peer the first time it talks to it; gloo's barrier is a dissemination
+    barrier (rank r with r +- 2^k) and a one-number all-reduce is a ring, so a rank opens at most
+    2*log2(world) sockets: 24 at 4096 ranks. (NxD uses xm.rendezvous, a device all-gather, for
+    its checkpoint barriers: trainer/checkpoint.py; this keeps one host-side path with gloo.)"""
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    return dist.new_group(backend="gloo")
 
 
 def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str) -> Grid:

@@ -2,10 +2,15 @@
 # The Trainium environment of a nanotrn run: every variable the launcher sets, in one place.
 # Sourced by scripts/launch.sh (never by the model: train.py reads no Neuron variable).
 #
+# Targets the Neuron 2.29 DLAMI (torch-neuronx 2.9.0.2.13, torch-xla 2.9, neuronx-cc 2.24, NxD 0.18):
+# the last Neuron release that trains with PyTorch/XLA (README, Running on trn1).
+#
 # Inputs (environment, all optional):
 #   NANOTRN_PRECISION  optim.precision of the run (launch.sh reads it from the config); bf16_sr
 #                      turns on the hardware stochastic rounding
-#   NNODES             number of trn1 instances; > 1 adds the EFA variables
+#   NANOTRN_INSTANCE   trn1 | trn2 (parallel.instance of the run, read from the config)
+#   NANOTRN_SR_SEED    the stochastic-rounding seed, the same on every rank (default 0)
+#   NNODES             number of instances; > 1 adds the EFA variables
 #   NEURON_CACHE_DIR   compile cache, default /var/tmp/neuron-compile-cache (the root volume)
 #   NEURON_CC_EXTRA_FLAGS  appended to NEURON_CC_FLAGS
 #
@@ -37,9 +42,15 @@ export PJRT_DEVICE=NEURON
 # so the pre-compiled graphs are found by the run (same cache, same flags).
 export NEURON_CC_FLAGS="--model-type=transformer --distribution-strategy=llm-training --cache_dir=${NEURON_CACHE_DIR}${NEURON_CC_EXTRA_FLAGS:+ ${NEURON_CC_EXTRA_FLAGS}}"
 export NEURON_COMPILE_CACHE_URL="$NEURON_CACHE_DIR"
-# Custom softmax lowering (the blog) and host/device overlap: up to 3 graphs in flight.
+# Custom softmax lowering (the blog) and host/device overlap: up to 3 graphs in flight. The
+# in-flight variable does nothing from Neuron 2.31 on (the runtime ignores it); it matters on the
+# 2.29 DLAMI this targets, the last release that trains with PyTorch/XLA.
 export NEURON_FUSE_SOFTMAX=1
 export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
+# A graph may wait this long (seconds; the runtime's default is 30) for its collectives: at 128
+# nodes a slow first step, a checkpoint save on some ranks or a late node exceeds 30 s without
+# anything being wrong. The HLAT scripts set 4000.
+export NEURON_RT_EXEC_TIMEOUT=4000
 # bf16 weights with stochastic rounding in hardware (XLA_USE_BF16 is gone since Neuron 2.24: the
 # model is cast with model.to(torch.bfloat16) in train.py). Explicitly off for other precisions.
 if [[ "${NANOTRN_PRECISION:-}" == "bf16_sr" ]]; then
@@ -47,12 +58,28 @@ if [[ "${NANOTRN_PRECISION:-}" == "bf16_sr" ]]; then
 else
     export NEURON_RT_STOCHASTIC_ROUNDING_EN=0
 fi
+# bf16_sr without ZeRO-1 (HLAT 7B) updates the weights on every DP replica independently and
+# relies on all of them rounding the same sums the same way: one seed, set explicitly, on every
+# rank (the runtime's default is 0, but nothing then says so). monitor.py logs the spread of the
+# parameter norm over the DP group and warns when the replicas drift apart anyway.
+export NEURON_RT_STOCHASTIC_ROUNDING_SEED="${NANOTRN_SR_SEED:-0}"
+# trn2: two physical NeuronCore-v3 per logical core (LNC=2), the Neuron default, stated: 64 ranks
+# per trn2.48xlarge. The compiler's --logical-nc-config defaults to the same 2.
+if [[ "${NANOTRN_INSTANCE:-trn1}" == "trn2" ]]; then
+    export NEURON_LOGICAL_NC_CONFIG=2
+fi
 # 32 ranks per host each with many threads: cap glibc malloc arenas (host memory, HLAT scripts).
 export MALLOC_ARENA_MAX=64
+# Gloo groups (the host group for checkpoint barriers on XLA) connect to a peer only when they
+# first talk to it: a barrier then opens 2*log2(world) sockets per rank (24 at 4096 ranks), not a
+# full mesh of 4095 per rank, 131k per node (parallel.new_host_group sets the same).
+export TORCH_GLOO_LAZY_INIT=1
 
 NANOTRN_ENV_VARS=(PJRT_DEVICE NEURON_CC_FLAGS NEURON_COMPILE_CACHE_URL NEURON_FUSE_SOFTMAX
-                  NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS NEURON_RT_STOCHASTIC_ROUNDING_EN
-                  MALLOC_ARENA_MAX)
+                  NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS NEURON_RT_EXEC_TIMEOUT
+                  NEURON_RT_STOCHASTIC_ROUNDING_EN NEURON_RT_STOCHASTIC_ROUNDING_SEED
+                  MALLOC_ARENA_MAX TORCH_GLOO_LAZY_INIT)
+if [[ -n "${NEURON_LOGICAL_NC_CONFIG:-}" ]]; then NANOTRN_ENV_VARS+=(NEURON_LOGICAL_NC_CONFIG); fi
 
 # Multi-node: collectives between instances go over EFA with device RDMA; fork-safe because the
 # data loader forks worker processes.

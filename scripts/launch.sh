@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch nanotrn on trn1.32xlarge with plain torchrun. One call per node (SLURM's srun runs it on
+# Launch nanotrn on trn1.32xlarge (or trn2.48xlarge: --instance trn2) with plain torchrun. One call per node (SLURM's srun runs it on
 # every node, see slurm_train.sbatch); every argument after the mode goes to train.py unchanged.
 #
 #   scripts/launch.sh health  --preset llama2_7b                              # pre-flight check
@@ -7,10 +7,11 @@
 #   scripts/launch.sh train   --preset llama2_7b --data DATA --tokenizer TOK  # the run
 #   DRY_RUN=1 NNODES=16 MASTER_ADDR=node-0 scripts/launch.sh train ...        # print it, run nothing
 #
-# Environment: NNODES (SLURM_JOB_NUM_NODES or 1), NPROC_PER_NODE (32: one rank per NeuronCore),
-# MASTER_ADDR and MASTER_PORT (29500) of the rendezvous when NNODES > 1, RUN_ID (SLURM_JOB_ID),
-# MAX_RESTARTS (3), COMPILE_STEPS (10), HEALTHCHECK_ARGS, NEURON_CACHE_DIR (see env.sh),
-# PYTHON (python3), TORCHRUN (torchrun), DRY_RUN (1 = print the command and environment only).
+# Environment: NNODES (SLURM_JOB_NUM_NODES or 1), NPROC_PER_NODE (one rank per NeuronCore: 32 on
+# trn1, 64 logical cores on trn2, from configs.INSTANCES), MASTER_ADDR and MASTER_PORT (29500) of
+# the rendezvous when NNODES > 1, NODE_RANK (SLURM_NODEID: a static node rank), RUN_ID
+# (SLURM_JOB_ID), MAX_RESTARTS (3), COMPILE_STEPS (10), HEALTHCHECK_ARGS, NEURON_CACHE_DIR (see
+# env.sh), PYTHON (python3), TORCHRUN (torchrun), DRY_RUN (1 = print the commands and environment).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,56 +27,87 @@ mode="${1:-}"
 case "$mode" in train | compile | health) shift ;; *) usage ;; esac
 
 NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-32}"
+NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RUN_ID="${RUN_ID:-${SLURM_JOB_ID:-nanotrn}}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
 COMPILE_STEPS="${COMPILE_STEPS:-10}"
 PYTHON="${PYTHON:-python3}"
 TORCHRUN="${TORCHRUN:-torchrun}"
-world=$((NNODES * NPROC_PER_NODE))
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
-# for this world size now: a bad --tp or batch fails here, before 16 nodes start compiling.
+# for this world size now: a bad --tp or batch fails here, before 16 nodes start compiling. The
+# instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
-from configs import ConfigError, from_args, resolve_dp, validate
+from configs import INSTANCES, ConfigError, from_args, resolve_dp, validate
 try:
-    cfg = from_args(sys.argv[2:])
-    validate(cfg, int(sys.argv[1]))
+    cfg = from_args(sys.argv[3:])
+    hw = INSTANCES[cfg.parallel.instance]
+    world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
+    validate(cfg, world)
 except ConfigError as e:
     sys.exit(f"config error: {e}")
 p = cfg.parallel
-print(cfg.optim.precision, p.tp, p.pp, resolve_dp(cfg, int(sys.argv[1])), sep="\n")
-print(cfg.out_dir)
-' "$world" "$@")"
+print(cfg.optim.precision, p.tp, p.pp, resolve_dp(cfg, world), cfg.out_dir, p.instance, hw.name,
+      world // int(sys.argv[1]), sep="\n")
+' "$NNODES" "${NPROC_PER_NODE:-}" "$@")"
 mapfile -t layout <<< "$layout_text"
 precision="${layout[0]}" tp="${layout[1]}" pp="${layout[2]}" dp="${layout[3]}" out_dir="${layout[4]}"
+instance="${layout[5]}" instance_name="${layout[6]}" NPROC_PER_NODE="${layout[7]}"
+world=$((NNODES * NPROC_PER_NODE))
 
-export NNODES NANOTRN_PRECISION="$precision"
+export NNODES NANOTRN_PRECISION="$precision" NANOTRN_INSTANCE="$instance"
 # shellcheck source=env.sh source-path=SCRIPTDIR
 source "$here/env.sh"
 
-# torchrun: one worker per NeuronCore. Multi-node uses the c10d rendezvous rather than a static
-# --node_rank: when a worker dies, its node's agent re-enters the rendezvous and the agents of all
-# other nodes notice and restart their workers too, so --max-restarts restarts the whole job
-# (train.py then resumes from the newest complete checkpoint). Ranks stay in blocks of
-# NPROC_PER_NODE per node, so each TP group of 8 stays inside one instance (NeuronLink).
+# torchrun: one worker per NeuronCore. Ranks stay in blocks of NPROC_PER_NODE per node, so each
+# TP group of 8 stays inside one instance (NeuronLink).
+# Under SLURM (NODE_RANK known) the node rank is static, as in the NxD and HLAT scripts: node i of
+# the allocation holds ranks i*NPROC_PER_NODE..., the same every attempt, and the 128 agents do
+# not race through an elastic rendezvous. A failure then ends the step (--max-restarts=0) and
+# slurm_train.sbatch starts it again on every node, resuming from the newest checkpoint.
+# Without SLURM, multi-node uses the c10d rendezvous: when a worker dies, every node's agent
+# notices and restarts its workers, so --max-restarts restarts the whole job.
 # Each step of a job (health, compile, train) gets its own rendezvous id.
 launcher=("$TORCHRUN" --nproc_per_node="$NPROC_PER_NODE" --nnodes="$NNODES")
+restarts="$MAX_RESTARTS"
 if ((NNODES > 1)); then
     if [[ -z "${MASTER_ADDR:-}" ]]; then
         echo "error: NNODES=$NNODES needs MASTER_ADDR (the first node's host name; the sbatch script sets it)" >&2
         exit 2
     fi
-    launcher+=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RUN_ID-$mode")
+    if [[ -n "$NODE_RANK" ]]; then
+        launcher+=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
+        restarts=0
+    else
+        launcher+=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RUN_ID-$mode")
+    fi
 else
     launcher+=(--standalone)
 fi
 
+# The node, before any rank starts. Every rank holds sockets and files (EFA, the runtime, data
+# shards, checkpoint files): raise the open-file limit as the NxD scripts do (ulimit -n 65535).
+# Reserve the rendezvous port and the port the Neuron runtime's collectives bootstrap on
+# (torch-xla sets NEURON_RT_ROOT_COMM_ID=MASTER_ADDR:62182) so that no outgoing connection of
+# another process takes them as its ephemeral port (the NxD scripts: sysctl
+# net.ipv4.ip_local_reserved_ports, with sudo). The list is added to, never replaced.
+NOFILE=65535
+reserved="$(cat /proc/sys/net/ipv4/ip_local_reserved_ports 2>/dev/null || true)"
+missing=()
+for port in "$MASTER_PORT" 62182; do
+    [[ ",$reserved," == *",$port,"* ]] || missing+=("$port")
+done
+node_setup=("ulimit -n $NOFILE")
+if ((${#missing[@]})); then
+    ports="$(IFS=,; echo "${reserved:+$reserved,}${missing[*]}")"
+    node_setup+=("sudo -n sysctl -q -w net.ipv4.ip_local_reserved_ports=$ports")
+fi
+
 case "$mode" in
 train)
-    cmd=("${launcher[@]}" --max-restarts="$MAX_RESTARTS" train.py "$@") ;;
+    cmd=("${launcher[@]}" --max-restarts="$restarts" train.py "$@") ;;
 compile)
     # neuron_parallel_compile runs the same command in graph-extraction mode (outputs are
     # invalid), then compiles every graph in parallel into NEURON_CACHE_DIR. Everything that
@@ -102,12 +134,23 @@ quote() {  # print words so that a shell reads them back unchanged
 }
 
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
-    echo "# nanotrn $mode (dry run): $NNODES node(s) x $NPROC_PER_NODE ranks = $world; tp=$tp pp=$pp dp=$dp; precision=$precision"
+    echo "# nanotrn $mode (dry run): $NNODES node(s) x $NPROC_PER_NODE ranks = $world ($instance_name);" \
+         "tp=$tp pp=$pp dp=$dp; precision=$precision"
+    printf '%s\n' "${node_setup[@]}"
     for v in "${NANOTRN_ENV_VARS[@]}"; do echo "export $v=$(quote "${!v}")"; done
     echo "cd $(quote "$root")"
     if [[ "$mode" == compile ]]; then echo "rm -rf -- $(quote "$side")"; fi
     quote "${cmd[@]}"
     exit 0
+fi
+hard="$(ulimit -Hn)"
+if [[ "$hard" != unlimited ]] && ((hard < NOFILE)); then
+    echo "warning: the hard open-file limit is $hard (< $NOFILE); at 128 nodes ranks may run out" >&2
+    NOFILE="$hard"
+fi
+ulimit -n "$NOFILE"
+if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_ports=$ports"; then
+    echo "warning: could not reserve ports ${missing[*]} (needs sudo): another process may take them" >&2
 fi
 mkdir -p "$NEURON_CACHE_DIR"
 if [[ "$mode" == compile ]]; then

@@ -18,6 +18,7 @@ SCRIPTS = ROOT / "scripts"
 SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh")) + sorted(SCRIPTS.glob("*.sbatch"))
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import configs  # noqa: E402
 import healthcheck  # noqa: E402
@@ -37,7 +38,9 @@ def parse_dry_run(out: str):
     """-> (environment dict, [torchrun commands as argument lists], the other lines) of a dry run."""
     env, cmds, headers = {}, [], []
     for line in out.splitlines():
-        if line.startswith("export "):
+        if line.startswith(("ulimit ", "sudo ")):       # the node's setup before torchrun
+            headers.append(line)
+        elif line.startswith("export "):
             key, value = line[len("export "):].split("=", 1)
             env[key] = shlex.split(value)[0] if value else ""
         elif line.startswith("#"):
@@ -80,7 +83,7 @@ def test_dry_run_7b_on_16_nodes():
     assert r.returncode == 0, r.stderr
     print(r.stdout)
     env, cmds, headers = parse_dry_run(r.stdout)
-    assert "16 node(s) x 32 ranks = 512; tp=8 pp=1 dp=64; precision=bf16_sr" in headers[0]
+    assert "16 node(s) x 32 ranks = 512 (trn1.32xlarge); tp=8 pp=1 dp=64; precision=bf16_sr" in headers[0]
     assert cmds == [["torchrun", "--nproc_per_node=32", "--nnodes=16", "--rdzv-backend=c10d",
                      "--rdzv-endpoint=trn-001:29500", "--rdzv-id=job7-train", "--max-restarts=3",
                      "train.py", *ARGS_7B]]
@@ -100,7 +103,7 @@ def test_dry_run_single_node_and_precision():
     r = run_script([SCRIPTS / "launch.sh", "--dry-run", "train", *ARGS_7B, "--precision=bf16"])
     assert r.returncode == 0, r.stderr
     env, cmds, headers = parse_dry_run(r.stdout)
-    assert "1 node(s) x 32 ranks = 32; tp=8 pp=1 dp=4" in headers[0]
+    assert "1 node(s) x 32 ranks = 32 (trn1.32xlarge); tp=8 pp=1 dp=4" in headers[0]
     assert cmds[0][:5] == ["torchrun", "--nproc_per_node=32", "--nnodes=1", "--standalone", "--max-restarts=3"]
     assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"             # no SR without bf16_sr
     assert not any(k.startswith("FI_") for k in env)                    # EFA only between nodes
@@ -133,7 +136,46 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     assert differ <= {"optim.max_steps", "log.eval_interval", "ckpt.interval", "ckpt.resume", "ckpt.dir",
                       "out_dir", "log.tensorboard"}, differ
     assert "--cache_dir=/opt/local-nvme/neuron-cache" in tenv["NEURON_CC_FLAGS"]
-    assert "--max-restarts=3" in train and "--max-restarts=0" in compile_
+    # static node ranks under SLURM: torchrun does not restart, the sbatch loop starts the step again
+    assert "--node_rank=0" in train and "--max-restarts=0" in train and "--max-restarts=0" in compile_
+    assert "for ((attempt = 0; attempt <= MAX_RESTARTS" in (SCRIPTS / "slurm_train.sbatch").read_text()
+
+
+@pytest.mark.parametrize("nodes", [16, 128])
+def test_dry_run_at_scale_under_slurm(nodes):
+    """What a 4096-rank launch needs, node by node (NxD/HLAT scripts): a static node rank, a raised
+    open-file limit, the rendezvous and Neuron bootstrap ports reserved, a long runtime timeout,
+    one stochastic-rounding seed, gloo groups that connect lazily (no full mesh)."""
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", SLURM_JOB_NUM_NODES=str(nodes),
+                   SLURM_NODEID="5", MASTER_ADDR="trn-001", SLURM_JOB_ID="77")
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    env, cmds, headers = parse_dry_run(r.stdout)
+    dp = nodes * 32 // 8
+    assert f"{nodes} node(s) x 32 ranks = {nodes * 32} (trn1.32xlarge); tp=8 pp=1 dp={dp}" in headers[0]
+    assert cmds == [["torchrun", "--nproc_per_node=32", f"--nnodes={nodes}", "--node_rank=5",
+                     "--master_addr=trn-001", "--master_port=29500", "--max-restarts=0", "train.py", *ARGS_7B]]
+    assert "ulimit -n 65535" in headers
+    already = open("/proc/sys/net/ipv4/ip_local_reserved_ports").read().strip().split(",")
+    sysctl = [h for h in headers if h.startswith("sudo -n sysctl")]
+    for port in ("29500", "62182"):
+        assert port in already or (sysctl and port in sysctl[0].split("=", 1)[1].split(","))
+    if sysctl and already != [""]:         # added to what the node reserves, never replacing it
+        assert sysctl[0].split("=", 1)[1].startswith(",".join(already))
+    assert env["NEURON_RT_EXEC_TIMEOUT"] == "4000"
+    assert env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] == "0"
+    assert env["TORCH_GLOO_LAZY_INIT"] == "1"
+    assert "NEURON_LOGICAL_NC_CONFIG" not in env
+
+
+def test_dry_run_trn2():
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--instance", "trn2"], DRY_RUN="1",
+                   NNODES="16", MASTER_ADDR="trn-001")
+    assert r.returncode == 0, r.stderr
+    env, cmds, headers = parse_dry_run(r.stdout)
+    assert "16 node(s) x 64 ranks = 1024 (trn2.48xlarge); tp=8 pp=1 dp=128" in headers[0]
+    assert cmds[0][:3] == ["torchrun", "--nproc_per_node=64", "--nnodes=16"]
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
 
 
 def test_bad_layout_fails_before_anything_starts():
@@ -154,6 +196,43 @@ def test_compile_cache_on_network_file_system_is_refused(tmp_path):
                    NEURON_CACHE_DIR="/fsx/neuron-cache", PATH=f"{shim}:{os.environ['PATH']}")
     assert r.returncode != 0
     assert "local disk" in r.stderr and "torchrun" not in r.stdout
+
+
+def _host_group_worker(rank, ports, out_dir):
+    os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+    import torch
+    import torch.distributed as dist
+    import parallel
+
+    def sockets():
+        fds = [os.path.join("/proc/self/fd", f) for f in os.listdir("/proc/self/fd")]
+        return sum(1 for f in fds if os.path.islink(f) and os.readlink(f).startswith("socket:"))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=8)
+    before = sockets()
+    group = parallel.new_host_group()
+    built = sockets()
+    dist.barrier(group=group)
+    t = torch.tensor([1])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)      # the checkpoint's agreement
+    used = sockets()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps([before, built, used]))
+    dist.destroy_process_group()
+
+
+def test_host_group_connects_lazily(tmp_path):
+    """The gloo host group of an XLA run opens a socket only to the peers a barrier and an
+    all-reduce talk to (r +- 1, 2, 4 of 8 ranks: 5 peers), not to every rank (7): at 4096 ranks
+    at most 24 instead of 4095. Sockets are counted in /proc/self/fd of each rank."""
+    from gloo_spawn import spawn_and_wait
+    spawn_and_wait(_host_group_worker, 1, 8, str(tmp_path), timeout_s=300)
+    for rank in range(8):
+        before, built, used = json.loads((tmp_path / f"{rank}.json").read_text())
+        peers = {(rank + s * d) % 8 for d in (1, 2, 4) for s in (1, -1)}
+        assert built - before <= 1, "building the group connected to every peer"
+        # an eager group would hold 7 (one per other rank); measured: 4 or 5 new, plus at most
+        # one that creating the group opens
+        assert used - before <= len(peers) + 1 < 7
 
 
 # ----------------------------------------------------------------------------- health check
