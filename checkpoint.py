@@ -23,8 +23,9 @@ models, and ours are plain tensors split by parallel.py. Per-rank files need no 
 every rank writes its part in parallel, and at the same layout each rank reads back only its own
 file (at 7B: 1/8 of the model per TP rank). At another TP degree, all TP shards are read and re-split
 with parallel.unshard_tensors / shard_tensor, for the model and for the optimizer moments (which,
-without ZeRO-1, have their parameters' layout). ZeRO-1 flat shards exist only for one layout: they
-resume at it, or are refused naming the differences (load_latest(load_optim=False) still works).
+without ZeRO-1, have their parameters' layout). ZeRO-1 flat shards record their index (parameter
+names and shapes), so they are cut back into per-parameter tensors: the optimizer state, like the
+model, resumes at any TP / PP / DP / ZeRO-1 layout, each rank reading only the tensors it holds.
 
 A save, on every rank (the training step waits only for step 1):
   1. copy this rank's state into host buffers (reused between saves) and return to training;
@@ -49,7 +50,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -569,10 +570,11 @@ class Checkpointer:
         if other:
             self.say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
 
-    def load_latest(self, load_optim: bool = True, set_aside: bool = True) -> Loaded | None:
+    def load_latest(self, load_optim: bool = True, set_aside: bool = True, names=None) -> Loaded | None:
         """The newest complete, valid checkpoint, or None to start fresh (saying why). Call on every
         rank. Incomplete or corrupt checkpoints are skipped with the reason, and (set_aside)
-        renamed step_N.bad so that a new save of step N starts in an empty directory."""
+        renamed step_N.bad so that a new save of step N starts in an empty directory. names: this
+        rank's model state keys (model.state_dict()); at another layout only those are built."""
         self.wait()
         if not self.c.resume:
             self.say("--ckpt.resume=false: starting fresh")
@@ -592,7 +594,7 @@ class Checkpointer:
                 continue
             meta = json.loads((d / "meta.json").read_text())
             self._check_model(meta, d)
-            loaded = self._read(d, meta, files, load_optim)
+            loaded = self._read(d, meta, files, load_optim, names)
             break
         if set_aside and skipped:
             self._barrier()                  # every rank is done looking at them
@@ -607,14 +609,13 @@ class Checkpointer:
         self.say(f"resuming from {loaded.path} (step {loaded.step})")
         return loaded
 
-    def _read(self, d: Path, meta: dict, files: dict, load_optim: bool) -> Loaded:
+    def _read(self, d: Path, meta: dict, files: dict, load_optim: bool, names=None) -> Loaded:
         saved, now, g = meta["layout"], self.layout, self.grid
         load = lambda name: torch.load(d / name, map_location="cpu", mmap=True, weights_only=True)
         tag = lambda t, p: f"tp{t:02d}_pp{p:02d}"
         # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
         # at another TP degree, every TP shard of the stage, joined and re-split. After a change of
-        # PP degree no rank knows which stage holds a name: every stage is returned, and a pipeline
-        # rank keeps the names its own stage has.
+        # PP degree every saved stage is looked at (mmap: only the names this rank has are read).
         stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
         model = {}
         for p in stages:
@@ -622,7 +623,9 @@ class Checkpointer:
                 model.update(load(f"model_{tag(g.tp_rank, p)}.pt"))
             else:
                 model.update(reshard([load(f"model_{tag(t, p)}.pt") for t in range(saved["tp"])],
-                                     self.cfg.model, g.tp, g.tp_rank))
+                                     self.cfg.model, g.tp, g.tp_rank, keep=names))
+        if names is not None and saved["pp"] != now["pp"]:
+            model = {k: v for k, v in model.items() if k in names}
         optim = None
         if load_optim and any(n.startswith("optim_") for n in files):
             optim = self._read_optim(d, saved, now)
@@ -650,31 +653,97 @@ class Checkpointer:
         same = all(saved[k] == now[k] for k in ("tp", "pp", "zero1")) and (not now["zero1"] or saved["dp"] == now["dp"])
         if same:
             return load(self._optim_name(g.dp_rank, tag))
-        differs = [f"{k} {saved[k]} -> {now[k]}" for k in ("tp", "pp", "zero1", "dp") if saved[k] != now[k]]
-        # Without ZeRO-1 the moments are replicated over DP and split over TP exactly like their
-        # parameters (optim.py keys them "<param name>.<moment>"), so they reshard like the model.
-        if not saved["zero1"] and not now["zero1"] and saved["pp"] == now["pp"]:
-            sds = [load(f"optim_tp{t:02d}_pp{g.pp_rank:02d}.pt") for t in range(saved["tp"])]
-            if isinstance(sds[0].get("state"), dict) and sds[0].get("layout") == {"kind": "full"}:
-                out = dict(sds[0])
-                out["state"] = reshard([s["state"] for s in sds], self.cfg.model, g.tp, g.tp_rank,
-                                       param_of=lambda k: k.rsplit(".", 1)[0])
-                return out
-        raise CheckpointError(
-            f"{d.name}: the optimizer state was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
-            f"zero1={saved['zero1']} and cannot be resharded to this run's layout ({', '.join(differs)}): "
-            f"ZeRO-1 shards and pipeline stages resume only at their own layout. Resume at the saved layout, "
-            f"or load only the (always reshardable) model weights with a fresh optimizer: "
-            f"Checkpointer.load_latest(load_optim=False)")
+        # Any other layout: the state is rebuilt per parameter ("<name>.<moment>", shaped as the
+        # parameter is on this TP rank), each tensor when the optimizer asks for it. A ZeRO-1 rank
+        # asks only for the parameters of its shard, and a saved ZeRO-1 tensor is cut from the one
+        # or two saved shards holding it (memory-mapped): at 4096 ranks a rank still reads about
+        # its own share, times saved_tp / tp when the TP degree changes.
+        stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
+        tps = [g.tp_rank] if saved["tp"] == now["tp"] else range(saved["tp"])
+        src = {(t, p): SavedOptim(d, f"tp{t:02d}_pp{p:02d}", saved, d.name) for p in stages for t in tps}
+        stage = {k: p for (t, p), s in src.items() if t == tps[0] for k in s.index}
+
+        def get(key: str) -> torch.Tensor:
+            pieces, name, m = [src[t, stage[key]][key] for t in tps], key.rsplit(".", 1)[0], self.cfg.model
+            if saved["tp"] == now["tp"]:
+                return pieces[0]
+            from parallel import shard_tensor, unshard_tensors
+            return shard_tensor(name, unshard_tensors(name, pieces, m), m, g.tp, g.tp_rank)
+        head = src[tps[0], stages[0]].head
+        return {**{k: head[k] for k in ("precision", "step", "sr_seed", "lr")}, "layout": {"kind": "full"},
+                "state": LazyMap(stage, get)}
 
 
-def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, param_of=lambda k: k) -> dict:
+class LazyMap(Mapping):
+    """The keys of `keys`, each value computed by get(key) when it is read."""
+
+    def __init__(self, keys, get):
+        self.keys_, self.get_ = keys, get
+
+    def __getitem__(self, key):
+        if key not in self.keys_:
+            raise KeyError(key)
+        return self.get_(key)
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self):
+        return len(self.keys_)
+
+
+class SavedOptim(Mapping):
+    """The optimizer state one (TP rank, stage) saved, per parameter: "<name>.<moment>" -> tensor
+    shaped like the parameter. Unsharded: its file's state. ZeRO-1: cut from the DP shards, which
+    are laid end to end in the order of layout["params"]; a shard file is opened (memory-mapped)
+    only when a tensor lies on it."""
+
+    def __init__(self, d: Path, tag: str, saved: dict, where: str):
+        self.load = lambda n: torch.load(d / n, map_location="cpu", weights_only=False, mmap=True)
+        self.shards, self.tag = {}, tag
+        self.head = self.load(f"optim_dp000_{tag}.pt" if saved["zero1"] else f"optim_{tag}.pt")
+        lay = self.head.get("layout") if isinstance(self.head, dict) else None
+        if not isinstance(lay, dict) or lay.get("kind") not in ("full", "zero1") or (
+                lay["kind"] == "zero1" and "params" not in lay):
+            raise CheckpointError(f"{where}: the optimizer state was saved in a form that cannot be resharded "
+                                  f"(not nanotrn's, or ZeRO-1 shards saved before they recorded their index). "
+                                  f"Resume at the saved layout {saved}, or load only the model weights with a "
+                                  f"fresh optimizer: Checkpointer.load_latest(load_optim=False)")
+        if lay["kind"] == "full":
+            self.index = {k: None for k in self.head["state"]}
+            return
+        self.shards[0], self.size, self.index, off = self.head, -(-lay["numel"] // lay["dp"]), {}, 0
+        for name, shape in lay["params"]:
+            n = int(np.prod(shape))
+            self.index.update({f"{name}.{k}": (k, off, n, shape) for k in self.head["state"]})
+            off += n
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self.index[key] is None:
+            return self.head["state"][key]
+        k, off, n, shape = self.index[key]
+        S, parts = self.size, []
+        for r in range(off // S, (off + n - 1) // S + 1):
+            if r not in self.shards:
+                self.shards[r] = self.load(f"optim_dp{r:03d}_{self.tag}.pt")
+            parts.append(self.shards[r]["state"][k][max(off, r * S) - r * S:min(off + n, (r + 1) * S) - r * S])
+        return torch.cat(parts).view(shape)
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __len__(self):
+        return len(self.index)
+
+
+def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, param_of=lambda k: k, keep=None) -> dict:
     """The state of TP rank tp_rank out of tp, from the states of every TP rank of another TP
     degree (in rank order): each tensor is joined to full shape and re-split as its parameter is
-    (param_of(key) names the parameter whose layout a tensor has). tp=1 gives the full tensors."""
+    (param_of(key) names the parameter whose layout a tensor has). tp=1 gives the full tensors.
+    keep: only these keys (None: all)."""
     from parallel import shard_tensor, unshard_tensors
     out = {}
-    for key in shards[0]:
+    for key in (k for k in shards[0] if keep is None or k in keep):
         full = unshard_tensors(param_of(key), [s[key] for s in shards], m)
         out[key] = shard_tensor(param_of(key), full, m, tp, tp_rank).clone()
     return out

@@ -279,26 +279,36 @@ class AdamW:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):
+        """sd: a state_dict of this very layout, or a per-parameter one ("kind": "full": every
+        "<param name>.<moment>" this rank holds, shaped like its parameter here) from which any
+        layout takes its part; checkpoint.py rebuilds one from any saved layout, reading a tensor
+        only when it is asked for (sd["state"] may be a lazy mapping)."""
         if sd["precision"] != self.precision:
             raise ValueError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
                              f"uses {self.precision!r}; resume with --optim.precision={sd['precision']}")
-        if sd["layout"] != self._layout():
+        full = sd["layout"]["kind"] == "full"
+        index = lambda layout: {k: v for k, v in layout.items() if k != "params"}
+        if not full and index(sd["layout"]) != index(self._layout()):
             raise ValueError(f"optimizer state layout {sd['layout']} does not match this run's "
-                             f"{self._layout()}; ZeRO-1 shards must be resumed with the same DP "
-                             f"degree and rank, and with the same zero1 setting")
-        mine = self._state_tensors()
-        if set(sd["state"]) != set(mine):
-            missing, extra = sorted(set(mine) - set(sd["state"])), sorted(set(sd["state"]) - set(mine))
-            raise ValueError(f"optimizer state does not match the model: missing {missing[:3]}, "
-                             f"unexpected {extra[:3]}")
-        for k, t in mine.items():
+                             f"{self._layout()}; load ZeRO-1 shards at another layout through "
+                             f"checkpoint.py, which reshards them")
+        wanted = self._wanted() if full else AdamW._wanted(self)
+        missing = [k for k in wanted if k not in sd["state"]]
+        if missing:
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:3]}")
+        for k, (dst, a, b, n) in wanted.items():
             src = sd["state"][k]
-            if src.shape != t.shape:
-                raise ValueError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {tuple(t.shape)}")
-            t.copy_(src)
+            if src.numel() != n:
+                raise ValueError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {n} elements")
+            dst.copy_(src.reshape(-1)[a:b])
         self.step_count, self.sr_seed = sd["step"], sd["sr_seed"]
         for g, lr in zip(self.param_groups, sd["lr"]):
             g["lr"] = lr
+
+    def _wanted(self) -> dict:
+        """What a per-parameter state fills: "<param>.<moment>" -> (flat destination, start and end
+        of its part in the parameter's flat elements, the parameter's numel)."""
+        return {k: (t.view(-1), 0, t.numel(), t.numel()) for k, t in self._state_tensors().items()}
 
 
 # ----------------------------------------------------------------------------- ZeRO-1
@@ -362,7 +372,18 @@ class Zero1AdamW(AdamW):
         return dict(self.flat)
 
     def _layout(self) -> dict:
-        return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel}
+        # The flat index (names and shapes in order) lets checkpoint.py cut the shards back into
+        # per-parameter tensors, so that they resume at any layout.
+        return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel,
+                "params": [[n, list(p.shape)] for n, p in self.named]}
+
+    def _wanted(self) -> dict:
+        lo, out = self.grid.dp_rank * self.shard, {}
+        for (n, p), start in zip(self.named, self.offsets):
+            a, b = max(start, lo), min(start + p.numel(), lo + self.shard)
+            if a < b:                        # the part of this parameter that lies on this shard
+                out.update({f"{n}.{k}": (t[a - lo:b - lo], a - start, b - start, p.numel()) for k, t in self.flat.items()})
+        return out
 
     @torch.no_grad()
     def reduce_scatter_and_clip(self, max_norm: float) -> torch.Tensor:

@@ -164,7 +164,7 @@ def main(argv: list[str]) -> None:
     # Resume from the newest complete, valid checkpoint: model, optimizer, data position, RNG.
     ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print)
     step, tokens_seen = 0, 0
-    loaded = ckpt.load_latest()
+    loaded = ckpt.load_latest(names=set(model.state_dict()))     # at another layout: only ours are built
     if loaded is not None:
         model.load_state_dict(loaded.model)
         if loaded.optim is not None:

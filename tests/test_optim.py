@@ -139,9 +139,16 @@ def test_state_dict_roundtrip_and_mismatch_errors():
     other = tiny_config("bf16_sr")
     with pytest.raises(ValueError, match="precision"):
         optim.build_optimizer(tiny_model(other), other).load_state_dict(sd)
-    zero = optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, Grid(dp=2, dp_rank=0))
-    with pytest.raises(ValueError, match="same DP"):
+    # A per-parameter state resumes as ZeRO-1 shards: each DP rank takes its range of the flat index.
+    flat = {k: torch.cat([sd["state"][f"{n}.{k}"].reshape(-1) for n, _ in model.named_parameters()])
+            for k in ("exp_avg", "exp_avg_sq", "master")}
+    zeros = [optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, Grid(dp=2, dp_rank=r)) for r in (0, 1)]
+    for r, zero in enumerate(zeros):
         zero.load_state_dict(sd)
+        lo, hi = r * zero.shard, min((r + 1) * zero.shard, zero.numel)
+        assert all(torch.equal(zero.flat[k][:hi - lo], flat[k][lo:hi]) for k in flat) and zero.step_count == 1
+    with pytest.raises(ValueError, match="does not match this run's"):     # a shard of another DP rank
+        zeros[0].load_state_dict(zeros[1].state_dict())
 
 
 # ----------------------------------------------------------------------------- stochastic rounding
