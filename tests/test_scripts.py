@@ -229,10 +229,11 @@ def test_host_group_connects_lazily(tmp_path):
     for rank in range(8):
         before, built, used = json.loads((tmp_path / f"{rank}.json").read_text())
         peers = {(rank + s * d) % 8 for d in (1, 2, 4) for s in (1, -1)}
-        assert built - before <= 1, "building the group connected to every peer"
-        # an eager group would hold 7 (one per other rank); measured: 4 or 5 new, plus at most
-        # one that creating the group opens
-        assert used - before <= len(peers) + 1 < 7
+        # An eager group would hold 7 (one per other rank) once built; a lazy one holds the 5
+        # barrier peers once the barrier is done (some may connect while this rank still builds
+        # the group: a peer that finished first starts its barrier), plus at most the one socket
+        # that building a group opens.
+        assert used - before <= len(peers) + 1 < 7, (rank, before, built, used)
 
 
 # ----------------------------------------------------------------------------- health check
