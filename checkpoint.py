@@ -765,21 +765,26 @@ def full_model_state(path: str | Path, m: ModelConfig) -> dict:
 
 # ----------------------------------------------------------------------------- export
 
-def export_hf(model_sd: dict, model_cfg: ModelConfig, folder: str | Path, dtype: torch.dtype = torch.float32):
+def export_hf(model_sd: dict, model_cfg: ModelConfig, folder: str | Path, dtype: torch.dtype = torch.float32,
+              tokenizer=None, overwrite: bool = False):
     """Write full (unsharded) weights as a Hugging Face Llama folder that transformers loads."""
-    from model import Llama, save_hf
-    with torch.device("meta"):        # no second copy of the weights: load_state_dict assigns them
-        m = Llama(model_cfg)
-    m.load_state_dict({k: v.float() for k, v in model_sd.items()}, assign=True)
-    save_hf(m, str(folder), dtype)
+    import hf
+    hf.save_hf(model_sd, model_cfg, str(folder), dtype, tokenizer=tokenizer, overwrite=overwrite)
 
 
 def _cli(argv: list[str]):
     """python checkpoint.py ls DIR           each checkpoint: ok, or why loading would skip it
-    python checkpoint.py export DIR OUT     the newest valid one as a Hugging Face folder
+    python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] DIR OUT
+                                            the newest valid one as a complete Hugging Face folder
+                                            (weights, config, generation config, the run's tokenizer)
     In one process, whatever layout wrote the checkpoint."""
-    if len(argv) != {"ls": 2, "export": 3}.get(argv[0] if argv else "", 0):
-        sys.exit("usage: python checkpoint.py ls CKPT_DIR | export CKPT_DIR HF_OUT_DIR")
+    import hf
+    flags = [a for a in argv if a.startswith("--")]
+    argv = [a for a in argv if not a.startswith("--")]
+    dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")
+    bad = [f for f in flags if f != "--overwrite" and not f.startswith("--dtype=")]
+    if bad or dtype not in ("auto", "fp32", "bf16") or len(argv) != {"ls": 2, "export": 3}.get(argv[0] if argv else "", 0):
+        sys.exit("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR")
     cfg = Config()
     cfg.ckpt.dir = argv[1]
     ck = Checkpointer(cfg, Grid())
@@ -789,9 +794,15 @@ def _cli(argv: list[str]):
         if argv[0] == "ls":
             print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
         elif problem is None:
+            import data
             m = ModelConfig(**json.loads((d / "meta.json").read_text())["config"]["model"])
-            export_hf(full_model_state(d, m), m, argv[2])
-            return print(f"exported {d} to {argv[2]}")
+            tok_dir = Path(argv[1]) / "tokenizer"
+            tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
+            try:
+                export_hf(full_model_state(d, m), m, argv[2], hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
+            except hf.HFError as e:
+                sys.exit(f"error: {e}")
+            return print(f"exported {d} to {argv[2]}" + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
     if argv[0] == "export":
         sys.exit(f"no complete, valid checkpoint in {argv[1]}")
 

@@ -31,10 +31,17 @@ class ModelConfig:
     init_std: float = 0.02       # Llama's initializer_range
     checkpointing: str = "none"  # activation checkpointing: none | selective (attention core) | full (whole block)
     attention: str = "sdpa"      # sdpa: F.scaled_dot_product_attention | explicit: NxD's core attention (model.py)
+    tie_embeddings: bool = False # the head is the embedding matrix (Llama 3.2 1B and 3B)
+    head_dim_override: int = 0   # 0 = dim // n_heads; a Hugging Face config may set head_dim otherwise
+    rope_scaling: str = "none"   # none | llama3 (Llama 3.1+): slows RoPE's long wavelengths, see model.py
+    rope_factor: float = 8.0     # llama3 rope_scaling: factor, low/high_freq_factor, original context
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
 
 @dataclass
@@ -71,7 +78,7 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     data: str = "stdlib"         # "stdlib" (embedded corpus), or files / dirs / globs, comma-separated
-    tokenizer: str = ""          # a sentencepiece .model; empty = train one on the corpus and cache it
+    tokenizer: str = ""          # a sentencepiece .model, a tokenizer.json or a folder with one; empty = train one and cache it
     text_field: str = "text"     # column / JSON key holding the text
     doc_per_line: bool = False   # .txt: one document per line instead of one per file
     seq_len: int = 256
@@ -117,6 +124,8 @@ class Config:
     device: str = "auto"         # auto | cpu | cuda | xla
     out_dir: str = "out"
     preset: str = "tiny"
+    init_from: str = ""          # a Hugging Face Llama folder: start from its weights, config and tokenizer
+    export_dtype: str = "auto"   # the final Hugging Face export: auto (bf16 above 1B parameters, else fp32) | fp32 | bf16
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,17 +178,59 @@ def llama2_70b() -> Config:
     return c
 
 
-PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b}
+def _llama3(model: ModelConfig, parallel: ParallelConfig, lr: float) -> Config:
+    # "The Llama 3 Herd of Models" (Meta, 2024), section 3.4.1 and Table 3: sequences of 8192
+    # tokens, batches of about 4M tokens (512 x 8192), linear warmup over 8000 steps, then cosine
+    # decay to 1% of the peak lr over 1.2M steps; RoPE theta 500000, 128256-entry vocabulary.
+    # The paper does not restate AdamW's settings: Llama 2's (0.9, 0.95, eps 1e-5, wd 0.1, clip 1.0).
+    c = _llama2(model, parallel, lr=lr, min_lr=lr / 100)
+    c.optim.warmup_steps, c.optim.decay_steps, c.optim.max_steps = 8000, 1_192_000, 1_200_000
+    c.data.seq_len, c.data.global_batch = 8192, 512
+    return c
+
+
+def llama3_8b() -> Config:
+    # Table 3: 32 layers, dim 4096, FFN 14336, 32 heads, 8 KV heads, peak lr 3e-4. TP=8 gives each
+    # rank one KV head. The 128k embedding and head make TP=8 alone 15.7 GiB per core at 8192
+    # tokens: ZeRO-1 brings it to 12 GiB, the planner's fastest fitting layout (plan.py).
+    c = _llama3(ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
+                            checkpointing="selective", attention="explicit"),
+                ParallelConfig(tp=8, pp=1, sp=True, zero1=True), lr=3e-4)
+    c.preset = "llama3_8b"
+    return c
+
+
+def llama3_2_1b() -> Config:
+    # Llama 3.2 1B as released (its config.json): 16 layers, dim 2048, FFN 8192, 32 heads, 8 KV
+    # heads, tied embeddings, llama3 rope scaling (factor 32, original context 8192) to a 128k
+    # context. Meta made it by pruning and distilling Llama 3.1 8B and published no schedule for
+    # it: this preset trains (or continues) it with Llama 3 8B's, at 8192 tokens. TP=8 with SP:
+    # the planner's fastest fitting layout (4.6 GiB per core; TP=2 needs 18.5).
+    c = _llama3(ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                            ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
+                            rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                            rope_high_freq_factor=4.0, rope_original_max_len=8192,
+                            checkpointing="selective", attention="explicit"),
+                ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4)
+    c.preset = "llama3_2_1b"
+    return c
+
+
+PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b, "llama3_8b": llama3_8b,
+           "llama3_2_1b": llama3_2_1b}
 
 CHOICES = {
     "model.checkpointing": ("none", "selective", "full"),
     "model.attention": ("sdpa", "explicit"),
+    "model.rope_scaling": ("none", "llama3"),
     "parallel.pp_schedule": ("1f1b", "gpipe"),
     "parallel.pp_p2p": ("send", "allgather"),
     "parallel.instance": ("trn1", "trn2"),
     "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
     "log.on_nonfinite": ("stop", "skip"),
     "device": ("auto", "cpu", "cuda", "xla"),
+    "export_dtype": ("auto", "fp32", "bf16"),
 }
 
 # Short flags a reader types most; each maps to one dotted key.
@@ -315,7 +366,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         value = getattr(getattr(cfg, section) if section else cfg, name)
         if value not in allowed:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(allowed)}")
-    if m.dim % m.n_heads != 0:
+    if m.dim % m.n_heads != 0 and not m.head_dim_override:
         raise ConfigError(f"dim {m.dim} is not divisible by n_heads {m.n_heads}")
     if m.head_dim % 2 != 0:
         raise ConfigError(f"head_dim {m.head_dim} must be even for RoPE")

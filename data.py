@@ -324,13 +324,27 @@ TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough fo
 TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
 
 
+def load_tokenizer(path: str):
+    """A sentencepiece .model (Llama 2), a Hugging Face tokenizer.json (Llama 3; hf.HFTokenizer),
+    or a model folder holding one of them (tokenizer.model first: Llama 2's original)."""
+    if os.path.isdir(path):
+        found = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise DataError(f"tokenizer folder {path!r} holds neither tokenizer.model nor tokenizer.json")
+        path = found[0]
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer {path!r} does not exist; give a sentencepiece .model, a tokenizer.json "
+                        f"or a folder with one, or leave --data.tokenizer empty to train one on the corpus")
+    if path.endswith(".json"):
+        import hf
+        return hf.HFTokenizer(path)
+    return Tokenizer(path)
+
+
 def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None) -> Tokenizer:
     """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces."""
     if cfg.tokenizer:
-        if not os.path.isfile(cfg.tokenizer):
-            raise DataError(f"tokenizer {cfg.tokenizer!r} does not exist; give a sentencepiece "
-                            f".model file, or leave --data.tokenizer empty to train one on the corpus")
-        tok = Tokenizer(cfg.tokenizer)
+        tok = load_tokenizer(cfg.tokenizer)
         if tok.vocab_size > vocab_size:
             raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but the model's "
                             f"vocab_size is {vocab_size}: token ids would index past the embedding; "

@@ -1,4 +1,5 @@
-"""The Llama 2 decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied embedding and head.
+"""The Llama 2 and 3 decoder: RMSNorm, RoPE (Llama 3.1 scaling), grouped-query attention, SwiGLU,
+an embedding and head that are separate (Llama 2, Llama 3 8B) or tied (Llama 3.2 1B and 3B).
 
 Two choices from the HLAT/blog setup shape this file:
 - Coalesced projections. q, k and v share one `qkv_proj`, gate and up share one `gate_up_proj`
@@ -10,8 +11,8 @@ Two choices from the HLAT/blog setup shape this file:
   without it the blog's 7B loss diverged after 22k steps.
 
 Everything else follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32),
-so `from_hf` / `to_hf` convert weights by reshaping only, and the tests compare logits and every
-training gradient to 1e-5.
+so hf.py converts weights by reshaping only, and the tests compare logits and every training
+gradient to 1e-5.
 
 Where autograd through plain torch ops is slow, the backward is written out as an autograd Function
 with the same numbers: RMSNorm, RoPE, the explicit attention (`attention="explicit"`, NxD's core
@@ -23,9 +24,7 @@ only to earlier tokens of its own document, and `positions` restart at 0 at each
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import zlib
 
 import torch
@@ -70,10 +69,24 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.to(dy.dtype), dweight, None
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The [head_dim / 2] rotary frequencies theta^(-2i / head_dim). rope_scaling "llama3" (Llama 3.1
+    and later) divides the low frequencies, whose wavelength exceeds the original context divided
+    by low_freq_factor, by `factor`, keeps those shorter than context / high_freq_factor, and blends
+    in between: transformers' _compute_llama3_parameters, which the tests match to 1e-5."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    if cfg.rope_scaling == "llama3":
+        ctx, lo, hi, factor = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)     # 0: long waves (scaled), 1: short (kept)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     """cos and sin of the rotary angles for integer positions [B, T] -> two [B, 1, T, head_dim]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    angles = positions.float()[..., None] * inv_freq          # [B, T, head_dim/2]
+    angles = positions.float()[..., None] * rope_frequencies(cfg, positions.device)   # [B, T, head_dim/2]
     angles = torch.cat((angles, angles), dim=-1)              # rotate-half layout, as in HF Llama
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
@@ -268,6 +281,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = LMHead(cfg.dim, cfg.vocab_size)
+        if cfg.tie_embeddings:           # Llama 3.2 1B/3B: the head is the embedding matrix itself
+            self.lm_head.weight = self.embed.weight
         self.checkpoint_fn = checkpoint      # the attention modules hold it too (use_xla_checkpointing)
 
     def forward(self, tokens, positions=None, doc_ids=None, targets=None):
@@ -278,7 +293,7 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         x = self.embed(tokens)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
         mask = document_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers:
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
@@ -326,6 +341,8 @@ def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Te
     """The full-shape initial value of one parameter, from its name and the seed only."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        name = "embed.weight"        # tied: a pipeline's last stage holds a copy of the embedding
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std = cfg.init_std / math.sqrt(2.0 * cfg.n_layers)      # scaled init (the blog, HLAT)
@@ -393,7 +410,8 @@ def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:
     d, L, f, v = cfg.dim, cfg.n_layers, cfg.ffn_dim, cfg.vocab_size
     qkv = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     per_layer = qkv + cfg.n_heads * cfg.head_dim * d + 3 * d * f + 2 * d
-    return L * per_layer + d + (2 * v * d if embeddings else v * d)
+    heads = 1 if cfg.tie_embeddings else 2
+    return L * per_layer + d + (heads * v * d if embeddings else v * d)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -402,100 +420,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     6 * n_layers * seq_len * dim (12 * L * T * d halved because the mask is causal)."""
     matmul_weights = num_params(cfg, embeddings=False) - (2 * cfg.n_layers + 1) * cfg.dim   # minus norms
     return 6 * matmul_weights + 6 * cfg.n_layers * seq_len * cfg.dim
-
-
-# ----------------------------------------------------------------------------- Hugging Face format
-
-def _qkv_to_fused(q, k, v, cfg: ModelConfig):
-    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, q.shape[1]
-    q = q.view(cfg.n_kv_heads, rep, hd, d)
-    k, v = k.view(cfg.n_kv_heads, 1, hd, d), v.view(cfg.n_kv_heads, 1, hd, d)
-    return torch.cat((q, k, v), dim=1).reshape(-1, d)
-
-
-def _fused_to_qkv(w, cfg: ModelConfig):
-    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, w.shape[1]
-    w = w.view(cfg.n_kv_heads, rep + 2, hd, d)
-    return w[:, :rep].reshape(-1, d), w[:, rep].reshape(-1, d), w[:, rep + 1].reshape(-1, d)
-
-
-def from_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
-    """Hugging Face LlamaForCausalLM weights -> ours (q/k/v and gate/up joined)."""
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(cfg.n_layers):
-        h, o = f"model.layers.{i}.", f"layers.{i}."
-        out[o + "attn.qkv_proj.weight"] = _qkv_to_fused(
-            sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"], sd[h + "self_attn.v_proj.weight"], cfg)
-        out[o + "attn.o_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
-        out[o + "mlp.gate_up_proj.weight"] = torch.cat((sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]))
-        out[o + "mlp.down_proj.weight"] = sd[h + "mlp.down_proj.weight"]
-        out[o + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
-        out[o + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
-    return out
-
-
-def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
-    """Ours -> Hugging Face LlamaForCausalLM weights (q/k/v and gate/up split)."""
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(cfg.n_layers):
-        h, o = f"model.layers.{i}.", f"layers.{i}."
-        q, k, v = _fused_to_qkv(sd[o + "attn.qkv_proj.weight"], cfg)
-        out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"], out[h + "self_attn.v_proj.weight"] = q, k, v
-        out[h + "self_attn.o_proj.weight"] = sd[o + "attn.o_proj.weight"]
-        gate, up = sd[o + "mlp.gate_up_proj.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = sd[o + "mlp.down_proj.weight"]
-        out[h + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "initializer_range": cfg.init_std, "hidden_act": "silu",
-            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-            "torch_dtype": str(dtype).removeprefix("torch.")}
-
-
-def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    if hf.get("tie_word_embeddings"):
-        raise ValueError("tied embeddings are not supported: nanotrn's Llama has a separate lm_head")
-    if hf.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {hf['rope_scaling']} is not supported (Llama 2 uses none)")
-    return ModelConfig(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
-                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-                       n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                       max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-5),
-                       rope_theta=hf.get("rope_theta", 10000.0), init_std=hf.get("initializer_range", 0.02),
-                       **overrides)
-
-
-def save_hf(model: Llama, folder: str, dtype: torch.dtype = torch.float32):
-    """Write a folder that transformers.LlamaForCausalLM.from_pretrained loads."""
-    from safetensors.torch import save_file
-    os.makedirs(folder, exist_ok=True)
-    sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}, model.cfg)
-    save_file(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(model.cfg, dtype), f, indent=2)
-
-
-def load_hf(folder: str, **overrides) -> Llama:
-    """Build our Llama from a Hugging Face folder (config.json + *.safetensors, sharded or not)."""
-    from safetensors.torch import load_file
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = model_config_from_hf(json.load(f), **overrides)
-    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder}")
-    sd = {}
-    for n in files:
-        sd.update(load_file(os.path.join(folder, n)))
-    model = Llama(cfg)
-    model.load_state_dict({k: v.float() for k, v in from_hf_state_dict(sd, cfg).items()})
-    return model

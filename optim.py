@@ -170,11 +170,14 @@ class AdamW:
         self.slots = self._make_slots()
 
     # --------------------------------------------------------------- state layout
-    def _sr_key(self, name: str, sharing: str, offset: int) -> str:
+    def _sr_key(self, name: str, sharing: str, offset: int, p=None) -> str:
         # Each run gets its own random stream, a function of (seed, step, this key) only, so DP
         # replicas round identically and stay identical, as do the TP copies of a norm weight or
         # of a KV head; TP shards and pipeline stages draw independent noise. The stream state is
         # therefore (seed, step), and the state_dict saves both.
+        # The last stage's copy of a tied embedding rounds as the embedding on stage 0 does.
+        if getattr(p, "tied_copy", False):
+            return f"embed.weight|{sharing}|pp0|{offset}"
         return f"{name}|{sharing}|pp{self.grid.pp_rank}|{offset}"
 
     def _make_slots(self) -> list[_Slot]:
@@ -189,7 +192,7 @@ class AdamW:
             for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
                 master = flat["master"][a:b] if "master" in flat else None
                 slots.append(_Slot(n, p, p.data.view(-1)[a:b], flat["exp_avg"][a:b], flat["exp_avg_sq"][a:b],
-                                   master, self._group_of[id(p)], self._sr_key(n, sharing, a), weight, a, b))
+                                   master, self._group_of[id(p)], self._sr_key(n, sharing, a, p), weight, a, b))
         return slots
 
     def _generator_for(self, s: _Slot) -> torch.Generator | None:
@@ -365,7 +368,7 @@ class Zero1AdamW(AdamW):
                     master.copy_(value)
                 slots.append(_Slot(n, p, value, self.flat["exp_avg"][a - lo:b - lo],
                                    self.flat["exp_avg_sq"][a - lo:b - lo], master, self._group_of[id(p)],
-                                   self._sr_key(n, sharing, a - start), weight, a - lo, b - lo))
+                                   self._sr_key(n, sharing, a - start, p), weight, a - lo, b - lo))
         return slots
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import configs
 from configs import Config, ConfigError, ModelConfig
+import hf
 import model as llama
 
 BUCKET_BYTES = 64 * 2**20   # DP all-reduce bucket: big enough to amortize latency, small enough in memory
@@ -49,12 +50,14 @@ BUCKET_BYTES = 64 * 2**20   # DP all-reduce bucket: big enough to amortize laten
 
 # ----------------------------------------------------------------------------- 1. the rank grid
 
-def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1) -> dict[str, list[list[int]]]:
+def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1, tied: bool = False) -> dict[str, list[list[int]]]:
     """All groups of each kind, as plain lists of global ranks, from ONE layout:
     ranks = arange(world).reshape(PP, DP, TP), as in NxD. TP is contiguous (one trn1 instance,
     NeuronLink), PP outermost. The same lists create gloo/nccl groups and the XLA mesh.
     kv_replicas > 1 (more TP ranks than KV heads, 70B: 8 KV heads at TP=32) adds "kv": the runs of
-    kv_replicas neighbouring TP ranks that hold copies of the same KV head."""
+    kv_replicas neighbouring TP ranks that hold copies of the same KV head.
+    tied (tied embeddings with pp > 1) adds "embed": the first and last rank of each PP group, which
+    hold the embedding and its copy in the head (Megatron's embedding group)."""
     dp = world // (tp * pp)
     grid = torch.arange(world).reshape(pp, dp, tp)
     groups = {
@@ -64,6 +67,8 @@ def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1) -> dict[str,
     }
     if kv_replicas > 1:
         groups["kv"] = grid.reshape(-1, kv_replicas).tolist()
+    if tied and pp > 1:
+        groups["embed"] = [[g[0], g[-1]] for g in groups["pp"]]
     return groups
 
 
@@ -83,6 +88,7 @@ class Grid:
     dp_group: object = None
     pp_group: object = None
     kv_group: object = None      # TP ranks sharing one replicated KV head (only when tp > n_kv_heads)
+    embed_group: object = None   # first and last pipeline stage, with tied embeddings
     backend: str = ""
     host_group: object = None    # gloo over all ranks, for barriers on xla (None: the default group)
 
@@ -146,7 +152,7 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world)
-    grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend)
+    grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend, cfg.model.tie_embeddings)
     if backend == "xla":     # its barrier returns at once: barriers (checkpoint renames) need gloo
         grid.host_group = new_host_group()
     return grid
@@ -164,12 +170,12 @@ def new_host_group():
     return dist.new_group(backend="gloo")
 
 
-def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str) -> Grid:
+def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str, tied: bool = False) -> Grid:
     """Create every group of every kind (new_group is collective: all ranks create all groups, in
     the same order) and keep the ones this rank belongs to."""
     dp = world // (tp * pp)
     mine = {}
-    for kind, lists in rank_groups(world, tp, pp, kv_reps).items():
+    for kind, lists in rank_groups(world, tp, pp, kv_reps, tied).items():
         if len(lists[0]) == 1:
             continue
         # XLA compiles each collective with the replica groups of ALL ranks: without the full mesh
@@ -181,7 +187,8 @@ def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str
                 mine[kind] = group
     return Grid(world=world, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=rank % tp,
                 dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp), tp_group=mine.get("tp"),
-                dp_group=mine.get("dp"), pp_group=mine.get("pp"), kv_group=mine.get("kv"), backend=backend)
+                dp_group=mine.get("dp"), pp_group=mine.get("pp"), kv_group=mine.get("kv"),
+                embed_group=mine.get("embed"), backend=backend)
 
 
 def barrier(grid: Grid) -> None:
@@ -512,6 +519,8 @@ def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) 
         mlp.gate_up_proj = ColumnParallelLinear(m.dim, 2 * m.ffn_dim // tp, group, sequence_parallel)
         mlp.down_proj = RowParallelLinear(m.ffn_dim // tp, m.dim, group, sequence_parallel)
     model.lm_head = VocabParallelHead(m.dim, v_local, n_real, grid.tp_rank * v_local, group, sequence_parallel)
+    if m.tie_embeddings:        # the same vocabulary rows on each rank: the shards tie as the whole does
+        model.lm_head.weight = model.embed.weight
     return model
 
 
@@ -535,7 +544,8 @@ def mark_parameters(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> 
 def build_model(cfg: Config, grid: Grid, device, stage=None) -> llama.Llama:
     """The Llama for this rank: TP/SP-parallelized for grid, initialized from cfg.seed so that every
     layout holds the same full weights. Built on the meta device (no memory), then each local shard
-    is materialized from its full-shape initial value, one parameter at a time.
+    is materialized from its full-shape initial value, one parameter at a time, or with
+    cfg.init_from read from a Hugging Face folder (hf.load_sharded: this rank's rows only).
     stage: pipeline.py's hook, meta model -> the part this rank keeps (its pipeline stage, with the
     whole model's parameter names); only that part is materialized."""
     device = torch.device(device)
@@ -544,7 +554,7 @@ def build_model(cfg: Config, grid: Grid, device, stage=None) -> llama.Llama:
                           f"pass the device to parallel.init_distributed(cfg, device), or set --device")
     with torch.device("meta"):
         model = llama.Llama(cfg.model)
-    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    full_shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}     # tied: both names
     sp = cfg.parallel.sp and grid.tp > 1
     if grid.tp > 1:
         tensor_parallelize(model, grid, sp)
@@ -554,10 +564,13 @@ def build_model(cfg: Config, grid: Grid, device, stage=None) -> llama.Llama:
     # in-place copies into XLA tensors leave views that recompile graphs at each save and after evals.
     build_on = torch.device("cpu") if device.type == "xla" else device
     model.to_empty(device=build_on)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
-            p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
+    if cfg.init_from:          # continued pretraining: each rank reads only its shard from the files
+        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
+    else:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
+                p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
     model = model.to(device)
     mark_parameters(model, grid, sp)          # after the moves: they make new Parameter objects
     return model
@@ -659,15 +672,19 @@ def tp_pieces(p: torch.nn.Parameter, grid: Grid) -> list[tuple[int, int, str, fl
     parameter's flat elements as runs (start, end, sharing, norm weight). `sharing` names the ranks
     holding identical copies (optim.py rounds those identically). Norm weights: TP-replicated
     (norms) count on TP rank 0 only; TP-split pieces count fully; a KV head copied on kv_replicas
-    ranks (rows past p.q_rows) counts 1/kv_replicas on each copy."""
+    ranks (rows past p.q_rows) counts 1/kv_replicas on each copy. The last pipeline stage's copy
+    of a tied embedding (p.tied_copy) counts zero: the first stage counts it."""
     n, tp_rank = p.numel(), grid.tp_rank
     if not getattr(p, "tensor_model_parallel", False):
-        return [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
-    r = getattr(p, "kv_replicas", 1)
-    if r == 1:
-        return [(0, n, f"tp{tp_rank}", 1.0)]
-    cut = p.q_rows * (n // p.shape[0])
-    return [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
+        pieces = [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
+    elif getattr(p, "kv_replicas", 1) == 1:
+        pieces = [(0, n, f"tp{tp_rank}", 1.0)]
+    else:
+        r, cut = p.kv_replicas, p.q_rows * (n // p.shape[0])
+        pieces = [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
+    if getattr(p, "tied_copy", False):     # the head's copy of a tied embedding: counted on the first stage
+        pieces = [(a, b, sharing, 0.0) for a, b, sharing, _ in pieces]
+    return pieces
 
 
 def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
@@ -720,7 +737,7 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
     Holds one full model per rank: fine for tests, HF export and tiny runs; for 7B, export from a
     checkpoint instead."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
         t = p.grad if grads else p
         if t is None:
             continue
@@ -734,9 +751,9 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
     """Copy this rank's shard of full-shape weights into the model (inverse of gather_full_state_dict)."""
-    names = {n for n, _ in model.named_parameters()}
-    missing, unexpected = names - full_sd.keys(), full_sd.keys() - names
+    params = model.state_dict(keep_vars=True)           # tied: both names, as state_dict
+    missing, unexpected = params.keys() - full_sd.keys(), full_sd.keys() - params.keys()
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, p in model.named_parameters():
+    for name, p in params.items():
         p.copy_(shard_tensor(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))

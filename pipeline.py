@@ -98,7 +98,7 @@ class PipelineStage(nn.Module):
         # The same steps as model.Llama.forward, restricted to this stage's part.
         if self.first:
             x = self.embed(x)
-        cos, sin = llama.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = llama.rope_cos_sin(positions, self.cfg, x.dtype)
         mask = llama.document_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers.values():
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
@@ -119,8 +119,23 @@ def build_model(cfg: Config, grid: Grid, device) -> PipelineStage:
     bounds = stage_bounds(cfg)
     # Only this stage's layers are ever materialized: no rank holds the whole model.
     stage = parallel.build_model(cfg, grid, device, stage=lambda model: PipelineStage(model, bounds, grid.pp_rank))
+    if cfg.model.tie_embeddings and grid.pp > 1 and stage.last:
+        stage.lm_head.weight.tied_copy = True    # a copy of stage 0's embedding (reduce_tied_embedding)
     stage.comm = Comm.create(cfg, grid)
     return stage
+
+
+@torch.no_grad()
+def reduce_tied_embedding(model: PipelineStage, grid: Grid) -> None:
+    """Tied embeddings across stages: the first stage holds the embedding, the last a copy in its
+    head; each gets only its own use's gradient, so the two are summed over the pair (Megatron's
+    embedding group, _allreduce_embedding_grads) and both copies take the same update. Once per
+    step, before the DP reduction; one [V/TP, dim] all-reduce between two ranks, whatever the scale."""
+    if grid.embed_group is None:
+        return
+    p = model.embed.weight if model.first else model.lm_head.weight
+    if p.grad is not None:
+        parallel.all_reduce(p.grad, grid.embed_group)
 
 
 # ----------------------------------------------------------------------------- 2. point-to-point
@@ -340,6 +355,7 @@ def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid,
     comm.reset(model, cut)
     SCHEDULES[cfg.parallel.pp_schedule](mb, comm)
     schedule_s = time.perf_counter() - t0
+    reduce_tied_embedding(model, grid)
     # From here on exactly train.train_step: gradients reduced once per step, whatever m.
     if getattr(optimizer, "zero1", False):
         parallel.reduce_tp_replicated_gradients(model, grid)
@@ -373,7 +389,7 @@ def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False
     mine = parallel.gather_full_state_dict(model, grid, grads)
     cfg = model.cfg
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).state_dict().items()}   # tied: both names
     ranks = _my_pp_ranks(grid)
     p = next(model.parameters())
     out = {}
@@ -388,7 +404,7 @@ def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False
 @torch.no_grad()
 def load_full_state_dict(model: PipelineStage, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
     """Copy this stage's TP shard of full-shape weights into it (the inverse of gather_full_state_dict)."""
-    names = {n for n, _ in model.named_parameters()}
+    names = model.state_dict().keys()
     parallel.load_full_state_dict(model, {k: v for k, v in full_sd.items() if k in names}, grid)
 
 

@@ -145,7 +145,8 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     # the last stage holds the head, one microbatch, and the loss. Report the fuller one.
     stages = []
     for first, last in ([(True, True)] if L.pp == 1 else [(True, False), (False, True)]):
-        n = layers * _layer_params(m, L.tp) + (embed if first else 0) + (embed + m.dim if last else 0)
+        head = 0 if first and m.tie_embeddings else embed          # tied on one stage: one matrix
+        n = layers * _layer_params(m, L.tp) + (embed if first else 0) + (head + m.dim if last else 0)
         act = activation_bytes(m, d.seq_len, L.micro_batch, L.tp, L.sp, L.checkpointing, ab, layers,
                                in_flight if first else 1, attention)
         loss = 0.0

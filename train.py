@@ -19,6 +19,7 @@ import torch
 import checkpoint
 import configs
 import data
+import hf
 import model as llama
 import monitor
 import optim
@@ -132,8 +133,11 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 def main(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
+    hf.apply_init_from(cfg)              # --init_from: the model (and tokenizer) of a Hugging Face folder
     world = int(os.environ.get("WORLD_SIZE", "1"))
     configs.validate(cfg, world)                       # every layout error, before any work
+    out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
+    hf.check_export_dir(out_dir, overwrite=False)
     device = pick_device(cfg.device)
     grid = parallel.init_distributed(cfg, device)
     accum = configs.grad_accum_steps(cfg, grid.dp)
@@ -146,6 +150,8 @@ def main(argv: list[str]) -> None:
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
     corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
+    if grid.is_main:                     # beside the checkpoints: `checkpoint.py export` ships it too
+        hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
     train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus)
     val_loader = (data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val", corpus=corpus)
                   if cfg.log.eval_interval else None)
@@ -234,7 +240,6 @@ def main(argv: list[str]) -> None:
     # The end: the full model exported in Hugging Face format, and a short sample. Gathering the
     # full model on every rank suits small models; a 7B run (32 ranks per host) exports from its
     # checkpoint in one process instead.
-    out_dir = os.path.join(cfg.out_dir, "hf")
     if llama.num_params(cfg.model) > 1e9:
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
         parallel.destroy(grid)
@@ -243,7 +248,8 @@ def main(argv: list[str]) -> None:
     if grid.is_main:
         final = llama.Llama(cfg.model)
         final.load_state_dict({k: v.float() for k, v in full.items()})
-        llama.save_hf(final, out_dir)
+        hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
+                   tokenizer=tok, overwrite=True)       # checked at the start: empty or our own export
         log(f"saved the final model to {out_dir} (Hugging Face format)")
         if cfg.log.sample_tokens:
             prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)

@@ -56,10 +56,10 @@ def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99)
         loss.backward()
         if step == 0:
             out["logits"] = logits.detach()
-            out["grads_unclipped"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+            out["grads_unclipped"] = {k: p.grad.clone() for k, p in model.state_dict(keep_vars=True).items()}
         out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
         if step == 0:
-            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+            out["grads"] = {k: p.grad.clone() for k, p in model.state_dict(keep_vars=True).items()}
         out["loss"].append(loss.detach())
         opt.step()
         opt.zero_grad()

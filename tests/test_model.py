@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hf as hf_io  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
 
@@ -21,7 +22,7 @@ def tiny_cfg(n_kv_heads=4, **kw):
 
 
 def hf_model(cfg):
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in llama.hf_config(cfg).items()
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_io.hf_config(cfg).items()
                                          if k not in ("architectures", "model_type", "torch_dtype")})
     hf_cfg._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -49,7 +50,7 @@ def test_hf_to_ours_logits_match(n_kv_heads, attention):
     cfg = tiny_cfg(n_kv_heads, rope_theta=5000.0, attention=attention)
     hf = hf_model(cfg)
     ours = llama.Llama(cfg).eval()
-    ours.load_state_dict(llama.from_hf_state_dict(hf.state_dict(), cfg))
+    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
     tokens = torch.randint(0, cfg.vocab_size, (2, 24))
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -63,9 +64,9 @@ def test_ours_to_hf_roundtrip_through_files(tmp_path, n_kv_heads):
     torch.manual_seed(1)
     cfg = tiny_cfg(n_kv_heads)
     ours = llama.Llama(cfg).init_weights(seed=7).eval()
-    llama.save_hf(ours, str(tmp_path))
+    hf_io.save_hf(ours.state_dict(), cfg, str(tmp_path), overwrite=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
-    back = llama.load_hf(str(tmp_path)).eval()
+    back = hf_io.load_hf(str(tmp_path)).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 20))
     with torch.no_grad():
         ref = ours(tokens)
@@ -84,7 +85,7 @@ def test_training_gradients_match_hf(n_kv_heads, attention):
     cfg = tiny_cfg(n_kv_heads, attention=attention)
     hf = hf_model(cfg).train()
     ours = llama.Llama(cfg)
-    ours.load_state_dict(llama.from_hf_state_dict(hf.state_dict(), cfg))
+    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
     tokens = torch.randint(0, cfg.vocab_size, (2, 25))
     targets = tokens[:, 1:].clone()
     targets[0, :3] = -100
@@ -94,7 +95,7 @@ def test_training_gradients_match_hf(n_kv_heads, attention):
     loss = ours(tokens[:, :-1], targets=targets)
     loss.backward()
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
-    grads = llama.to_hf_state_dict({k: p.grad for k, p in ours.named_parameters()}, cfg)
+    grads = hf_io.to_hf_state_dict({k: p.grad for k, p in ours.named_parameters()}, cfg)
     for k, p in hf.named_parameters():
         assert max_rel_err(grads[k], p.grad) < 1e-5, k
 
@@ -105,7 +106,7 @@ def test_per_document_positions_match_hf_position_ids():
     cfg = tiny_cfg(2)
     hf = hf_model(cfg)
     ours = llama.Llama(cfg).eval()
-    ours.load_state_dict(llama.from_hf_state_dict(hf.state_dict(), cfg))
+    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     pos = torch.arange(16)[None] + 5
     with torch.no_grad():
@@ -238,7 +239,7 @@ def test_rms_norm_function_is_torch_rms_norm():
 def test_rope_function_matches_rotate_half():
     torch.manual_seed(12)
     x = torch.randn(2, 8, 5, 16).transpose(1, 2).requires_grad_()          # [B, H, T, hd], strided like q
-    cos, sin = llama.rope_cos_sin(torch.arange(8).expand(2, 8), 16, 10000.0, torch.float32)
+    cos, sin = llama.rope_cos_sin(torch.arange(8).expand(2, 8), ModelConfig(dim=64, n_heads=4), torch.float32)
     x1, x2 = x.chunk(2, dim=-1)
     ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     got = llama.apply_rope(x, cos, sin)

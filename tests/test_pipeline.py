@@ -38,10 +38,11 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
 
 
-def tiny_cfg(pp=2, tp=1, dp=1, sp=False, schedule="1f1b", p2p="send", micro_batch=2, cuts="") -> configs.Config:
+def tiny_cfg(pp=2, tp=1, dp=1, sp=False, schedule="1f1b", p2p="send", micro_batch=2, cuts="",
+             tied=False) -> configs.Config:
     cfg = configs.tiny()
     cfg.model = ModelConfig(vocab_size=97, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                            max_seq_len=SEQ)
+                            max_seq_len=SEQ, tie_embeddings=tied)
     cfg.parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, pp_schedule=schedule, pp_p2p=p2p, pp_cuts=cuts)
     cfg.data.seq_len, cfg.data.global_batch, cfg.data.micro_batch = SEQ, GLOBAL_BATCH, micro_batch
     cfg.optim.grad_clip = 0.5                     # below the norms seen here: clipping is active
@@ -103,6 +104,12 @@ def reference():
     return single_process_reference(tiny_cfg(pp=1), global_batch, STEPS)
 
 
+@pytest.fixture(scope="module")
+def reference_tied():
+    """Tied embeddings (Llama 3.2): one matrix, used by the first stage and the last."""
+    return single_process_reference(tiny_cfg(pp=1, tied=True), global_batch, STEPS)
+
+
 # ----------------------------------------------------------------------------- the spawned ranks
 
 def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
@@ -115,7 +122,8 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         if step == STEPS - 1:          # one step's collectives (p2p is counted by the Comm)
             with parallel.count_collectives() as log:
                 r = pipeline.train_step(model, opt, batches, grid, cfg)
-            kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp", id(grid.pp_group): "pp"}
+            kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp", id(grid.pp_group): "pp",
+                     id(grid.embed_group): "embed"}
             res["collectives"] = sorted((kinds[id(g)], op) for op, g, _ in log)
             res["messages"] = (model.comm.sent, model.comm.received)
         else:
@@ -134,7 +142,7 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
                                     torch.device("cpu"))
     # load_full_state_dict is the inverse of the gather: load the initial weights into another seed.
     cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
-                    cfg.data.micro_batch, cfg.parallel.pp_cuts)
+                    cfg.data.micro_batch, cfg.parallel.pp_cuts, cfg.model.tie_embeddings)
     cfg2.seed = 8
     other = pipeline.build_model(cfg2, grid, torch.device("cpu"))
     pipeline.load_full_state_dict(other, res["init"], grid)
@@ -164,13 +172,18 @@ def _worker(rank: int, ports: list[int], out_dir: str):
         run_layout("pp2tp2_send", tiny_cfg(pp=2, tp=2, p2p="send"), grid, out_dir)
         run_layout("pp2tp2_allgather_sp", tiny_cfg(pp=2, tp=2, sp=True, p2p="allgather"), grid, out_dir)
         cfg4 = tiny_cfg(pp=4, p2p="allgather", micro_batch=1)
+        cfg_tied = tiny_cfg(pp=2, tp=2, tied=True)
     else:
         grid = _init(ports, 2, r, 4, tiny_cfg(pp=2, dp=2))
         run_layout("pp2dp2_send", tiny_cfg(pp=2, dp=2, p2p="send"), grid, out_dir)
         run_layout("pp2dp2_allgather", tiny_cfg(pp=2, dp=2, p2p="allgather"), grid, out_dir)
         cfg4 = tiny_cfg(pp=4, schedule="gpipe", p2p="send", micro_batch=1)
+        cfg_tied = tiny_cfg(pp=2, dp=2, tied=True)
     grid4 = parallel.new_grid(4, r, 1, 4, 1, "gloo")        # PP=4 in the same world
     run_layout(f"pp4_{cfg4.parallel.pp_schedule}", cfg4, grid4, out_dir)
+    p = cfg_tied.parallel       # tied embeddings: the embedding group joins the first and last stage
+    grid_tied = parallel.new_grid(4, r, p.tp, p.pp, 1, "gloo", tied=True)
+    run_layout(f"pp2tp{p.tp}dp{4 // p.tp // p.pp}_tied", cfg_tied, grid_tied, out_dir)
     parallel.destroy(grid)
 
     # Phase C: four worlds of 2, PP=2: each schedule with each point-to-point.
@@ -191,7 +204,7 @@ def spawned(tmp_path_factory):
 LAYOUTS = {  # name -> number of ranks that wrote a file
     "pp2tp2dp2_send": 8, "pp2tp2dp2_allgather_sp": 8,
     "pp2tp2_send": 4, "pp2tp2_allgather_sp": 4, "pp2dp2_send": 4, "pp2dp2_allgather": 4,
-    "pp4_1f1b": 4, "pp4_gpipe": 4,
+    "pp4_1f1b": 4, "pp4_gpipe": 4, "pp2tp2dp1_tied": 4, "pp2tp1dp2_tied": 4,
     "pp2_1f1b_send": 2, "pp2_1f1b_allgather": 2, "pp2_gpipe_send": 2, "pp2_gpipe_allgather": 2,
 }
 
@@ -209,7 +222,8 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
 # ----------------------------------------------------------------------------- layout tests
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(spawned, reference, name):
+def test_layout_matches_single_process(spawned, reference, reference_tied, name):
+    reference = reference_tied if "tied" in name else reference
     for rank, res in enumerate(load(spawned, name)):
         where = f"{name} rank {rank}"
         for k, v in reference["init"].items():       # layout-independent init, and load inverts gather
@@ -249,7 +263,8 @@ def test_communication_per_step(spawned, name):
     for res in load(spawned, name):
         got = [c for c in res["collectives"] if c[0] != "tp"]
         dp = [("dp", "all_reduce")] * 3 if "dp2" in name else []
-        assert got == sorted(dp + [("pp", "all_reduce")] * 2), f"{name}: {got}"
+        tied = [("embed", "all_reduce")] if "tied" in name and res["pp_rank"] in (0, res["pp"] - 1) else []
+        assert got == sorted(dp + tied + [("pp", "all_reduce")] * 2), f"{name}: {got}"
         links = (res["pp_rank"] > 0) + (res["pp_rank"] < res["pp"] - 1)
         assert res["messages"] == (links * res["microbatches"],) * 2
 

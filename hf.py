@@ -1,0 +1,457 @@
+"""Hugging Face, both ways: load a transformers Llama folder into any layout, export a complete one.
+
+Loading refuses what nanotrn's Llama cannot represent, by name, before any weight is read: another
+architecture, a config key that changes the computation (biases, another activation, a sliding
+window, a rope scaling other than Llama 3's), a tensor of the checkpoint that nothing consumes, a
+shape the config does not imply. Loading something slightly different and training on wrong logits
+is the failure this prevents. Both config formats are read: transformers 4 (`rope_theta`,
+`rope_scaling`) and 5 (`rope_parameters: {rope_type, rope_theta, ...}`).
+
+Weights are converted by row bookkeeping only. Each of our parameters is a stack of rows of one or
+more Hugging Face tensors (qkv_proj = q, k and v rows interleaved per KV group, gate_up_proj =
+[gate | up]); `_layout` names them. The same table drives the in-memory conversion both ways and
+`load_sharded`, where each rank reads from the safetensors files only the rows (and, for row-parallel
+weights, the columns) of its own TP shard and pipeline stage. At 4096 ranks of a 70B model each rank
+reads about 1/(TP*PP) of the weights; nothing is gathered and no rank holds the full model.
+
+The export (`save_hf`) writes config.json (with bos/eos/pad ids), model.safetensors in the dtype
+asked for, generation_config.json and the run's tokenizer, so AutoTokenizer, AutoModelForCausalLM,
+lm-evaluation-harness and llama.cpp's converter need no other argument. It never writes into a
+non-empty folder unless told to (overwrite=True).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from configs import ConfigError, ModelConfig
+
+
+class HFError(ConfigError):
+    """A Hugging Face folder that nanotrn cannot load exactly."""
+
+
+# ----------------------------------------------------------------------------- 1. config
+
+# Config keys that change the computation and that nanotrn does not implement, with the value that
+# means "not used" and the reason. A config that sets one to anything else is refused by name.
+UNSUPPORTED = {
+    "attention_bias": (False, "q/k/v/o projections with biases"),
+    "mlp_bias": (False, "MLP projections with biases"),
+    "hidden_act": ("silu", "an MLP activation other than SwiGLU's silu"),
+    "attention_dropout": (0.0, "dropout on attention probabilities"),
+    "partial_rotary_factor": (1.0, "RoPE on part of each head"),
+    "use_qk_norm": (False, "RMSNorm on queries and keys"),
+    "no_rope_layers": (None, "layers without RoPE"),
+    "attn_logit_softcapping": (None, "soft-capped attention scores"),
+    "final_logit_softcapping": (None, "soft-capped logits"),
+    "embedding_multiplier": (1.0, "a scaled embedding"),
+    "residual_multiplier": (1.0, "scaled residual branches"),
+    "logits_scaling": (1.0, "scaled logits"),
+}
+ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users try most
+    "qwen2": "q/k/v biases and sliding-window layers", "qwen3": "q/k norms",
+    "phi3": "fused projections and partial RoPE variants", "mixtral": "mixture-of-experts MLPs",
+    "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows",
+    "mistral": "", "llama": "",
+}
+
+
+def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """Our ModelConfig from a Hugging Face config.json dict (transformers 4 or 5), or HFError
+    naming the first thing nanotrn's Llama would compute differently. overrides: ModelConfig fields
+    set by the run (checkpointing, attention, max_seq_len)."""
+    kind = hf.get("model_type")
+    if kind not in ("llama", "mistral"):
+        why = ARCHITECTURES.get(kind, "")
+        raise HFError(f"model_type {kind!r} is not supported{' (' + why + ')' if why else ''}: nanotrn "
+                      f"loads model_type 'llama' (Llama 2, 3, 3.1, 3.2) and 'mistral' without a sliding window")
+    for key, (off, what) in UNSUPPORTED.items():
+        if hf.get(key) is not None and hf[key] != off:
+            raise HFError(f"{key}={hf[key]!r} means {what}, which nanotrn's Llama does not implement; "
+                          f"load a checkpoint with {key}={off!r} (Llama 2 and 3 have it)")
+    max_len = overrides.get("max_seq_len", hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if window is not None and (hf.get("use_sliding_window", True) and window < max_len):
+        raise HFError(f"sliding_window={window} is shorter than the sequence ({max_len}): nanotrn has no "
+                      f"sliding-window attention; train with sequences of at most {window} tokens "
+                      f"(--model.max_seq_len={window}) or use a checkpoint without one")
+    rope = _rope(hf)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
+                  n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                  n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                  max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                  init_std=hf.get("initializer_range", 0.02),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  head_dim_override=head_dim if head_dim * hf["num_attention_heads"] != hf["hidden_size"] else 0,
+                  **rope)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _rope(hf: dict) -> dict:
+    """RoPE settings from transformers 5's rope_parameters or 4's rope_theta + rope_scaling."""
+    params = hf.get("rope_parameters")
+    if params is not None:              # transformers 5
+        if "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+            raise HFError(f"rope_parameters per layer type ({', '.join(params)}): nanotrn uses one RoPE for all layers")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        params, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta), "rope_scaling": "none"}
+    if kind != "llama3" or params.get("attention_factor", 1.0) != 1.0:
+        raise HFError(f"rope scaling {kind!r} ({params}) is not implemented: nanotrn implements none and "
+                      f"'llama3' (Llama 3.1 and later); load a checkpoint that uses one of them")
+    return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_len": int(params["original_max_position_embeddings"])}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
+              eos_id: int | None = None, pad_id: int | None = None) -> dict:
+    """config.json for transformers' LlamaForCausalLM (written in the transformers 4 format, which 5 reads)."""
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+           "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "rope_scaling": None, "initializer_range": cfg.init_std,
+           "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+           "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+           "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    if cfg.rope_scaling == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                               "low_freq_factor": cfg.rope_low_freq_factor,
+                               "high_freq_factor": cfg.rope_high_freq_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_len}
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. weights
+
+def param_names(cfg: ModelConfig) -> list[str]:
+    """Every tensor name of our Llama's state dict (both embed and lm_head when tied)."""
+    from model import Llama
+    with torch.device("meta"):
+        return list(Llama(cfg).state_dict())
+
+
+def _layout(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
+    """Our tensor `name` as rows of Hugging Face tensors: (their names, a [rows, 2] table of
+    (index into the names, row in that tensor)) in our row order."""
+    def rows(n, src=0):
+        return torch.stack((torch.full((n,), src), torch.arange(n)), dim=1)
+    hd, d = cfg.head_dim, cfg.dim
+    if name in ("embed.weight", "lm_head.weight"):
+        tied = name == "embed.weight" or cfg.tie_embeddings
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"], rows(cfg.vocab_size)
+    if name == "norm.weight":
+        return ["model.norm.weight"], rows(d)
+    i, rest = name.split(".")[1], name.split(".", 2)[2]
+    h = f"model.layers.{i}."
+    if rest == "attn.qkv_proj.weight":
+        q, k, v = rows(cfg.n_heads * hd, 0), rows(cfg.n_kv_heads * hd, 1), rows(cfg.n_kv_heads * hd, 2)
+        return [h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"], \
+            _qkv_to_fused(q, k, v, cfg)
+    if rest == "mlp.gate_up_proj.weight":
+        return [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], torch.cat((rows(cfg.ffn_dim, 0), rows(cfg.ffn_dim, 1)))
+    src = {"attn.o_proj.weight": ("self_attn.o_proj.weight", d), "mlp.down_proj.weight": ("mlp.down_proj.weight", d),
+           "attn_norm.weight": ("input_layernorm.weight", d), "mlp_norm.weight": ("post_attention_layernorm.weight", d)}[rest]
+    return [h + src[0]], rows(src[1])
+
+
+def _qkv_to_fused(q, k, v, cfg: ModelConfig):
+    """q, k, v rows -> our qkv_proj row order: [q heads of group g | k_g | v_g] per KV group g."""
+    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, q.shape[1]
+    q = q.reshape(cfg.n_kv_heads, rep, hd, d)
+    k, v = k.reshape(cfg.n_kv_heads, 1, hd, d), v.reshape(cfg.n_kv_heads, 1, hd, d)
+    return torch.cat((q, k, v), dim=1).reshape(-1, d)
+
+
+def hf_names(cfg: ModelConfig) -> set[str]:
+    """The Hugging Face tensors a Llama of this config consists of."""
+    return {s for n in param_names(cfg) for s in _layout(n, cfg)[0]}
+
+
+def from_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+    """Hugging Face LlamaForCausalLM weights -> ours. Refuses missing and unconsumed tensors."""
+    check_tensor_names(set(sd), cfg, "the state dict")
+    out = {}
+    for name in param_names(cfg):
+        srcs, table = _layout(name, cfg)
+        full = torch.cat([sd[s] for s in srcs])
+        offsets = torch.tensor([0] + [sd[s].shape[0] for s in srcs]).cumsum(0)
+        out[name] = full[offsets[table[:, 0]] + table[:, 1]]
+    return out
+
+
+def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+    """Ours -> Hugging Face LlamaForCausalLM weights (no lm_head.weight when tied, as HF saves it)."""
+    out = {}
+    for name in param_names(cfg):
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        srcs, table = _layout(name, cfg)
+        for i, s in enumerate(srcs):
+            mine = table[:, 0] == i
+            out[s] = sd[name][mine][table[mine, 1].argsort()].contiguous()
+    return out
+
+
+def check_tensor_names(names: set[str], cfg: ModelConfig, where: str) -> None:
+    """Every tensor a Llama of cfg needs is there, and nothing else (rotary buffers aside)."""
+    want = hf_names(cfg)
+    missing = sorted(want - names)
+    extra = sorted(n for n in names - want if not n.endswith("rotary_emb.inv_freq")
+                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
+    if missing:
+        raise HFError(f"{where} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
+                      f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
+    if extra:
+        raise HFError(f"{where} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
+                      f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
+
+
+# ----------------------------------------------------------------------------- 3. loading
+
+def read_config(folder: str, **overrides) -> ModelConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)")
+    with open(path) as f:
+        return model_config_from_hf(json.load(f), **overrides)
+
+
+class SafetensorsFolder:
+    """The tensors of a folder's *.safetensors files, read by name and row range without loading
+    the rest (safetensors maps the file; a slice reads only its bytes)."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+        files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        if not files:
+            raise HFError(f"no .safetensors files in {folder} (a .bin checkpoint: re-save it with "
+                          f"save_pretrained(..., safe_serialization=True))")
+        self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
+        self.where = {k: f for f in self.files.values() for k in f.keys()}
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name].get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, end: int, cols: slice = slice(None)) -> torch.Tensor:
+        return self.where[name].get_slice(name)[start:end, cols] if len(self.shape(name)) == 2 \
+            else self.where[name].get_slice(name)[start:end]
+
+
+@torch.no_grad()
+def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0) -> None:
+    """Copy the Hugging Face weights of `folder` into this rank's model (a Llama, its TP shard, or
+    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns."""
+    import parallel
+    st = SafetensorsFolder(folder)
+    check_tensor_names(set(st.where), cfg, folder)
+    for name, p in model.state_dict(keep_vars=True).items():
+        srcs, table = _layout(name, cfg)
+        for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
+            n_rows = int((table[:, 0] == i).sum())
+            want = [n_rows, p.shape[1] * (tp if parallel._kind(name) == "row" else 1)] if p.dim() == 2 else [n_rows]
+            if st.shape(s) != want:
+                raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
+                              f"and config.json do not belong together")
+        # This rank's rows of our full tensor: the TP sharding rule applied to the table itself, as
+        # (source + 1, row + 1) so that vocabulary padding rows come out as -1. Row-parallel weights
+        # keep every row and take this rank's columns.
+        cols = slice(None)
+        if parallel._kind(name) == "row":
+            mine, cols = table, slice(tp_rank * p.shape[1], (tp_rank + 1) * p.shape[1])
+        else:
+            mine = parallel.shard_tensor(name, table + 1, cfg, tp, tp_rank) - 1
+        out = torch.zeros(p.shape, dtype=p.dtype)
+        for i, s in enumerate(srcs):
+            sel = mine[:, 0] == i
+            if sel.any():
+                r = mine[sel, 1]
+                lo, hi = int(r.min()), int(r.max()) + 1        # a rank's rows of one source are contiguous
+                out[sel] = st.rows(s, lo, hi, cols)[r - lo].to(p.dtype)
+        p.copy_(out.to(p.device))
+
+
+def load_hf(folder: str, **overrides):
+    """Our Llama (one process, full model) from a Hugging Face folder."""
+    from model import Llama
+    cfg = read_config(folder, **overrides)
+    model = Llama(cfg)
+    load_sharded(model, folder, cfg)
+    return model
+
+
+# ----------------------------------------------------------------------------- 4. export
+
+def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
+            tokenizer=None, overwrite: bool = False) -> None:
+    """Write a folder that transformers' Auto classes load with no other argument: config.json,
+    model.safetensors (in `dtype`: bf16 halves a large model), generation_config.json and, given
+    the run's data.Tokenizer, its files. Refuses a non-empty folder unless overwrite=True."""
+    from safetensors.torch import save_file
+    if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+        raise HFError(f"{folder} is not empty: export into a new folder, or pass --overwrite "
+                      f"(python checkpoint.py export --overwrite ...) to replace what is there")
+    os.makedirs(folder, exist_ok=True)
+    for name in EXPORT_FILES & set(os.listdir(folder)):       # no stale file of an earlier export
+        os.remove(os.path.join(folder, name))
+    ids = special_ids(tokenizer) if tokenizer is not None else {}
+    sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model_sd.items()}, cfg)
+    save_file(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    conf = hf_config(cfg, dtype, ids.get("bos"), ids.get("eos"), ids.get("pad"))
+    # generate pads finished sequences of a batch with EOS when the tokenizer has no pad.
+    pad = conf["pad_token_id"] if conf["pad_token_id"] is not None else conf["eos_token_id"]
+    gen = {"bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"], "pad_token_id": pad,
+           "do_sample": True, "temperature": 0.8, "top_k": 50, "max_length": cfg.max_seq_len}
+    for name, obj in (("config.json", conf), ("generation_config.json", gen)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(obj, f, indent=2)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save_hf(folder, cfg.max_seq_len)
+    elif tokenizer is not None:
+        save_sentencepiece(tokenizer, folder, cfg.max_seq_len)
+
+
+# ----------------------------------------------------------------------------- 5. tokenizers
+
+def _token_text(t) -> str | None:
+    return t.get("content") if isinstance(t, dict) else t
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (Llama 3's format) through the `tokenizers` library, with the
+    interface of data.Tokenizer. BOS and EOS are the tokenizer's own: tokenizer_config.json beside
+    the file when there is one (what AutoTokenizer reads), else the BOS its post-processor inserts."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as Fast
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self.tk = Fast.from_file(file)
+        except Exception as e:       # tokenizers raises its own Exception type for bad files
+            raise HFError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
+        self.path, self.folder = file, folder
+        self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
+        conf_path = os.path.join(folder, "tokenizer_config.json")
+        self.config = json.load(open(conf_path)) if os.path.isfile(conf_path) else {}
+        bos, eos = _token_text(self.config.get("bos_token")), _token_text(self.config.get("eos_token"))
+        self.bos_id, self.eos_id = self._id(bos), self._id(eos)
+        if bos is None:        # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")
+            self.bos_id = (self.tk.encode("", add_special_tokens=True).ids or [-1])[0]
+        with open(file, "rb") as f:
+            import hashlib
+            self.fingerprint = hashlib.sha256(f.read()).hexdigest()[:16]
+
+    def _id(self, token: str | None) -> int:
+        i = self.tk.token_to_id(token) if token else None
+        return -1 if i is None else i
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1):
+        import numpy as np
+        head, tail = [self.bos_id] if bos else [], [self.eos_id] if eos else []
+        return [np.asarray(head + e.ids + tail, np.int32) for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+
+    def save_hf(self, folder: str, max_len: int) -> None:
+        """tokenizer.json as it is, and a tokenizer_config.json naming its BOS/EOS for AutoTokenizer."""
+        import shutil
+        shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
+        ids = special_ids(self)
+        conf = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+        for name, i in (("bos", ids["bos"]), ("eos", ids["eos"]), ("pad", ids["pad"] if ids["pad"] is not None else ids["eos"])):
+            if i is not None:            # the tokenizer pads with EOS when it has no pad (lm-eval batches)
+                conf[f"{name}_token"] = self.tk.id_to_token(i)
+        conf.pop("added_tokens_decoder", None), conf.pop("auto_map", None)
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(conf, f, indent=2)
+
+
+def special_ids(tok) -> dict:
+    """bos/eos/pad ids of a data.Tokenizer or HFTokenizer (None where it has none). Pretraining
+    packs without padding, so pad is the tokenizer's own if it has one. (config.json's pad id
+    becomes the embedding's padding_idx in transformers, whose row then never trains: never EOS.)"""
+    bos, eos = (i if i >= 0 else None for i in (tok.bos_id, tok.eos_id))
+    pad = _token_text(getattr(tok, "config", {}).get("pad_token"))
+    return {"bos": bos, "eos": eos, "pad": tok.tk.token_to_id(pad) if pad else None}
+
+
+def save_sentencepiece(tok, folder: str, max_len: int) -> None:
+    """A sentencepiece model (data.Tokenizer) as Llama 2's tokenizer files: tokenizer.model and a
+    tokenizer_config.json for LlamaTokenizer(Fast), which adds BOS and no EOS as training did for
+    each document's start. With transformers at hand, tokenizer.json too (its own conversion), so
+    AutoTokenizer then needs neither sentencepiece nor protobuf."""
+    import shutil
+    shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))
+    piece = lambda i: tok.sp.id_to_piece(i) if i >= 0 else None     # noqa: E731
+    conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+            "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id), "unk_token": piece(tok.sp.unk_id()),
+            "pad_token": piece(tok.eos_id), "legacy": True, "add_prefix_space": True,
+            "clean_up_tokenization_spaces": False, "model_max_length": max_len}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    try:
+        from transformers import LlamaTokenizerFast
+    except ImportError:
+        return
+    LlamaTokenizerFast.from_pretrained(folder).save_pretrained(folder)
+
+
+# ----------------------------------------------------------------------------- 6. runs
+
+EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def apply_init_from(cfg) -> None:
+    """--init_from=FOLDER (continued pretraining): the model is the folder's config.json (with the
+    run's checkpointing and attention), its tokenizer the run's unless --data.tokenizer names one.
+    Runs before validation, so a refused config or layout fails before any work."""
+    if not cfg.init_from:
+        return
+    cfg.model = read_config(cfg.init_from, checkpointing=cfg.model.checkpointing, attention=cfg.model.attention)
+    if not cfg.data.tokenizer:
+        cfg.data.tokenizer = cfg.init_from
+
+
+def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
+    from model import num_params
+    if choice == "auto":
+        return torch.bfloat16 if num_params(cfg) > 1e9 else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+
+
+def check_export_dir(folder: str, overwrite: bool) -> None:
+    """A run's own export folder is replaced when it holds only an earlier export's files (the same
+    run resumed or repeated); anything else in it is never overwritten unless told to."""
+    there = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    if there and not overwrite and not there <= EXPORT_FILES:
+        raise HFError(f"{folder} holds files that are not a nanotrn export ({', '.join(sorted(there - EXPORT_FILES)[:3])}): "
+                      f"move them, or choose another --out_dir")
+
+
+def keep_tokenizer(tok, folder: str) -> None:
+    """Copy the run's tokenizer files into folder (the checkpoint directory's tokenizer/), so that
+    `python checkpoint.py export` writes them into the export too."""
+    import shutil
+    os.makedirs(folder, exist_ok=True)
+    if isinstance(tok, HFTokenizer):
+        shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.json"))
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(tok.config, f)
+    else:
+        shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))

@@ -1,0 +1,310 @@
+"""hf.py: loading refuses what it cannot represent; Llama 3 (rope scaling, tied embeddings, explicit
+head_dim) against transformers both ways; transformers 5 configs."""
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hf as hf_io  # noqa: E402
+import model as llama  # noqa: E402
+from configs import ModelConfig  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+BASE = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"model_type": "mistral", "sliding_window": 32}, "sliding_window=32"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
+     "per layer type"),
+])
+def test_refused_config_keys_are_named(change, expected):
+    with pytest.raises(hf_io.HFError, match=expected.replace("(", r"\(")) as e:
+        hf_io.model_config_from_hf({**BASE, **change})
+    assert "\n" not in str(e.value)
+
+
+def test_accepted_variants():
+    """Mistral with no effective window, explicit head_dim, and both config formats' rope."""
+    m = hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": None})
+    assert m.rope_theta == 10000.0 and m.rope_scaling == "none"
+    assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 64
+    assert hf_io.model_config_from_hf({**BASE, "head_dim": 24}).head_dim == 24
+    v5 = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    assert hf_io.model_config_from_hf({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}).rope_theta == 500000.0
+    m = hf_io.model_config_from_hf({**v5, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}})
+    assert (m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_original_max_len) == (500000.0, "llama3", 4.0, 32)
+
+
+def test_transformers5_config_file_loads_with_its_theta(tmp_path):
+    """A folder whose config.json is in the transformers 5 format (rope_parameters, no rope_theta):
+    our logits equal transformers 4's for the same weights at theta 500000, not at the default 10000."""
+    torch.manual_seed(0)
+    hf = llama3_hf(rope_theta=500000.0, rope_scaling=None, tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    conf.pop("rope_theta"), conf.pop("rope_scaling", None)
+    conf["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    ours = hf_io.load_hf(str(tmp_path)).eval()
+    assert ours.cfg.rope_theta == 500000.0
+    tokens = torch.randint(0, 101, (2, 40))
+    with torch.no_grad():
+        assert max_rel_err(ours(tokens), hf(tokens).logits) < 1e-5
+
+
+def llama3_hf(**kw):
+    """A tiny transformers Llama 3.x: llama3 rope scaling (the short original context puts the
+    frequencies in all three regimes), tied embeddings, head_dim 24 != 64 / 4, GQA."""
+    args = {**{k: v for k, v in BASE.items() if k != "model_type"}, "head_dim": 24,
+            "rope_scaling": LLAMA31_ROPE, "tie_word_embeddings": True, "attn_implementation": "eager"}
+    args.update(kw)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args)).eval()
+
+
+def max_rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_llama3_both_ways_match_transformers(tmp_path):
+    """transformers -> our loader -> same logits (fp32, 1e-5); ours -> our export -> transformers'
+    from_pretrained -> same logits, with the tie kept (one matrix, no lm_head tensor in the file)."""
+    torch.manual_seed(0)
+    hf = llama3_hf()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = hf_io.load_hf(str(tmp_path / "hf")).eval()
+    assert ours.cfg.tie_embeddings and ours.lm_head.weight is ours.embed.weight and ours.cfg.head_dim == 24
+    assert ours.cfg.rope_scaling == "llama3"
+    tokens = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        assert max_rel_err(ours(tokens), ref) < 1e-5
+    ours.init_weights(seed=3)                      # new weights, exported and read by transformers
+    hf_io.save_hf(ours.state_dict(), ours.cfg, str(tmp_path / "ours"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert max_rel_err(back(tokens).logits, ours(tokens)) < 1e-5
+    assert torch.allclose(llama.rope_frequencies(ours.cfg), back.model.rotary_emb.inv_freq, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    llama3_hf(tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+def _edit(saved, tmp_path, config=None, tensors=None):
+    """A copy of the saved folder with config changes and/or tensor changes (name -> tensor or None)."""
+    from safetensors.torch import load_file, save_file
+    conf = {**json.loads((saved / "config.json").read_text()), **(config or {})}
+    sd = load_file(saved / "model.safetensors")
+    for k, v in (tensors or {}).items():
+        sd.pop(k) if v is None else sd.__setitem__(k, v)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    save_file(sd, tmp_path / "model.safetensors")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("config, tensors, expected", [
+    (None, {"model.layers.0.self_attn.q_proj.bias": torch.zeros(96)}, "would not use, e.g. model.layers.0.self_attn.q_proj.bias"),
+    ({"num_hidden_layers": 1}, None, "would not use, e.g. model.layers.1."),
+    ({"num_hidden_layers": 3}, None, "lacks 9 tensors"),
+    (None, {"lm_head.weight": None}, "lacks 1 tensors .* lm_head.weight"),
+    ({"intermediate_size": 128}, None, "gate_proj.weight has shape \\[96, 64\\] but config.json implies \\[128, 64\\]"),
+])
+def test_mixed_up_checkpoint_is_refused(saved, tmp_path, config, tensors, expected):
+    with pytest.raises(hf_io.HFError, match=expected):
+        hf_io.load_hf(_edit(saved, tmp_path, config, tensors))
+
+
+def test_head_dim_and_tie_in_our_config_match_num_params():
+    cfg = hf_io.model_config_from_hf({**BASE, "head_dim": 24, "tie_word_embeddings": True})
+    assert llama.num_params(cfg) == sum(p.numel() for p in llama.Llama(cfg).parameters())
+    assert llama.num_params(ModelConfig()) == sum(p.numel() for p in llama.Llama(ModelConfig()).parameters())
+
+
+# The released config.json files (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.2-1B), abridged to
+# the keys that shape the model.
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 8192,
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+             "rope_theta": 500000.0, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 128256,
+             "hidden_act": "silu", "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001}
+LLAMA32_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072,
+              "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "head_dim": 64,
+              "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+              "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000}
+
+
+@pytest.mark.parametrize("preset, released, billions", [("llama3_8b", LLAMA3_8B, 8.03), ("llama3_2_1b", LLAMA32_1B, 1.24)])
+def test_llama3_presets_are_the_released_models(preset, released, billions):
+    import configs
+    m = configs.PRESETS[preset]().model
+    assert hf_io.model_config_from_hf(released, checkpointing=m.checkpointing, attention=m.attention) == m
+    assert round(llama.num_params(m) / 1e9, 2) == billions
+    configs.validate(configs.PRESETS[preset](), 4096)
+
+
+# ----------------------------------------------------------------------------- tokenizers, runs, exports
+
+TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i} of the corpus, über ünïcode 中文\n" * (1 + i % 5)
+         for i in range(60)]
+
+
+def llama3_tokenizer(folder, config=True):
+    """A Llama 3 style tokenizer.json (byte-level BPE; the post-processor puts <|begin_of_text|>
+    first), trained here, with the tokenizer_config.json Meta ships beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+    os.makedirs(folder, exist_ok=True)
+    tk.save(os.path.join(folder, "tokenizer.json"))
+    if config:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                       "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return tk.get_vocab_size()
+
+
+def test_hf_tokenizer_json_ids_and_specials(tmp_path):
+    import data
+    n = llama3_tokenizer(tmp_path / "a", config=False)
+    tok = data.load_tokenizer(str(tmp_path / "a"))              # a folder: its tokenizer.json
+    assert isinstance(tok, hf_io.HFTokenizer) and tok.vocab_size == n
+    assert (tok.bos_id, tok.eos_id) == (0, -1)                   # BOS from the post-processor; no EOS known
+    llama3_tokenizer(tmp_path / "b")
+    tok = data.load_tokenizer(str(tmp_path / "b" / "tokenizer.json"))
+    assert (tok.bos_id, tok.eos_id) == (0, 1)                    # tokenizer_config.json names both
+    ids = tok.encode_batch(TEXTS[:3], bos=True, eos=True)
+    assert [list(x) for x in ids] == [[0] + tok.encode(t) + [1] for t in TEXTS[:3]]
+    assert tok.decode(tok.encode(TEXTS[7])) == TEXTS[7]
+    with pytest.raises(data.DataError, match="neither tokenizer.model nor tokenizer.json"):
+        data.load_tokenizer(str(tmp_path))
+
+
+def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
+    """A run's sentencepiece tokenizer (Llama 2 settings) exported: AutoTokenizer gives its ids."""
+    import sentencepiece as spm
+    import data
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for t in TEXTS for line in t.split("\n") if line]), model_prefix=str(tmp_path / "sp"),
+        vocab_size=300, model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+        add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    tok = data.load_tokenizer(str(tmp_path / "sp.model"))
+    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in TEXTS[:5] + ["  two  spaces\tand tab\n\nnew lines", "x"]:
+        assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
+    conf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (1, 2, None)
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 2)
+    gguf = pytest.importorskip("gguf")
+    from pathlib import Path
+    assert gguf.vocab.SentencePieceVocab(Path(tmp_path / "out")).vocab_size == 300
+    with pytest.raises(hf_io.HFError, match="is not empty"):
+        hf_io.save_hf(llama.Llama(cfg).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
+    """train.py --init_from=HF_FOLDER at TP=2 (Llama 3.x: tied embeddings, llama3 rope, tokenizer.json):
+    its first loss is transformers' loss on the same batch. Its export then loads in AutoTokenizer and
+    AutoModelForCausalLM with no other argument, gives our ids, logits and greedy continuation, and
+    gguf's vocabulary readers accept it; `checkpoint.py export` writes it in bf16 and refuses a full folder."""
+    import subprocess
+    import data
+    import configs
+    src = tmp_path / "llama3"
+    vocab = llama3_tokenizer(src)
+    torch.manual_seed(0)
+    ref = llama3_hf(vocab_size=vocab, bos_token_id=0, eos_token_id=1, max_position_embeddings=64)
+    ref.save_pretrained(src)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    args = [f"--init_from={src}", f"--data={tmp_path}/docs.jsonl", "--data.seq_len=32", "--data.global_batch=4",
+            "--data.micro_batch=4", "--optim.max_steps=2", "--optim.warmup_steps=0", "--log.interval=1",
+            "--log.eval_interval=0", "--log.sample_tokens=0", "--tp=2", "--device=cpu", f"--out_dir={tmp_path}/run",
+            f"--ckpt.dir={tmp_path}/run/ckpt", "--log.tensorboard=", f"--data.cache_dir={tmp_path}/cache"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    first = float(re.search(r"step\s+1 \| loss ([0-9.]+)", r.stdout).group(1))
+
+    # transformers' loss on the run's first batch: each packed document on its own, from position 0.
+    cfg = configs.from_args(args[1:5] + [f"--data.cache_dir={tmp_path}/cache"])
+    cfg.data.tokenizer = str(src)
+    tok = data.load_tokenizer(str(src))
+    batch = next(iter(data.PackedLoader(cfg.data, tok, 0, 1, split="train")))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in range(batch["tokens"].shape[0]):
+            for d in batch["doc_ids"][row].unique():
+                sel = batch["doc_ids"][row] == d
+                logits = ref(batch["tokens"][row][sel][None]).logits[0]
+                t = batch["targets"][row][sel]
+                total += torch.nn.functional.cross_entropy(logits, t, ignore_index=-100, reduction="sum").item()
+                count += int((t != -100).sum())
+    assert abs(first - total / count) < 1e-4, (first, total / count)
+
+    out = tmp_path / "run" / "hf"
+    auto_tok = transformers.AutoTokenizer.from_pretrained(out)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert auto.config.tie_word_embeddings and auto.config.rope_scaling["rope_type"] == "llama3"
+    for text in TEXTS[:4]:
+        assert auto_tok(text)["input_ids"] == [tok.bos_id] + tok.encode(text)
+    m = configs.ModelConfig(**json.loads((tmp_path / "run" / "ckpt" / "step_00000002" / "meta.json").read_text())["config"]["model"])
+    import checkpoint
+    ours = llama.Llama(m).eval()
+    ours.load_state_dict(checkpoint.full_model_state(tmp_path / "run" / "ckpt" / "step_00000002", m))
+    prompt = torch.tensor([auto_tok(TEXTS[3][:40])["input_ids"]])
+    with torch.no_grad():
+        assert max_rel_err(auto(prompt).logits, ours(prompt)) < 1e-5
+        greedy = auto.generate(prompt, max_new_tokens=8, do_sample=False)
+        assert torch.equal(greedy, ours.generate(prompt, 8, temperature=1.0, top_k=1))
+    gguf = pytest.importorskip("gguf")
+    from pathlib import Path
+    assert gguf.vocab.BpeVocab(Path(out)).vocab_size == vocab
+    special = gguf.vocab.SpecialVocab(Path(out), load_merges=True)
+    assert (special.special_token_ids["bos"], special.special_token_ids["eos"]) == (0, 1) and special.merges
+
+    cmd = [sys.executable, os.path.join(ROOT, "checkpoint.py"), "export", "--dtype=bf16", str(tmp_path / "run" / "ckpt")]
+    r = subprocess.run(cmd + [str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode != 0 and "is not empty" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = subprocess.run(cmd + [str(tmp_path / "bf16")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from safetensors.torch import load_file
+    assert {v.dtype for v in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", torch_dtype="auto")
+    assert again.dtype == torch.bfloat16 and transformers.AutoTokenizer.from_pretrained(tmp_path / "bf16")(TEXTS[0])["input_ids"] == auto_tok(TEXTS[0])["input_ids"]
