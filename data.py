@@ -36,6 +36,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import sys
 import sysconfig
 import threading
@@ -70,14 +71,64 @@ def stdlib_files() -> list[str]:
     return out
 
 
-def resolve_paths(spec: str) -> list[str]:
-    """'stdlib', files, directories (recursive) and globs, comma-separated -> file list."""
+STRUCTURED = (".jsonl", ".arrow", ".parquet")
+SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+
+
+def dataset_files(folder: str, split: str = "train") -> list[str]:
+    """The documents' files in a directory. A Hugging Face dataset is read as `datasets` would:
+    - save_to_disk of a DatasetDict (dataset_dict.json): only the folder of `split`;
+    - save_to_disk of a Dataset (state.json): its arrow files, in their order;
+    - a folder holding .jsonl/.arrow/.parquet files (a cloned dataset repository): those and its
+      .txt files, never its card or scripts (README*, LICENSE*, .md, .rst, .py); and where the
+      data files' paths name splits (datasets' convention: a directory or file-name prefix
+      train/test/validation...), only `split`'s.
+    Any other directory: every text file in it, recursively (a code corpus). Hidden entries
+    (.git, .cache) are never read."""
+    marker = os.path.join(folder, "dataset_dict.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
+                            f"choose one with --data.split")
+        return dataset_files(os.path.join(folder, split), split)
+    state = os.path.join(folder, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
+        return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
+    files = []
+    for d, dirs, fs in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
+    data_files = [p for p in files if p.endswith(STRUCTURED)]
+    if not data_files:
+        return [p for p in files if p.endswith(SUFFIXES)]
+    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt",))
+                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
+    def split_of(p):
+        parts = os.path.relpath(p, folder).lower().split(os.sep)
+        named = [x for x in parts[:-1] if x in SPLITS] + [w for w in SPLITS if re.match(rf"{w}[-_.]", parts[-1])]
+        return named[0] if named else None
+    found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
+    if any(found.values()):
+        if split not in found.values():
+            raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
+                            f"not {split!r}; choose one with --data.split")
+        data_files = [p for p in data_files if found.get(p, split) == split]
+    return data_files
+
+
+def resolve_paths(spec: str, split: str = "train") -> list[str]:
+    """'stdlib', files, directories (recursive; Hugging Face datasets: see dataset_files) and globs,
+    comma-separated -> file list."""
     paths = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         if entry == "stdlib":
             found = stdlib_files()
         elif os.path.isdir(entry):
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(entry) for f in fs if f.endswith(SUFFIXES))
+            found = dataset_files(entry, split)
         elif any(c in entry for c in "*?["):
             found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
         elif os.path.isfile(entry):
@@ -205,9 +256,10 @@ class Corpus:
     """All documents of a data spec, indexed 0..n_docs-1 in a fixed order (the sources in the order
     given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document."""
 
-    def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False):
+    def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
+                 split: str = "train"):
         self.spec, self.sources, self.warned = spec, [], collections.Counter()
-        paths = resolve_paths(spec)
+        paths = resolve_paths(spec, split)
         empty = [p for p in paths if os.path.getsize(p) == 0]
         self.empty_files = len(empty)
         if empty:
@@ -350,7 +402,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
                             f"vocab_size is {vocab_size}: token ids would index past the embedding; "
                             f"set --model.vocab_size={tok.vocab_size} (or more)")
     else:
-        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line)
+        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
                                          TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
         path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
@@ -457,7 +509,7 @@ class PackedLoader:
         self.threads, self.prefetch = threads, prefetch
         k = self.n_streams // dp_size
         self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
-        self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line)
+        self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
         train_ids, val_ids = split_documents(self.corpus.n_docs, cfg.val_fraction)
         self.ids = train_ids if split == "train" else val_ids
         self._check_size()

@@ -148,7 +148,7 @@ def main(argv: list[str]) -> None:
 
     # Data. The tokenizer is trained on the corpus at first use and cached (one process trains,
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
-    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line)
+    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
     if grid.is_main:                     # beside the checkpoints: `checkpoint.py export` ships it too
         hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))

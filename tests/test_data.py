@@ -39,14 +39,9 @@ def write_formats(root, docs):
         (root / "txt" / f"doc_{i:04d}.txt").write_text(d)
     (root / "lines.txt").write_text("\n".join(docs) + "\n")
     (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
-    # datasets.save_to_disk layout: an IPC *stream* of record batches (string) plus json metadata.
-    os.makedirs(root / "hf", exist_ok=True)
-    schema = pa.schema({"text": pa.string()})
-    with pa.OSFile(str(root / "hf" / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
-        for s in range(0, len(docs), 25):
-            w.write_batch(pa.record_batch([pa.array(docs[s:s + 25], pa.string())], schema=schema))
-    (root / "hf" / "state.json").write_text("{}")
-    (root / "hf" / "dataset_info.json").write_text("{}")
+    # datasets' own save_to_disk: IPC *stream* files of record batches plus json metadata; two shards.
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "hf"), num_shards=2)
     # IPC *file* format, large_string
     lschema = pa.schema({"text": pa.large_string()})
     with pa.OSFile(str(root / "file.arrow"), "wb") as sink, pa.ipc.new_file(sink, lschema) as w:
@@ -451,3 +446,33 @@ def test_device_loader_xla_uses_mpdeviceloader(files, tok):
     r = subprocess.run([sys.executable, "-c", XLA_SCRIPT, root, files["txt"], tok.path], env=env,
                        capture_output=True, text=True, timeout=300)
     assert "XLA_OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_datasets_folders_read_as_datasets_would(tmp_path):
+    """A DatasetDict trains on its train split unless --data.split says otherwise; a cloned dataset
+    repository yields its data files' documents only (not README.md or the loading script), of the
+    split asked for."""
+    datasets = pytest.importorskip("datasets")
+    train, test = DOCS[:80], DOCS[80:]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
+                               "test": datasets.Dataset.from_dict({"text": test})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+
+    def texts(spec, **kw):
+        c = data.Corpus(spec, **kw)
+        return [t for t, _, _ in c.read(np.arange(c.n_docs))]
+    assert texts(str(tmp_path / "dd")) == train
+    assert texts(str(tmp_path / "dd"), split="test") == test
+    with pytest.raises(data.DataError, match="splits train, test, not 'validation'; choose one with --data.split"):
+        data.Corpus(str(tmp_path / "dd"), split="validation")
+    repo = tmp_path / "repo"                     # the layout of a dataset repository on the Hub
+    os.makedirs(repo / "data")
+    (repo / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card, not a document\n")
+    (repo / "repo.py").write_text("import datasets  # a loading script\n")
+    (repo / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    dd["train"].to_parquet(str(repo / "data" / "train-00000-of-00001.parquet"))
+    dd["test"].to_parquet(str(repo / "data" / "test-00000-of-00001.parquet"))
+    assert texts(str(repo)) == train
+    assert texts(str(repo), split="test") == test
+    cfg = DataConfig(data=str(tmp_path / "dd"), split="test", seq_len=SEQ)
+    assert data.Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split).n_docs == len(test)
