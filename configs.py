@@ -73,6 +73,7 @@ class OptimConfig:
     decay_norms: bool = True     # the blog decayed all parameters, norm weights included
     grad_clip: float = 1.0
     precision: str = "fp32"      # fp32 | mixed | bf16 | bf16_sr
+    fp32_grad_acc: bool = True   # mixed: accumulate and reduce gradients in fp32 (NxD's use_fp32_grad_acc)
 
 
 @dataclass

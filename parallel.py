@@ -637,17 +637,24 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
         t.copy_(piece.view_as(t))
 
 
+def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient to reduce, clip and apply: the fp32 buffer that mixed precision accumulates
+    into (optim.accumulate_grads_in_fp32: p.main_grad), else p.grad."""
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
+
+
 @torch.no_grad()
 def reduce_tp_replicated_gradients(model: nn.Module, grid: Grid) -> None:
     """Sum over TP the gradients of weights that several TP ranks hold copies of:
     - SP norm weights: each rank saw only its sequence shard (NxD allreduce_sequence_parallel_gradients);
     - replicated KV heads (tp > n_kv_heads): each copy got the gradient of its own q heads only.
     Once per step, after the last microbatch (gradients add up linearly). Also needed with ZeRO-1."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    params = [p for p in model.parameters() if grad_of(p) is not None]
+    sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
     if sp and grid.tp_group is not None:
         _all_reduce_flat(sp, grid.tp_group)
-    kv = [p.grad[p.q_rows:] for p in params if getattr(p, "kv_replicas", 1) > 1]
+    kv = [grad_of(p)[p.q_rows:] for p in params if getattr(p, "kv_replicas", 1) > 1]
     if kv and grid.kv_group is not None:
         _all_reduce_flat(kv, grid.kv_group)
 
@@ -662,7 +669,7 @@ def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BY
     reduce_tp_replicated_gradients(model, grid)
     if grid.dp_group is None:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g for g in map(grad_of, model.parameters()) if g is not None]    # fp32 in mixed
     for bucket in _buckets(grads, bucket_bytes):
         _all_reduce_flat(bucket, grid.dp_group, scale=1.0 / grid.dp)
 
@@ -717,14 +724,15 @@ def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
     """Scale gradients so the global L2 norm (tp_pieces: each weight counted once) is at most
     max_norm; returns the norm before clipping as a tensor (no host sync). DP ranks already hold
     identical reduced gradients."""
-    params = [p for p in parameters if p.grad is not None]
+    params = [p for p in parameters if grad_of(p) is not None]
     if not params:
         return torch.zeros(())
-    norm = _norm_of(params, [p.grad for p in params], grid)
+    grads = [grad_of(p) for p in params]
+    norm = _norm_of(params, grads, grid)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
     return norm
 
 
@@ -738,7 +746,7 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
     checkpoint instead."""
     out = {}
     for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
-        t = p.grad if grads else p
+        t = grad_of(p) if grads else p
         if t is None:
             continue
         t = t.detach()

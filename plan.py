@@ -22,9 +22,10 @@ STATED_MFU = 0.40               # the MFU the headline step time is quoted at
 COMPUTE_EFFICIENCY = 0.50       # assumption: share of peak the compiled matmuls sustain; recompute,
                                 # pipeline bubble and exposed communication then lower the real MFU
 # Bytes per parameter (weights, gradients, optimizer states) and per activation, as optim.py stores
-# them: mixed keeps bf16 weights and grads plus an fp32 master copy and fp32 moments; bf16 and
-# bf16_sr store everything in bf16 (SR changes only how updates are rounded).
-PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 2, 12, 2), "bf16": (2, 2, 4, 2), "bf16_sr": (2, 2, 4, 2)}
+# them: mixed keeps bf16 weights, fp32 gradients (accumulated in fp32: optim.accumulate_grads_in_fp32)
+# plus an fp32 master copy and fp32 moments; bf16 and bf16_sr store everything in bf16 (SR changes
+# only how updates are rounded).
+PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 4, 2), "bf16_sr": (2, 2, 4, 2)}
 
 
 @dataclass(frozen=True, order=True)
@@ -173,7 +174,8 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     n_msgs = mbs * (layers * (12 if L.checkpointing == "full" else 8) + 4)
     tp_bytes = n_msgs * act_msg * (L.tp - 1) / L.tp
     pp_bytes = 0 if L.pp == 1 else 2 * mbs * act_msg / (L.tp if L.sp else 1)
-    dp_bytes = 2 * (L.dp - 1) / L.dp * n * max(gb, wb)          # all-reduce, or reduce-scatter + all-gather
+    # all-reduce of the grads, or (ZeRO-1) reduce-scatter of the grads + all-gather of the weights
+    dp_bytes = (L.dp - 1) / L.dp * n * (gb + (wb if L.zero1 else gb))
     tp_s = tp_bytes / hw.link_bw
     pp_s, pp_link = _comm_seconds(hw, pp_bytes, L.tp * L.dp, L.pp, world, ring=False)
     dp_s, dp_link = _comm_seconds(hw, dp_bytes, L.tp, L.dp, world, ring=True)
