@@ -134,8 +134,9 @@ def reduce_tied_embedding(model: PipelineStage, grid: Grid) -> None:
     if grid.embed_group is None:
         return
     p = model.embed.weight if model.first else model.lm_head.weight
-    if p.grad is not None:
-        parallel.all_reduce(p.grad, grid.embed_group)
+    grad = parallel.grad_of(p)               # fp32 in mixed (optim.accumulate_grads_in_fp32)
+    if grad is not None:
+        parallel.all_reduce(grad, grid.embed_group)
 
 
 # ----------------------------------------------------------------------------- 2. point-to-point
