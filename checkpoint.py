@@ -40,12 +40,15 @@ loading skips (and sets aside as step_N.bad); nothing complete is ever written t
 from __future__ import annotations
 
 import copy
+import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -75,6 +78,26 @@ def step_dir(root: Path, step: int) -> Path:
 
 def _marker(rank: int) -> str:
     return f"rank{rank:05d}.done"
+
+
+def read_marker(path: Path) -> dict:
+    """A completion marker, checked field by field: a marker that parses as JSON but lacks a key or
+    holds a wrong type is damage like any other (ValueError naming it), never a KeyError that would
+    stop every restart although an older checkpoint is valid."""
+    m = json.loads(path.read_text())            # JSONDecodeError is a ValueError
+    if not isinstance(m, dict):
+        raise ValueError("not a JSON object")
+    for key in ("step", "rank", "world", "files"):
+        want = dict if key == "files" else int
+        if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
+            raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
+    for name, rec in m["files"].items():
+        if "/" in name or name.startswith(".") or not isinstance(rec, dict) or not all(
+                isinstance(rec.get(k), int) for k in ("bytes", "crc32")):
+            raise ValueError(f"its record of {name!r} is damaged")
+    if m["world"] < 1:
+        raise ValueError(f"world {m['world']}")
+    return m
 
 
 # ----------------------------------------------------------------------------- RNG streams
@@ -326,6 +349,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}   # host staging buffers, reused between saves
         self._newest = -1                                # newest step saved or resumed from
+        self._lock: int | None = None                    # rank 0's flock on run.lock (claim)
         self.stats: dict = {}
         if not self.c.resume and self._scan():
             raise CheckpointError(f"--ckpt.resume=false but {self.root} already holds checkpoints, which this "
@@ -427,6 +451,20 @@ class Checkpointer:
             self._error = e
 
     def _write(self, step: int, files: dict):
+        try:
+            self._write_files(step, files)
+        except (OSError, RuntimeError) as e:     # torch.save's zip writer turns ENOSPC into a RuntimeError
+            need = sum(map(_tensor_bytes, files.values()))
+            free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
+            shutil.rmtree(step_dir(self.root, step) / f".tmp-rank{self.grid.rank:05d}", ignore_errors=True)
+            if getattr(e, "errno", None) == errno.ENOSPC or free < need:
+                raise CheckpointError(
+                    f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
+                    f"(this rank's part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
+                    f"space, lower --ckpt.keep, or point --ckpt.dir at a larger disk") from None
+            raise CheckpointError(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
+
+    def _write_files(self, step: int, files: dict):
         t0 = time.perf_counter()
         r = self.grid.rank
         final = step_dir(self.root, step)
@@ -458,10 +496,20 @@ class Checkpointer:
                 raise CheckpointError(f"{d.name}: rank(s) {missing[:8]} did not finish writing within "
                                       f"{self.marker_timeout_s:.0f} s; it stays incomplete and will be skipped")
             time.sleep(0.02)
-        _atomic_write(self.root / "latest", d.name.encode())
+        try:
+            _atomic_write(self.root / "latest", d.name.encode())
+        except OSError as e:      # the checkpoint is complete: resume finds it by scanning, not by `latest`
+            self.say(f"warning: {d.name} is complete but `latest` could not be updated ({e.strerror or e}); "
+                     f"resuming finds checkpoints without it")
+            (self.root / ".latest.tmp").unlink(missing_ok=True)
         self._prune()
 
     def _prune(self):
+        # After a good save, the half-written checkpoints set aside as step_N.bad<time> have served
+        # their purpose (being looked at): they only take space.
+        for p in self.root.iterdir():
+            if (m := STEP_DIR.match(p.name)) and m.group(2):
+                shutil.rmtree(p, ignore_errors=True)
         if self.c.keep <= 0:
             return
         complete = [s for s, d in self._scan() if self._complete(d)[0] is None]
@@ -485,9 +533,65 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, CheckpointError):   # already says what failed (a full disk, a lost rank)
+                raise e
             raise CheckpointError(f"the background save of step {self.stats.get('step')} failed: {e!r}") from e
 
-    close = wait                          # at exit: the save in flight must be on disk
+    def check(self):
+        """Raise now if the save in flight has failed (call every step): a full disk is named at
+        once, not one interval later when the next save waits for it."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def close(self):
+        """At exit: the save in flight must be on disk; then the directory is free for another run."""
+        try:
+            self.wait()
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)           # releases the flock
+                self._lock = None
+
+    def claim(self):
+        """Before any work, on every rank: the checkpoint directory must be a directory (created if
+        absent), writable, and this run's alone. Rank 0 holds an exclusive flock on <dir>/run.lock
+        for the run's lifetime, with who holds it written inside. The kernel drops it when the
+        process dies, so a killed run never leaves a stale lock (torchrun restarts take it again).
+        On a shared file system flock must reach every node (NFSv4, Lustre mounted with -o flock,
+        as FSx for Lustre is). All ranks agree before going on."""
+        problem = self._claim() if self.grid.rank == 0 else None
+        if not self._agree(problem is None):
+            raise CheckpointError(problem or f"rank 0 could not claim {self.root} (see its message)")
+
+    def _claim(self) -> str | None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            return f"--ckpt.dir {root} is a file, not a directory; remove it or give another --ckpt.dir"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(root / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            what = {errno.EROFS: "is on a read-only file system", errno.ENOSPC: "is on a full disk",
+                    errno.EACCES: "is not writable"}.get(e.errno, f"cannot be written ({e.strerror})")
+            return f"--ckpt.dir {root} {what}: checkpoints could not be saved; give a writable --ckpt.dir"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return (f"{root} is in use by another run ({holder}): two runs in one directory resume each "
+                    f"other's checkpoints and write the same step folders. Wait for it to end or stop it, "
+                    f"or give this run its own --out_dir or --ckpt.dir")
+        try:
+            me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (me + ", command: " + " ".join(sys.argv))[:4000].encode() + b"\n", 0)
+        except OSError as e:
+            os.close(fd)
+            return (f"--ckpt.dir {root} cannot be written ({'disk full' if e.errno == errno.ENOSPC else e.strerror}): "
+                    f"checkpoints could not be saved; free space or give another --ckpt.dir")
+        self._lock = fd
+        return None
 
     def __enter__(self):
         return self
@@ -507,11 +611,11 @@ class Checkpointer:
     def _complete(self, d: Path) -> tuple[str | None, dict]:
         """(problem or None, {file: {bytes, crc32}}). Cheap: markers and file sizes only."""
         try:
-            world = json.loads((d / _marker(0)).read_text())["world"]
+            world = read_marker(d / _marker(0))["world"]
         except FileNotFoundError:
             return "no completion marker from rank 0: the save was interrupted", {}
-        except (ValueError, KeyError):
-            return "rank 0's completion marker is unreadable", {}
+        except (ValueError, OSError) as e:
+            return f"rank 0's completion marker is damaged ({e})", {}
         missing = [r for r in range(world) if not (d / _marker(r)).exists()]
         if missing:
             return (f"incomplete: no completion marker from rank(s) {missing[:8]} of {world}: "
@@ -519,11 +623,11 @@ class Checkpointer:
         files = {}
         for r in range(world):
             try:
-                m = json.loads((d / _marker(r)).read_text())
-            except ValueError:
-                m = {}
-            if m.get("step") != int(d.name[5:13]) or m.get("world") != world:
-                return f"rank {r}'s completion marker is unreadable or belongs to another save", {}
+                m = read_marker(d / _marker(r))
+            except (ValueError, OSError) as e:
+                return f"rank {r}'s completion marker is damaged ({e})", {}
+            if m["step"] != int(d.name[5:13]) or m["world"] != world:
+                return f"rank {r}'s completion marker belongs to another save", {}
             files.update(m["files"])
         for name, rec in files.items():
             if not (d / name).exists():

@@ -95,7 +95,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "out/ckpt"
+    dir: str = "out/ckpt"        # follows --out_dir unless given: <out_dir>/ckpt
     interval: int = 0            # steps between saves; 0 = only at the end
     keep: int = 3                # keep the last K complete checkpoints
     async_save: bool = True
@@ -108,7 +108,7 @@ class LogConfig:
     interval: int = 10
     eval_interval: int = 100
     eval_windows: int = 8
-    tensorboard: str = "out/tb"  # empty = no event files
+    tensorboard: str = "out/tb"  # empty = no event files; follows --out_dir unless given: <out_dir>/tb
     sample_tokens: int = 64      # length of the sample printed at the end
     on_nonfinite: str = "stop"   # stop | skip
     peak_tflops: float = 0.0     # per-device peak for MFU; 0 = the --instance datasheet on Neuron, a measured matmul elsewhere
@@ -283,7 +283,7 @@ def _parse_value(key: str, text: str, typ) -> object:
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:
     """Apply `--section.key=value` (or `--key value`) arguments to cfg, type-checked."""
-    keys = _all_keys(cfg)
+    keys, given = _all_keys(cfg), set()
     i = 0
     while i < len(args):
         arg = args[i]
@@ -307,7 +307,15 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
         setattr(holder, f.name, value)
+        given.add(key)
         i += 1
+    # --out_dir places the checkpoints and TensorBoard files under it unless they are set too:
+    # otherwise --out_dir=run2 would silently resume the previous run from out/ckpt.
+    if "out_dir" in given:
+        if "ckpt.dir" not in given:
+            cfg.ckpt.dir = f"{cfg.out_dir.rstrip('/')}/ckpt"
+        if "log.tensorboard" not in given and cfg.log.tensorboard:
+            cfg.log.tensorboard = f"{cfg.out_dir.rstrip('/')}/tb"
     return cfg
 
 

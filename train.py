@@ -11,7 +11,9 @@ the newest complete checkpoint; then steps until max_steps, logging, evaluating 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -129,6 +131,48 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+# ----------------------------------------------------------------------------- preemption
+
+class StopSignal:
+    """SIGTERM (what SLURM and Kubernetes send before they kill) and SIGINT (Ctrl-C) end the run at
+    a step boundary: that step is saved, the save in flight waited for, and the run exits cleanly.
+    The handler only notes the signal (a repeat is ignored: torchrun forwards the Ctrl-C the
+    terminal already sent). Ranks agree on the step through an all-reduce (MAX) of the signal
+    number over the host group, started without waiting at one step boundary and read at the next:
+    its latency (gloo's ring: 2 x (world - 1) hops, a fraction of a second at 4096 ranks) hides
+    behind a step, and every rank stops after the same step, one after the first rank heard it."""
+
+    def __init__(self, grid: parallel.Grid):
+        self.grid, self.got, self.work, self.sum = grid, 0, None, None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._note)
+
+    def _note(self, signum, frame):
+        if not self.got:
+            self.got = signum
+            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name}: stopping at the next step boundary "
+                  f"with a checkpoint (SIGKILL aborts at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> str | None:
+        """Call at every step boundary on every rank: the signal's name once the ranks agree to stop."""
+        if self.grid.world == 1 or not torch.distributed.is_initialized():
+            return signal.Signals(self.got).name if self.got else None
+        agreed = 0
+        if self.work is not None:
+            self.work.wait()
+            agreed = int(self.sum.item())
+        self.sum = torch.tensor([self.got], device="cuda" if self.grid.backend == "nccl" else "cpu")
+        self.work = torch.distributed.all_reduce(self.sum, op=torch.distributed.ReduceOp.MAX,
+                                                 group=self.grid.host_group, async_op=True)
+        return signal.Signals(agreed).name if agreed else None
+
+    def close(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 # ----------------------------------------------------------------------------- the run
 
 def main(argv: list[str]) -> None:
@@ -140,6 +184,11 @@ def main(argv: list[str]) -> None:
     hf.check_export_dir(out_dir, overwrite=False)
     device = pick_device(cfg.device)
     grid = parallel.init_distributed(cfg, device)
+    stop = StopSignal(grid)
+    # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before
+    # any work; otherwise a second run on it would resume the first one's checkpoints.
+    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print)
+    ckpt.claim()
     accum = configs.grad_accum_steps(cfg, grid.dp)
     log = print if grid.is_main else (lambda *a, **k: None)
     log(f"nanotrn: preset {cfg.preset or '-'}, device {device}, world {grid.world} = "
@@ -168,7 +217,6 @@ def main(argv: list[str]) -> None:
         f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
 
     # Resume from the newest complete, valid checkpoint: model, optimizer, data position, RNG.
-    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print)
     step, tokens_seen = 0, 0
     loaded = ckpt.load_latest(names=set(model.state_dict()))     # at another layout: only ours are built
     if loaded is not None:
@@ -225,17 +273,27 @@ def main(argv: list[str]) -> None:
             if val_loader is not None and step % cfg.log.eval_interval == 0:
                 mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device,
                                                                        cut=cut))
-            if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps:
+            stopping = stop.requested()                 # every rank agrees on the step
+            if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps or stopping:
                 mon.flush()                             # raises on a poisoned state: it is never saved
                 ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
                           extra={"tokens_seen": tokens_seen})
+            ckpt.check()                                # a failed save (full disk) stops the run now
+            if stopping:
+                break
         mon.flush()
     finally:
+        stop.close()
         ckpt.close()                                    # waits for the save in flight
         mon.close()
         train_loader.close()
         if val_loader is not None:
             val_loader.close()
+
+    if step < cfg.optim.max_steps:                      # stopped by a signal: no export, exit cleanly
+        log(f"{stopping}: stopped after step {step}, saved in {cfg.ckpt.dir}; run the same command to continue")
+        parallel.destroy(grid)
+        return
 
     # The end: the full model exported in Hugging Face format, and a short sample. Gathering the
     # full model on every rank suits small models; a 7B run (32 ranks per host) exports from its

@@ -112,3 +112,150 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     after4 = global_batches(cfg, 2, 4, data_states(run / "step_00000004"))
     after8 = global_batches(cfg, 1, 4, data_states(run / "step_00000008"))
     assert all(torch.equal(x, y) for x, y in zip(after4 + after8, straight[4:]))
+
+
+# ----------------------------------------------------------------------------- preemption
+
+def start(out: Path, *extra, nproc: int = 1) -> subprocess.Popen:
+    args = [str(ROOT / "train.py"), f"--out_dir={out}", *ARGS, "--optim.max_steps=100000", "--ckpt.interval=0", *extra]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def signal_after(p: subprocess.Popen, sig: int, step: int, timeout: int = 300) -> tuple[str, str]:
+    """Send `sig` once the run logs `step`; return its whole stdout and stderr."""
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if re.match(rf"step\s+{step} \|", line):
+            p.send_signal(sig)
+            break
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("the run did not stop after the signal")
+    return "".join(seen) + out, err
+
+
+def stopped_step(stdout: str, name: str) -> int:
+    m = re.search(rf"{name}: stopped after step (\d+), saved", stdout)
+    assert m, stdout[-3000:]
+    return int(m.group(1))
+
+
+def assert_only_checkpoint(ckpt: Path, step: int):
+    steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_"))
+    assert steps == [f"step_{step:08d}"], steps
+    cfg = configs.from_args([f"--ckpt.dir={ckpt}"])
+    problem, files = checkpoint.Checkpointer(cfg)._complete(ckpt / steps[0])
+    assert problem is None and files                          # every rank's marker: all saved this step
+
+
+def test_sigterm_to_torchrun_and_sigint_stop_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    """SIGTERM to a torchrun job (DP=2, gloo): torchrun forwards it, both ranks finish a step,
+    agree on it, save it, and exit 0 without a traceback of ours (torchrun's own agent raises its
+    SignalException). SIGINT to a single process: the same, exit status 0."""
+    p = start(tmp_path / "tr", "--dp=2", nproc=2)
+    out, err = signal_after(p, signal.SIGTERM, 3)
+    step = stopped_step(out, "SIGTERM")
+    assert step >= 3 and "[rank 0] SIGTERM" in err and "[rank 1] SIGTERM" in err
+    assert_only_checkpoint(tmp_path / "tr" / "ckpt", step)
+    tracebacks = err.split("Traceback (most recent call last)")[1:]
+    assert all("train.py" not in t and t.rstrip().splitlines()[-1].startswith(
+        "torch.distributed.elastic.multiprocessing.api.SignalException") for t in tracebacks), err[-3000:]
+
+    p = start(tmp_path / "one")
+    out, err = signal_after(p, signal.SIGINT, 2)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert_only_checkpoint(tmp_path / "one" / "ckpt", stopped_step(out, "SIGINT"))
+
+
+# ----------------------------------------------------------------------------- shared directories, damage, disks
+
+def test_a_second_run_on_a_held_directory_is_refused_naming_the_holder(tmp_path):
+    """This test process holds the directory (as a running job does); a second train.py, placed
+    there by --out_dir alone, stops before any work with the holder named. Released, it is free."""
+    cfg = configs.from_args([f"--out_dir={tmp_path}/run"])
+    assert (cfg.ckpt.dir, cfg.log.tensorboard) == (f"{tmp_path}/run/ckpt", f"{tmp_path}/run/tb")
+    explicit = configs.from_args([f"--out_dir={tmp_path}/run", "--ckpt.dir=elsewhere", "--log.tensorboard="])
+    assert (explicit.ckpt.dir, explicit.log.tensorboard) == ("elsewhere", "")
+    holder = checkpoint.Checkpointer(cfg)
+    holder.claim()
+    r = train(tmp_path / "run", "--optim.max_steps=2", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"is in use by another run (pid {os.getpid()} on" in r.stderr and "--out_dir" in r.stderr
+    assert "step" not in r.stdout.split("nanotrn:")[-1]                 # no training happened
+    holder.close()
+    again = checkpoint.Checkpointer(cfg)
+    again.claim()                                                        # free once released
+    again.close()
+
+
+def save_steps(root: Path, *steps) -> configs.Config:
+    cfg = configs.from_args([f"--ckpt.dir={root}", "--ckpt.async_save=false"])
+    with checkpoint.Checkpointer(cfg) as ck:
+        for s in steps:
+            ck.save(s, {"w": torch.full((4,), float(s))}, None, data={"pos": s})
+    return cfg
+
+
+@pytest.mark.parametrize("damage", [
+    lambda m: m.pop("files"), lambda m: m.update(world="1"), lambda m: m.update(files={"meta.json": {"bytes": "9"}}),
+    lambda m: m.update(files=[1]), lambda m: m.pop("step")])
+def test_damaged_marker_is_skipped_in_resume_and_ls(tmp_path, capsys, damage):
+    cfg = save_steps(tmp_path / "ck", 1, 2)
+    marker = tmp_path / "ck" / "step_00000002" / "rank00000.done"
+    m = json.loads(marker.read_text())
+    damage(m)
+    marker.write_text(json.dumps(m))
+    checkpoint._cli(["ls", str(tmp_path / "ck")])
+    assert "step_00000002  BAD: rank 0's completion marker is damaged" in capsys.readouterr().out
+    loaded = checkpoint.Checkpointer(cfg).load_latest()
+    assert loaded.step == 1 and torch.equal(loaded.model["w"], torch.full((4,), 1.0))
+    assert "skipping step_00000002: rank 0's completion marker is damaged" in capsys.readouterr().out
+
+
+def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, monkeypatch):
+    """A checkpoint directory on a 1 MiB tmpfs (simulated ENOSPC where mounting is not allowed): the
+    run stops with "disk full" at the save that failed, not at the next interval. A file or a
+    read-only mount as --ckpt.dir is refused before any work. A complete checkpoint whose `latest`
+    could not be written is still found; a `.bad` directory goes after the next good save."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        if mounted:
+            r = train(small / "out", "--optim.max_steps=100", "--ckpt.interval=5", "--ckpt.dir=" + str(small / "ckpt"))
+            assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert "error: disk full: no space left on the device of" in r.stderr, r.stderr[-2000:]
+            assert "step      5 |" in r.stdout and "step     10 |" not in r.stdout        # named at once
+            assert not any(p.name.startswith(".tmp") for p in (small / "ckpt" / "step_00000005").iterdir())
+            subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+            with pytest.raises(checkpoint.CheckpointError, match="is on a read-only file system"):
+                checkpoint.Checkpointer(configs.from_args([f"--ckpt.dir={small}/other"])).claim()
+        else:                                       # simulated: the writer's first file write fails
+            def full(*a, **k):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr(checkpoint, "_write_file", full)
+            with pytest.raises(checkpoint.CheckpointError, match="disk full: no space left"):
+                save_steps(small, 1)
+            monkeypatch.undo()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)])
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match="is a file, not a directory"):
+        checkpoint.Checkpointer(configs.from_args([f"--ckpt.dir={tmp_path}/a_file"])).claim()
+
+    root = tmp_path / "ck"
+    (root / "latest" / "blocker").mkdir(parents=True)      # `latest` cannot be replaced
+    (root / "step_00000007.bad123").mkdir()
+    cfg = save_steps(root, 1)
+    assert "complete but `latest` could not be updated" in capsys.readouterr().out
+    assert checkpoint.Checkpointer(cfg).load_latest().step == 1
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
