@@ -579,20 +579,25 @@ def bench_ckpt(args):
             import checkpoint, configs, optim, parallel, model as llama
             torch.set_num_threads({args.threads})
             cfg = configs.Config(model=configs.ModelConfig(**{json.dumps(vars(cfg.model))}))
-            cfg.ckpt.dir = {os.path.join(root, "kill")!r}
+            cfg.ckpt.dir = KILL_DIR
             t_import = time.time()
-            model = parallel.build_model(cfg, parallel.Grid(), "cpu")
-            opt = optim.build_optimizer(model, cfg)
             ck = checkpoint.Checkpointer(cfg)
+            loaded = None
+            def resume(empty):               # after: load into the empty model (what train.py does)
+                global loaded
+                loaded = ck.load_latest()
+                empty.load_state_dict(loaded.model)
+                return True
+            model = parallel.build_model(cfg, parallel.Grid(), "cpu", load=None if INIT else resume)
+            opt = optim.build_optimizer(model, cfg)
             t_build = time.time()
         """)
         crash = common + "ck.save(1, model.state_dict(), opt.state_dict()); ck.wait(); ck.save(2, model.state_dict(), opt.state_dict()); ck.close()"
-        r = subprocess.run([sys.executable, "-c", crash], env={**os.environ, "NANOTRN_FAULT": "0:2:save"},
-                           capture_output=True, text=True)
-        assert r.returncode == -9, r.stderr[-2000:]
         restart = common + textwrap.dedent("""
-            loaded = ck.load_latest()
-            model.load_state_dict(loaded.model); opt.load_state_dict(loaded.optim)
+            if loaded is None:               # before: the model was initialized, now overwritten
+                loaded = ck.load_latest()
+                model.load_state_dict(loaded.model)
+            opt.load_state_dict(loaded.optim)
             t_load = time.time()
             tokens = torch.randint(0, cfg.model.vocab_size, (1, 257))
             def step():
@@ -601,18 +606,32 @@ def bench_ckpt(args):
             print(json.dumps(dict(t_start=t_start, t_import=t_import, t_build=t_build, t_load=t_load,
                                   t_step1=t_step1, t_step2=t_step2, step=loaded.step)))
         """)
-        t0 = time.time()
-        r = subprocess.run([sys.executable, "-c", restart], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-2000:]
-        t = json.loads(r.stdout.strip().splitlines()[-1])
-        assert t["step"] == 1 and "skipping step_00000002" in r.stdout
-        rs = dict(restart_to_first_step_s=t["t_step1"] - t0, restart_import_s=t["t_import"] - t0,
-                  restart_build_s=t["t_build"] - t["t_import"], restart_load_s=t["t_load"] - t["t_build"],
-                  restart_first_step_s=t["t_step1"] - t["t_load"], restart_next_step_s=t["t_step2"] - t["t_step1"])
-        res.update(rs)
-        print(f"restart to first step {rs['restart_to_first_step_s']:.1f} s = start+imports {rs['restart_import_s']:.1f} "
-              f"+ build model/opt {rs['restart_build_s']:.1f} + find/verify/load {rs['restart_load_s']:.1f} "
-              f"+ first step {rs['restart_first_step_s']:.1f} (a later step: {rs['restart_next_step_s']:.1f} s)")
+        # Before: the model is initialized from the seed, then overwritten by the load (what train.py
+        # did). After: built empty (memory only), then loaded (what train.py does now).
+        for name, init in (("init_then_load", True), ("empty_then_load", False)):
+            head = f"INIT, KILL_DIR = {init}, {os.path.join(root, name)!r}\n"
+            r = subprocess.run([sys.executable, "-c", head.replace(str(init), "True", 1) + crash],
+                               env={**os.environ, "NANOTRN_FAULT": "0:2:save"}, capture_output=True, text=True)
+            assert r.returncode == -9, r.stderr[-2000:]
+            t0 = time.time()
+            r = subprocess.run([sys.executable, "-c", head + restart], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-2000:]
+            t = json.loads(r.stdout.strip().splitlines()[-1])
+            assert t["step"] == 1 and "skipping step_00000002" in r.stdout
+            rs = dict(restart_to_first_step_s=t["t_step1"] - t0, restart_import_s=t["t_import"] - t0,
+                      restart_build_s=t["t_build"] - t["t_import"], restart_load_s=t["t_load"] - t["t_build"],
+                      restart_first_step_s=t["t_step1"] - t["t_load"], restart_next_step_s=t["t_step2"] - t["t_step1"])
+            res[name] = rs
+            print(f"restart to first step ({name.replace('_', ' ')}) {rs['restart_to_first_step_s']:.1f} s = "
+                  f"start+imports {rs['restart_import_s']:.1f} + build model/opt {rs['restart_build_s']:.1f} + "
+                  f"find/verify/load {rs['restart_load_s']:.1f} + first step {rs['restart_first_step_s']:.1f} "
+                  f"{'' if init else '(the model is loaded during its build) '}"
+                  f"(a later step: {rs['restart_next_step_s']:.1f} s)")
+        res.update(res["empty_then_load"], restart_load_s=res["init_then_load"]["restart_load_s"])
+        res["restart_saved_s"] = (res["init_then_load"]["restart_to_first_step_s"]
+                                  - res["empty_then_load"]["restart_to_first_step_s"])
+        print(f"building the model empty saves {res['restart_saved_s']:.1f} s per restart "
+              f"(build {res['init_then_load']['restart_build_s']:.1f} -> {res['empty_then_load']['restart_build_s']:.1f} s)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -5,8 +5,9 @@
     torchrun --nproc_per_node=32 train.py --preset llama2_7b --data train.arrow --tokenizer tokenizer.model
 
 The order of a run: parse and validate the whole config (bad input fails here, before any work);
-pick the device; create the process groups; tokenizer and data; model and optimizer; resume from
-the newest complete checkpoint; then steps until max_steps, logging, evaluating and saving.
+pick the device; create the process groups; claim the checkpoint directory; tokenizer and data;
+the model, built empty and loaded from the newest complete checkpoint (or initialized); the
+optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating and saving.
 """
 from __future__ import annotations
 
@@ -205,9 +206,20 @@ def main(argv: list[str]) -> None:
     val_loader = (data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val", corpus=corpus)
                   if cfg.log.eval_interval else None)
 
-    # Model and optimizer. Initialization depends only on the seed, never on the layout.
+    # Model and optimizer. The model is built empty; a resume loads the newest complete, valid
+    # checkpoint into it (at another layout only this rank's tensors are built), otherwise it is
+    # initialized from the seed (never from the layout) or --init_from. The weights are in place
+    # before the optimizer is built: "mixed" copies its fp32 master from them.
+    loaded = None
+
+    def resume(empty) -> bool:
+        nonlocal loaded
+        loaded = ckpt.load_latest(names=set(empty.state_dict()))
+        if loaded is not None:
+            empty.load_state_dict(loaded.model)
+        return loaded is not None
     pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
-    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device)
+    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, load=resume)
     model.to(optim.param_dtype(cfg.optim.precision))
     if device.type == "xla":             # torch-xla's checkpoint adds the barrier XLA needs
         llama.use_xla_checkpointing(model)
@@ -216,11 +228,9 @@ def main(argv: list[str]) -> None:
     log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
         f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
 
-    # Resume from the newest complete, valid checkpoint: model, optimizer, data position, RNG.
+    # The rest of the resume: optimizer, data position, RNG streams.
     step, tokens_seen = 0, 0
-    loaded = ckpt.load_latest(names=set(model.state_dict()))     # at another layout: only ours are built
     if loaded is not None:
-        model.load_state_dict(loaded.model)
         if loaded.optim is not None:
             optimizer.load_state_dict(loaded.optim)
         # The data stream is defined by global window index: at another DP degree each rank takes

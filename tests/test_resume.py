@@ -259,3 +259,18 @@ def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, mon
     assert "complete but `latest` could not be updated" in capsys.readouterr().out
     assert checkpoint.Checkpointer(cfg).load_latest().step == 1
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_resume_builds_the_model_empty_and_loads_it(monkeypatch):
+    """With a load hook that loads, no parameter is initialized (that work would be thrown away)."""
+    import model as llama
+    import parallel
+    cfg = configs.from_args(ARGS)
+    ref = parallel.build_model(cfg, parallel.Grid(), "cpu")
+    sd = {k: v + 1 for k, v in ref.state_dict().items()}
+
+    def no_init(*a, **k):
+        raise AssertionError("a parameter was initialized on resume")
+    monkeypatch.setattr(llama, "init_param", no_init)
+    got = parallel.build_model(cfg, parallel.Grid(), "cpu", load=lambda empty: empty.load_state_dict(sd) or True)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in sd.items())
