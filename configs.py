@@ -380,6 +380,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"dim {m.dim} is not divisible by n_heads {m.n_heads}")
     if m.head_dim % 2 != 0:
         raise ConfigError(f"head_dim {m.head_dim} must be even for RoPE")
+    if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":
+        # The two copies (first and last stage) sit at different offsets of their stages' ZeRO-1
+        # shards, so stochastic rounding would draw different noise for them and they would drift.
+        raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
+                          "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
         raise ConfigError(f"n_heads {m.n_heads} is not divisible by n_kv_heads {m.n_kv_heads} (GQA groups)")
     if m.n_heads % p.tp != 0:

@@ -233,7 +233,12 @@ class SafetensorsFolder:
 
     def __init__(self, folder: str):
         from safetensors import safe_open
-        files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):         # the files transformers reads (Mistral also ships consolidated.*)
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("consolidated"))
         if not files:
             raise HFError(f"no .safetensors files in {folder} (a .bin checkpoint: re-save it with "
                           f"save_pretrained(..., safe_serialization=True))")
@@ -417,13 +422,23 @@ EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "t
                 "tokenizer_config.json", "special_tokens_map.json"}
 
 
-def apply_init_from(cfg) -> None:
+RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
+
+
+def apply_init_from(cfg, argv: list[str] = ()) -> None:
     """--init_from=FOLDER (continued pretraining): the model is the folder's config.json (with the
-    run's checkpointing and attention), its tokenizer the run's unless --data.tokenizer names one.
-    Runs before validation, so a refused config or layout fails before any work."""
+    run's checkpointing and attention, and max_seq_len if given), its tokenizer the run's unless
+    --data.tokenizer names one. Runs before validation, so a refused config or layout fails before
+    any work; a --model.* key that would change the architecture is refused, not ignored."""
     if not cfg.init_from:
         return
-    cfg.model = read_config(cfg.init_from, checkpointing=cfg.model.checkpointing, attention=cfg.model.attention)
+    given = {a[2:].split("=")[0].removeprefix("model.") for a in argv if a.startswith("--model.")}
+    other = sorted(given - set(RUN_MODEL_KEYS))
+    if other:
+        raise HFError(f"--model.{other[0]} with --init_from: the architecture is {cfg.init_from}/config.json's; "
+                      f"drop it (a run may set only --model.{', --model.'.join(RUN_MODEL_KEYS)})")
+    run = {k: getattr(cfg.model, k) for k in RUN_MODEL_KEYS if k in given or k != "max_seq_len"}
+    cfg.model = read_config(cfg.init_from, **run)
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = cfg.init_from
 

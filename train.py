@@ -3,6 +3,7 @@
     python train.py                                   # the tiny preset on CPU, on the embedded corpus
     torchrun --nproc_per_node=4 train.py --tp=2 --dp=2
     torchrun --nproc_per_node=32 train.py --preset llama2_7b --data train.arrow --tokenizer tokenizer.model
+    torchrun --nproc_per_node=32 train.py --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
 
 The order of a run: parse and validate the whole config (bad input fails here, before any work);
 pick the device; create the process groups; claim the checkpoint directory; tokenizer and data;
@@ -178,7 +179,7 @@ class StopSignal:
 
 def main(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
-    hf.apply_init_from(cfg)              # --init_from: the model (and tokenizer) of a Hugging Face folder
+    hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     world = int(os.environ.get("WORLD_SIZE", "1"))
     configs.validate(cfg, world)                       # every layout error, before any work
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files

@@ -308,3 +308,30 @@ def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     assert {v.dtype for v in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", torch_dtype="auto")
     assert again.dtype == torch.bfloat16 and transformers.AutoTokenizer.from_pretrained(tmp_path / "bf16")(TEXTS[0])["input_ids"] == auto_tok(TEXTS[0])["input_ids"]
+
+
+def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(saved):
+    import configs
+    cfg = configs.from_args([f"--init_from={saved}", "--model.checkpointing=full", "--model.max_seq_len=32"])
+    hf_io.apply_init_from(cfg, ["--model.checkpointing=full", "--model.max_seq_len=32"])
+    assert (cfg.model.head_dim, cfg.model.rope_scaling, cfg.model.checkpointing, cfg.model.max_seq_len) == (24, "llama3", "full", 32)
+    assert cfg.data.tokenizer == str(saved)
+    with pytest.raises(hf_io.HFError, match="--model.n_layers with --init_from"):
+        hf_io.apply_init_from(configs.from_args([f"--init_from={saved}"]), ["--model.n_layers=4"])
+    bad = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2"])
+    with pytest.raises(configs.ConfigError, match="round differently"):
+        configs.validate(bad, 2)
+
+
+def test_sharded_checkpoint_follows_its_index(tmp_path):
+    """save_pretrained's shards are read through model.safetensors.index.json; Mistral's extra
+    consolidated.safetensors (Meta's names) beside them is not part of the model."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    hf = llama3_hf()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    tokens = torch.randint(0, 101, (1, 20))
+    with torch.no_grad():
+        assert max_rel_err(hf_io.load_hf(str(tmp_path)).eval()(tokens), hf(tokens).logits) < 1e-5

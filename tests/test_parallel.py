@@ -38,10 +38,10 @@ GLOBAL_BATCH, SEQ, ACCUM, STEPS = 8, 16, 2, 3
 TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
 
 
-def tiny_cfg(tp: int = 1, dp: int = 1, sp: bool = False) -> configs.Config:
+def tiny_cfg(tp: int = 1, dp: int = 1, sp: bool = False, tied: bool = False) -> configs.Config:
     cfg = configs.tiny()
     cfg.model = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                            max_seq_len=SEQ)      # vocab 97: padded to 98 (TP=2) and 100 (TP=4)
+                            max_seq_len=SEQ, tie_embeddings=tied)  # vocab 97: padded to 98 (TP=2) and 100 (TP=4)
     cfg.parallel = ParallelConfig(tp=tp, dp=dp, sp=sp)
     cfg.data.seq_len, cfg.data.global_batch = SEQ, GLOBAL_BATCH
     cfg.data.micro_batch = GLOBAL_BATCH // (dp * ACCUM)
@@ -106,6 +106,11 @@ def reference():
     return single_process_reference(tiny_cfg(), global_batch, STEPS)
 
 
+@pytest.fixture(scope="module")
+def reference_tied():
+    return single_process_reference(tiny_cfg(tied=True), global_batch, STEPS)
+
+
 # ----------------------------------------------------------------------------- the spawned ranks
 
 def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
@@ -126,7 +131,7 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         res["norm"].append(r["grad_norm"])
     res["grads"], res["params"] = opt.grads, parallel.gather_full_state_dict(model, grid)
     # load_full_state_dict is the inverse: load the reference init into a differently seeded model.
-    cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp)
+    cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.model.tie_embeddings)
     cfg2.seed = 8
     other = parallel.build_model(cfg2, grid, torch.device("cpu"))
     parallel.load_full_state_dict(other, res["init"], grid)
@@ -233,6 +238,8 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     assert (grid.tp, grid.dp, grid.tp_rank, grid.dp_rank, grid.backend) == (2, 2, rank % 2, rank // 2, "gloo")
     for sp in (False, True):
         run_layout(f"tp2dp2_sp{int(sp)}", tiny_cfg(tp=2, dp=2, sp=sp), grid, out_dir)
+    # Tied embeddings (Llama 3.2): embedding and head share each rank's vocabulary shard.
+    run_layout("tp2dp2_sp1_tied", tiny_cfg(tp=2, dp=2, sp=True, tied=True), grid, out_dir)
     comm = {sp: count_step_collectives(tiny_cfg(tp=2, dp=2, sp=sp), grid) for sp in (False, True)}
     comm["small_buckets"] = count_step_collectives(tiny_cfg(tp=2, dp=2), grid, bucket_bytes=1)
     norm = world_size_normalization(tiny_cfg(tp=2, dp=2), grid)
@@ -283,7 +290,7 @@ def spawned(tmp_path_factory):
 
 LAYOUTS = {  # name -> ranks that wrote a file
     "tp2_sp0": [0, 1], "tp2_sp1": [0, 1], "dp2": [0, 1],
-    "tp2dp2_sp0": [0, 1, 2, 3], "tp2dp2_sp1": [0, 1, 2, 3],
+    "tp2dp2_sp0": [0, 1, 2, 3], "tp2dp2_sp1": [0, 1, 2, 3], "tp2dp2_sp1_tied": [0, 1, 2, 3],
     "tp4_sp0": [0, 1, 2, 3], "tp4_sp1_ckpt": [0, 1, 2, 3],
 }
 
@@ -301,7 +308,8 @@ def load(spawned, name):
 # ----------------------------------------------------------------------------- layout tests
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(spawned, reference, name):
+def test_layout_matches_single_process(spawned, reference, reference_tied, name):
+    reference = reference_tied if "tied" in name else reference
     for rank, res in enumerate(load(spawned, name)):
         where = f"{name} rank {rank}"
         # Layout-independent init: exactly the single-process weights, and load is its inverse.
