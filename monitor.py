@@ -158,6 +158,19 @@ def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
             f"such steps")
 
 
+# ----------------------------------------------------------------------------- replica drift
+
+REPLICA_TOLERANCE = 1e-6
+
+
+def replicas_diverge(param_norm, spread) -> bool:
+    """DP replicas hold identical weights, so their parameter norms agree exactly (the same fp32 sums
+    in the same order). A spread above one part in a million of the norm (fp32 keeps about seven
+    digits) is real drift: bf16_sr without ZeRO-1 (HLAT 7B) relies on every replica's hardware
+    rounding the same values the same way."""
+    return spread is not None and param_norm is not None and spread > REPLICA_TOLERANCE * abs(param_norm)
+
+
 # ----------------------------------------------------------------------------- the monitor
 
 class Monitor:
@@ -219,10 +232,12 @@ class Monitor:
 
     # -------------------------------------------------------------- per step
     def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
-             param_norm=None, skipped: bool = False):
-        """Record one optimizer step. Tensors are kept as they are; they are read at the log interval."""
+             param_norm=None, param_spread=None, skipped: bool = False):
+        """Record one optimizer step. Tensors are kept as they are; they are read at the log interval.
+        param_spread: max - min of the parameter norm over the DP replicas (parallel.replica_spread)."""
         self.pending.append({"step": step, "loss": loss, "grad_norm": grad_norm, "param_norm": param_norm,
-                             "lr": lr, "tokens": tokens, "data_wait": data_wait, "skipped": skipped})
+                             "param_spread": param_spread, "lr": lr, "tokens": tokens,
+                             "data_wait": data_wait, "skipped": skipped})
         if step % self.interval == 0:
             self.flush()
 
@@ -231,7 +246,7 @@ class Monitor:
         write TensorBoard, print one console line. Call it before saving a checkpoint."""
         if not self.pending:
             return
-        keys = ("loss", "grad_norm", "param_norm", "lr", "tokens")
+        keys = ("loss", "grad_norm", "param_norm", "param_spread", "lr", "tokens")
         tensors = [r[k].detach() for r in self.pending for k in keys if torch.is_tensor(r[k])]
         if self.lazy and tensors:
             # One transfer of the finished values, and no graph: a torch.stack over a varying number
@@ -251,10 +266,16 @@ class Monitor:
                 raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
             for warning in self.spikes.update(r["step"], r["grad_norm"]):
                 self.print("warning: " + warning)
+            if replicas_diverge(r["param_norm"], r["param_spread"]):
+                self.print(f"warning: step {r['step']}: the data-parallel replicas diverge: their parameter "
+                           f"norms differ by {r['param_spread']:.3g} (norm {r['param_norm']:.6g}). They must "
+                           f"stay identical; with bf16_sr every rank needs the same "
+                           f"NEURON_RT_STOCHASTIC_ROUNDING_SEED (scripts/env.sh), or use ZeRO-1")
             self.tokens_seen += int(r["tokens"])
             self._tokens_since += int(r["tokens"])
             self._scalars(r["step"], {"train/loss": r["loss"], "train/grad_norm": r["grad_norm"],
                                       "train/param_norm": r["param_norm"], "train/lr": r["lr"],
+                                      "stability/param_norm_spread": r["param_spread"],
                                       "train/tokens_seen": self.tokens_seen, "perf/data_wait_s": r["data_wait"]})
         now = time.perf_counter()
         dt, last = now - self._t_flush, rows[-1]

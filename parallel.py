@@ -725,6 +725,16 @@ def param_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
 
 
 @torch.no_grad()
+def replica_spread(value: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """max - min of a per-rank scalar over the DP group (the parameter norm: the DP replicas should
+    hold identical weights). One all-reduce of two numbers (MAX of [v, -v]); train.py calls it at
+    log intervals only. 0 without data parallelism."""
+    t = torch.stack([value.float(), -value.float()])
+    all_reduce(t, grid.dp_group, op=dist.ReduceOp.MAX)
+    return t[0] + t[1]
+
+
+@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
     """Scale gradients so the global L2 norm (tp_pieces: each weight counted once) is at most
     max_norm; returns the norm before clipping as a tensor (no host sync). DP ranks already hold

@@ -275,9 +275,12 @@ def main(argv: list[str]) -> None:
             step += 1
             tokens_seen += tokens_per_step
             log_now = step % cfg.log.interval == 0
+            # The blog's parameter norm, and its spread over the DP replicas (which must stay
+            # identical: bf16_sr without ZeRO-1 updates each replica on its own), at log steps only.
+            pnorm = parallel.param_norm(model, grid) if log_now else None
             mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=lr, tokens=tokens_per_step,
-                     data_wait=data_wait, skipped=out["skipped"],
-                     param_norm=parallel.param_norm(model, grid) if log_now else None)
+                     data_wait=data_wait, skipped=out["skipped"], param_norm=pnorm,
+                     param_spread=parallel.replica_spread(pnorm, grid) if log_now and grid.dp > 1 else None)
             if pp and log_now:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,47 @@ def test_progress_in_a_log_file():
     with monitor.Progress(None, "first compile", stream=out) as bar:     # unknown total
         bar.update(3)
     assert out.getvalue().startswith("first compile: done, 3 it in")
+
+
+def _drift_worker(rank, ports, out_dir):
+    import torch.distributed as dist
+    import model as llama
+    import parallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    try:
+        grid = parallel.new_grid(2, rank, 1, 1, 1, "gloo")                  # DP=2
+        cfg = small_cfg(None, interval=2)
+        m = llama.Llama(configs.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                            ffn_dim=64, max_seq_len=16)).init_weights(0)
+        lines = []
+        mon = Monitor(cfg, 1e6, 1e12, is_main=True, print_fn=lines.append)
+        spreads = []
+        for step in (1, 2, 3, 4):
+            if step == 3 and rank == 1:              # plant a drift on one replica: 0.1% on one matrix
+                with torch.no_grad():
+                    m.layers[1].mlp.down_proj.weight.mul_(1.001)
+            pn = parallel.param_norm(m, grid)
+            spread = parallel.replica_spread(pn, grid)
+            spreads.append(float(spread))
+            mon.step(step, loss=torch.tensor(3.0), grad_norm=torch.tensor(1.0), lr=1e-3, tokens=64,
+                     param_norm=pn, param_spread=spread)
+        (Path(out_dir) / f"{rank}.txt").write_text("\n".join([repr(spreads)] + lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replica_drift_is_seen(tmp_path):
+    """DP=2 over gloo: identical replicas show a spread of exactly 0 and no warning; after one
+    replica's weights drift (planted at step 3), the flush at step 4 warns on every rank."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from gloo_spawn import spawn_and_wait
+    spawn_and_wait(_drift_worker, 1, 2, str(tmp_path), timeout_s=300)
+    for rank in (0, 1):
+        spreads, *lines = (tmp_path / f"{rank}.txt").read_text().splitlines()
+        spreads = eval(spreads)
+        assert spreads[:2] == [0.0, 0.0] and spreads[2] > 0 and spreads[2] == spreads[3]
+        warnings = [line for line in lines if line.startswith("warning")]
+        assert len(warnings) == 2, lines            # steps 3 and 4, read at the step-4 flush
+        assert "step 3: the data-parallel replicas diverge" in warnings[0]
+        assert "NEURON_RT_STOCHASTIC_ROUNDING_SEED" in warnings[0]
