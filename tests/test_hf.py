@@ -335,3 +335,14 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
     tokens = torch.randint(0, 101, (1, 20))
     with torch.no_grad():
         assert max_rel_err(hf_io.load_hf(str(tmp_path)).eval()(tokens), hf(tokens).logits) < 1e-5
+
+
+def test_a_run_replaces_only_its_own_export(tmp_path):
+    """train.py checks out/hf before any work: an earlier export's files may be replaced, anything else not."""
+    (tmp_path / "hf").mkdir()
+    hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)                  # empty
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)                  # an earlier export
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(hf_io.HFError, match="notes.txt"):
+        hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)
