@@ -153,7 +153,10 @@ def _llama2(model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: flo
                           weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision="bf16_sr"),
         data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
         ckpt=CheckpointConfig(interval=1000, keep=3),
-        log=LogConfig(interval=1, eval_interval=1000, eval_windows=32),
+        # Log (read the device) every 10 steps: each read waits for the device to finish, so at
+        # interval 1 the host could never trace step N+1 while step N runs. Every step's values
+        # are still kept and written (monitor.Monitor reads the pending steps in one transfer).
+        log=LogConfig(interval=10, eval_interval=1000, eval_windows=32),
     )
 
 
@@ -169,12 +172,13 @@ def llama2_7b() -> Config:
 
 
 def llama2_70b() -> Config:
-    # HLAT 70B: TP=32 PP=8 with ZeRO-1 (fp32 master weights: precision "mixed").
+    # HLAT 70B: TP=32 PP=8 with ZeRO-1 (fp32 master weights: precision "mixed"). Point-to-point
+    # as NxD does it on XLA: all-gathers over neighbour pairs (send/recv is refused on xla).
     # lr 1.5e-4 to 1.5e-5 comes from the HLAT 70B scripts; every other setting is the blog's.
     c = _llama2(ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                             ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
                             attention="explicit"),
-                ParallelConfig(tp=32, pp=8, sp=True, zero1=True), lr=1.5e-4, min_lr=1.5e-5)
+                ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5)
     c.optim.precision = "mixed"
     c.preset = "llama2_70b"
     return c
@@ -368,8 +372,10 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
     return d.global_batch // (d.micro_batch * dp)
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
-    """Reject a configuration that cannot work. Called before any process group or model exists."""
+def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
+    """Reject a configuration that cannot work. Called before any process group or model exists.
+    backend: the collective backend the device implies ("xla" on Trainium; "" when not yet known),
+    for the rules of torch-xla's xla backend."""
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     for key, allowed in CHOICES.items():
         section, _, name = key.rpartition(".")
@@ -418,6 +424,20 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, "
                           f"got {accum} (global_batch / (micro_batch * dp)); raise the global batch "
                           f"or lower micro_batch")
+    if backend == "xla" and p.pp > 1:
+        # torch 2.9's isend passes the GROUP-local peer, which ProcessGroupXla.send takes for a
+        # global rank, and it syncs on every op (torch_xla/distributed/xla_backend.py). NxD's
+        # pipeline never sends on XLA: it all-gathers over two-rank groups (pipeline/comm.py).
+        if p.pp_p2p == "send":
+            raise ConfigError("--parallel.pp_p2p='send' does not work on the xla backend (send/recv "
+                              "take group-local peers as global ranks); use --parallel.pp_p2p=allgather")
+        # The all-gather pairs form two meshes, [s, s+1] for s of one parity, the wrap-around pair
+        # [pp-1, 0] included (NxD's get_pipeline_model_parallel_sr_group); XLA's verifier accepts a
+        # mesh only if it names every rank once, which needs an even pp.
+        if p.pp % 2:
+            raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
+                              f"pair groups must cover every rank once (NxD's rule); use pp "
+                              f"{p.pp - 1} or {p.pp + 1}")
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr})")
     if o.max_steps < 1 or o.warmup_steps < 0 or o.decay_steps < 0:

@@ -102,9 +102,9 @@ def kv_replicas(m: ModelConfig, tp: int) -> int:
     return max(1, tp // m.n_kv_heads)
 
 
-def check_layout(cfg: Config, world: int) -> None:
+def check_layout(cfg: Config, world: int, backend: str = "") -> None:
     """Every reason a layout cannot work, raised as ConfigError before any process group exists."""
-    configs.validate(cfg, world)
+    configs.validate(cfg, world, backend)
     tp = cfg.parallel.tp
     if cfg.model.ffn_dim % tp != 0:
         raise ConfigError(f"ffn_dim {cfg.model.ffn_dim} is not divisible by tp {tp}: gate_up_proj and "
@@ -132,11 +132,11 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
     Reads RANK and WORLD_SIZE (and MASTER_ADDR/PORT through env://) from torchrun. World 1: Grid()."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    check_layout(cfg, world)                 # bad input fails here, before any process group work
+    backend = backend_for(torch.device(device).type if device is not None else _device_type(cfg))
+    check_layout(cfg, world, backend)        # bad input fails here, before any process group work
     if world == 1:
         return Grid()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    backend = backend_for(torch.device(device).type if device is not None else _device_type(cfg))
     if backend == "xla" and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
         raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
                           "collectives between processes; use --device=cpu to train with gloo")
@@ -170,6 +170,15 @@ def new_host_group():
     return dist.new_group(backend="gloo")
 
 
+def group_options(backend: str, mesh: list[list[int]]):
+    """pg_options of a new group, one of `mesh` (all the groups of its kind, as plain lists).
+    XLA compiles each collective with the replica groups of ALL ranks: without the full mesh a
+    sub-group collective would be compiled with this group alone, which XLA's verifier rejects
+    (trainium.md; NxD passes the mesh the same way). Other backends take no options.
+    tests/xla_rules.py replaces this function to create gloo groups in their XLA form."""
+    return {"xla_pg_options": {"mesh": mesh}} if backend == "xla" else None
+
+
 def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str, tied: bool = False) -> Grid:
     """Create every group of every kind (new_group is collective: all ranks create all groups, in
     the same order) and keep the ones this rank belongs to."""
@@ -178,9 +187,7 @@ def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str
     for kind, lists in rank_groups(world, tp, pp, kv_reps, tied).items():
         if len(lists[0]) == 1:
             continue
-        # XLA compiles each collective with the replica groups of ALL ranks: without the full mesh
-        # a sub-group collective would be compiled with this group alone (trainium.md).
-        opts = {"xla_pg_options": {"mesh": lists}} if backend == "xla" else None
+        opts = group_options(backend, lists)
         for ranks in lists:
             group = dist.new_group(ranks, pg_options=opts)
             if rank in ranks:
@@ -412,8 +419,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelHead(ColumnParallelLinear):
     """lm_head split over the vocabulary: logits [B, T, V_local], this rank's slice of the padded
-    vocabulary. Padding columns (vocab rounded up to a TP multiple) are set to -inf, so no softmax,
-    loss or sampler ever gives them probability. loss_sum: the vocab-parallel cross entropy."""
+    vocabulary. Padding columns (vocab rounded up to a TP multiple) are set to model.MASK_VALUE
+    (finite, as every mask: no infinity on trn1), so no softmax, loss or sampler gives them probability. loss_sum: the vocab-parallel cross entropy."""
     def __init__(self, dim: int, vocab_local: int, n_real: int, vocab_start: int, group, sequence_parallel: bool):
         super().__init__(dim, vocab_local, group, sequence_parallel)
         self.n_real = n_real          # real (non-padding) vocabulary entries in this rank's slice
@@ -423,7 +430,7 @@ class VocabParallelHead(ColumnParallelLinear):
         logits = super().forward(x)
         if self.n_real < logits.shape[-1]:
             pad = torch.arange(logits.shape[-1], device=logits.device) >= self.n_real
-            logits = logits.masked_fill(pad, float("-inf"))
+            logits = logits.masked_fill(pad, llama.MASK_VALUE)
         return logits
 
     def loss_sum(self, h, targets):
@@ -599,7 +606,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (local_t >= 0) & (local_t < v_local)
         local_t = local_t.clamp(0, v_local - 1)          # -100 and other ranks' targets: any column
         picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - top
-        picked = torch.where(mine, picked, torch.zeros_like(picked))   # where, not *: picked may be -inf
+        picked = torch.where(mine, picked, torch.zeros_like(picked))   # other ranks' targets: 0
         stats = all_reduce(torch.stack((exp.sum(-1), picked)), group)
         sum_exp, target_logit = stats[0], stats[1]
         valid = targets != -100

@@ -178,23 +178,29 @@ class Comm:
         return comm
 
 
+def pair_meshes(world: int, tp: int, pp: int) -> list[list[list[int]]]:
+    """The two-rank groups of the "allgather" point-to-point as plain lists, in two meshes, exactly
+    as NxD's get_pipeline_model_parallel_sr_group (parallel_layers/parallel_state.py) builds them:
+    for each pipeline ranks r_0..r_(pp-1), the pairs [r_i, r_((i+1) % pp)] for i of one parity.
+    The wrap-around pair [r_(pp-1), r_0] never carries data, but without it the odd mesh would
+    leave out the first and last stages, and XLA's replica-group verifier wants a collective's
+    groups to name every rank exactly once. With an even pp (configs.validate requires it on xla)
+    no rank appears twice in a mesh. The link between stages s and s+1 lives in mesh s % 2."""
+    pp_groups = parallel.rank_groups(world, tp, pp)["pp"]
+    return [[[g[i], g[(i + 1) % pp]] for g in pp_groups for i in range(parity, pp, 2)] for parity in (0, 1)]
+
+
 def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
-    """Two-rank groups for every pair of neighbouring stages, from the PP groups of rank_groups.
+    """This rank's two-rank groups, keyed by the peer's global rank: (group, peer's index in it).
     new_group is collective: every rank creates every pair, in the same order. On XLA each group
-    gets the mesh of all pairs created with it (XLA compiles a collective with the replica groups
-    of all ranks, trainium.md). As in NxD, pairs are made in two rounds, links (0,1), (2,3), ...
-    then (1,2), (3,4), ...: within one round no rank appears twice, so each mesh is a valid set of
-    disjoint replica groups."""
+    gets its whole mesh (XLA compiles a collective with the replica groups of all ranks,
+    trainium.md). The wrap-around pairs are created (they complete their mesh) but never used."""
     mine = {}
-    pp_groups = parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"]
-    for parity in (0, 1):
-        pairs = [[g[s], g[s + 1]] for s in range(parity, grid.pp - 1, 2) for g in pp_groups]
-        if not pairs:
-            continue
-        opts = {"xla_pg_options": {"mesh": pairs}} if grid.backend == "xla" else None
-        for pair in pairs:
+    for mesh in pair_meshes(grid.world, grid.tp, grid.pp):
+        opts = parallel.group_options(grid.backend, mesh)
+        for pair in mesh:
             group = dist.new_group(pair, pg_options=opts)
-            if grid.rank in pair:
+            if grid.rank in pair and pair[0] < pair[1]:      # a link [r_s, r_(s+1)], not the wrap-around
                 peer = pair[1] if pair[0] == grid.rank else pair[0]
                 mine[peer] = (group, pair.index(peer))
     return mine
@@ -352,6 +358,7 @@ def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid,
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
+    cut()       # the token count is a graph of its own: the only one that reads every microbatch
     mb = _Microbatches(model, batches, scale, grid, cut)
     comm = model.comm
     comm.reset(model, cut)

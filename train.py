@@ -81,14 +81,17 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     and every gradient accumulation therefore yields the same gradient. Gradients are reduced once,
     after the last microbatch: nothing is communicated on the others.
     guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
-    False skips the update. cut() ends the graph being traced (train.sync on XLA): called after each
-    microbatch's backward, so a step is a graph for the first microbatch (it creates the gradients),
-    one for every later microbatch (it adds to them), then the caller's sync ends the
-    reduce/clip/update graph. NxD's training loop and the HLAT scripts cut there too (xm.mark_step
-    after each microbatch). Returns tensors only; nothing here forces a host sync (XLA)."""
+    False skips the update. cut() ends the graph being traced (train.sync on XLA): after the token
+    count and after each microbatch's backward, so a step runs a small token-count graph, a graph
+    for the first microbatch (it creates the gradients), one for every later microbatch (it adds to
+    them), then the caller's sync ends the reduce/clip/update graph; none grows with the number of
+    microbatches but the token count (a compare and a sum per microbatch). NxD's training loop and
+    the HLAT scripts cut there too (xm.mark_step after each microbatch). Returns tensors only;
+    nothing here forces a host sync (XLA)."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
+    cut()       # the token count is a graph of its own: the only one that reads every microbatch
     loss_sum = 0.0
     for b in batches:
         loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])    # summed over tokens
@@ -181,10 +184,11 @@ def main(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    configs.validate(cfg, world)                       # every layout error, before any work
+    device = pick_device(cfg.device)
+    # Every layout error, before any work; the xla backend has rules of its own (configs.validate).
+    configs.validate(cfg, world, parallel.backend_for(device.type))
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
     hf.check_export_dir(out_dir, overwrite=False)
-    device = pick_device(cfg.device)
     grid = parallel.init_distributed(cfg, device)
     stop = StopSignal(grid)
     # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before

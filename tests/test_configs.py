@@ -30,6 +30,23 @@ def test_70b_preset_is_hlats_layout():
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == (8192, 80, 64, 8, 28672)
     assert (p.tp, p.pp, p.zero1, c.data.seq_len, c.data.global_batch) == (32, 8, True, 4096, 1024)
     configs.validate(c, world_size=256 * 32)     # HLAT: 256 nodes; 8 KV heads replicated over TP=32
+    # on Trainium: NxD's point-to-point (all-gather over neighbour pairs), an even PP
+    assert p.pp_p2p == "allgather"
+    configs.validate(c, world_size=256 * 32, backend="xla")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp=2", "--parallel.pp_p2p=send", "--global_batch=32"], "--parallel.pp_p2p='send' does not work on the xla backend.*"
+                                           "use --parallel.pp_p2p=allgather"),
+    (["--pp=3", "--parallel.pp_p2p=allgather", "--model.n_layers=3", "--global_batch=48"],
+     "pp 3 on the xla backend must be even.*use pp 2 or 4"),
+])
+def test_xla_backend_rules_fail_before_any_work(args, message):
+    """What the xla backend cannot run is refused in validation, on xla only (gloo runs it)."""
+    cfg = configs.from_args(args)
+    configs.validate(cfg, 2 * cfg.parallel.pp, backend="gloo")
+    with pytest.raises(ConfigError, match=message):
+        configs.validate(cfg, 2 * cfg.parallel.pp, backend="xla")
 
 
 def test_overrides_are_typed():

@@ -376,6 +376,8 @@ def _init_gloo(rank: int, world: int, store_file: str):
     # Rendezvous through a file unique to this test (not a TCP port picked in advance): concurrent
     # test runs on a shared machine cannot join each other's groups.
     torch.set_num_threads(1)
+    import xla_rules
+    xla_rules.install()             # ZeRO-1's collectives in their XLA form, checked by the xla backend's rules
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
+import xla_rules  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
@@ -114,7 +115,13 @@ def reference_tied():
 # ----------------------------------------------------------------------------- the spawned ranks
 
 def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
-    """Build, check the init, 3 training steps; write what this rank gathered to full shape."""
+    """Build, check the init, 3 training steps; write what this rank gathered to full shape. Under
+    the xla backend's rules (xla_rules), whose log of the layout's collectives is written too."""
+    with xla_rules.recording(name, grid, out_dir):
+        _run_layout(name, cfg, grid, out_dir)
+
+
+def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     model = parallel.build_model(cfg, grid, torch.device("cpu"))
     res = {"init": parallel.gather_full_state_dict(model, grid), "loss": [], "norm": []}
     b0 = rank_batches(0, grid)[0]
@@ -230,6 +237,7 @@ def sp_saved_memory(grid):
 
 def _worker(rank: int, ports: list[int], out_dir: str):
     torch.set_num_threads(1)
+    xla_rules.install()          # every group in its XLA form, every collective checked (xla_rules.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
                       WORLD_SIZE="4", LOCAL_RANK=str(rank))
     # Phase A: one world of 4.
@@ -316,11 +324,12 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
         for k, v in reference["init"].items():
             assert torch.equal(res["init"][k], v), f"{where}: init of {k} differs"
             assert torch.equal(res["reloaded"][k], v), f"{where}: load_full_state_dict of {k}"
-        # Forward: the gathered logits; the padding columns (vocab 97 -> a TP multiple) are -inf.
+        # Forward: the gathered logits; the padding columns (vocab 97 -> a TP multiple) are masked
+        # with the finite mask value (no infinity on trn1).
         full = res["logits"]
         rows = slice(res["logit_rows"], res["logit_rows"] + full.shape[0])
         assert_close(full[..., :97], reference["logits"][rows], f"{where}: logits")
-        assert torch.all(full[..., 97:] == float("-inf")), f"{where}: padding logits not masked"
+        assert torch.all(full[..., 97:] == llama.MASK_VALUE), f"{where}: padding logits not masked"
         for step in range(STEPS):
             assert_close(res["loss"][step], reference["loss"][step], f"{where}: loss at step {step}")
             assert_close(res["norm"][step], reference["norm"][step], f"{where}: grad norm at step {step}")

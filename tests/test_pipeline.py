@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
+import xla_rules  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
@@ -113,6 +114,16 @@ def reference_tied():
 # ----------------------------------------------------------------------------- the spawned ranks
 
 def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
+    """Under the xla backend's rules (xla_rules), except "send", gloo's point-to-point, which the xla
+    backend cannot run (configs.validate refuses it there)."""
+    if cfg.parallel.pp_p2p == "send":
+        with xla_rules.suspended():
+            return _run_layout(name, cfg, grid, out_dir)
+    with xla_rules.recording(name, grid, out_dir):
+        return _run_layout(name, cfg, grid, out_dir)
+
+
+def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     model = pipeline.build_model(cfg, grid, torch.device("cpu"))
     res = {"init": pipeline.gather_full_state_dict(model, grid), "loss": [], "norm": [], "max_live": [],
            "pp_rank": grid.pp_rank, "pp": grid.pp}
@@ -158,6 +169,7 @@ def _init(ports, port_index, rank, world, cfg) -> parallel.Grid:
 
 def _worker(rank: int, ports: list[int], out_dir: str):
     torch.set_num_threads(1)
+    xla_rules.install()          # every group in its XLA form, every collective checked (xla_rules.py)
     # Phase A: one world of 8, PP=2 x TP=2 x DP=2.
     grid = _init(ports, 0, rank, 8, tiny_cfg(pp=2, tp=2, dp=2))
     assert (grid.pp_rank, grid.dp_rank, grid.tp_rank) == (rank // 4, rank // 2 % 2, rank % 2)
