@@ -137,17 +137,26 @@ def use_xla_checkpointing(model: nn.Module) -> None:
             m.checkpoint_fn = xla_checkpoint
 
 
+# What a masked attention score becomes: finite, as NxD's Llama (CoreAttention in
+# examples/training/llama/modeling_llama_nxd.py masks the scores with -10000.0 after the matmul).
+# Its softmax weight is still exactly 0 (exp(-10000) underflows in fp32), but no infinity ever sits
+# in a tensor: on trn1 neuronx-cc may lower a transpose as a matmul with the identity, and
+# inf * 0 is NaN (hence its --enable-saturate-infinity; aws-neuron-sdk #593: NaNs from -inf masks).
+MASK_VALUE = -10000.0
+
+
 def attention_core(q, k, v, mask, explicit: bool = False):
     """Softmax attention over [B, H, T, hd]; the part selective checkpointing recomputes.
-    mask: boolean [B, 1, T, T], True where a query may attend a key, or None for causal."""
+    mask: boolean [B, 1, T, T], True where a query may attend a key, or None for causal.
+    Masked scores are set to MASK_VALUE on both paths: no infinity in any tensor."""
+    if mask is None:            # not SDPA's is_causal: its math path (the one XLA runs) fills -inf
+        T = q.shape[-2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if explicit:
-        if mask is None:
-            T = q.shape[-2]
-            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         return ExplicitAttention.apply(q, k, v, mask)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # A boolean mask would become a -inf bias inside SDPA; an additive finite one stays finite.
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASK_VALUE)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
@@ -184,13 +193,13 @@ class ExplicitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask):
         B, H, T, hd = q.shape
         q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)          # [B*H, T, hd]
-        # The mask as an additive bias, added inside the score GEMM together with the scale.
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.expand(B, H, T, T).reshape(B * H, T, T) if bias.dim() == 4 else bias.expand(B * H, T, T)
+        # Masked after the matmul with a finite value, as NxD's CoreAttention (see MASK_VALUE).
+        masked = ~(mask.expand(B, H, T, T).reshape(B * H, T, T) if mask.dim() == 4 else mask.expand(B * H, T, T))
         out, probs = torch.empty_like(q), []
         for s in range(0, T, ExplicitAttention.QUERY_BLOCK):
             e = min(T, s + ExplicitAttention.QUERY_BLOCK)          # queries [s, e) see keys [0, e)
-            p = softmax_fp32(torch.baddbmm(bias[:, s:e, :e], q[:, s:e], k[:, :e].transpose(1, 2), alpha=hd ** -0.5))
+            scores = torch.bmm(q[:, s:e], k[:, :e].transpose(1, 2)).mul_(hd ** -0.5)
+            p = softmax_fp32(scores.masked_fill_(masked[:, s:e, :e], MASK_VALUE))
             torch.bmm(p, v[:, :e], out=out[:, s:e])
             probs.append(p)
         ctx.save_for_backward(q, k, v, *probs)
