@@ -68,6 +68,12 @@ export NEURON_RT_STOCHASTIC_ROUNDING_SEED="${NANOTRN_SR_SEED:-0}"
 if [[ "${NANOTRN_INSTANCE:-trn1}" == "trn2" ]]; then
     export NEURON_LOGICAL_NC_CONFIG=2
 fi
+# Functionalization back on: Neuron turns it off by default, and with it off torch-neuronx
+# 2.6-2.9 returns wrong data from split/chunk along a non-leading dimension (pytorch/xla#8640);
+# the model splits qkv and gate_up on the last dimension. NxD's 70B scripts set the same
+# (examples/training/llama/tp_pp_llama_hf_pretrain/run_llama2_70B_tp_pp.sh). Both settings give
+# eager CPU's losses on XLA:CPU (tests/test_xla.py).
+export XLA_DISABLE_FUNCTIONALIZATION=0
 # 32 ranks per host each with many threads: cap glibc malloc arenas (host memory, HLAT scripts).
 export MALLOC_ARENA_MAX=64
 # Gloo groups (the host group for checkpoint barriers on XLA) connect to a peer only when they
@@ -78,7 +84,7 @@ export TORCH_GLOO_LAZY_INIT=1
 NANOTRN_ENV_VARS=(PJRT_DEVICE NEURON_CC_FLAGS NEURON_COMPILE_CACHE_URL NEURON_FUSE_SOFTMAX
                   NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS NEURON_RT_EXEC_TIMEOUT
                   NEURON_RT_STOCHASTIC_ROUNDING_EN NEURON_RT_STOCHASTIC_ROUNDING_SEED
-                  MALLOC_ARENA_MAX TORCH_GLOO_LAZY_INIT)
+                  MALLOC_ARENA_MAX TORCH_GLOO_LAZY_INIT XLA_DISABLE_FUNCTIONALIZATION)
 if [[ -n "${NEURON_LOGICAL_NC_CONFIG:-}" ]]; then NANOTRN_ENV_VARS+=(NEURON_LOGICAL_NC_CONFIG); fi
 
 # Multi-node: collectives between instances go over EFA with device RDMA; fork-safe because the

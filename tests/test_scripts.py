@@ -96,6 +96,7 @@ def test_dry_run_7b_on_16_nodes():
     assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
     assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"             # the preset is bf16_sr
     assert env["MALLOC_ARENA_MAX"] == "64"
+    assert env["XLA_DISABLE_FUNCTIONALIZATION"] == "0"                # pytorch/xla#8640, NxD 70B scripts
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
 
 
