@@ -434,6 +434,10 @@ def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
         # The all-gather pairs form two meshes, [s, s+1] for s of one parity, the wrap-around pair
         # [pp-1, 0] included (NxD's get_pipeline_model_parallel_sr_group); XLA's verifier accepts a
         # mesh only if it names every rank once, which needs an even pp.
+        if m.tie_embeddings and p.pp > 2:
+            raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group "
+                              f"(first and last stage) is a mesh that leaves out the middle stages, which "
+                              f"XLA's verifier rejects; use pp 2, or a model without tied embeddings")
         if p.pp % 2:
             raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
                               f"pair groups must cover every rank once (NxD's rule); use pp "

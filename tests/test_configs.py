@@ -40,6 +40,8 @@ def test_70b_preset_is_hlats_layout():
                                            "use --parallel.pp_p2p=allgather"),
     (["--pp=3", "--parallel.pp_p2p=allgather", "--model.n_layers=3", "--global_batch=48"],
      "pp 3 on the xla backend must be even.*use pp 2 or 4"),
+    (["--pp=4", "--parallel.pp_p2p=allgather", "--model.n_layers=4", "--global_batch=64", "--model.tie_embeddings"],
+     "tied embeddings with pp 4 on the xla backend"),
 ])
 def test_xla_backend_rules_fail_before_any_work(args, message):
     """What the xla backend cannot run is refused in validation, on xla only (gloo runs it)."""
