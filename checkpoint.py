@@ -12,11 +12,18 @@ On disk, one directory per saved step, in NxD's layout:
       faults.log                    what NANOTRN_FAULT killed, and when (see FaultInjector)
       step_00000200/
         meta.json                   step, config, parallel layout, user content (tokens seen)  rank 0
-        model_tp00_pp00.pt          the (tp 0, pp 0) rank's shard of the model               dp rank 0
-        optim_tp00_pp00.pt          that rank's optimizer state                              dp rank 0
-        optim_dp001_tp00_pp00.pt    ... or, with ZeRO-1, the shard of every DP rank
+        model_tp00_pp00.pt          the (tp 0, pp 0) rank's shard of the model            one DP replica
+        optim_tp00_pp00.pt          that rank's optimizer state                           another one
+        optim_dp001_tp00_pp00.pt    ... or, with ZeRO-1, the shard of every DP rank       that DP rank
         rank00000.pt                RNG streams and data-loader state                       every rank
         rank00000.done              completion marker: size and crc32 of each file rank 0 wrote
+
+Who writes a file that DP replicas hold alike (the model, the optimizer without ZeRO-1): one replica
+per file, spread over the DP group (writer_dp_rank), as NxD spreads its saves over the DP ranks
+(trainer/checkpoint.py, _xser_save_data bins the tensors over the DP group). 7B at TP=8 on 16 nodes:
+the 16 shared files come from 16 ranks on 16 nodes, not all from ranks 0-7 on node 0. The layout is
+NxD-like (per-rank files, the same names for the same roles), but NxD cannot read it: NxD keeps one
+file per tensor (xser) or its own keys, and its loaders expect its own directory tree.
 
 Why NxD's per-rank files and not torch.distributed.checkpoint (DCP): DCP reshards only DTensor
 models, and ours are plain tensors split by parallel.py. Per-rank files need no collective to save,
@@ -323,6 +330,20 @@ class LazyList(Sequence):
         return list(self) == list(other)
 
 
+# ----------------------------------------------------------------------------- who writes what
+
+def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
+    """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of the
+    (tp_rank, pp_rank) position of g. The n = kinds x TP x PP such files are numbered k = 0..n-1 and
+    file k goes to replica k * DP // n: evenly over the DP group, and since replicas fill the nodes
+    in order (parallel.rank_groups), evenly over the nodes too. Costs nothing at 4096 ranks: every
+    rank decides for itself, from its own coordinates."""
+    kinds = 1 if zero1 else 2
+    n = kinds * g.tp * g.pp
+    k = kind * g.tp * g.pp + g.pp_rank * g.tp + g.tp_rank
+    return k * g.dp // n
+
+
 # ----------------------------------------------------------------------------- the checkpointer
 
 class Checkpointer:
@@ -378,7 +399,9 @@ class Checkpointer:
             self.say(f"step {step} is already saved (newest is step {self._newest}); not saving it again")
             return
         files = self._files(step, model, optim, data, extra)
-        if self.c.async_save:
+        # Stage into host memory for a background write, and always off a device: torch.save of an
+        # XLA tensor pickles the device itself and ignores map_location at load.
+        if self.c.async_save or (self.device is not None and torch.device(self.device).type != "cpu"):
             # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
             # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
             threads = torch.get_num_threads()
@@ -413,9 +436,12 @@ class Checkpointer:
             except TypeError as e:
                 raise CheckpointError(f"save(extra=...) must be JSON-able (ints, floats, strings, lists, "
                                       f"dicts): {e}") from None
-        if g.dp_rank == 0 and model is not None:        # DP replicas hold the same model: one copy
+        zero1 = self.layout["zero1"]
+        # DP replicas hold the same model (and, without ZeRO-1, the same optimizer state): one copy
+        # of each, written by the replica writer_dp_rank picks, so the writes spread over the nodes.
+        if model is not None and g.dp_rank == writer_dp_rank(0, g, zero1):
             files[f"model_{tag}.pt"] = model
-        if optim is not None and (self.layout["zero1"] or g.dp_rank == 0):
+        if optim is not None and (zero1 or g.dp_rank == writer_dp_rank(1, g, zero1)):
             files[self._optim_name(g.dp_rank, tag)] = optim
         files[f"rank{g.rank:05d}.pt"] = {"rank": g.rank, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
                                          "pp_rank": g.pp_rank, "rng": rng_state(self.device), "data": data}

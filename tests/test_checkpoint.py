@@ -8,6 +8,7 @@ the ranks of one checkpoint are written one after another by Checkpointers with 
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -295,6 +296,31 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     g0 = parallel.Grid(world=4, rank=0, tp=2, dp=2)       # rank 0 says why it skips
     assert Checkpointer(cfg, g0).load_latest().step == 1
     assert "no completion marker from rank(s) [2] of 4" in capsys.readouterr().out
+
+
+def test_shared_files_are_written_by_spread_replicas(tmp_path):
+    """TP=2 x DP=4: the 4 files the DP replicas hold alike (model and optimizer of each TP rank) are
+    written by 4 different replicas (dp 0, 1, 2, 3), not all by dp 0; every rank writes its own
+    RNG/data file; a rank that wrote none of them reads its model and optimizer back."""
+    cfg = tiny_cfg(tmp_path)
+    cfg.ckpt.async_save = False
+    state = lambda g: ({"w": torch.full((4,), 1.0 + g.tp_rank)},                       # noqa: E731
+                       {"layout": {"kind": "full"}, "state": {"m": torch.full((2,), 5.0 + g.tp_rank)}},
+                       {"dp_rank": g.dp_rank})
+    ranks_save(cfg, 1, world=8, tp=2, dp=4, make_state=state)
+    d = tmp_path / "step_00000001"
+    wrote = {r: sorted(json.loads((d / f"rank{r:05d}.done").read_text())["files"]) for r in range(8)}
+    shared = {r: [n for n in names if n.startswith(("model", "optim"))] for r, names in wrote.items()}
+    assert shared == {0: ["model_tp00_pp00.pt"], 3: ["model_tp01_pp00.pt"], 4: ["optim_tp00_pp00.pt"],
+                      7: ["optim_tp01_pp00.pt"], 1: [], 2: [], 5: [], 6: []}
+    assert all(f"rank{r:05d}.pt" in names for r, names in wrote.items())
+    assert [r for r, names in wrote.items() if "meta.json" in names] == [0]
+    assert [checkpoint.writer_dp_rank(k, parallel.Grid(world=8, tp=2, dp=4, tp_rank=t), False)
+            for k in (0, 1) for t in (0, 1)] == [0, 1, 2, 3]
+    g6 = parallel.Grid(world=8, rank=6, tp=2, dp=4, tp_rank=0, dp_rank=3)
+    got = Checkpointer(cfg, g6).load_latest()
+    assert torch.equal(got.model["w"], torch.full((4,), 1.0)) and torch.equal(got.optim["state"]["m"], torch.full((2,), 5.0))
+    assert got.data == {"dp_rank": 3}
 
 
 # ----------------------------------------------------------------------------- fault injection
