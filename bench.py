@@ -578,7 +578,7 @@ def bench_ckpt(args):
             sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
             import checkpoint, configs, optim, parallel, model as llama
             torch.set_num_threads({args.threads})
-            cfg = configs.Config(model=configs.ModelConfig(**{json.dumps(vars(cfg.model))}))
+            cfg = configs.Config(model=configs.ModelConfig(**{vars(cfg.model)!r}))
             cfg.ckpt.dir = KILL_DIR
             t_import = time.time()
             ck = checkpoint.Checkpointer(cfg)
