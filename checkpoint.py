@@ -64,11 +64,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from configs import Config, ModelConfig
+from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
 from parallel import Grid
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.bad\d*)?$")     # step_00000200, or set aside: step_00000200.bad<time>
@@ -695,6 +698,12 @@ class Checkpointer:
             raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
                                   f"\nresume with the checkpoint's --model.* settings, or start a new run "
                                   f"in another --ckpt.dir")
+        saved_precision = meta["config"]["optim"]["precision"]
+        if saved_precision != self.cfg.optim.precision:
+            raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
+                                  f"for {self.cfg.optim.precision}: its optimizer state is kept in the other "
+                                  f"precision; resume with --optim.precision={saved_precision}, or start a new "
+                                  f"run in another --ckpt.dir")
         other = [x for x in _diff(meta["config"], self.cfg.to_dict())
                  if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
         if other:
@@ -907,18 +916,38 @@ def _cli(argv: list[str]):
     python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] DIR OUT
                                             the newest valid one as a complete Hugging Face folder
                                             (weights, config, generation config, the run's tokenizer)
-    In one process, whatever layout wrote the checkpoint."""
+    In one process, whatever layout wrote the checkpoint. Every argument is checked before a
+    checkpoint is read; export never writes into a non-empty OUT without --overwrite."""
     import hf
+    usage = "usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR"
     flags = [a for a in argv if a.startswith("--")]
     argv = [a for a in argv if not a.startswith("--")]
     dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")
     bad = [f for f in flags if f != "--overwrite" and not f.startswith("--dtype=")]
-    if bad or dtype not in ("auto", "fp32", "bf16") or len(argv) != {"ls": 2, "export": 3}.get(argv[0] if argv else "", 0):
-        sys.exit("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR")
+    if argv and argv[0] not in ("ls", "export"):
+        raise CheckpointError(f"unknown command {argv[0]!r}; {usage}")
+    if not argv or bad or dtype not in ("auto", "fp32", "bf16") or len(argv) != {"ls": 2, "export": 3}[argv[0]]:
+        raise CheckpointError(usage)
+    root = argv[1]
+    if (kind := path_kind(root)) != "a directory":
+        raise CheckpointError(f"{root} is {'missing' if kind == 'nothing' else kind}: give a checkpoint "
+                              f"directory (the --ckpt.dir of a run)")
+    if argv[0] == "export":
+        out = argv[2]
+        try:
+            check_dir("HF_OUT_DIR", out)
+        except ConfigError as e:
+            raise CheckpointError(str(e).replace("--HF_OUT_DIR=", "")) from None
+        if os.path.isdir(out) and os.listdir(out) and "--overwrite" not in flags:
+            raise CheckpointError(f"{out} is not empty: export into a new folder, or pass --overwrite to "
+                                  f"replace what is there")
     cfg = Config()
-    cfg.ckpt.dir = argv[1]
+    cfg.ckpt.dir = root
     ck = Checkpointer(cfg, Grid())
-    for _, d in ck._scan():
+    found = ck._scan()
+    if not found:
+        raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
+    for _, d in found:
         problem, files = ck._complete(d)
         problem = problem or ck._verify(d, files)
         if argv[0] == "ls":
@@ -926,16 +955,23 @@ def _cli(argv: list[str]):
         elif problem is None:
             import data
             m = ModelConfig(**json.loads((d / "meta.json").read_text())["config"]["model"])
-            tok_dir = Path(argv[1]) / "tokenizer"
+            tok_dir = Path(root) / "tokenizer"
             tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
-            try:
-                export_hf(full_model_state(d, m), m, argv[2], hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
-            except hf.HFError as e:
-                sys.exit(f"error: {e}")
-            return print(f"exported {d} to {argv[2]}" + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
+            export_hf(full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
+            return print(f"exported {d} to {out}" + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
     if argv[0] == "export":
-        sys.exit(f"no complete, valid checkpoint in {argv[1]}")
+        raise CheckpointError(f"no complete, valid checkpoint in {root}")
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _cli(argv)
+    except (CheckpointError, ConfigError) as e:                # ConfigError: hf.HFError, data.DataError
+        sys.exit(f"checkpoint error: {e}" if not str(e).startswith("usage") else str(e))
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
 
 
 if __name__ == "__main__":
-    _cli(sys.argv[1:])
+    main(sys.argv[1:])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field, fields
 
@@ -372,27 +374,98 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
     return d.global_batch // (d.micro_batch * dp)
 
 
+# Every numeric key's domain: (test, what the key must be). Checked first, so that a zero divisor
+# or a negative seed is a message naming the key, never a ZeroDivisionError deep inside a run.
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: v > 0, "> 0")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+DOMAINS = {
+    **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                     "model.ffn_dim", "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps",
+                     "data.seq_len", "data.global_batch", "data.micro_batch", "log.interval",
+                     "log.eval_windows", "model.rope_original_max_len"), _AT_LEAST_1),
+    **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr", "optim.eps",
+                     "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
+    **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps",
+                     "optim.constant_steps", "optim.weight_decay", "optim.grad_clip", "ckpt.interval",
+                     "ckpt.keep", "log.eval_interval", "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
+    **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
+    "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),
+    "data.seed": (lambda v: v >= 0, ">= 0 (numpy's generators take no negative seed)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (numpy's global seed range)"),
+}
+NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_dir")
+
+
+def check_values(cfg: Config) -> None:
+    """Every key's own domain and the model's shape: what holds whatever the world size."""
+    for key, (holder, f) in _all_keys(cfg).items():
+        value = getattr(holder, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{key}={value}: must be a finite number")
+        if key in DOMAINS and not DOMAINS[key][0](value):
+            raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
+        if key in NON_EMPTY and not str(value).strip():
+            raise ConfigError(f"--{key} is empty: give a value (default {_default(key)!r})")
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
+    o = cfg.optim
+    if not o.min_lr <= o.lr:
+        raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr}: the schedule decays "
+                          f"from lr to min_lr; lower min_lr")
+    m = cfg.model
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above "
+                          f"--model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 rope scaling "
+                          f"interpolates between them)")
+    check_shape(cfg)
+
+
+def _default(key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(Config(), section) if section else Config(), name)
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Settings that work but are seldom meant: said out loud before the run starts."""
+    o, out = cfg.optim, []
+    if o.warmup_steps > o.max_steps:
+        # Not an error: a pre-compile pass (scripts/launch.sh) or an eager reference run
+        # (scripts/xla_check.py) stops a real run's schedule early on purpose.
+        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps="
+                   f"{o.max_steps}): the lr never reaches its peak {o.lr:g}; lower warmup_steps unless "
+                   f"this run stops a longer schedule early on purpose")
+    return out
+
+
 def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
     """Reject a configuration that cannot work. Called before any process group or model exists.
     backend: the collective backend the device implies ("xla" on Trainium; "" when not yet known),
     for the rules of torch-xla's xla backend."""
+    check_values(cfg)
+    check_layout(cfg, world_size)
+    check_backend(cfg, backend)
+
+
+def check_shape(cfg: Config) -> None:
+    """The model's shape, alone and against the TP/PP degrees (whatever the world size)."""
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
-    for key, allowed in CHOICES.items():
-        section, _, name = key.rpartition(".")
-        value = getattr(getattr(cfg, section) if section else cfg, name)
-        if value not in allowed:
-            raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(allowed)}")
     if m.dim % m.n_heads != 0 and not m.head_dim_override:
-        raise ConfigError(f"dim {m.dim} is not divisible by n_heads {m.n_heads}")
+        raise ConfigError(f"--model.dim={m.dim} is not divisible by --model.n_heads={m.n_heads}; pick n_heads "
+                          f"among the divisors of dim")
     if m.head_dim % 2 != 0:
-        raise ConfigError(f"head_dim {m.head_dim} must be even for RoPE")
+        raise ConfigError(f"head_dim {m.head_dim} (dim {m.dim} / n_heads {m.n_heads}, or --model.head_dim_override) "
+                          f"must be even for RoPE; change --model.dim or --model.n_heads")
     if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":
         # The two copies (first and last stage) sit at different offsets of their stages' ZeRO-1
         # shards, so stochastic rounding would draw different noise for them and they would drift.
         raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
                           "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
-        raise ConfigError(f"n_heads {m.n_heads} is not divisible by n_kv_heads {m.n_kv_heads} (GQA groups)")
+        raise ConfigError(f"--model.n_heads={m.n_heads} is not divisible by --model.n_kv_heads={m.n_kv_heads}: "
+                          f"GQA shares each KV head by a whole group of query heads; pick n_kv_heads "
+                          f"among the divisors of n_heads")
     if m.n_heads % p.tp != 0:
         raise ConfigError(f"n_heads {m.n_heads} is not divisible by tp {p.tp}: each TP rank must hold "
                           f"whole attention heads; pick tp from the divisors of {m.n_heads}")
@@ -401,8 +474,12 @@ def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
         # this for 70B: 8 KV heads at TP=32); anything else would split a KV head.
         raise ConfigError(f"n_kv_heads {m.n_kv_heads} and tp {p.tp}: one must divide the other "
                           f"so every TP rank holds whole KV groups")
+    if m.ffn_dim % p.tp != 0:
+        raise ConfigError(f"--model.ffn_dim={m.ffn_dim} is not divisible by --tp={p.tp}: gate_up_proj and "
+                          f"down_proj are split over the TP ranks; pick tp from the divisors of ffn_dim")
     if p.pp > m.n_layers:
-        raise ConfigError(f"pp {p.pp} is larger than n_layers {m.n_layers}")
+        raise ConfigError(f"--pp={p.pp} is larger than --model.n_layers={m.n_layers}: every pipeline stage "
+                          f"needs a layer; lower --pp")
     if p.pp_cuts:
         try:
             cuts = [int(c) for c in p.pp_cuts.split(",")]
@@ -415,15 +492,27 @@ def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
         raise ConfigError(f"n_layers {m.n_layers} is not divisible by pp {p.pp}; change pp or give "
                           f"explicit stage boundaries with --parallel.pp_cuts")
     if p.sp and p.tp > 1 and (d.seq_len % p.tp != 0):
-        raise ConfigError(f"sequence parallelism splits seq_len {d.seq_len} over tp {p.tp}: not divisible")
+        raise ConfigError(f"sequence parallelism splits --seq_len={d.seq_len} over --tp={p.tp}: not divisible; "
+                          f"pick a seq_len that is a multiple of tp, or --sp=false")
     if d.seq_len > m.max_seq_len:
-        raise ConfigError(f"seq_len {d.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
+        raise ConfigError(f"--seq_len={d.seq_len} exceeds --model.max_seq_len={m.max_seq_len}; raise "
+                          f"max_seq_len or lower seq_len")
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """The parallel layout on `world_size` ranks: world = TP x PP x DP, the batch split over DP."""
+    p = cfg.parallel
     dp = resolve_dp(cfg, world_size)
     accum = grad_accum_steps(cfg, dp)
     if p.pp > 1 and accum < p.pp:
         raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, "
                           f"got {accum} (global_batch / (micro_batch * dp)); raise the global batch "
                           f"or lower micro_batch")
+
+
+def check_backend(cfg: Config, backend: str) -> None:
+    """The rules of torch-xla's xla backend (backend "xla" on Trainium; "" when not yet known)."""
+    m, p = cfg.model, cfg.parallel
     if backend == "xla" and p.pp > 1:
         # torch 2.9's isend passes the GROUP-local peer, which ProcessGroupXla.send takes for a
         # global rank, and it syncs on every op (torch_xla/distributed/xla_backend.py). NxD's
@@ -442,12 +531,54 @@ def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
             raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
                               f"pair groups must cover every rank once (NxD's rule); use pp "
                               f"{p.pp - 1} or {p.pp + 1}")
-    if not (0 <= o.min_lr <= o.lr):
-        raise ConfigError(f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr})")
-    if o.max_steps < 1 or o.warmup_steps < 0 or o.decay_steps < 0:
-        raise ConfigError("max_steps must be >= 1 and warmup/decay steps >= 0")
-    if not 0.0 <= d.val_fraction < 1.0:
-        raise ConfigError(f"val_fraction {d.val_fraction} must be in [0, 1)")
+
+
+def path_kind(path: str) -> str:
+    """What is at path, in words: for messages that name a FIFO a FIFO, not "does not exist"."""
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "nothing"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def check_dir(key: str, path: str) -> None:
+    """path is a directory this process can create or write into."""
+    kind = path_kind(path)
+    if kind != "nothing" and kind != "a directory":
+        raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):          # the nearest existing ancestor is what gets written
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--{key}={path!r}: {parent} is not writable by this user; give another path")
+
+
+def check_file(key: str, path: str) -> None:
+    """path is an existing regular file this process can read."""
+    kind = path_kind(path)
+    if kind != "a file":
+        raise ConfigError(f"--{key}={path!r} is {'missing' if kind == 'nothing' else kind}: give a file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"--{key}={path!r} is not readable by this user")
+
+
+def check_paths(cfg: Config) -> None:
+    """Every path's kind, before anything is read or written: the directories a run writes into
+    (checkpoints, the export, event files, the tokenizer cache) and the tokenizer it reads. A file
+    where a directory belongs would otherwise fail at the first save, after hours of training."""
+    for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir),
+                      ("log.tensorboard", cfg.log.tensorboard), ("data.cache_dir", cfg.data.cache_dir)):
+        if path:
+            check_dir(key, path)
+    if cfg.data.tokenizer and path_kind(cfg.data.tokenizer) != "a directory":      # a model folder is fine
+        check_file("data.tokenizer", cfg.data.tokenizer)
 
 
 def describe(cfg: Config) -> str:
@@ -483,12 +614,17 @@ INSTANCES = {
 }
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "show":
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] != "show":
         sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
                  "  (the planner: python plan.py [--preset NAME] ...)")
     try:
-        cfg = from_args(sys.argv[2:])
+        cfg = from_args(argv[1:])
+        check_values(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     print(describe(cfg))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

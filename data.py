@@ -37,10 +37,14 @@ import os
 import pathlib
 import queue
 import re
+import signal
 import sys
 import sysconfig
 import threading
 import time
+
+if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
 
 import numpy as np
 import pyarrow as pa
@@ -49,7 +53,7 @@ import sentencepiece as spm
 import torch
 
 import monitor
-from configs import ConfigError, DataConfig
+from configs import Config, ConfigError, DataConfig, check_dir, check_paths, check_values, path_kind
 
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
 MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
@@ -131,11 +135,14 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
             found = dataset_files(entry, split)
         elif any(c in entry for c in "*?["):
             found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
-        elif os.path.isfile(entry):
+        elif (kind := path_kind(entry)) == "a file":
             found = [entry]
-        else:
+        elif kind == "nothing":
             raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
                             f"or 'stdlib', comma-separated)")
+        else:
+            raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
+                            f"directories, globs or 'stdlib'")
         if not found:
             raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
         paths += found
@@ -143,6 +150,8 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
         if not p.endswith(SUFFIXES):
             raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
                             f"(or convert it with `python data.py prepare`)")
+        if not os.access(p, os.R_OK):
+            raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
     seen = set()
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
@@ -227,8 +236,9 @@ class ColumnDocs(Source):
             else:
                 source.seek(0)
                 table = pa.ipc.open_stream(source).read_all()
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({e})") from None
+        except (pa.ArrowException, OSError) as e:      # random bytes: ArrowInvalid; truncated: OSError
+            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
+                            f"rewrite it (python data.py prepare) or leave it out of --data") from None
         self.col = text_column(table, field, path)
         self.n = len(self.col)
 
@@ -339,11 +349,11 @@ class Corpus:
 class Tokenizer:
     """A sentencepiece model: ours, or a Llama 2 tokenizer.model unchanged."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fix: str = "give a sentencepiece .model file with --data.tokenizer"):
         try:
             self.path, self.sp = path, spm.SentencePieceProcessor(model_file=path)
         except (OSError, RuntimeError) as e:
-            raise DataError(f"{path}: not a sentencepiece model ({e})") from None
+            raise DataError(f"{path}: not a sentencepiece model ({_spm_message(e)}); {fix}") from None
         self.vocab_size = self.sp.vocab_size()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
         # Identity = what encoding depends on: the pieces, their scores and the normalizer's effect
@@ -363,13 +373,49 @@ class Tokenizer:
         return self.sp.decode([int(i) for i in ids])
 
     def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1) -> list[np.ndarray]:
-        """Many documents at once: sentencepiece's batch API, in C++ threads without the GIL."""
+        """Many documents at once: sentencepiece's batch API, in C++ threads without the GIL.
+        A document longer than PIECE_CHARS is encoded in pieces (see split_long)."""
         if not texts:
             return []
+        if any(len(t) > PIECE_CHARS for t in texts):
+            out = []
+            for t in texts:
+                if len(t) <= PIECE_CHARS:
+                    out += self.encode_batch([t], bos, eos, threads)
+                    continue
+                parts = self.encode_batch(split_long(t), False, False, threads)
+                out.append(np.concatenate([np.asarray([self.bos_id] if bos else [], np.int32), *parts,
+                                           np.asarray([self.eos_id] if eos else [], np.int32)]).astype(np.int32))
+            return out
         if self._numpy:
             return self.sp.encode(texts, out_type="numpy", add_bos=bos, add_eos=eos, num_threads=threads)
         ids = self.sp.encode(texts, add_bos=bos, add_eos=eos, num_threads=threads)
         return [np.asarray(x, np.int32) for x in ids]
+
+
+# sentencepiece holds ~60 bytes per character of one input while it encodes it: a 50 MB document
+# in one line took 3.1 GB. Longer documents are cut into pieces of at most this many characters.
+PIECE_CHARS = 1 << 20
+
+
+def split_long(text: str, limit: int = PIECE_CHARS) -> list[str]:
+    """text in pieces of at most `limit` characters whose tokens, joined, are the tokens of the whole.
+    A cut replaces one space between two non-space characters: sentencepiece starts a word at each
+    space and merges only inside words, and the dummy prefix it adds to the next piece is that very
+    space. A run of over limit/2 characters without such a space is cut where it is: the piece after
+    it then gains one leading space, the only difference from encoding the whole."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        cut, lo = start + limit, start + limit // 2
+        while (cut := text.rfind(" ", lo, cut)) > 0 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            pass
+        if cut <= start:                       # no clean space in the second half: a hard cut
+            pieces.append(text[start:start + limit])
+            start += limit
+        else:
+            pieces.append(text[start:cut])
+            start = cut + 1
+    return pieces + [text[start:]]
 
 
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
@@ -401,6 +447,12 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
             raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but the model's "
                             f"vocab_size is {vocab_size}: token ids would index past the embedding; "
                             f"set --model.vocab_size={tok.vocab_size} (or more)")
+        if vocab_size > (padded := -(-tok.vocab_size // 128) * 128):
+            # Padding to a multiple of 128 is common; more means rows no token ever trains.
+            raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but --model.vocab_size is "
+                            f"{vocab_size}: {vocab_size - tok.vocab_size} embedding rows would never be trained "
+                            f"and the sample would draw from them; set --model.vocab_size={tok.vocab_size} "
+                            f"(or padded, at most {padded})")
     else:
         corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
@@ -412,7 +464,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(path):
                 train_tokenizer(corpus, split_documents(corpus.n_docs, cfg.val_fraction)[0], vocab_size, path)
-        tok = Tokenizer(path)
+        tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0:
             raise DataError(f"tokenizer {tok.path} has no {name.upper()} piece; set --data.{name}=false")
@@ -425,15 +477,27 @@ def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: 
     unk/bos/eos = 0/1/2), trained on lines sampled from the train documents. Deterministic: the
     sample is fixed and sentencepiece does no sampling of its own, so every node gets the same model."""
     t0, lines, order = time.time(), [], np.random.default_rng(0).permutation(doc_ids)
+    chars = bad = 0
     for start in range(0, len(order), 256):
         docs = corpus.read(order[start:start + 256], quiet=True)
         lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
+        bad += sum(repl for _, repl, _ in docs)
         chars = sum(map(len, lines))
         if chars >= max_chars:
             break
+    if not lines:
+        raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({len(order)} train documents, "
+                        f"all empty or unreadable records); check --data and --data.text_field")
+    if bad > chars / 10:
+        raise DataError(f"{corpus.spec!r} does not look like text: {bad:,} of the {chars:,} characters sampled "
+                        f"are invalid UTF-8 (binary or another encoding); convert it to UTF-8 or leave it out")
     print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
           f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
     tmp = f"{path}.tmp{os.getpid()}"
+    # Ctrl-C inside sentencepiece's C++ would wait for the training to end: the default action
+    # ends the process at once, quietly, and the model file is only ever renamed into place.
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
@@ -443,11 +507,22 @@ def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: 
             input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=8192,
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
     except RuntimeError as e:
-        raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {e}. "
-                        f"Lower --model.vocab_size, add data, or pass --data.tokenizer") from None
+        if m := re.search(r"smaller than required_chars. (\d+) vs (\d+)", str(e)):
+            raise DataError(f"{corpus.spec!r} has {m[2]} distinct characters, more than a {vocab_size}-piece "
+                            f"tokenizer holds; raise --model.vocab_size above {m[2]}, or pass --data.tokenizer") from None
+        raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {_spm_message(e)}; "
+                        f"lower --model.vocab_size, add data, or pass --data.tokenizer") from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, old_handler)
     os.replace(tmp + ".model", path)                    # atomic: a half-written model never exists
     os.remove(tmp + ".vocab")
     print(f"[data] tokenizer trained in {time.time() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
+
+
+def _spm_message(e: Exception) -> str:
+    """sentencepiece's own words without its source location: "INTERNAL: x.cc(744) [cond] text"."""
+    return re.sub(r"^(INTERNAL|Internal|NOT_FOUND|INVALID_ARGUMENT): (\S+\(\d+\) )?(\[.*?\] )?", "", str(e)).strip().rstrip(".")
 
 
 # ----------------------------------------------------------------------------- 3. split and shard
@@ -579,7 +654,9 @@ class PackedLoader:
         order = self.documents(stream, epoch)
         fresh, emitted = nxt == 0 and skip == 0, 0
         tok = np.zeros(0, np.int32)
-        tdoc = toff = np.zeros(0, np.int64)     # per token: document (index into order), offset in it
+        tdoc = toff = np.zeros(0, np.int32)     # per token: document (index into order), offset in it
+        # (int32: 4 bytes a token, not 8, on a huge document's tokens; a stream's documents and a
+        # document's tokens both stay far below 2**31)
         pos, chunk, want = 0, 16, max(2 * L1, 65536 // len(self.streams))   # tokens per read
 
         def commit(until):                      # count the documents now fully behind the position
@@ -598,8 +675,9 @@ class PackedLoader:
                 for j, (t, repl, bad) in enumerate(docs):
                     pending.append((nxt + j, (int(lens[j] > 0), int(not bad and lens[j] == 0), int(bad), repl, int(lens[j]))))
                 new = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-                ndoc = np.repeat(np.arange(nxt, nxt + len(ids)), lens)
-                noff = np.arange(len(new)) - np.repeat(np.cumsum(lens) - lens, lens)
+                ndoc = np.repeat(np.arange(nxt, nxt + len(ids), dtype=np.int32), lens)
+                noff = np.arange(len(new), dtype=np.int32)
+                noff -= np.repeat((np.cumsum(lens) - lens).astype(np.int32), lens)
                 if skip:                        # resuming in the middle of document `nxt`
                     new, ndoc, noff, skip = new[skip:], ndoc[skip:], noff[skip:], 0
                 tok, tdoc, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tdoc, ndoc), (toff, noff)))
@@ -710,7 +788,9 @@ class PackedLoader:
             if sd.get(key) != want:
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has "
                                 f"{key}={want!r}: the saved position means nothing here; restore the "
-                                f"original setting or start the data afresh")
+                                f"original setting, or keep the model and optimizer and start the data "
+                                f"stream afresh with --ckpt.reset_data" + (" (a new corpus: also pass the "
+                                f"run's tokenizer with --data.tokenizer)" if key == "corpus" else ""))
 
     def reset(self) -> None:
         """Back to the start (use before each evaluation on the val split)."""
@@ -790,8 +870,11 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     file and renamed, so an existing file is never half-overwritten."""
     if not out.endswith(".arrow"):
         raise DataError(f"--out {out}: name the output file *.arrow so that --data finds it")
-    if os.path.exists(out) and not force:
+    if (kind := path_kind(out)) not in ("nothing", "a file"):
+        raise DataError(f"--out {out} is {kind}; give the name of an .arrow file to write")
+    if kind == "a file" and not force:
         raise DataError(f"{out} exists; pass --force to replace it")
+    check_dir("out", os.path.dirname(os.path.abspath(out)))
     if os.path.realpath(out) in {os.path.realpath(p) for p in resolve_paths(",".join(sources))}:
         raise DataError(f"--out {out} is also one of the sources")
     corpus = Corpus(",".join(sources), text_field, doc_per_line)
@@ -800,19 +883,27 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     counts = collections.Counter(empty_files=corpus.empty_files)
     bar = monitor.Progress(corpus.n_docs, "[prepare] documents", unit="docs")
     tmp = f"{out}.tmp{os.getpid()}"
-    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for start in range(0, corpus.n_docs, 1024):
-            done, texts = min(start + 1024, corpus.n_docs), []
-            for text, repl, bad in corpus.read(np.arange(start, done)):
-                empty = not bad and (not text or text.isspace())
-                counts.update(utf8_replacements=repl, bad_records=bad, empty_docs=empty)
-                if not (bad or empty):
-                    texts.append(text)
-                    counts.update(documents=1, bytes=len(text.encode()))
-            writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
-            bar.update(done - start)
-    bar.close()
-    os.replace(tmp, out)
+    try:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for start in range(0, corpus.n_docs, 1024):
+                done, texts = min(start + 1024, corpus.n_docs), []
+                for text, repl, bad in corpus.read(np.arange(start, done)):
+                    empty = not bad and (not text or text.isspace())
+                    counts.update(utf8_replacements=repl, bad_records=bad, empty_docs=empty)
+                    if not (bad or empty):
+                        texts.append(text)
+                        counts.update(documents=1, bytes=len(text.encode()))
+                writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
+                bar.update(done - start)
+        bar.close()
+        if not counts["documents"]:
+            raise DataError(f"{', '.join(sources)}: no document has text ({counts['empty_docs']} empty, "
+                            f"{counts['bad_records']} unreadable records): nothing written to {out}; check the "
+                            f"sources and --text-field")
+        os.replace(tmp, out)
+    finally:                                            # an error or Ctrl-C leaves no partial file
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"[prepare] wrote {out}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())),
           file=sys.stderr, flush=True)
     return dict(counts)
@@ -831,14 +922,23 @@ def main(argv: list[str] | None = None) -> None:
     for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache")):
         t.add_argument(flag, default=default, type=type(default))
     args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.cmd == "prepare":
+            if not args.text_field.strip():
+                raise DataError("--text-field is empty: name the column or JSON key holding the text")
             prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force)
         else:
-            tok = build_tokenizer(DataConfig(data=args.data, cache_dir=args.cache_dir), args.vocab)
+            cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir))
+            cfg.model.vocab_size = args.vocab
+            check_values(cfg)                           # the checks train.py runs on the same keys
+            check_paths(cfg)
+            tok = build_tokenizer(cfg.data, args.vocab)
             print(tok.path)
     except ConfigError as e:
-        sys.exit(f"data error: {e}")
+        sys.exit(f"data error: {str(e).replace('--model.vocab_size', '--vocab').replace('--data.cache_dir', '--cache-dir')}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
 
 
 if __name__ == "__main__":

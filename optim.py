@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from configs import Config, OptimConfig
+from configs import Config, ConfigError, OptimConfig
 import parallel
 from parallel import Grid
 
@@ -315,22 +315,22 @@ class AdamW:
         layout takes its part; checkpoint.py rebuilds one from any saved layout, reading a tensor
         only when it is asked for (sd["state"] may be a lazy mapping)."""
         if sd["precision"] != self.precision:
-            raise ValueError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
-                             f"uses {self.precision!r}; resume with --optim.precision={sd['precision']}")
+            raise ConfigError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
+                              f"uses {self.precision!r}; resume with --optim.precision={sd['precision']}")
         full = sd["layout"]["kind"] == "full"
         index = lambda layout: {k: v for k, v in layout.items() if k != "params"}
         if not full and index(sd["layout"]) != index(self._layout()):
-            raise ValueError(f"optimizer state layout {sd['layout']} does not match this run's "
+            raise ConfigError(f"optimizer state layout {sd['layout']} does not match this run's "
                              f"{self._layout()}; load ZeRO-1 shards at another layout through "
                              f"checkpoint.py, which reshards them")
         wanted = self._wanted() if full else AdamW._wanted(self)
         missing = [k for k in wanted if k not in sd["state"]]
         if missing:
-            raise ValueError(f"optimizer state does not match the model: missing {missing[:3]}")
+            raise ConfigError(f"optimizer state does not match the model: missing {missing[:3]}")
         for k, (dst, a, b, n) in wanted.items():
             src = sd["state"][k]
             if src.numel() != n:
-                raise ValueError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {n} elements")
+                raise ConfigError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {n} elements")
             dst.copy_(src.reshape(-1)[a:b])
         self.step_count, self.sr_seed = sd["step"], sd["sr_seed"]
         for g, lr in zip(self.param_groups, sd["lr"]):

@@ -105,10 +105,6 @@ def kv_replicas(m: ModelConfig, tp: int) -> int:
 def check_layout(cfg: Config, world: int, backend: str = "") -> None:
     """Every reason a layout cannot work, raised as ConfigError before any process group exists."""
     configs.validate(cfg, world, backend)
-    tp = cfg.parallel.tp
-    if cfg.model.ffn_dim % tp != 0:
-        raise ConfigError(f"ffn_dim {cfg.model.ffn_dim} is not divisible by tp {tp}: gate_up_proj and "
-                          f"down_proj are split over the TP ranks; pick tp from the divisors of it")
 
 
 def backend_for(device_type: str) -> str:

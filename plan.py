@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from configs import INSTANCES, Config, ConfigError, Instance, ModelConfig, from_args
+from configs import INSTANCES, Config, ConfigError, Instance, ModelConfig, check_layout, check_values, from_args
 from model import LinearCrossEntropy, flops_per_token, num_params
 
 # Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
@@ -272,9 +272,22 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     try:
-        cfg = from_args(sys.argv[1:])
+        cfg = from_args(argv)
+        check_values(cfg)                   # the keys' domains and the model: what train.py refuses
+        world = cfg.parallel.cores or 128 * INSTANCES[cfg.parallel.instance].cores
+        try:                                # the configured layout must be one a launch could run
+            check_layout(cfg, world)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (planning for --parallel.cores={world})") from None
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    print(plan(cfg))
+    try:
+        print(plan(cfg))
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

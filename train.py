@@ -12,11 +12,15 @@ optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating
 """
 from __future__ import annotations
 
+import filecmp
 import os
 import signal
 import sys
 import threading
 import time
+
+if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
 
 import torch
 
@@ -180,15 +184,68 @@ class StopSignal:
 
 # ----------------------------------------------------------------------------- the run
 
+# ----------------------------------------------------------------------------- before any work
+
+def check_memory(cfg: configs.Config, device: torch.device) -> None:
+    """The sizes that must fit in this host's memory, checked before a tokenizer is trained or a
+    model built: this rank's share of the weights (fp32 while they are initialized on the host;
+    on a CPU run with their gradients and AdamW moments), plus one full weight, which init builds
+    whole before cutting this rank's shard out of it. A 10^9 vocabulary fails here, not in an
+    allocation after minutes of tokenizer training."""
+    m, p = cfg.model, cfg.parallel
+    per_param = 16 if device.type == "cpu" else 4
+    largest, what = max((m.vocab_size * m.dim, f"the embedding (--model.vocab_size={m.vocab_size} x --model.dim={m.dim})"),
+                        (m.ffn_dim * m.dim, f"an MLP weight (--model.ffn_dim={m.ffn_dim} x --model.dim={m.dim})"))
+    need = llama.num_params(m) / (p.tp * p.pp) * per_param + 4 * largest
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+    if need > have:
+        raise configs.ConfigError(
+            f"the model does not fit in memory: {llama.num_params(m) / 1e9:.3g}B parameters need "
+            f"{need / 2**30:,.0f} GiB per process (its largest weight, {what}, alone {4 * largest / 2**30:,.1f} "
+            f"GiB) but this host has {have / 2**30:,.0f} GiB per process; shrink the model or raise --tp/--pp")
+
+
+def check_export(cfg: configs.Config) -> None:
+    """A run ends by exporting to <out_dir>/hf. A fresh run (no checkpoint to continue from) must not
+    replace the model an earlier run exported there; continuing a run updates its own export."""
+    folder = os.path.join(cfg.out_dir, "hf")
+    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
+    if os.path.exists(os.path.join(folder, "config.json")) and not any(checkpoint.STEP_DIR.match(n) for n in ckpts):
+        raise configs.ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts "
+                                  f"afresh (no checkpoint in {cfg.ckpt.dir}): it would be overwritten at the "
+                                  f"end; move it away or give another --out_dir")
+
+
+def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> bool:
+    """A run continues with the tokenizer it was trained with, kept beside its checkpoints: one
+    trained on a new corpus would give every token id another meaning. Checked before this run's
+    tokenizer is kept there, so the run's own is never replaced. True: it is kept there already."""
+    name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
+    kept = [os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(folder, n))]
+    same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
+    if kept and not same and ckpt.c.resume and ckpt._scan():
+        raise checkpoint.CheckpointError(
+            f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and this run's {tok.path} differs "
+            f"(a new corpus trains a new one): continue with --data.tokenizer={kept[0]}")
+    return same
+
+
 def main(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(cfg.device)
-    # Every layout error, before any work; the xla backend has rules of its own (configs.validate).
+    # Every key's domain, the model's shape, the layout; the xla backend has rules of its own.
     configs.validate(cfg, world, parallel.backend_for(device.type))
+    configs.check_paths(cfg)                           # every path's kind, before anything is written
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
     hf.check_export_dir(out_dir, overwrite=False)
+    check_memory(cfg, device)
+    check_export(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for w in configs.warnings(cfg):
+            print(f"warning: {w}", file=sys.stderr)
     grid = parallel.init_distributed(cfg, device)
     stop = StopSignal(grid)
     # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before
@@ -205,7 +262,8 @@ def main(argv: list[str]) -> None:
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
     corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
-    if grid.is_main:                     # beside the checkpoints: `checkpoint.py export` ships it too
+    kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
+    if grid.is_main and not kept:        # beside the checkpoints: `checkpoint.py export` ships it too
         hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
     train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus)
     val_loader = (data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val", corpus=corpus)
@@ -240,8 +298,9 @@ def main(argv: list[str]) -> None:
             optimizer.load_state_dict(loaded.optim)
         # The data stream is defined by global window index: at another DP degree each rank takes
         # the saved positions of the streams it now owns (data.py), and the run continues exactly.
+        # --ckpt.reset_data (a new corpus) starts the stream afresh, with the model's own tokenizer.
         if cfg.ckpt.reset_data:
-            log("--ckpt.reset_data: the data stream starts afresh")
+            log("--ckpt.reset_data: the model and optimizer continue, the data stream starts afresh")
         else:
             train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
         if loaded.rng is not None:
@@ -330,12 +389,21 @@ def main(argv: list[str]) -> None:
         if cfg.log.sample_tokens:
             prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)
             sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
-            log("sample:\n" + tok.decode(sample))
+            log("sample:\n" + tok.decode([i for i in sample if i < tok.vocab_size]))   # not the padding ids
     parallel.destroy(grid)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> None:
+    """The command line: main(), with every error a user can cause one line on stderr."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        main(sys.argv[1:])
+        main(argv)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:                           # Ctrl-C: no traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -82,9 +82,9 @@ def test_unknown_key_names_closest():
     (["--tp=2"], 3, "world size 3 is not divisible by tp\\*pp = 2\\*1"),
     (["--tp=2", "--dp=2"], 6, "world size 6 != tp\\*pp\\*dp = 2\\*1\\*2"),
     (["--pp=2", "--model.n_layers=4", "--global_batch=8", "--micro_batch=8"], 2, "needs at least 2 microbatches"),
-    (["--model.dim=100", "--model.n_heads=8"], 1, "dim 100 is not divisible by n_heads 8"),
-    (["--data.seq_len=512"], 1, "seq_len 512 exceeds model.max_seq_len 256"),
-    (["--sp", "--tp=2", "--data.seq_len=255"], 2, "sequence parallelism splits seq_len 255"),
+    (["--model.dim=100", "--model.n_heads=8"], 1, "--model.dim=100 is not divisible by --model.n_heads=8"),
+    (["--data.seq_len=512"], 1, "--seq_len=512 exceeds --model.max_seq_len=256"),
+    (["--sp", "--tp=2", "--data.seq_len=255"], 2, "sequence parallelism splits --seq_len=255"),
 ])
 def test_bad_layouts_fail_with_clear_errors(args, world, message):
     cfg = configs.from_args(args)

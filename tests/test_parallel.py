@@ -469,9 +469,9 @@ def test_shard_unshard_roundtrip(tp, n_kv):
     (3, dict(tp=2), "not divisible by tp*pp"),
     (4, dict(tp=2, dp=4), "launch 8 processes or set --dp=2"),
     (8, dict(tp=8), "n_heads 4 is not divisible by tp 8"),
-    (4, dict(tp=4, ffn_dim=126), "ffn_dim 126 is not divisible by tp 4"),
+    (4, dict(tp=4, ffn_dim=126), "ffn_dim=126 is not divisible by --tp=4"),
     (2, dict(tp=2, dim=96, n_heads=6, n_kv_heads=3), "n_kv_heads 3 and tp 2"),
-    (4, dict(tp=4, sp=True, seq_len=14), "seq_len 14 over tp 4"),
+    (4, dict(tp=4, sp=True, seq_len=14), "--seq_len=14 over --tp=4"),
 ])
 def test_bad_layout_fails_before_process_groups(monkeypatch, world, change, message):
     cfg = tiny_cfg()

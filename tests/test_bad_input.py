@@ -1,0 +1,398 @@
+"""Bad input, table-driven: every entry point (train.py, data.py, checkpoint.py, configs.py, plan.py)
+given something a user could type. Each case asserts the exit code, that the one-line message names
+the offending value, that no traceback is printed, that nothing was trained or built when the
+input could be refused early, and that every file that existed before is byte-identical after.
+Cases run in-process through each command line's own main() (SystemExit and stderr captured);
+only Ctrl-C and one plain launch spawn a real Python."""
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import configs  # noqa: E402
+import data  # noqa: E402
+import parallel  # noqa: E402
+import pipeline  # noqa: E402
+import plan  # noqa: E402
+import train  # noqa: E402
+
+VOCAB = 512
+TINY = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+        "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2", "--micro_batch=2", f"--model.vocab_size={VOCAB}",
+        "--log.eval_interval=0", "--log.sample_tokens=0", "--log.peak_tflops=1", "--log.tensorboard=",
+        "--ckpt.async_save=false", "--optim.warmup_steps=1", "--steps=2"]
+
+
+def write_arrow(path, table):
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+
+
+@pytest.fixture(scope="module")
+def W(tmp_path_factory):
+    """The shared files the cases point at: a corpus, its tokenizer, a checkpoint, and bad files."""
+    w = tmp_path_factory.mktemp("bad_input")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    (w / "corpus").mkdir()
+    for name in ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py",
+                 "keyword.py", "colorsys.py", "getopt.py", "this.py", "copy.py"):
+        shutil.copy(os.path.join(stdlib, name), w / "corpus" / name)
+    cfg = configs.DataConfig(data=str(w / "corpus"), cache_dir=str(w / "tokcache"))
+    tok = data.build_tokenizer(cfg, VOCAB)
+    shutil.copy(tok.path, w / "tok.model")
+    (w / "other").mkdir()                           # another corpus: a "new" one for continuing a run
+    for name in ("pprint.py", "difflib.py", "calendar.py", "locale.py", "gettext.py"):
+        shutil.copy(os.path.join(stdlib, name), w / "other" / name)
+    # A finished tiny run: its checkpoint and its export.
+    run = [*TINY, f"--data={w}/corpus", f"--data.tokenizer={w}/tok.model", f"--out_dir={w}/run",
+           f"--ckpt.dir={w}/run/ckpt", f"--data.cache_dir={w}/tokcache"]
+    train.main(run)
+    assert os.path.exists(w / "run" / "hf" / "config.json")
+    # Bad files.
+    (w / "afile").write_text("a plain file\n")
+    (w / "emptydir").mkdir()
+    (w / "empties").mkdir()
+    (w / "empties" / "a.txt").write_text("")
+    (w / "empties" / "b.txt").write_text("   \n\n")
+    os.mkfifo(w / "fifo.txt")
+    rng = np.random.default_rng(0)
+    (w / "random.arrow").write_bytes(rng.bytes(100_000))
+    (w / "random.parquet").write_bytes(rng.bytes(50_000))
+    (w / "binary.txt").write_bytes(rng.bytes(300_000))
+    (w / "random.model").write_bytes(rng.bytes(5_000))
+    write_arrow(w / "good.arrow", pa.table({"text": ["def f(x):\n    return x\n" * 50] * 40}))
+    (w / "truncated.arrow").write_bytes((w / "good.arrow").read_bytes()[:3000])
+    write_arrow(w / "notext.arrow", pa.table({"body": ["hello"] * 10}))
+    write_arrow(w / "intcol.arrow", pa.table({"text": list(range(10))}))
+    (w / "notjson.jsonl").write_text("this is not json\n")
+    (w / "nofield.jsonl").write_text('{"content": "hello"}\n')
+    (w / "table.csv").write_text("a,b\n1,2\n")
+    (w / "ready.arrow").write_bytes((w / "good.arrow").read_bytes())
+    (w / "hfout").mkdir()
+    (w / "hfout" / "config.json").write_text('{"model_type": "llama"}')
+    (w / "hfout" / "model.safetensors").write_bytes(b"weights")
+    (w / "prev").mkdir()                            # an earlier run's export, and no checkpoint
+    shutil.copytree(w / "run" / "hf", w / "prev" / "hf")
+    return w
+
+
+def snapshot(*roots) -> dict:
+    out = {}
+    for root in roots:
+        for d, _, files in os.walk(root):
+            for f in files:
+                p = os.path.join(d, f)
+                if os.path.isfile(p) and not os.path.islink(p):
+                    out[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+class Spy:
+    """Counts the expensive work a case must not reach: tokenizer training and model building.
+    The real functions run: only the calls are counted."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for owner, name in ((data.spm.SentencePieceTrainer, "train"), (parallel, "build_model"),
+                            (pipeline, "build_model")):
+            real = getattr(owner, name)
+            monkeypatch.setattr(owner, name, self._wrap(f"{getattr(owner, '__name__', owner)}.{name}", real))
+
+    def _wrap(self, label, real):
+        def spy(*a, **k):
+            self.calls.append(label)
+            return real(*a, **k)
+        return staticmethod(spy) if label.startswith("SentencePieceTrainer") else spy
+
+
+ENTRY = {"train": train.cli, "data": data.main, "checkpoint": checkpoint.main, "configs": configs.main,
+         "plan": plan.main}
+
+
+def run_entry(entry, argv, capsys):
+    """(exit code, everything written to stderr and stdout plus the exit message)."""
+    with pytest.raises(SystemExit) as e:
+        ENTRY[entry](argv)
+    cap = capsys.readouterr()
+    code = e.value.code
+    text = cap.err + cap.out + ("" if code is None or isinstance(code, int) else str(code))
+    return (code if isinstance(code, int) else 1), text
+
+
+def T(*args):
+    """train.py with the tiny model, writing only inside the case's own directory {t}."""
+    return ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model", "--out_dir={t}/out",
+                      "--ckpt.dir={t}/out/ckpt", "--data.cache_dir={t}/cache", *args])
+
+
+# (id, (entry, argv), strings the message must hold, exit code, refused before any tokenizer or model)
+CASES = [
+    # ---- train.py: every numeric key's domain
+    *[(f"domain:{a}", T(a), [a.split("=")[0], a.split("=")[1]], 1, True) for a in (
+        "--model.n_heads=0", "--model.n_kv_heads=0", "--model.dim=0", "--model.n_layers=0", "--model.vocab_size=0",
+        "--model.ffn_dim=-1", "--model.max_seq_len=0", "--model.rope_theta=0.0", "--model.norm_eps=-1e-05",
+        "--model.init_std=0.0", "--parallel.tp=0", "--parallel.pp=0", "--parallel.dp=0", "--parallel.dp=-2",
+        "--data.micro_batch=0", "--data.global_batch=0", "--data.seq_len=0", "--log.interval=0",
+        "--log.eval_windows=0", "--log.eval_interval=-1", "--log.sample_tokens=-1", "--log.peak_tflops=-1.0",
+        "--seed=-1", "--seed=4294967296", "--data.seed=-5", "--optim.beta1=1.0", "--optim.beta2=1.5",
+        "--optim.beta1=-0.1", "--optim.lr=0.0", "--optim.lr=nan", "--optim.lr=inf", "--optim.eps=0.0",
+        "--optim.min_lr=-1.0", "--optim.weight_decay=-0.1", "--optim.grad_clip=-1.0", "--optim.warmup_steps=-1",
+        "--optim.decay_steps=-5", "--optim.constant_steps=-1", "--optim.max_steps=0", "--ckpt.interval=-1",
+        "--ckpt.keep=-1", "--data.val_fraction=1.0", "--data.val_fraction=-0.1", "--parallel.cores=-32")],
+    ("min_lr above lr", T("--optim.min_lr=0.5"), ["--optim.min_lr=0.5", "lower min_lr"], 1, True),
+    *[(f"empty:{k}", T(f"--{k}="), [f"--{k}", "empty"], 1, True)
+      for k in ("data.text_field", "data.data", "out_dir", "ckpt.dir", "data.cache_dir")],
+    # ---- train.py: types, names, choices
+    ("not an int", T("--model.n_layers=two"), ["--model.n_layers", "'two'", "int"], 1, True),
+    ("not a float", T("--optim.lr=fast"), ["--optim.lr", "'fast'"], 1, True),
+    ("not a bool", T("--sp=maybe"), ["--parallel.sp", "'maybe'"], 1, True),
+    ("bad choice", T("--optim.precision=fp16"), ["fp16", "bf16_sr"], 1, True),
+    ("unknown key", T("--model.n_layer=4"), ["--model.n_layer", "did you mean --model.n_layers"], 1, True),
+    ("unknown preset", ("train", ["--preset=llama2_7B"]), ["llama2_7B", "llama2_7b"], 1, True),
+    ("preset without name", ("train", ["--preset"]), ["--preset needs a name"], 1, True),
+    ("stray argument", T("foo"), ["'foo'", "--model.n_layers=4"], 1, True),
+    # ---- train.py: the model's shape and the layout
+    ("tp splits heads", T("--tp=3"), ["n_heads 2", "tp 3"], 1, True),
+    ("dim by heads", T("--model.dim=30", "--model.n_heads=4"), ["--model.dim=30", "--model.n_heads=4"], 1, True),
+    ("odd head_dim", T("--model.dim=24", "--model.n_heads=8", "--model.n_kv_heads=8"), ["head_dim 3", "dim 24"], 1, True),
+    ("kv groups", T("--model.n_kv_heads=3", "--model.n_heads=4"), ["--model.n_kv_heads=3"], 1, True),
+    ("pp above layers", T("--pp=2"), ["--pp=2", "--model.n_layers=1"], 1, True),
+    ("pp_cuts", T("--model.n_layers=4", "--pp=2", "--parallel.pp_cuts=x"), ["'x'"], 1, True),
+    ("seq above max", T("--seq_len=64"), ["--seq_len=64", "--model.max_seq_len=32"], 1, True),
+    ("batch split", T("--global_batch=3"), ["global batch 3", "micro_batch*dp = 2*1"], 1, True),
+    ("dp vs world", T("--dp=2"), ["--dp=1"], 1, True),
+    ("no cuda", T("--device=cuda"), ["--device=cuda"], 1, True),
+    # ---- train.py: sizes that must fit in memory
+    ("vocab 1e9", ("train", ["--model.vocab_size=1000000000", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
+                             "--data.cache_dir={t}/c", "--log.tensorboard="]),
+     ["--model.vocab_size=1000000000", "does not fit"], 1, True),
+    ("dim 2^20", T("--model.dim=1048576", "--model.n_heads=2", "--model.max_seq_len=32"),
+     ["--model.dim=1048576", "does not fit"], 1, True),
+    # ---- train.py: every path's kind
+    ("out_dir is a file", T("--out_dir={W}/afile"), ["--out_dir", "afile", "is a file"], 1, True),
+    ("ckpt.dir is a file", T("--ckpt.dir={W}/afile"), ["--ckpt.dir", "afile", "is a file"], 1, True),
+    ("tensorboard is a file", T("--log.tensorboard={W}/afile"), ["--log.tensorboard", "afile"], 1, True),
+    ("cache_dir is a file", T("--data.cache_dir={W}/afile"), ["--data.cache_dir", "afile"], 1, True),
+    ("parent is a file", T("--out_dir={W}/afile/sub"), ["afile", "not a directory"], 1, True),
+    ("ckpt.dir is a FIFO", T("--ckpt.dir={W}/fifo.txt"), ["fifo.txt", "a FIFO"], 1, True),
+    ("tokenizer missing", T("--data.tokenizer={W}/nope.model"), ["nope.model", "missing"], 1, True),
+    ("tokenizer folder without one", T("--data.tokenizer={W}/emptydir"), ["emptydir", "neither tokenizer.model"], 1, True),
+    ("tokenizer is a FIFO", T("--data.tokenizer={W}/fifo.txt"), ["fifo.txt", "a FIFO"], 1, True),
+    # ---- train.py: data that cannot be used
+    ("data missing", T("--data={W}/nope.txt"), ["nope.txt", "does not exist"], 1, True),
+    ("data is a FIFO", T("--data={W}/fifo.txt"), ["fifo.txt", "a FIFO"], 1, True),
+    ("data type", T("--data={W}/table.csv"), ["table.csv", "unsupported file type"], 1, True),
+    ("data dir without files", T("--data={W}/emptydir"), ["emptydir", "holds no"], 1, True),
+    ("data only empty files", T("--data={W}/empties"), ["0 tokens", "empties"], 1, True),
+    ("random .arrow", T("--data={W}/random.arrow"), ["random.arrow", "not a valid .arrow file"], 1, True),
+    ("truncated .arrow", T("--data={W}/truncated.arrow"), ["truncated.arrow", "not a valid .arrow"], 1, True),
+    ("random .parquet", T("--data={W}/random.parquet"), ["random.parquet", "not a valid .parquet"], 1, True),
+    ("arrow without text", T("--data={W}/notext.arrow"), ["notext.arrow", "'text'", "--data.text_field"], 1, True),
+    ("arrow int column", T("--data={W}/intcol.arrow"), ["intcol.arrow", "int64"], 1, True),
+    ("jsonl not json", T("--data={W}/notjson.jsonl"), ["notjson.jsonl:1", "not JSON"], 1, True),
+    ("jsonl without field", T("--data={W}/nofield.jsonl"), ["nofield.jsonl:1", "'text'", "content"], 1, True),
+    ("binary corpus", ("train", ["--data={W}/binary.txt", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
+                                 "--data.cache_dir={t}/c", "--log.tensorboard="]),
+     ["binary.txt", "invalid UTF-8"], 1, True),
+    ("vocab above corpus", ("train", [*TINY[:-8], "--model.vocab_size=100000", "--model.max_seq_len=32",
+                                      "--data={W}/corpus", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
+                                      "--data.cache_dir={t}/c", "--log.tensorboard="]),
+     ["100000", "lower --model.vocab_size"], 1, False),
+    ("random tokenizer", T("--data.tokenizer={W}/random.model"), ["random.model", "not a sentencepiece"], 1, True),
+    ("tokenizer below vocab", T("--model.vocab_size=4096"), ["tok.model", "512 pieces", "4096",
+                                                             "--model.vocab_size=512"], 1, True),
+    ("tokenizer above vocab", T("--model.vocab_size=128"), ["tok.model", "512 pieces", "128"], 1, True),
+    ("seq_len above corpus", T("--seq_len=30000", "--model.max_seq_len=30000", "--global_batch=64",
+                               "--micro_batch=64"), ["seq_len 30000", "tokens"], 1, True),
+    # ---- train.py: nothing of an earlier run overwritten
+    ("earlier export", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                  "--out_dir={W}/prev", "--ckpt.dir={t}/ckpt", "--data.cache_dir={t}/c"]),
+     ["prev/hf", "move it away"], 1, True),
+    ("resume=false over checkpoints", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                                 "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false"]),
+     ["--ckpt.resume=false", "run/ckpt"], 1, True),
+    ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
+    # ---- train.py: resuming as something else (a model exists by then: not early)
+    ("resume other precision", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                          "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--precision=bf16", "--steps=3"]),
+     ["--optim.precision=fp32", "bf16"], 1, False),
+    ("resume other model", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                      "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--model.n_layers=2", "--steps=3"]),
+     ["model.n_layers: checkpoint 1, now 2"], 1, False),
+    ("new corpus, same layout", ("train", [*TINY, "--data={W}/other", "--data.tokenizer={W}/tok.model",
+                                           "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+     ["corpus=", "--ckpt.reset_data", "--data.tokenizer"], 1, False),
+    ("new corpus, new tokenizer", ("train", [*TINY, "--data={W}/other", "--out_dir={t}/o", "--ckpt.dir={t}/ck",
+                                             "--data.cache_dir={W}/tokcache2", "--steps=3", "--ckpt.reset_data"]),
+     ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
+    # ---- data.py
+    ("data: no command", ("data", []), ["usage"], 2, True),
+    ("data: prepare without --out", ("data", ["prepare", "{W}/corpus"]), ["--out"], 2, True),
+    ("data: --out not .arrow", ("data", ["prepare", "{W}/corpus", "--out", "{t}/x.txt"]), ["x.txt", ".arrow"], 1, True),
+    ("data: --out exists", ("data", ["prepare", "{W}/corpus", "--out", "{W}/ready.arrow"]),
+     ["ready.arrow", "--force"], 1, True),
+    ("data: --out a directory", ("data", ["prepare", "{W}/corpus", "--out", "{t}/d.arrow"]), ["d.arrow", "a directory"], 1, True),
+    ("data: --out under a file", ("data", ["prepare", "{W}/corpus", "--out", "{W}/afile/x.arrow"]), ["afile"], 1, True),
+    ("data: --out is a source", ("data", ["prepare", "{W}/ready.arrow", "--out", "{W}/ready.arrow", "--force"]),
+     ["ready.arrow", "one of the sources"], 1, True),
+    ("data: source missing", ("data", ["prepare", "{W}/nope", "--out", "{t}/x.arrow"]), ["nope", "does not exist"], 1, True),
+    ("data: 0 documents", ("data", ["prepare", "{W}/empties", "--out", "{t}/x.arrow"]), ["no document has text"], 1, True),
+    ("data: empty field", ("data", ["prepare", "{W}/corpus", "--out", "{t}/x.arrow", "--text-field", ""]),
+     ["--text-field"], 1, True),
+    ("data: jsonl field", ("data", ["prepare", "{W}/nofield.jsonl", "--out", "{t}/x.arrow"]), ["nofield.jsonl", "'text'"], 1, True),
+    ("data: random arrow source", ("data", ["prepare", "{W}/random.arrow", "--out", "{t}/x.arrow"]),
+     ["random.arrow", "not a valid"], 1, True),
+    ("data: vocab 0", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "0", "--cache-dir", "{t}/c"]),
+     ["--vocab=0"], 1, True),
+    ("data: vocab negative", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "-5", "--cache-dir", "{t}/c"]),
+     ["--vocab=-5"], 1, True),
+    ("data: vocab not int", ("data", ["tokenizer", "--vocab", "many"]), ["--vocab", "'many'"], 2, True),
+    ("data: tokenizer data missing", ("data", ["tokenizer", "--data", "{W}/nope", "--cache-dir", "{t}/c"]),
+     ["nope", "does not exist"], 1, True),
+    ("data: cache-dir a file", ("data", ["tokenizer", "--data", "{W}/corpus", "--cache-dir", "{W}/afile"]),
+     ["--cache-dir", "afile"], 1, True),
+    ("data: vocab above corpus", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "100000",
+                                           "--cache-dir", "{t}/c"]), ["100000", "<= ", "lower --vocab"], 1, False),
+    # ---- checkpoint.py
+    ("ckpt: no arguments", ("checkpoint", []), ["usage: python checkpoint.py"], 1, True),
+    ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
+    ("ckpt: unknown command", ("checkpoint", ["show", "x"]), ["'show'", "usage"], 1, True),
+    ("ckpt: ls missing", ("checkpoint", ["ls", "{W}/nope"]), ["nope", "missing"], 1, True),
+    ("ckpt: ls a file", ("checkpoint", ["ls", "{W}/afile"]), ["afile", "is a file"], 1, True),
+    ("ckpt: ls no checkpoint", ("checkpoint", ["ls", "{W}/emptydir"]), ["emptydir", "holds no checkpoint"], 1, True),
+    ("ckpt: bad flag", ("checkpoint", ["ls", "{W}/run/ckpt", "--force"]), ["usage"], 1, True),
+    ("ckpt: bad dtype", ("checkpoint", ["export", "--dtype=fp16", "{W}/run/ckpt", "{t}/hf"]), ["--dtype=auto|fp32|bf16"], 1, True),
+    ("ckpt: export missing", ("checkpoint", ["export", "{W}/nope", "{t}/hf"]), ["nope", "missing"], 1, True),
+    ("ckpt: export over a model", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/hfout"]),
+     ["hfout", "not empty", "--overwrite"], 1, True),
+    ("ckpt: export to a file", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/afile"]), ["afile", "is a file"], 1, True),
+    ("ckpt: export extra args", ("checkpoint", ["export", "{W}/run/ckpt", "{t}/a", "{t}/b"]), ["usage"], 1, True),
+    # ---- configs.py and plan.py
+    ("configs: no command", ("configs", []), ["usage: python configs.py show"], 1, True),
+    ("configs: plan moved", ("configs", ["plan"]), ["python plan.py"], 1, True),
+    ("configs: bad key", ("configs", ["show", "--model.n_layer=2"]), ["--model.n_layer"], 1, True),
+    ("configs: bad value", ("configs", ["show", "--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
+    ("plan: zero heads", ("plan", ["--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
+    ("plan: negative cores", ("plan", ["--parallel.cores=-32"]), ["--parallel.cores=-32"], 1, True),
+    ("plan: beta2", ("plan", ["--preset", "llama2_7b", "--optim.beta2=1.5"]), ["--optim.beta2=1.5"], 1, True),
+    ("plan: tp splits heads", ("plan", ["--preset", "llama2_7b", "--tp=3"]), ["n_heads 32", "tp 3"], 1, True),
+    ("plan: batch over cores", ("plan", ["--preset", "llama2_7b", "--global_batch=8"]),
+     ["global batch 8", "--parallel.cores=4096"], 1, True),
+    ("plan: tp above cores", ("plan", ["--preset", "llama2_7b", "--parallel.cores=4"]),
+     ["world size 4", "tp*pp = 8*1"], 1, True),
+    ("plan: unknown preset", ("plan", ["--preset", "llama4_8b"]), ["llama4_8b"], 1, True),
+    ("plan: ffn by tp", ("plan", ["--preset", "llama2_7b", "--model.ffn_dim=11001"]), ["ffn_dim=11001"], 1, True),
+]
+
+
+@pytest.mark.parametrize("name,call,expect,code,early", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(W, tmp_path, monkeypatch, capsys, name, call, expect, code, early):
+    entry, argv = call
+    t = tmp_path
+    if name.startswith(("resume other", "new corpus")):
+        shutil.copytree(W / "run" / "ckpt", t / "ck")          # the finished run's checkpoint, to continue
+    if name == "data: --out a directory":
+        (t / "d.arrow").mkdir()
+    if name == "fault spec":
+        monkeypatch.setenv("NANOTRN_FAULT", "boom")
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(t)) for a in argv]
+    expect = [e.replace("{W}", str(W)) for e in expect]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = snapshot(W, t)
+    spy = Spy(monkeypatch)
+    got, text = run_entry(entry, argv, capsys)
+    assert got == code, text
+    for e in expect:
+        assert e in text, f"{e!r} not in {text!r}"
+    assert "Traceback" not in text, text
+    message = [line for line in text.splitlines() if "error" in line.lower() or "usage" in line.lower()]
+    assert message and all(len(m) < 700 for m in message), text      # one line, not a dump
+    if early:
+        assert not spy.calls, (spy.calls, text)                       # no tokenizer trained, no model built
+    after = snapshot(W, t)
+    changed = [p for p, h in before.items() if after.get(p) != h]
+    assert not changed, changed
+
+
+def test_case_count():
+    assert len(CASES) >= 80, len(CASES)
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while prepare writes: one word, no traceback, no partial file."""
+    def interrupt(self, n=1):
+        raise KeyboardInterrupt
+    import monitor
+    monkeypatch.setattr(monitor.Progress, "update", interrupt)
+    code, text = run_entry("data", ["prepare", str(W / "corpus"), "--out", str(tmp_path / "x.arrow")], capsys)
+    assert code == 1 and "interrupted" in text and "Traceback" not in text
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
+    """A real process: SIGINT while sentencepiece trains ends it at once, quietly, with no model file."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "tokenizer", "--data", "stdlib",
+                          "--vocab", "16000", "--cache-dir", str(tmp_path / "c")],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    line = ""
+    deadline = time.time() + 120
+    while "training a" not in line and time.time() < deadline:
+        line = p.stderr.readline()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode in (-signal.SIGINT, 130), (p.returncode, err)
+    assert "Traceback" not in err, err
+    assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".model")]
+
+
+@pytest.mark.parametrize("after", [0.5, 2.5])
+def test_ctrl_c_while_train_py_starts(tmp_path, after):
+    """SIGINT while torch loads, or while the config is checked and the corpus indexed: quiet."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o",
+                          f"--ckpt.dir={tmp_path}/o/c", f"--data.cache_dir={tmp_path}/c"],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(after)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode in (-signal.SIGINT, 130), (p.returncode, err)
+    assert "Traceback" not in err, err
+
+
+def test_train_py_process_prints_one_line(tmp_path):
+    """The plain launch: exit code 1 and one line, through train.py's own __main__."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--optim.beta2=1.5",
+                        f"--out_dir={tmp_path}/o"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == "error: --optim.beta2=1.5: must be in [0, 1)", r.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
+    """The documented route: the run's own tokenizer (kept beside its checkpoints) and
+    --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
+    shutil.copytree(W / "run" / "ckpt", tmp_path / "ck")
+    train.main([*TINY, f"--data={W}/other", f"--data.tokenizer={tmp_path}/ck/tokenizer/tokenizer.model", f"--out_dir={tmp_path}/o",
+                f"--ckpt.dir={tmp_path}/ck", "--steps=3", "--ckpt.reset_data"])
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "the data stream starts afresh" in out, out
+    assert os.path.isdir(tmp_path / "ck" / "step_00000003")
+
+
+def test_warmup_longer_than_the_run_is_said_out_loud():
+    """Not refused (a pre-compile pass stops a schedule early on purpose), but never silent."""
+    said = configs.warnings(configs.from_args(["--steps=8"]))
+    assert len(said) == 1 and "--optim.warmup_steps=20" in said[0] and "never reaches its peak" in said[0]
+    assert configs.warnings(configs.from_args(["--steps=20"])) == []
