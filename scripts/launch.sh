@@ -36,7 +36,8 @@ PYTHON="${PYTHON:-python3}"
 TORCHRUN="${TORCHRUN:-torchrun}"
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
-# for this world size now: a bad --tp or batch fails here, before 16 nodes start compiling. The
+# for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before
+# 16 nodes start compiling. The
 # instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
@@ -45,7 +46,7 @@ try:
     cfg = from_args(sys.argv[3:])
     hw = INSTANCES[cfg.parallel.instance]
     world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
-    validate(cfg, world)
+    validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
 except ConfigError as e:
     sys.exit(f"config error: {e}")
 p = cfg.parallel

@@ -183,6 +183,10 @@ def test_bad_layout_fails_before_anything_starts():
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--tp=7"], NNODES="16", MASTER_ADDR="x")
     assert r.returncode != 0
     assert "tp 7" in r.stderr and "torchrun" not in r.stdout
+    # The xla backend's own rules (configs.validate's backend="xla"): a launcher for Trainium checks them.
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--pp=2", "--parallel.pp_p2p=send"], DRY_RUN="1",
+                   NNODES="16", MASTER_ADDR="x")
+    assert r.returncode != 0 and "pp_p2p='send' does not work on the xla backend" in r.stderr, r.stderr
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2", DRY_RUN="1")
     assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
 
