@@ -121,6 +121,8 @@ def accumulate_grads_in_fp32(params) -> list:
     each addition rounds the sum again and the late microbatches' small contributions are partly
     lost (tests/test_optim.py measures it). Costs 4 bytes per parameter instead of 2."""
     def hook(p):
+        if p.grad is None:       # another optimizer's hook on this parameter already took it
+            return
         g = p.grad.float()
         if getattr(p, "main_grad", None) is None:
             p.main_grad = g                  # the first microbatch: a new fp32 tensor already

@@ -482,3 +482,19 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
 
 def test_zero1_tp2_dp2_matches_unsharded(tmp_path):
     mp.spawn(_tp_dp_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+
+
+def test_second_optimizer_over_the_same_mixed_model():
+    """Rebuilding the optimizer of a mixed model (a notebook, a changed config) leaves the first one's
+    fp32-accumulation hook in place: the gradient is still accumulated once, without a traceback."""
+    cfg = tiny_config("mixed")
+    model, one = tiny_model(cfg), tiny_model(cfg)
+    for _ in range(2):
+        optim.build_optimizer(model, cfg)
+    optim.build_optimizer(one, cfg)
+    tokens, targets = batch(7)
+    for m in (model, one):
+        backward(m, tokens, targets)
+        backward(m, tokens, targets)
+    for p, q in zip(model.parameters(), one.parameters()):
+        assert p.grad is None and torch.equal(p.main_grad, q.main_grad)
