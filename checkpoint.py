@@ -875,16 +875,16 @@ class SavedOptim(Mapping):
         return len(self.index)
 
 
-def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, param_of=lambda k: k, keep=None) -> dict:
+def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, keep=None) -> dict:
     """The state of TP rank tp_rank out of tp, from the states of every TP rank of another TP
-    degree (in rank order): each tensor is joined to full shape and re-split as its parameter is
-    (param_of(key) names the parameter whose layout a tensor has). tp=1 gives the full tensors.
+    degree (in rank order): each tensor is joined to full shape and re-split as its parameter is.
+    tp=1 gives the full tensors.
     keep: only these keys (None: all)."""
     from parallel import shard_tensor, unshard_tensors
     out = {}
     for key in (k for k in shards[0] if keep is None or k in keep):
-        full = unshard_tensors(param_of(key), [s[key] for s in shards], m)
-        out[key] = shard_tensor(param_of(key), full, m, tp, tp_rank).clone()
+        full = unshard_tensors(key, [s[key] for s in shards], m)
+        out[key] = shard_tensor(key, full, m, tp, tp_rank).clone()
     return out
 
 
@@ -902,14 +902,7 @@ def full_model_state(path: str | Path, m: ModelConfig) -> dict:
     return full
 
 
-# ----------------------------------------------------------------------------- export
-
-def export_hf(model_sd: dict, model_cfg: ModelConfig, folder: str | Path, dtype: torch.dtype = torch.float32,
-              tokenizer=None, overwrite: bool = False):
-    """Write full (unsharded) weights as a Hugging Face Llama folder that transformers loads."""
-    import hf
-    hf.save_hf(model_sd, model_cfg, str(folder), dtype, tokenizer=tokenizer, overwrite=overwrite)
-
+# ----------------------------------------------------------------------------- command line: ls, export
 
 def _cli(argv: list[str]):
     """python checkpoint.py ls DIR           each checkpoint: ok, or why loading would skip it
@@ -957,7 +950,7 @@ def _cli(argv: list[str]):
             m = ModelConfig(**json.loads((d / "meta.json").read_text())["config"]["model"])
             tok_dir = Path(root) / "tokenizer"
             tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
-            export_hf(full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
+            hf.save_hf(full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
             return print(f"exported {d} to {out}" + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
     if argv[0] == "export":
         raise CheckpointError(f"no complete, valid checkpoint in {root}")

@@ -338,7 +338,8 @@ def check_microbatches(n: int, grid: Grid) -> None:
 
 
 def no_cut() -> None:
-    """The default graph cut: nothing (eager devices). train.py passes train.sync on XLA."""
+    """The default graph cut of pipeline.py and train.py: nothing (eager devices); train.py
+    passes its sync on XLA."""
 
 
 def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config,

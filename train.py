@@ -62,20 +62,16 @@ def sync(device: torch.device):
     scripts do: one after each microbatch's backward (train_step's `cut`), one after the
     reduce/clip/update (the loop below), one after each pipeline task (pipeline.py) and one per
     evaluation batch. Without them a 7B step at 16 microbatches is ONE graph holding 16 copies of the
-    model, and its size grows with the accumulation (tests/test_xla_graphs.py counts the graphs)."""
+    model, and its size grows with the accumulation (tests/test_xla.py counts the graphs)."""
     if device.type == "xla":
         import torch_xla
         torch_xla.sync()
 
 
-def no_cut() -> None:
-    """The default `cut` of train_step and evaluate: eager devices have no graph to cut."""
-
-
 # ----------------------------------------------------------------------------- one step
 
 def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
-               guard=None, cut=no_cut) -> dict:
+               guard=None, cut=pipeline.no_cut) -> dict:
     """Forward and backward over this rank's microbatches, reduce gradients, clip, update.
 
     Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
@@ -120,7 +116,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
 
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device,
-             cut=no_cut) -> torch.Tensor:
+             cut=pipeline.no_cut) -> torch.Tensor:
     """Mean token loss over a fixed number of held-out batches: the same ones every time.
     cut() after each batch: one forward graph, whatever n_batches."""
     model.eval()
