@@ -464,9 +464,9 @@ def keep_tokenizer(tok, folder: str) -> None:
     `python checkpoint.py export` writes them into the export too."""
     import shutil
     os.makedirs(folder, exist_ok=True)
+    dst = os.path.join(folder, "tokenizer.json" if isinstance(tok, HFTokenizer) else "tokenizer.model")
+    if not (os.path.exists(dst) and os.path.samefile(tok.path, dst)):     # --tokenizer may be this very copy
+        shutil.copyfile(tok.path, dst)
     if isinstance(tok, HFTokenizer):
-        shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.json"))
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(tok.config, f)
-    else:
-        shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))

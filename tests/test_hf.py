@@ -208,6 +208,18 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         data.load_tokenizer(str(tmp_path))
 
 
+def test_kept_tokenizer_can_be_the_runs_tokenizer(tmp_path):
+    """A run resumed with --tokenizer=<ckpt dir>/tokenizer (the copy the first run kept) keeps it
+    again: copying a file onto itself must not stop the run."""
+    import data
+    llama3_tokenizer(tmp_path / "t")
+    kept = tmp_path / "ckpt" / "tokenizer"
+    hf_io.keep_tokenizer(data.load_tokenizer(str(tmp_path / "t")), str(kept))
+    tok = data.load_tokenizer(str(kept))
+    hf_io.keep_tokenizer(tok, str(kept))
+    assert data.load_tokenizer(str(kept)).encode(TEXTS[0]) == tok.encode(TEXTS[0]) and tok.bos_id == 0
+
+
 def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
     """A run's sentencepiece tokenizer (Llama 2 settings) exported: AutoTokenizer gives its ids."""
     import sentencepiece as spm
