@@ -137,6 +137,8 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     L = layout or Layout(p.tp, p.pp, max(1, world // (p.tp * p.pp)), p.sp and p.tp > 1, p.zero1,
                          m.checkpointing, d.micro_batch)
     wb, gb, ob, ab = PRECISION_BYTES[cfg.optim.precision]
+    if cfg.optim.precision == "mixed" and not cfg.optim.fp32_grad_acc:
+        gb = 2                                       # --optim.fp32_grad_acc=false: bf16 gradients
     mbs = max(1, d.global_batch // (L.micro_batch * L.dp))   # < 1 only in what-if tables
     layers = -(-m.n_layers // L.pp)
     embed = -(-m.vocab_size // L.tp) * m.dim       # vocabulary padded to a TP multiple

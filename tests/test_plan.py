@@ -48,6 +48,10 @@ def test_planner_counts_every_parameter():
         e = estimate(c, Layout(1, 1, 1, False, False, "none", 1), world=1)
         assert e.params == llama.num_params(c.model)
         assert e.weights == e.params * plan.PRECISION_BYTES[c.optim.precision][0]
+    c = configs.llama2_70b()                            # mixed: fp32 gradients unless told otherwise
+    assert estimate(c, world=WORLD).grads == 4 * estimate(c, world=WORLD).params
+    c.optim.fp32_grad_acc = False
+    assert estimate(c, world=WORLD).grads == 2 * estimate(c, world=WORLD).params
 
 
 def test_plan_command_prints_the_tables():
