@@ -432,7 +432,7 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     any work; a --model.* key that would change the architecture is refused, not ignored."""
     if not cfg.init_from:
         return
-    given = {a[2:].split("=")[0].removeprefix("model.") for a in argv if a.startswith("--model.")}
+    given = {a[2:].split("=")[0].replace("-", "_").removeprefix("model.") for a in argv if a.startswith("--model.")}
     other = sorted(given - set(RUN_MODEL_KEYS))
     if other:
         raise HFError(f"--model.{other[0]} with --init_from: the architecture is {cfg.init_from}/config.json's; "

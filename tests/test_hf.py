@@ -330,6 +330,10 @@ def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(sa
     assert cfg.data.tokenizer == str(saved)
     with pytest.raises(hf_io.HFError, match="--model.n_layers with --init_from"):
         hf_io.apply_init_from(configs.from_args([f"--init_from={saved}"]), ["--model.n_layers=4"])
+    given = ["--model.max-seq-len=32"]                     # spelled with dashes, as configs.py accepts
+    cfg = configs.from_args([f"--init_from={saved}", *given])
+    hf_io.apply_init_from(cfg, given)
+    assert cfg.model.max_seq_len == 32
     bad = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2"])
     with pytest.raises(configs.ConfigError, match="round differently"):
         configs.validate(bad, 2)
