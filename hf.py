@@ -432,6 +432,10 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     any work; a --model.* key that would change the architecture is refused, not ignored."""
     if not cfg.init_from:
         return
+    export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
+    if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
+        raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "
+                      f"export would replace the weights it starts from; copy them elsewhere or set another --out_dir")
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("model.") for a in argv if a.startswith("--model.")}
     other = sorted(given - set(RUN_MODEL_KEYS))
     if other:

@@ -322,7 +322,7 @@ def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     assert again.dtype == torch.bfloat16 and transformers.AutoTokenizer.from_pretrained(tmp_path / "bf16")(TEXTS[0])["input_ids"] == auto_tok(TEXTS[0])["input_ids"]
 
 
-def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(saved):
+def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(saved, tmp_path):
     import configs
     cfg = configs.from_args([f"--init_from={saved}", "--model.checkpointing=full", "--model.max_seq_len=32"])
     hf_io.apply_init_from(cfg, ["--model.checkpointing=full", "--model.max_seq_len=32"])
@@ -330,6 +330,9 @@ def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(sa
     assert cfg.data.tokenizer == str(saved)
     with pytest.raises(hf_io.HFError, match="--model.n_layers with --init_from"):
         hf_io.apply_init_from(configs.from_args([f"--init_from={saved}"]), ["--model.n_layers=4"])
+    (tmp_path / "hf").symlink_to(saved)                  # --init_from=out/hf with --out_dir=out
+    with pytest.raises(hf_io.HFError, match="replace the weights it starts from"):
+        hf_io.apply_init_from(configs.from_args([f"--init_from={saved}", f"--out_dir={tmp_path}"]), [])
     given = ["--model.max-seq-len=32"]                     # spelled with dashes, as configs.py accepts
     cfg = configs.from_args([f"--init_from={saved}", *given])
     hf_io.apply_init_from(cfg, given)
