@@ -302,6 +302,7 @@ def main(argv: list[str]) -> None:
         if loaded.rng is not None:
             checkpoint.set_rng_state(loaded.rng, device)
         step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)
+        sync(device)        # the loaded state as a graph of its own, not folded into the first step's
     batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
 
     peak = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops,

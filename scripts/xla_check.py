@@ -8,14 +8,19 @@ reads nothing back except at log, eval and checkpoint steps.
     PJRT_DEVICE=NEURON python scripts/xla_check.py -- --preset llama2_7b ...               # one NeuronCore
 
 It runs train.main() itself, unchanged, with two of its functions wrapped: train_step (the step
-begins) and sync (the step ends). Windows: "step" = from train_step's call to the sync after it;
-"after" = from that sync to the next train_step call (logging, eval, checkpoint, next batch).
+begins) and sync (the cuts inside the step, then the step ends). Windows: "step" = from
+train_step's call to the loop's sync after it; "after" = from that sync to the next train_step
+call (logging, eval, checkpoint, next batch). With --graphs every graph run is recorded and named:
+token count, first microbatch, later microbatch, reduce/clip/update (by the cut that ended it), or
+log, eval, save, resume, other (by the code on its Python stack); "census" lists the distinct ones
+with their HLO instruction counts.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -23,6 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 COUNTERS = ("UncachedCompile", "CachedCompile", "xla::_to_cpu", "aten::_local_scalar_dense")
+# torch-xla writes every graph it runs, as HLO with the Python frames that ran it, to this file
+# (plus a ".0" suffix) when the variable is set before it is imported.
+GRAPH_FILE = "XLA_SAVE_TENSORS_FILE"
 
 
 def snapshot() -> dict:
@@ -34,27 +42,93 @@ def snapshot() -> dict:
     return s
 
 
+class GraphLog:
+    """Reads the graphs torch-xla has run since the last call: for each, its size (HLO
+    instructions, every computation counted) and the functions on its Python stack."""
+
+    def __init__(self, path: str | None):
+        self.path, self.offset, self.buf = path, 0, ""
+
+    def new(self) -> list[dict]:
+        if not self.path or not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            self.buf += f.read()
+            self.offset = f.tell()
+        out = []
+        while "## END_GRAPH" in self.buf:
+            record, self.buf = self.buf.split("## END_GRAPH", 1)
+            head, _, hlo = record.partition("## BEGIN_GRAPH")
+            body = hlo.strip().split("\n", 1)[1]            # without the module's numbered name
+            out.append({"instructions": len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", body, re.M)),
+                        "frames": re.findall(r"^\s+(\w+) \(([^:)]+)", head, re.M)})
+        return out
+
+
+def label_by_frames(frames) -> str:
+    """A graph run outside a training step, named by the code that ran it."""
+    names = {(fn, os.path.basename(path)) for fn, path in frames}
+    for label, fn, file in (("eval", "evaluate", None), ("eval", "eval", "monitor.py"),
+                            ("save", "save", "checkpoint.py"), ("resume", "load_latest", "checkpoint.py"),
+                            ("log", "param_norm", "parallel.py"), ("log", "flush", "monitor.py"),
+                            ("log", "check_finite", "monitor.py"), ("setup", "device_peak_flops", "monitor.py"),
+                            ("setup", "__next__", "parallel_loader.py")):
+        if any(n == fn and (file is None or f == file) for n, f in names):
+            return label
+    return "other"
+
+
+GRAPHS = GraphLog(None)
+
+
 def watched_run(argv: list[str]) -> dict:
-    """train.main(argv) with each step's counters, times and loss tensors recorded."""
+    """train.main(argv) with each step's counters, times, loss tensors and graphs recorded."""
     import train
+    import torch_xla.debug.metrics as met
     events = []                        # (kind, step, time, counters)
     losses = []                        # loss tensors, read only after the run (no extra syncs)
+    graphs = []                        # {label, step, instructions, compiled}: every graph run, in order
+    state = {"in_step": False, "cuts": 0, "update": False, "compiles": met.counter_value("UncachedCompile") or 0}
     step_fn, sync_fn = train.train_step, train.sync
 
+    def collect(label):
+        """The graphs run since the last call; the compiles since then go to the first of them."""
+        compiles = (met.counter_value("UncachedCompile") or 0) - state["compiles"]
+        state["compiles"] += compiles
+        for g in GRAPHS.new():
+            graphs.append({"label": label or label_by_frames(g["frames"]), "step": len(losses) + state["in_step"],
+                           "instructions": g["instructions"], "compiled": compiles})
+            compiles = 0
+
     def train_step(*args, **kwargs):
+        collect(None)
         events.append(("begin", len(losses) + 1, time.perf_counter(), snapshot()))
-        out = step_fn(*args, **kwargs)
+        state.update(in_step=True, cuts=0)
+        try:
+            out = step_fn(*args, **kwargs)
+        finally:
+            state.update(in_step=False, update=True)
         losses.append(out["loss"])
         return out
 
     def sync(device):
         sync_fn(device)
-        events.append(("end", len(losses), time.perf_counter(), snapshot()))
+        if state["in_step"]:           # a cut inside the step: the token count, then one per microbatch
+            collect(("token count", "first microbatch")[state["cuts"]] if state["cuts"] < 2 else "later microbatch")
+            state["cuts"] += 1
+        elif state["update"]:          # the loop's sync after the step
+            collect("reduce/clip/update")
+            state["update"] = False
+            events.append(("end", len(losses), time.perf_counter(), snapshot()))
+        else:                          # before the first step: the resumed state; after: evaluation's cuts
+            collect(None if events else "resume")
 
     train.train_step, train.sync = train_step, sync
     try:
         t0 = time.perf_counter()
         train.main(argv)
+        collect(None)
         events.append(("exit", len(losses), time.perf_counter(), snapshot()))
     finally:
         train.train_step, train.sync = step_fn, sync_fn
@@ -67,7 +141,19 @@ def watched_run(argv: list[str]) -> dict:
         steps.append({"step": step, "begin_s": t - t0, "end_s": end[2] - t0,
                       "in_step": {k: end[3][k] - c[k] for k in c},
                       "after": {k: nxt[3][k] - end[3][k] for k in c}})
-    return {"steps": steps, "losses": [float(x) for x in losses], "total_s": time.perf_counter() - t0}
+    return {"steps": steps, "losses": [float(x) for x in losses], "graphs": graphs,
+            "total_s": time.perf_counter() - t0}
+
+
+def census(graphs: list[dict]) -> dict:
+    """{label: {"compiled": graphs compiled, "runs": graphs run, "sizes": {HLO instructions: first step}}}."""
+    out: dict = {}
+    for g in graphs:
+        d = out.setdefault(g["label"], {"compiled": 0, "runs": 0, "sizes": {}})
+        d["compiled"] += g["compiled"]
+        d["runs"] += 1
+        d["sizes"].setdefault(g["instructions"], g["step"])
+    return out
 
 
 def main() -> None:
@@ -76,10 +162,16 @@ def main() -> None:
     ap.add_argument("--eager-steps", type=int, default=0,
                     help="first run the same config this many steps on the eager CPU (loss reference)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--graphs", default="", help="record every graph run (HLO) in this file: the census")
+    ap.add_argument("--resume-steps", type=int, default=0,
+                    help="then run train.py again, resuming from the XLA run's last checkpoint, this many more steps")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
     args = ap.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    if args.graphs:
+        os.environ[GRAPH_FILE], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
+        GRAPHS.path = args.graphs + ".0"
     import torch
     import torch_xla
     torch.set_num_threads(args.threads)
@@ -95,7 +187,19 @@ def main() -> None:
                                                     f"--out_dir={side}", f"--ckpt.dir={side}/ckpt",
                                                     "--log.tensorboard="])
     report["xla"] = watched_run(train_args + ["--device=xla"])
-    for name in ("eager", "xla"):
+    if args.resume_steps:
+        # the same process: its graph cache holds the first run's graphs, which the resumed steps
+        # must find (on trn1 the persistent neuronx-cc cache plays that part across processes)
+        import configs
+        total = configs.from_args(train_args).optim.max_steps + args.resume_steps
+        report["resume"] = watched_run(train_args + ["--device=xla", f"--optim.max_steps={total}"])
+    for name in ("xla", "resume"):
+        if name in report and report[name]["graphs"]:
+            report[name]["census"] = census(report[name]["graphs"])
+            for label, c in report[name]["census"].items():
+                print(f"xla_check {name} graphs: {label}: {c['compiled']} compiled, {c['runs']} run; HLO "
+                      f"instructions " + ", ".join(f"{n} (from step {k})" for n, k in c["sizes"].items()))
+    for name in ("eager", "xla", "resume"):
         if name in report:
             steps = report[name]["steps"]
             compiles = [s["in_step"]["UncachedCompile"] + s["after"]["UncachedCompile"] for s in steps]

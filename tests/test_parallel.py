@@ -340,6 +340,19 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
             assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
 
 
+def test_layouts_issue_only_xla_collectives(spawned):
+    """Every layout above ran under the xla backend's rules (xla_rules.py): groups in their XLA
+    form, meshes the verifier accepts, only collectives the xla backend runs. The list is what
+    each issues on xla (rank 0, 3 steps, the checks' gathers included)."""
+    import json
+    for name, ranks in LAYOUTS.items():
+        for rank in ranks:
+            ops = json.load(open(os.path.join(spawned, f"{name}.xla_ops.rank{rank}.json")))
+            if rank == 0:
+                print(name, ops)
+            assert ops and all(k.split(" over ")[0] in xla_rules.CHECKED for k in ops), (name, ops)
+
+
 def test_clipping_was_active(reference):
     # Otherwise the grad-norm comparison above would not exercise the clip coefficient.
     assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])

@@ -2,15 +2,22 @@
 
 On Trainium every new graph costs minutes of neuronx-cc and every host read stalls the device.
 These tests run train.py itself (scripts/xla_check.py wraps its train_step and sync to read
-torch-xla's counters around every step) in a subprocess, so that PJRT_DEVICE and the metrics
+torch-xla's counters and every graph run) in a subprocess, so that PJRT_DEVICE and the metrics
 never leak into other tests:
-  - the tiny model trains 24 steps through log, eval and checkpoint steps; after the warm-up
-    (the first two steps, the first log, eval and save) no graph is compiled, the later logs,
-    evals and saves and the steps after them included (aws-neuron-sdk #813: recompiling after a
-    checkpoint);
+  - the tiny model trains 24 steps through log, eval and checkpoint steps, then resumes from its
+    last checkpoint for 4 more; after the warm-up (the first two steps, the first log, eval and
+    save) no graph is compiled, the later logs, evals and saves, the steps after them and the
+    resumed steps included (aws-neuron-sdk #813: recompiling after a checkpoint);
+  - the graph census: a step is a token-count graph, one graph per microbatch (the first creates
+    the gradients, the later ones add to them) and the reduce/clip/update graph, as NxD cuts it;
+    their HLO sizes are the same at 2 and at 8 microbatches (one graph for the whole step would
+    hold every microbatch's model copy);
   - no step reads anything back to the host, and neither does the loop between steps except at
     log, eval and checkpoint steps;
-  - the first losses equal eager CPU's within 1e-4 (fp32).
+  - the first losses equal eager CPU's within 1e-4 (fp32) with functionalization on (what
+    scripts/env.sh sets, as NxD's 70B scripts); off (Neuron's default) the first loss differs;
+  - the HLO of a bf16 step: every matmul in bf16 on the explicit attention path, and no infinity
+    in any tensor (only as a max-reduction's start value).
 """
 import json
 import os
@@ -22,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, LOG, EVAL, SAVE, EAGER = 24, 4, 10, 10, 3
+STEPS, LOG, EVAL, SAVE, EAGER, RESUME = 24, 4, 10, 10, 3, 4
 TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=32", "--data.global_batch=4", "--data.micro_batch=2",
         "--optim.warmup_steps=5", "--log.eval_windows=2", "--log.sample_tokens=4", "--precision=fp32",
@@ -32,24 +39,40 @@ HOST_READS = ("TransferFromDevice", "xla::_to_cpu", "aten::_local_scalar_dense")
 pytest.importorskip("torch_xla")
 
 
-def child_env():
-    return {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+def child_env(functionalization: bool = True):
+    return {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+            "XLA_DISABLE_FUNCTIONALIZATION": "0" if functionalization else "1"}
+
+
+def xla_check(out, args, functionalization=True, **opts) -> dict:
+    """scripts/xla_check.py on train.py's args, every graph recorded; its report."""
+    report = out / "report.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--json={report}", f"--graphs={out}/graphs.txt",
+           *[f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], "--",
+           *args, f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard="]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env(functionalization))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    print(r.stdout[-3000:])
+    rep = json.loads(report.read_text())
+    rep["stdout"], rep["ckpt_dir"] = r.stdout, out / "out" / "ckpt"
+    return rep
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One XLA run of train.py (and an eager CPU reference of its first steps), watched."""
-    out = tmp_path_factory.mktemp("xla")
-    report = out / "report.json"
+    """One XLA run of train.py (and an eager CPU reference of its first steps, and a resumed run), watched."""
     args = [*TINY, f"--optim.max_steps={STEPS}", f"--log.interval={LOG}", f"--log.eval_interval={EVAL}",
-            f"--ckpt.interval={SAVE}", f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard="]
-    cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--eager-steps={EAGER}",
-           f"--json={report}", "--", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rep = json.loads(report.read_text())
-    rep["stdout"], rep["ckpt_dir"] = r.stdout, out / "out" / "ckpt"
-    return rep
+            f"--ckpt.interval={SAVE}"]
+    return xla_check(tmp_path_factory.mktemp("xla"), args, eager_steps=EAGER, resume_steps=RESUME)
+
+
+@pytest.fixture(scope="module")
+def run_accum8(tmp_path_factory):
+    """The same model at 8 microbatches per step (global batch 16), 3 steps, no log, eval or save
+    but the last step's."""
+    args = [*[a for a in TINY if not a.startswith("--data.global_batch")], "--data.global_batch=16",
+            "--optim.max_steps=3", "--log.interval=100", "--log.eval_interval=0", "--log.sample_tokens=0"]
+    return xla_check(tmp_path_factory.mktemp("xla8"), args)
 
 
 def compiles(s, window):
@@ -59,10 +82,11 @@ def compiles(s, window):
 def test_xla_run_reaches_log_eval_and_checkpoint_steps(run):
     steps = run["xla"]["steps"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    xla_out = run["stdout"].split("xla_check eager")[0].rsplit("nanotrn:", 1)[-1]    # the XLA run's log
+    xla_out = run["stdout"].split("xla_check eager")[0].split("nanotrn:")[-2]        # the XLA run's log
     assert xla_out.count("val loss") == STEPS // EVAL, xla_out[-2000:]
-    saved = sorted(p.name for p in run["ckpt_dir"].glob("step_*"))
-    assert {f"step_{SAVE:08d}", f"step_{2 * SAVE:08d}"} <= set(saved), saved
+    saved = sorted(p.name for p in run["ckpt_dir"].glob("step_*"))     # the last 3 are kept
+    assert {f"step_{2 * SAVE:08d}", f"step_{STEPS:08d}", f"step_{STEPS + RESUME:08d}"} <= set(saved), saved
+    assert f"step_{STEPS:08d} (step {STEPS})" in run["stdout"]           # the resumed run started there
 
 
 def test_no_graph_compiled_after_warmup(run):
@@ -79,6 +103,52 @@ def test_no_graph_compiled_after_warmup(run):
             if n and (k, w) not in allowed and k < STEPS}       # after the last step: the final export
     assert not late, f"graphs compiled after warm-up (step, window): {late}; all: {per_step}"
     assert per_step[1][0] >= 1                            # the counters do see compiles
+    # Resumed from the last checkpoint (same process, so its graph cache stands in for the
+    # persistent neuronx-cc cache): loading is one graph of its own. Known: the first update after
+    # the load compiles once more (the loaded moments reach it as slices of the optimizer's flat
+    # buffer, not as parameters of their own: 30 more HLO instructions); every later step, log,
+    # eval and save finds its graph. On trn1 that is one more compile per resumed layout, cached.
+    resumed = {s["step"]: (compiles(s, "in_step"), compiles(s, "after")) for s in run["resume"]["steps"]}
+    print("resumed, graphs compiled:", resumed)
+    assert len(resumed) == RESUME and resumed[1] == (1, 0), resumed
+    assert not any(sum(v) for k, v in resumed.items() if 1 < k < RESUME), resumed
+    assert run["resume"]["census"]["resume"]["runs"] == 1, run["resume"]["census"]
+
+
+STEP_GRAPHS = ("token count", "first microbatch", "later microbatch", "reduce/clip/update")
+
+
+def steady_sizes(report, last_step):
+    """label -> HLO instructions of the graphs run at last_step (the warmed-up step)."""
+    out = {}
+    for g in report["xla"]["graphs"]:
+        if g["step"] == last_step and g["label"] in STEP_GRAPHS:
+            out.setdefault(g["label"], set()).add(g["instructions"])
+    return out
+
+
+def test_graph_census(run, run_accum8):
+    """One graph per microbatch, as NxD and the HLAT scripts run it: after warm-up a step runs
+    the token count, the first microbatch, each later microbatch (the same graph, accumulating)
+    and the reduce/clip/update; the whole run adds only setup, log and eval graphs (saves and
+    the resume load transfer tensors, they compile no step graph). The sizes do not depend on
+    the number of microbatches but the token count's (a compare and a sum per microbatch: 37
+    instructions at 2, 115 at 8)."""
+    census = run["xla"]["census"]
+    print("graph census, accumulation 2:", json.dumps(census, indent=1))
+    print("graph census, accumulation 8:", json.dumps(run_accum8["xla"]["census"], indent=1))
+    assert set(census) <= {*STEP_GRAPHS, "setup", "log", "eval"}, set(census)
+    assert set(STEP_GRAPHS) <= set(census)
+    runs = {k: v["runs"] for k, v in census.items()}
+    assert runs["token count"] == runs["first microbatch"] == runs["later microbatch"] == runs["reduce/clip/update"] == STEPS
+    assert sum(v["compiled"] for v in census.values()) <= 12, census        # a fixed, small set
+    two, eight = steady_sizes(run, STEPS), steady_sizes(run_accum8, 3)
+    assert eight["later microbatch"] == two["later microbatch"] and len(two["later microbatch"]) == 1
+    assert run_accum8["xla"]["census"]["later microbatch"]["runs"] == 3 * 7
+    for label in ("first microbatch", "later microbatch", "reduce/clip/update"):
+        assert eight[label] == two[label], (label, two, eight)
+    (t2,), (t8,) = two["token count"], eight["token count"]
+    assert t8 - t2 <= 16 * 6 and t8 < 200, (t2, t8)       # a compare and a sum per microbatch
 
 
 def test_no_host_sync_outside_log_eval_and_checkpoint_steps(run):
@@ -100,33 +170,80 @@ def test_first_losses_equal_eager_cpu(run):
     assert xla == pytest.approx(eager, abs=1e-4), (xla, eager)
 
 
-ATTENTION_HLO = textwrap.dedent("""
+def test_functionalization_off_computes_another_forward(tmp_path):
+    """Why scripts/env.sh sets XLA_DISABLE_FUNCTIONALIZATION=0 (NxD's 70B scripts do too) although
+    Neuron turns functionalization off by default: with it off (read when torch_xla is imported:
+    its own process), torch-xla 2.9 gives this model a different FIRST loss than eager CPU, before
+    any update, on XLA:CPU already (8.3163 vs 8.3141); with it on (the run above) the losses are
+    eager CPU's. The model splits qkv and gate_up along the last dimension and writes through views,
+    the pattern of pytorch/xla#8640. If this starts to pass, torch-xla has fixed it: the setting
+    can then follow Neuron's default."""
+    args = [*TINY, "--optim.max_steps=2", "--log.interval=100", "--log.eval_interval=0", "--log.sample_tokens=0"]
+    rep = xla_check(tmp_path, args, functionalization=False, eager_steps=2)
+    xla, eager = rep["xla"]["losses"], rep["eager"]["losses"]
+    print("functionalization off: XLA", xla, "eager", eager)
+    assert abs(xla[0] - eager[0]) > 1e-3, (xla, eager)
+
+
+STEP_HLO = textwrap.dedent("""
     import json, re
     import torch, torch_xla
-    import model as llama
+    import configs, parallel, train
     dev = torch_xla.device()
+    # Python numbers (a mask's fill value) would enter the graph as parameters, not constants:
+    # make them constants, so an infinity shows in the HLO.
+    torch_xla._XLAC._set_xla_all_numbers_special_scalars(True)
     out = {}
-    for explicit in (False, True):
-        q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.bfloat16, device=dev, requires_grad=True) for _ in range(3))
-        y = llama.attention_core(q, k, v, None, explicit)
-        y.backward(torch.ones_like(y))
-        hlo = torch_xla._XLAC._get_xla_tensors_hlo([y, q.grad, k.grad, v.grad])
-        out[str(explicit)] = {"dots": sorted(set(re.findall(r"= (\\w+)\\[[^\\]]*\\]\\{[^}]*\\} dot\\(", hlo))),
-                              "f32_reduce": bool(re.search(r"= f32\\[[^\\]]*\\]\\{[^}]*\\} reduce\\(", hlo))}
+    for attention in ("explicit", "sdpa"):
+        cfg = configs.from_args(["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1",
+                                 "--model.ffn_dim=64", "--model.vocab_size=64", "--seq_len=16", "--global_batch=2",
+                                 "--micro_batch=2", "--precision=bf16", f"--model.attention={attention}"])
+        model = parallel.build_model(cfg, parallel.Grid(), dev).to(torch.bfloat16)
+        doc = (torch.arange(16) >= 6).long().expand(2, 16)          # two packed documents
+        b = {"tokens": torch.randint(0, 64, (2, 16)), "targets": torch.randint(0, 64, (2, 16)),
+             "positions": torch.arange(16) - 6 * doc, "doc_ids": doc}
+        b = {k: v.to(dev) for k, v in b.items()}
+        loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])
+        loss.backward()                                  # one microbatch's graph: forward and backward
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in model.parameters()])
+        lines = re.findall(r"^\\s*(?:ROOT )?(%\\S+) = (\\w+)\\[[^\\]]*\\](?:\\{[^}]*\\})? (\\S+?)\\((.*)$", hlo, re.M)
+        infs = {name for name, _, op, args in lines if op == "constant" and "inf" in args}
+        # Follow each infinity: through broadcasts, reshapes and converts it is still itself; a
+        # comparison with it (x == -inf) and a reduction's start value (max) are fine; any other
+        # use puts an infinity into a tensor that arithmetic (or a transpose) would meet.
+        tainted, uses = set(infs), []
+        for name, _, op, args in lines:
+            refs = re.findall(r"%[\\w.\\-]+", args)
+            if not tainted.intersection(refs):
+                continue
+            if op in ("broadcast", "reshape", "convert", "copy", "bitcast"):
+                tainted.add(name)
+            elif op != "compare" and not (op == "reduce" and not tainted.intersection(refs[:len(refs) // 2])):
+                uses.append(f"{op}({args[:100]}")
+        out[attention] = {"dots": sorted({dt for _, dt, op, _ in lines if op == "dot"}),
+                          "n_dots": sum(op == "dot" for _, _, op, _ in lines),
+                          "inf_constants": len(infs), "inf_uses": uses}
     print(json.dumps(out))
 """)
 
 
-def test_explicit_attention_keeps_bf16_matmuls_on_xla():
-    """Why the trn1 presets use explicit attention: torch-xla lowers SDPA to the math path, which
-    upcasts bf16 q, k, v and runs every attention matmul in fp32 (4x slower on the TensorEngine).
-    The explicit path's matmuls stay bf16, and its softmax reduces in fp32, not XLA's bf16 reduce."""
-    r = subprocess.run([sys.executable, "-c", ATTENTION_HLO], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env=child_env())
+def test_step_hlo_has_bf16_matmuls_and_no_infinity():
+    """The HLO of one bf16 microbatch (forward and backward), read as neuronx-cc would get it.
+    Explicit attention (the trn1 presets): every dot in bf16 (torch-xla lowers SDPA to the math
+    path, which upcasts q, k, v and runs its matmuls in fp32: the counter-example). Both paths: an
+    infinity appears only as a max-reduction's start value or in a comparison (SDPA's x == -inf),
+    never in a tensor arithmetic uses, so no matmul or compiler-made transpose meets one
+    (inf * 0 = NaN on trn1; the masks are finite)."""
+    r = subprocess.run([sys.executable, "-c", STEP_HLO], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     hlo = json.loads(r.stdout.strip().splitlines()[-1])
-    assert hlo["False"]["dots"] == ["f32"], hlo
-    assert hlo["True"]["dots"] == ["bf16"] and hlo["True"]["f32_reduce"], hlo
+    print(hlo)
+    assert hlo["explicit"]["dots"] == ["bf16"] and hlo["explicit"]["n_dots"] >= 10, hlo
+    assert "f32" in hlo["sdpa"]["dots"], hlo                      # the SDPA upcast
+    for path in ("explicit", "sdpa"):
+        assert hlo[path]["inf_constants"] >= 1, hlo                # the max-reductions' start values
+        assert not hlo[path]["inf_uses"], (path, hlo[path]["inf_uses"])
 
 
 OPTIMIZER_PROBE = textwrap.dedent("""
