@@ -42,7 +42,7 @@ def bench_train(args):
     the median over rounds is reported beside the ratio of the totals."""
     import statistics
     import transformers
-    import hf
+    import hf as hf_io             # `hf` below is the transformers model
     import model as llama
     from configs import ModelConfig
     from monitor import measure_matmul_flops
@@ -66,10 +66,10 @@ def bench_train(args):
                 (m(x, targets=y) / y.numel()).backward()
                 opt.step(); opt.zero_grad(set_to_none=True)
             steps[f"ours ({attention})"] = ours_step
-        hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf.hf_config(cfg).items()
+        hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_io.hf_config(cfg).items()
                                              if k not in ("architectures", "model_type", "torch_dtype")})
         hf = transformers.LlamaForCausalLM(hf_cfg)
-        hf.load_state_dict(hf.to_hf_state_dict(ours.state_dict(), cfg))    # the same weights (seed 0)
+        hf.load_state_dict(hf_io.to_hf_state_dict(ours.state_dict(), cfg))    # the same weights (seed 0)
         hf.to(dtype)
 
         def hf_step(m=hf, opt=torch.optim.AdamW(hf.parameters(), lr=1e-4)):
