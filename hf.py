@@ -345,7 +345,7 @@ class HFTokenizer:
             self.tk = Fast.from_file(file)
         except Exception as e:       # tokenizers raises its own Exception type for bad files
             raise HFError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
-        self.path, self.folder = file, folder
+        self.path = file
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         conf_path = os.path.join(folder, "tokenizer_config.json")
         self.config = json.load(open(conf_path)) if os.path.isfile(conf_path) else {}
