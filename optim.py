@@ -314,7 +314,7 @@ class AdamW:
     def load_state_dict(self, sd: dict):
         """sd: a state_dict of this very layout, or a per-parameter one ("kind": "full": every
         "<param name>.<moment>" this rank holds, shaped like its parameter here) from which any
-        layout takes its part; checkpoint.py rebuilds one from any saved layout, reading a tensor
+        layout takes its part; reshard.py rebuilds one from any saved layout, reading a tensor
         only when it is asked for (sd["state"] may be a lazy mapping)."""
         if sd["precision"] != self.precision:
             raise ConfigError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
@@ -324,7 +324,7 @@ class AdamW:
         if not full and index(sd["layout"]) != index(self._layout()):
             raise ConfigError(f"optimizer state layout {sd['layout']} does not match this run's "
                              f"{self._layout()}; load ZeRO-1 shards at another layout through "
-                             f"checkpoint.py, which reshards them")
+                             f"reshard.py, which reshards them")
         wanted = self._wanted() if full else AdamW._wanted(self)
         missing = [k for k in wanted if k not in sd["state"]]
         if missing:
@@ -405,7 +405,7 @@ class Zero1AdamW(AdamW):
         return dict(self.flat)
 
     def _layout(self) -> dict:
-        # The flat index (names and shapes in order) lets checkpoint.py cut the shards back into
+        # The flat index (names and shapes in order) lets reshard.py cut the shards back into
         # per-parameter tensors, so that they resume at any layout.
         return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel,
                 "params": [[n, list(p.shape)] for n, p in self.named]}

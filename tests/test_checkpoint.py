@@ -33,6 +33,7 @@ import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+import reshard  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError, FaultInjector  # noqa: E402
 
 
@@ -396,7 +397,7 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     opt.load_state_dict(loaded.optim)
     assert loaded.step == 2 and loaded.data is None and loaded.data_states == [{"pos": 7}]
     # What this rank holds is exactly its shard of the 1-process state.
-    full = checkpoint.full_model_state(loaded.path, cfg.model)
+    full = reshard.full_model_state(loaded.path, cfg.model)
     for name, t in parallel.gather_full_state_dict(model, grid).items():
         assert torch.equal(t, full[name]), name
     random_step(model, opt, seed=2, grid=grid)
@@ -515,7 +516,7 @@ def test_e2e_sigkill_at_random_step_resumes_bit_exact(tmp_path):
     d = tmp_path / "run" / "ckpt" / "step_00000008"
     m = configs.ModelConfig(**checkpoint.json.loads((d / "meta.json").read_text())["config"]["model"])
     ours = llama.Llama(m)
-    ours.load_state_dict(checkpoint.full_model_state(d, m))
+    ours.load_state_dict(reshard.full_model_state(d, m))
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()
     tokens = torch.randint(0, m.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

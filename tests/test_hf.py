@@ -297,9 +297,9 @@ def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     for text in TEXTS[:4]:
         assert auto_tok(text)["input_ids"] == [tok.bos_id] + tok.encode(text)
     m = configs.ModelConfig(**json.loads((tmp_path / "run" / "ckpt" / "step_00000002" / "meta.json").read_text())["config"]["model"])
-    import checkpoint
+    import reshard
     ours = llama.Llama(m).eval()
-    ours.load_state_dict(checkpoint.full_model_state(tmp_path / "run" / "ckpt" / "step_00000002", m))
+    ours.load_state_dict(reshard.full_model_state(tmp_path / "run" / "ckpt" / "step_00000002", m))
     prompt = torch.tensor([auto_tok(TEXTS[3][:40])["input_ids"]])
     with torch.no_grad():
         assert max_rel_err(auto(prompt).logits, ours(prompt)) < 1e-5

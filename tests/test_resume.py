@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
+import reshard  # noqa: E402
 
 ARGS = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64",
         "--data.seq_len=32", "--model.max_seq_len=32", "--data.global_batch=4", "--data.micro_batch=1",
@@ -64,7 +65,7 @@ def full_optim(d: Path) -> dict:
     assert layout["tp"] == 1
     out = {}
     for p in range(layout["pp"]):
-        src = checkpoint.SavedOptim(d, f"tp00_pp{p:02d}", layout, d.name)
+        src = reshard.SavedOptim(d, f"tp00_pp{p:02d}", layout, d.name)
         out.update({k: src[k] for k in src})
     return out
 
@@ -98,7 +99,7 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     m = cfg.model
     for step in (4, 8, 12):
         want, got = (tmp_path / x / "ckpt" / f"step_{step:08d}" for x in ("ref", "run"))
-        assert_close(checkpoint.full_model_state(want, m), checkpoint.full_model_state(got, m), f"weights {step}")
+        assert_close(reshard.full_model_state(want, m), reshard.full_model_state(got, m), f"weights {step}")
         if step > 4:                                                     # (step 4 is TP=2: compared at 12)
             assert_close(full_optim(want), full_optim(got), f"optimizer state {step}")
         # The same windows consumed from every stream: the positions, merged over DP ranks, are equal.
