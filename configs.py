@@ -113,7 +113,7 @@ class LogConfig:
     tensorboard: str = "out/tb"  # empty = no event files; follows --out_dir unless given: <out_dir>/tb
     sample_tokens: int = 64      # length of the sample printed at the end
     on_nonfinite: str = "stop"   # stop | skip
-    peak_tflops: float = 0.0     # per-device peak for MFU; 0 = the --instance datasheet on Neuron, a measured matmul elsewhere
+    peak_tflops: float = 0.0     # per-device peak for MFU; 0 = the --instance datasheet on Neuron, the model's matmuls measured elsewhere
 
 
 @dataclass

@@ -305,8 +305,9 @@ def main(argv: list[str]) -> None:
         sync(device)        # the loaded state as a graph of its own, not folded into the first step's
     batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
 
-    peak = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops,
-                                     cfg.parallel.instance)
+    peak, peak_how = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops,
+                                               cfg.parallel.instance, shapes=monitor.matmul_shapes(cfg, grid.tp))
+    log(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per device ({peak_how})")
     mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len

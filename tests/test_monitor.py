@@ -216,3 +216,27 @@ def test_replica_drift_is_seen(tmp_path):
         assert len(warnings) == 2, lines            # steps 3 and 4, read at the step-4 flush
         assert "step 3: the data-parallel replicas diverge" in warnings[0]
         assert "NEURON_RT_STOCHASTIC_ROUNDING_SEED" in warnings[0]
+
+
+def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
+    # The measured shapes are exactly the model's weight matmuls: one layer's forward and both
+    # backward matmuls, times the layers, plus the head, are flops_per_token less attention.
+    import model as llama
+    cfg = configs.from_args(["--model.n_layers=3", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+                             "--model.ffn_dim=96", "--model.vocab_size=512", "--seq_len=32", "--micro_batch=2"])
+    shapes = monitor.matmul_shapes(cfg)
+    flops = [2 * m * k * n for m, k, n in shapes]
+    rows, m = 2 * 32, cfg.model
+    assert sum(flops[:12]) * m.n_layers + sum(flops[12:]) == pytest.approx(
+        rows * (llama.flops_per_token(m, 32) - 6 * m.n_layers * 32 * m.dim))
+    peak, how = monitor.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)
+    assert peak > 0 and how.startswith("measured: the model's") and f"{torch.get_num_threads()} threads" in how
+    assert monitor.device_peak_flops(torch.device("cpu"), torch.float32, 12.5)[1] == "stated: --log.peak_tflops=12.5"
+    # A run that goes faster than the peak (here: a peak far too low) reports 100% and says why.
+    lines = []
+    mon = Monitor(small_cfg(tmp_path, interval=2), flops_per_token=1e6, peak_flops=1.0, print_fn=lines.append)
+    for s in range(1, 5):
+        mon.step(s, loss=torch.tensor(3.0), grad_norm=torch.tensor(1.0), lr=1e-3, tokens=1000)
+        assert mon.last.get("mfu", 0.0) <= 1.0
+    mon.close()
+    assert sum("is above the peak" in l for l in lines) == 1, lines
