@@ -4,6 +4,7 @@ reference run side by side in the same process, on this machine.
     python bench.py train       # our Llama vs transformers' LlamaForCausalLM, fp32 and bf16
     python bench.py data        # packed tokens/s vs raw sentencepiece encoding
     python bench.py precision   # fp32 / mixed / bf16 / bf16_sr loss curves and throughput
+    python bench.py init        # default vs scaled init: a deep tiny model at a high learning rate
     python bench.py parallel    # TP=2 and DP=2 against one process (gloo, CPU)
     python bench.py pp          # PP=2 1F1B vs GPipe vs one process
     python bench.py ckpt        # async vs synchronous checkpoint save, recovery time
@@ -193,12 +194,51 @@ def bench_data(args):
         json.dump({"rows": rows, "flops_per_token_7b": fpt, "dp_rank_tokens_per_s": per_rank}, f, indent=1)
 
 
+def _tiny_study_config(steps: int, *extra: str):
+    """The tiny preset shrunk (dim 128, seq 128, one microbatch of 8) so that enough steps of
+    several runs fit in minutes on 2 cores; lr, schedule shape, AdamW and clip are the preset's."""
+    import configs
+    warmup = max(1, round(steps * 20 / 300))              # the preset's 20 of 300 steps, scaled
+    return configs.from_args(["--model.dim=128", "--model.n_heads=4", "--model.n_kv_heads=2",
+                              "--model.ffn_dim=352", "--model.max_seq_len=128", "--seq_len=128",
+                              "--micro_batch=8", "--global_batch=8", f"--steps={steps}",
+                              f"--optim.warmup_steps={warmup}", f"--optim.decay_steps={steps - warmup}", *extra])
+
+
+def _lockstep(runs: dict, cfg, steps: int):
+    """Train every run of `runs` (name -> {"cfg", "model", "opt"}) on the same `steps` batches of
+    the stdlib stream, one step of each in turn, so a busy machine slows them all alike. Records
+    per run the losses, the gradient norms (before clipping) and the time spent in its steps."""
+    import data
+    import optim
+    import parallel
+    import train
+    grid = parallel.Grid()
+    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+    loader = data.PackedLoader(cfg.data, tok, dp_rank=0, dp_size=1, split="train")
+    batches = [next(loader) for _ in range(steps)]        # the very same batches for every run
+    loader.close()
+    for r in runs.values():
+        r.update(loss=[], grad_norm=[], time=0.0)
+    for step in range(steps):
+        for r in runs.values():
+            r["opt"].set_lr(optim.lr_at(step, r["cfg"].optim))
+            t = time.perf_counter()
+            out = train.train_step(r["model"], r["opt"], [batches[step]], grid, r["cfg"])
+            r["loss"].append(out["loss"].item())
+            r["time"] += time.perf_counter() - t
+            r["grad_norm"].append(float(out["grad_norm"]))
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step:4d} | " + " | ".join(f"{m} {r['loss'][-1]:.3f}" for m, r in runs.items()), flush=True)
+
+
+def _smooth(xs: list[float], window: int) -> list[float]:
+    return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
+
+
 def bench_precision(args):
     """The blog's precision study at tiny scale: fp32, mixed, bf16 and bf16_sr train the same model
-    from the same init on the same batches. The four runs go in lockstep (one step of each in turn),
-    so a busy machine slows all four alike and the tokens/s ratios stay fair.
-    The model is the tiny preset shrunk (dim 128, seq 128, one microbatch of 8) so that enough steps
-    fit in ~10 minutes on 2 cores; everything else (lr, schedule shape, AdamW, clip) is the preset's."""
+    from the same init on the same batches, in lockstep, so the tokens/s ratios stay fair."""
     import json
     import os
 
@@ -207,44 +247,22 @@ def bench_precision(args):
     import matplotlib.pyplot as plt
 
     import configs
-    import data
     import model as llama
     import optim
     import parallel
-    import train
 
     steps = args.steps or 400
-    warmup = max(1, round(steps * 20 / 300))              # the preset's 20 of 300 steps, scaled
-    cfg = configs.from_args(["--model.dim=128", "--model.n_heads=4", "--model.n_kv_heads=2",
-                             "--model.ffn_dim=352", "--model.max_seq_len=128", "--seq_len=128",
-                             "--micro_batch=8", "--global_batch=8", f"--steps={steps}",
-                             f"--optim.warmup_steps={warmup}", f"--optim.decay_steps={steps - warmup}"])
-    modes = list(optim.PRECISIONS)
-    grid = parallel.Grid()
-    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
-    loader = data.PackedLoader(cfg.data, tok, dp_rank=0, dp_size=1, split="train")
-    batches = [next(loader) for _ in range(steps)]        # the very same batches for every mode
-    loader.close()
+    cfg = _tiny_study_config(steps)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-
     runs = {}
-    for mode in modes:
+    for mode in optim.PRECISIONS:
         c = configs.from_args([])
         c.model, c.data, c.optim = cfg.model, cfg.data, configs.OptimConfig(**{**vars(cfg.optim), "precision": mode})
         m = llama.Llama(c.model).init_weights(c.seed).to(optim.param_dtype(mode))
-        runs[mode] = {"cfg": c, "model": m, "opt": optim.build_optimizer(m, c, grid), "loss": [], "time": 0.0}
+        runs[mode] = {"cfg": c, "model": m, "opt": optim.build_optimizer(m, c, parallel.Grid())}
     print(f"bench precision: {steps} steps x {tokens_per_step} tokens, {llama.num_params(cfg.model) / 1e6:.2f}M "
           f"params (tiny preset, dim {cfg.model.dim}, seq {cfg.data.seq_len}), {torch.get_num_threads()} threads")
-    for step in range(steps):
-        for mode, r in runs.items():
-            r["opt"].set_lr(optim.lr_at(step, r["cfg"].optim))
-            t = time.perf_counter()
-            out = train.train_step(r["model"], r["opt"], [batches[step]], grid, r["cfg"])
-            loss = out["loss"].item()
-            r["time"] += time.perf_counter() - t
-            r["loss"].append(loss)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step:4d} | " + " | ".join(f"{m} {r['loss'][-1]:.3f}" for m, r in runs.items()), flush=True)
+    _lockstep(runs, cfg, steps)
 
     tail = max(1, steps // 10)
     table = {}
@@ -263,13 +281,11 @@ def bench_precision(args):
 
     os.makedirs(args.out, exist_ok=True)
     window = max(1, steps // 40)
-
-    def smooth(xs):
-        return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mixed = _smooth(runs["mixed"]["loss"], window)
     for mode, r in runs.items():
-        ax.plot(smooth(r["loss"]), label=f"{mode} ({table[mode]['final_loss']:.3f})")
-        dx.plot([a - b for a, b in zip(smooth(r["loss"]), smooth(runs["mixed"]["loss"]))], label=mode)
+        ax.plot(_smooth(r["loss"], window), label=f"{mode} ({table[mode]['final_loss']:.3f})")
+        dx.plot([a - b for a, b in zip(_smooth(r["loss"], window), mixed)], label=mode)
     ax.set(xlabel="step", ylabel=f"train loss (moving mean of {window})", title="tiny Llama, same data and init",
            ylim=(min(min(r["loss"]) for r in runs.values()) - 0.1, runs["fp32"]["loss"][0] + 0.2))
     dx.set(xlabel="step", ylabel="loss minus mixed-precision loss", title="difference to mixed precision")
@@ -288,6 +304,81 @@ def bench_precision(args):
           f"bf16_sr tokens/s vs fp32: {table['bf16_sr']['tokens_per_s'] / ref_speed:.2f}x on this CPU")
     print(f"wrote {png} and precision.json")
 
+
+def bench_init(args):
+    """The blog's second stability lesson at tiny scale: a deep, narrow model at a high learning
+    rate from Llama's default init (every matmul weight at std 0.02) and from scaled init (the
+    attention and MLP output projections at 0.02 / sqrt(2 * n_layers), model.init_param), same
+    data, same seed, in lockstep. The default-init model is the scaled one with those two weights
+    multiplied back by sqrt(2 * n_layers): the same random draws, only their scale differs."""
+    import json
+    import math
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import model as llama
+    import monitor
+    import optim
+    import parallel
+
+    steps = args.steps or 300
+    cfg = _tiny_study_config(steps, f"--model.n_layers={args.layers}", "--model.dim=64", "--model.ffn_dim=176",
+                             "--model.max_seq_len=128", f"--optim.lr={args.lr}", f"--optim.min_lr={args.lr / 10}",
+                             "--precision=fp32")
+    runs = {}
+    for name in ("default init", "scaled init"):
+        m = llama.Llama(cfg.model).init_weights(cfg.seed)
+        if name == "default init":
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if n.endswith(("o_proj.weight", "down_proj.weight")):
+                        p.mul_(math.sqrt(2.0 * cfg.model.n_layers))
+        runs[name] = {"cfg": cfg, "model": m, "opt": optim.build_optimizer(m, cfg, parallel.Grid())}
+    print(f"bench init: {steps} steps x {cfg.data.global_batch * cfg.data.seq_len} tokens, {cfg.model.n_layers} "
+          f"layers, dim {cfg.model.dim}, {llama.num_params(cfg.model) / 1e6:.2f}M params, lr {cfg.optim.lr:g} "
+          f"(warmup {cfg.optim.warmup_steps}, clip {cfg.optim.grad_clip}), {torch.get_num_threads()} threads")
+    _lockstep(runs, cfg, steps)
+
+    tail, table = max(1, steps // 10), {}
+    for name, r in runs.items():
+        det = monitor.SpikeDetector()
+        warnings = [w for s, g in enumerate(r["grad_norm"], 1) for w in det.update(s, g)]
+        s = det.summary()
+        table[name] = {"final_loss": sum(r["loss"][-tail:]) / tail, "min_loss": min(r["loss"]),
+                       "loss_at_half": sum(r["loss"][steps // 2 - tail // 2:steps // 2 + tail // 2 + 1]) / (2 * (tail // 2) + 1),
+                       "max_grad_norm": max(r["grad_norm"]), "spikes": s["spikes"] + bool(s["open"]),
+                       "one_step_share": s["one_step_share"], "longest_spike": max(s["longest"], s["open"]),
+                       "warnings": len(warnings)}
+    print(f"\nfinal loss = mean train loss of the last {tail} steps; spikes: the blog's detector (monitor.py)")
+    print(f"{'init':12s} | {'final loss':>10s} | {'at half':>8s} | {'max grad norm':>13s} | {'spikes':>6s} | "
+          f"{'1-step':>6s} | {'longest':>7s} | {'warnings':>8s}")
+    for name, row in table.items():
+        print(f"{name:12s} | {row['final_loss']:10.4f} | {row['loss_at_half']:8.4f} | {row['max_grad_norm']:13.3f} | "
+              f"{row['spikes']:6d} | {row['one_step_share']:6.0%} | {row['longest_spike']:7d} | {row['warnings']:8d}")
+
+    os.makedirs(args.out, exist_ok=True)
+    window = max(1, steps // 40)
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in runs.items():
+        ax.plot(_smooth(r["loss"], window), label=f"{name} ({table[name]['final_loss']:.3f})")
+        gx.plot(r["grad_norm"], label=f"{name} (max {table[name]['max_grad_norm']:.2f})", lw=0.8)
+    ax.set(xlabel="step", ylabel=f"train loss (moving mean of {window})",
+           title=f"{cfg.model.n_layers} layers, lr {cfg.optim.lr:g}, same data and seed")
+    gx.set(xlabel="step", ylabel="gradient L2 norm (before clipping)", yscale="log", title="gradient norm")
+    for a in (ax, gx):
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    png = os.path.join(args.out, "init.png")
+    fig.savefig(png, dpi=110)
+    with open(os.path.join(args.out, "init.json"), "w") as f:
+        json.dump({"steps": steps, "layers": cfg.model.n_layers, "lr": cfg.optim.lr, "table": table,
+                   "loss": {n: r["loss"] for n, r in runs.items()},
+                   "grad_norm": {n: r["grad_norm"] for n, r in runs.items()}}, f)
+    print(f"wrote {png} and init.json")
 
 
 def _launch_ranks(which: str, name: str, world: int, threads: int, steps: int, **env_extra):
@@ -721,7 +812,7 @@ def bench_xla(args):
         json.dump({**rep, "graphs": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
 
 
-BENCHES = {"train": bench_train, "data": bench_data, "precision": bench_precision,
+BENCHES = {"train": bench_train, "data": bench_data, "precision": bench_precision, "init": bench_init,
            "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
 
 if __name__ == "__main__":
@@ -730,6 +821,8 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
     parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
+    parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     BENCHES[args.which](args)
