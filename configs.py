@@ -91,6 +91,7 @@ class DataConfig:
     bos: bool = True
     eos: bool = True
     val_fraction: float = 0.01   # held-out share of documents, never trained on
+    shuffle: int = 8             # documents in flight per sequence of the batch, each window drawn from one at random (1: stream order)
     seed: int = 1234
     cache_dir: str = ".cache"
 

@@ -11,7 +11,9 @@ re-tokenizing offline costs days each time an experiment changes its data or tok
 3. Split and streams. A hash of the document index holds out `val_fraction` of the documents.
    Each epoch the train documents are permuted from (seed, epoch) and dealt to `global_batch`
    streams; global batch b is window b of every stream, and DP rank r packs only its share of
-   the streams. The batches are thus the same whatever the DP degree and micro-batch.
+   the streams. The batches are thus the same whatever the DP degree and micro-batch. A stream
+   mixes `shuffle` documents in flight (and, for `--data a:0.7,b:0.3`, sources by weight), each
+   window's pick a hash of (seed, stream, window index). Evaluation reads fixed windows (EvalWindows).
 4. Pack. A stream tokenizes its documents in order (BOS/EOS each) into one sequence cut into
    windows of seq_len + 1 tokens, no padding; a long document continues in the next window.
    Windows carry per-document positions and ids; targets never cross a document boundary. The
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import fcntl
 import glob
 import hashlib
@@ -262,18 +265,45 @@ def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
     raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
 
 
+def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
+    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; entries
+    without a weight get None (then none may have one: the corpus is one pool of documents)."""
+    out = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        head, sep, tail = entry.rpartition(":")
+        try:
+            out.append((head, float(tail)) if sep and head else (entry, None))
+        except ValueError:
+            out.append((entry, None))
+    weights = [w for _, w in out]
+    if None in weights and any(w is not None for w in weights):
+        raise DataError(f"--data {spec!r}: give every source a weight (a.arrow:0.7,b.jsonl:0.3) or none")
+    bad = [f"{e}:{w:g}" for e, w in out if w is not None and not (0 < w < float("inf"))]
+    if bad:
+        raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)}")
+    return out
+
+
 class Corpus:
     """All documents of a data spec, indexed 0..n_docs-1 in a fixed order (the sources in the order
-    given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document."""
+    given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document.
+    A weighted spec (`a.arrow:0.7,b/:0.3`) makes `groups`: (name, weight, first doc, end) per
+    entry, weights summing to 1; unweighted, one group of every document."""
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
                  split: str = "train"):
         self.spec, self.sources, self.warned = spec, [], collections.Counter()
-        paths = resolve_paths(spec, split)
+        entries = parse_mixture(spec)
+        seen, per_entry = set(), []             # a file named by two entries counts in the first
+        for entry, _ in entries:
+            per_entry.append([p for p in resolve_paths(entry, split)
+                              if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
+        paths = [p for ps in per_entry for p in ps]
         empty = [p for p in paths if os.path.getsize(p) == 0]
         self.empty_files = len(empty)
         if empty:
             print(f"[data] {len(empty)} empty files skipped (the first: {empty[0]})", file=sys.stderr)
+        docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             if os.path.getsize(p) == 0:
                 continue
@@ -288,6 +318,7 @@ class Corpus:
                 self.sources[-1].n += 1
             else:
                 self.sources.append(FileDocs([p]))
+            docs_of[p] = 1 if isinstance(self.sources[-1], FileDocs) else self.sources[-1].n
         self.offsets = np.cumsum([0] + [s.n for s in self.sources])
         self.n_docs = int(self.offsets[-1])
         if self.n_docs == 0:
@@ -297,6 +328,14 @@ class Corpus:
         # full paths, so the same files mounted elsewhere or read from another directory still match).
         ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+        self.groups = [(spec, 1.0, 0, self.n_docs)]
+        if entries[0][1] is not None:
+            ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])
+            total = sum(w for _, w in entries)
+            self.groups = [(e, w / total, int(lo), int(hi)) for (e, w), lo, hi in zip(entries, [0, *ends[:-1]], ends)]
+            empty = [g[0] for g in self.groups if g[2] == g[3]]
+            if empty:
+                raise DataError(f"mixture source {empty[0]!r} holds no documents")
 
     def warn(self, kind: str, msg: str):
         self.warned[kind] += 1
@@ -527,6 +566,19 @@ def _spm_message(e: Exception) -> str:
 
 # ----------------------------------------------------------------------------- 3. split and shard
 
+def _uniform(*keys) -> np.ndarray:
+    """A uniform float in [0, 1) that is a pure function of the integer keys (arrays broadcast):
+    splitmix64 chained over them. The data order is decided by it, never by a stateful RNG."""
+    h = np.uint64(0)
+    with np.errstate(over="ignore"):                    # wrapping uint64 arithmetic
+        for k in keys:
+            z = (h ^ np.asarray(k).astype(np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            h = z ^ (z >> np.uint64(31))
+    return (h >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+
+
 def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, val ids). A document is held out when a hash of its index falls below
     val_fraction: fixed for a corpus whatever the seed, DP degree or tokenizer."""
@@ -564,7 +616,14 @@ class PackedLoader:
     permutation of the document ids (8 bytes per document, independent of the number of ranks).
 
     train: S = global_batch streams running through epochs of the train documents, reshuffled each
-           epoch (a stream starts its next epoch when its own share is used up).
+           epoch (a stream starts its next epoch when its own share is used up). Each stream is a
+           shuffle buffer of documents: it holds `shuffle` (M) lanes, each packing its own share
+           of the documents, and takes window b from a lane drawn by a hash of (seed, stream, b).
+           So one long file fills one window in global_batch x M at a time, not every window of
+           consecutive steps, and the order is still a pure function of the global window index:
+           exactly resumable and the same at every layout. A mixture (`--data a:0.7,b:0.3`) gives
+           every stream M lanes per source and draws the source of window b by its weight, from
+           the same hash (mixture_counts() recomputes the realized counts from it).
     val:   S = dp streams, one per rank, over the held-out documents in a fixed order, cycled (an
            "epoch" is one pass); `reset()` before each evaluation makes every evaluation read the
            same windows.
@@ -587,6 +646,22 @@ class PackedLoader:
         self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
         train_ids, val_ids = split_documents(self.corpus.n_docs, cfg.val_fraction)
         self.ids = train_ids if split == "train" else val_ids
+        groups = [(lo, hi) for _, _, lo, hi in self.corpus.groups]
+        if split == "train":                    # per source: its train documents and its lanes per stream
+            self.group_ids = [train_ids[(train_ids >= lo) & (train_ids < hi)] for lo, hi in groups]
+            self.weights = np.array([w for _, w, _, _ in self.corpus.groups])
+            self.lanes_max = max(1, cfg.shuffle)
+        else:                                   # one pool, the sources interleaved document by document
+            per = [val_ids[(val_ids >= lo) & (val_ids < hi)] for lo, hi in groups]
+            rank = np.concatenate([np.arange(len(p)) for p in per])
+            self.ids = np.concatenate(per)[np.lexsort((np.repeat(np.arange(len(per)), [len(p) for p in per]), rank))]
+            self.group_ids, self.weights, self.lanes_max = [self.ids], np.ones(1), 1
+        # A source with few documents gets fewer lanes: every lane needs at least one document.
+        self.lanes = [max(1, min(self.lanes_max, len(ids) // self.n_streams)) for ids in self.group_ids]
+        self.cum_weights = np.cumsum(self.weights / self.weights.sum())
+        self.lane_ids = [self.lane_id(r, g, c) for r in self.streams
+                         for g in range(len(self.lanes)) for c in range(self.lanes[g])]
+        self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
         self._check_size()
         if len(self.ids) < self.n_streams:
             raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, val_fraction "
@@ -596,10 +671,11 @@ class PackedLoader:
         self._perms = {}                        # epoch -> permutation of the split, the last few
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "tokenizer": tok.fingerprint,
-                            "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos}
+                            "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
+                            "shuffle": self.lanes_max, "mixture": [round(float(w), 12) for w in self.weights]}
         start = {"epoch": 0, "doc": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
         self._start_state = {"split": split, "n_streams": self.n_streams, "dp_size": dp_size, **self.fingerprint,
-                             "streams": {str(s): start for s in self.streams}}
+                             "streams": {str(s): start for s in self.lane_ids}}
         self._state = self._start_state
         self._gen = self._thread = self._error = None
 
@@ -619,30 +695,64 @@ class PackedLoader:
                         f"one batch needs {what} x (seq_len {c.seq_len} + 1) = {need:,} tokens; use more data, "
                         f"or lower --global_batch / --seq_len" + (" or raise --data.val_fraction" if self.split == "val" else ""))
 
-    def documents(self, stream: int, epoch: int) -> np.ndarray:
-        """The document ids `stream` reads in `epoch`, in order."""
+    def lane_id(self, stream: int, group: int, lane: int) -> int:
+        """The key of one lane: a stream's lanes are contiguous, so DP ranks own whole blocks."""
+        return (stream * len(self.lanes) + group) * self.lanes_max + lane
+
+    def documents(self, lane: int, epoch: int) -> np.ndarray:
+        """The document ids lane `lane` (lane_id) reads in `epoch`, in order: its source's
+        permutation for the epoch, dealt over the streams x lanes of that source."""
+        stream, rest = divmod(lane, len(self.lanes) * self.lanes_max)
+        g, c = divmod(rest, self.lanes_max)
+        j, n = stream * self.lanes[g] + c, self.n_streams * self.lanes[g]
         if self.split == "val":
-            return self.ids[stream::self.n_streams]
-        if epoch not in self._perms:            # streams cross an epoch at different times: keep a few
-            perms = {e: p for e, p in self._perms.items() if e > epoch - 3}
-            self._perms = {**perms, epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(self.ids)}
-        return self._perms[epoch][stream::self.n_streams]
+            return self.ids[j::n]
+        if (epoch, g) not in self._perms:       # lanes cross an epoch at different times: keep a few
+            perms = {k: p for k, p in self._perms.items() if k[0] > epoch - 3}
+            key = [self.cfg.seed, epoch] + ([g] if g else [])       # one source: as without a mixture
+            self._perms = {**perms, (epoch, g): np.random.default_rng(key).permutation(self.group_ids[g])}
+        return self._perms[epoch, g][j::n]
+
+    def choose(self, streams, b) -> tuple[np.ndarray, np.ndarray]:
+        """(source, lane) that window b of each stream comes from: a hash of (seed, stream, b),
+        the source by weight, then one of its lanes uniformly. Arrays broadcast."""
+        g = np.minimum(np.searchsorted(self.cum_weights, _uniform(self.cfg.seed, 1, streams, b), side="right"),
+                       len(self.lanes) - 1)
+        c = (_uniform(self.cfg.seed, 2, streams, b) * np.asarray(self.lanes)[g]).astype(np.int64)
+        return g, c
+
+    def mixture_counts(self, n_batches: int) -> np.ndarray:
+        """Windows per source in the first n_batches global batches, over every stream (every DP
+        rank): the realized mixture, recomputed from the hash with no communication. Incremental."""
+        done, counts = self._mix_counts
+        if n_batches < done:
+            done, counts = 0, np.zeros_like(counts)
+        for b0 in range(done, n_batches, 4096):
+            b = np.arange(b0, min(n_batches, b0 + 4096))
+            g, _ = self.choose(np.arange(self.n_streams)[:, None], b[None, :])
+            counts = counts + np.bincount(g.ravel(), minlength=len(self.lanes))
+        self._mix_counts = (n_batches, counts)
+        return counts
 
     # ---------------------------------------------------------------- producer
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
         round-robin, micro_batch windows per batch."""
-        own = [str(s) for s in self.streams]
-        positions = {s: state["streams"][s] for s in own}
-        packers = [self._pack(int(s), positions[s]) for s in own]
-        done = [positions[s]["stats"]["windows"] for s in own]
+        positions = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
+        packers = {lane: self._pack(lane, positions[lane]) for lane in self.lane_ids}
+        per = len(self.lane_ids) // len(self.streams)       # lanes per stream, contiguous
+        done = [sum(positions[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])
+                for k in range(len(self.streams))]          # windows each stream has handed out
         i, wins = sum(n > min(done) for n in done), []      # mid-round: the streams ahead come first
         while True:
-            tokens, starts, positions[own[i]] = next(packers[i])
+            g, c = self.choose(self.streams[i], done[i])
+            lane = self.lane_id(self.streams[i], int(g), int(c))
+            tokens, starts, positions[lane] = next(packers[lane])
             wins.append((tokens, starts))
-            i = (i + 1) % len(own)
+            done[i] += 1
+            i = (i + 1) % len(self.streams)
             if len(wins) == self.cfg.micro_batch:
-                yield self._batch(wins), {**state, "streams": dict(positions)}
+                yield self._batch(wins), {**state, "streams": {str(k): v for k, v in positions.items()}}
                 wins = []
 
     def _pack(self, stream: int, state: dict):
@@ -657,7 +767,7 @@ class PackedLoader:
         tdoc = toff = np.zeros(0, np.int32)     # per token: document (index into order), offset in it
         # (int32: 4 bytes a token, not 8, on a huge document's tokens; a stream's documents and a
         # document's tokens both stay far below 2**31)
-        pos, chunk, want = 0, 16, max(2 * L1, 65536 // len(self.streams))   # tokens per read
+        pos, chunk, want = 0, 16, max(2 * L1, 65536 // len(self.lane_ids))   # tokens per read
 
         def commit(until):                      # count the documents now fully behind the position
             while pending and pending[0][0] < until:
@@ -697,7 +807,7 @@ class PackedLoader:
                     raise DataError(f"stream {stream} of the {self.split} split ({len(order)} documents in epoch "
                                     f"{epoch}) holds fewer than seq_len + 1 = {L1} tokens: it cannot fill one "
                                     f"window; use more data, a shorter --seq_len or " +
-                                    ("a smaller --global_batch" if self.split == "train" else "fewer DP ranks"))
+                                    ("a smaller --global_batch or --data.shuffle" if self.split == "train" else "fewer DP ranks"))
                 commit(len(order))
                 stats["dropped_tail"] += len(tok) - pos
                 epoch, nxt, pos, fresh, emitted = epoch + 1, 0, 0, True, 0
@@ -769,12 +879,12 @@ class PackedLoader:
         for p in parts:
             self._check(p)
             streams.update(p["streams"])
-        missing = [s for s in self.streams if str(s) not in streams]
+        missing = [s for s in self.lane_ids if str(s) not in streams]
         if missing:
             raise DataError(f"the data state holds no position for streams {missing[:8]} of this rank: it "
                             f"was saved by another DP rank; give every saved DP rank's state")
         self.close()
-        self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.streams}}
+        self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.lane_ids}}
         self._gen = self._error = None
 
     def _check(self, sd: dict):
@@ -802,6 +912,8 @@ class PackedLoader:
         positions = self._state["streams"].values()
         s = {k: sum(p["stats"][k] for p in positions) for k in COUNTERS}
         packed = s["windows"] * (self.cfg.seq_len + 1)
+        s["windows_by_source"] = [sum(p["stats"]["windows"] for k, p in self._state["streams"].items()
+                                      if int(k) // self.lanes_max % len(self.lanes) == g) for g in range(len(self.lanes))]
         s.update(epoch=min(p["epoch"] for p in positions), empty_files=self.corpus.empty_files,
                  split_documents=len(self.ids), packing_efficiency=packed / max(packed + s["dropped_tail"], 1))
         return s
@@ -817,6 +929,47 @@ class PackedLoader:
                     pass
             self._thread.join()
         self._gen = self._thread = None
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+class EvalWindows:
+    """The held-out windows evaluation reads: the first `n_windows` windows of the val split (its
+    documents in a fixed order, one stream), whatever the layout. DP rank r takes the r-th block
+    of ceil(n / dp) of them, in micro-batches padded with rows whose every target is -100 (they add
+    nothing to the loss sum or the token count; the shapes stay static for XLA). Every rank runs
+    the same number of batches, and the summed loss over the summed count is the same number at
+    every DP degree, micro-batch and PP (up to the order of a float sum).
+    Every rank packs the windows up to its block: at most n_windows x (seq_len + 1) tokens (32 x
+    4097 for 7B), however many ranks. Interface of a loader: reset(), next(); len() batches."""
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, n_windows: int, dp_rank: int = 0, dp_size: int = 1,
+                 *, corpus: Corpus | None = None):
+        per = -(-n_windows // dp_size)          # windows per rank; the last ranks may hold fewer
+        mine = range(min(n_windows, dp_rank * per), min(n_windows, (dp_rank + 1) * per))
+        val = PackedLoader(dataclasses.replace(cfg, micro_batch=1), tok, 0, 1, split="val", corpus=corpus, prefetch=0)
+        rows = [next(val) for _ in range(mine.stop)][mine.start:]
+        val.close()
+        mb, T = cfg.micro_batch, cfg.seq_len
+        blank = {"tokens": torch.zeros(1, T, dtype=torch.long), "targets": torch.full((1, T), -100),
+                 "positions": torch.arange(T)[None], "doc_ids": torch.zeros(1, T, dtype=torch.long)}
+        rows += [blank] * (-(-per // mb) * mb - len(rows))      # the same number of batches on every rank
+        self.batches = [{k: torch.cat([r[k] for r in rows[i:i + mb]]) for k in blank}
+                        for i in range(0, len(rows), mb)]
+        self.i = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def reset(self) -> None:
+        self.i = 0
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def close(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------- to the device

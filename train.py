@@ -132,6 +132,13 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     return total / parallel.all_reduce(count, grid.dp_group).clamp(min=1)
 
 
+def log_mixture(log, corpus, loader, step: int) -> None:
+    """The realized proportions of a weighted --data mixture over every window trained on so far."""
+    counts = loader.mixture_counts(step)
+    log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
+        f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})" for (name, w, _, _), n in zip(corpus.groups, counts)))
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -262,7 +269,8 @@ def main(argv: list[str]) -> None:
     if grid.is_main and not kept:        # beside the checkpoints: `checkpoint.py export` ships it too
         hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
     train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus)
-    val_loader = (data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="val", corpus=corpus)
+    # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
+    val_loader = (data.EvalWindows(cfg.data, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus)
                   if cfg.log.eval_interval else None)
 
     # Model and optimizer. The model is built empty; a resume loads the newest complete, valid
@@ -311,7 +319,7 @@ def main(argv: list[str]) -> None:
     mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    eval_batches = -(-cfg.log.eval_windows // cfg.data.micro_batch)
+    eval_batches = len(val_loader) if val_loader is not None else 0
     cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
     if device.type == "xla":
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
@@ -348,6 +356,9 @@ def main(argv: list[str]) -> None:
             if val_loader is not None and step % cfg.log.eval_interval == 0:
                 mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device,
                                                                        cut=cut))
+            if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
+                                           else step == cfg.optim.max_steps):
+                log_mixture(log, corpus, train_loader, step)
             stopping = stop.requested()                 # every rank agrees on the step
             if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps or stopping:
                 mon.flush()                             # raises on a poisoned state: it is never saved

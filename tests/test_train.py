@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def run_train(tmp_path, *args, timeout=600, env=None):
+def run_train(tmp_path, *args, timeout=1500, env=None):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/out",
            f"--ckpt.dir={tmp_path}/out/ckpt", f"--log.tensorboard={tmp_path}/out/tb", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
