@@ -324,10 +324,10 @@ def bench_init(args):
     import optim
     import parallel
 
-    steps = args.steps or 300
+    steps = args.steps or 150
     cfg = _tiny_study_config(steps, f"--model.n_layers={args.layers}", "--model.dim=64", "--model.ffn_dim=176",
-                             "--model.max_seq_len=128", f"--optim.lr={args.lr}", f"--optim.min_lr={args.lr / 10}",
-                             "--precision=fp32")
+                             "--model.max_seq_len=64", "--seq_len=64", f"--optim.lr={args.lr}",
+                             f"--optim.min_lr={args.lr / 10}", "--precision=fp32")
     runs = {}
     for name in ("default init", "scaled init"):
         m = llama.Llama(cfg.model).init_weights(cfg.seed)
