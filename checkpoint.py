@@ -592,20 +592,25 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and not m.group(2) and p.is_dir()]
         return sorted(found, reverse=True)
 
-    def _complete(self, d: Path) -> tuple[str | None, dict]:
-        """(problem or None, {file: {bytes, crc32}}). Cheap: markers and file sizes only."""
+    def _complete(self, d: Path, share: tuple[int, int] = (0, 1)) -> tuple[str | None, dict]:
+        """(problem or None, {file: {bytes, crc32}} of the markers looked at). Cheap: markers and
+        file sizes only. share (i, n): only the markers of ranks i, i+n, i+2n, ... and the files
+        they list. On resume every rank takes its own 1/world share and the ranks then agree
+        (load_latest): at 4096 ranks each rank reads rank 0's marker and its own, not all 4096
+        (16M marker reads of the shared file system if every rank read every marker)."""
         try:
             world = read_marker(d / _marker(0))["world"]
         except FileNotFoundError:
             return "no completion marker from rank 0: the save was interrupted", {}
         except (ValueError, OSError) as e:
             return f"rank 0's completion marker is damaged ({e})", {}
-        missing = [r for r in range(world) if not (d / _marker(r)).exists()]
+        ranks = range(share[0], world, share[1])
+        missing = [r for r in ranks if not (d / _marker(r)).exists()]
         if missing:
             return (f"incomplete: no completion marker from rank(s) {missing[:8]} of {world}: "
                     f"the save was interrupted"), {}
         files = {}
-        for r in range(world):
+        for r in ranks:
             try:
                 m = read_marker(d / _marker(r))
             except (ValueError, OSError) as e:
@@ -635,15 +640,10 @@ class Checkpointer:
             parallel.barrier(self.grid)
 
     def _verify(self, d: Path, files: dict) -> str | None:
-        """Check the crc32 of every file; each rank reads a 1/world share, and all ranks agree."""
-        problem = None
-        for name in sorted(files)[self.grid.rank::self.grid.world]:
+        """The first file of `files` whose crc32 differs from its marker's, or None."""
+        for name in sorted(files):
             if (crc := _crc_of(d / name)) != files[name]["crc32"]:
-                problem = f"{name}: crc32 {crc:08x}, its marker says {files[name]['crc32']:08x} (corrupted)"
-                self._log(f"ckpt: [rank {self.grid.rank}] {d.name}: {problem}")
-                break
-        if not self._agree(problem is None):
-            return problem or "a file checked by another rank is corrupted (see its message)"
+                return f"{name}: crc32 {crc:08x}, its marker says {files[name]['crc32']:08x} (corrupted)"
         return None
 
     def _check_model(self, meta: dict, d: Path):
@@ -678,17 +678,22 @@ class Checkpointer:
                      f"{self.root} holds no checkpoint: starting fresh")
             return None
         skipped, loaded = [], None
+        share = (self.grid.rank, self.grid.world) if self.grid.world > 1 and dist.is_initialized() else (0, 1)
         for step, d in candidates:
-            problem, files = self._complete(d)
-            if problem is None:
-                problem = self._verify(d, files)
-            if problem is not None:
+            # Each rank checks a 1/world share of the markers, and the sizes and crc32 of the files
+            # they list; all ranks then agree, so that they fall back to an older step together.
+            problem, files = self._complete(d, share)
+            problem = problem or self._verify(d, files)
+            if problem is not None and self.grid.world > 1:
+                self._log(f"ckpt: [rank {self.grid.rank}] {d.name}: {problem}")
+            if not self._agree(problem is None):
+                problem = problem or "a marker or file checked by another rank is damaged (see its message)"
                 self.say(f"skipping {d.name}: {problem}")
                 skipped.append(d)
                 continue
             meta = json.loads((d / "meta.json").read_text())
             self._check_model(meta, d)
-            loaded = reshard.read(d, meta, files, self.grid, self.layout, self.cfg.model, load_optim, names, self.say)
+            loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say)
             break
         if set_aside and skipped:
             self._barrier()                  # every rank is done looking at them

@@ -73,7 +73,7 @@ class LazyList(Sequence):
 
 # ----------------------------------------------------------------------------- reading at any layout
 
-def read(d: Path, meta: dict, files: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bool,
+def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bool,
          names=None, say=print) -> Loaded:
     """This rank's part of the complete, verified checkpoint d (meta: its meta.json), saved at
     layout meta["layout"] and read back at layout `now` (Checkpointer.layout) on rank g."""
@@ -94,7 +94,7 @@ def read(d: Path, meta: dict, files: dict, g: Grid, now: dict, m: ModelConfig, l
     if names is not None and saved["pp"] != now["pp"]:
         model = {k: v for k, v in model.items() if k in names}
     optim = None
-    if load_optim and any(n.startswith("optim_") for n in files):
+    if load_optim and (d / optim_name(0, tag(0, 0), saved["zero1"])).exists():   # was one saved?
         optim = _read_optim(d, saved, now, g, m)
     rank_file = lambda r: torch.load(d / f"rank{r:05d}.pt", map_location="cpu", weights_only=False)
     rng, data, data_states = None, None, None

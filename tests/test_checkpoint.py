@@ -293,8 +293,13 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     # A save that one rank never finished is incomplete, whoever else finished.
     with pytest.raises(CheckpointError, match=r"rank\(s\) \[2\] did not finish"):
         ranks_save(cfg, 2, world=4, tp=2, dp=2, make_state=state, skip_ranks=(2,))
+    # On resume each rank checks only its 1/world share of the markers (then all ranks agree): the
+    # share of rank 2 finds the missing marker; rank 0's does not even look at it.
+    d2, ck = tmp_path / "step_00000002", Checkpointer(cfg, parallel.Grid())
+    assert ck._complete(d2, (0, 4))[0] is None and "rank(s) [2] of 4" in ck._complete(d2, (2, 4))[0]
+    assert "rank(s) [2] of 4" in ck._complete(d2)[0]
     capsys.readouterr()
-    g0 = parallel.Grid(world=4, rank=0, tp=2, dp=2)       # rank 0 says why it skips
+    g0 = parallel.Grid(world=4, rank=0, tp=2, dp=2)       # no process group: rank 0 checks every marker
     assert Checkpointer(cfg, g0).load_latest().step == 1
     assert "no completion marker from rank(s) [2] of 4" in capsys.readouterr().out
 
