@@ -1,7 +1,7 @@
 """The cluster planner: what one NeuronCore holds, computes and sends for a layout, and which
 layouts fit, fastest first. Arithmetic on the config only: no model is built, nothing is launched.
 
-    python plan.py --preset llama2_7b
+    python plan.py                                        # the blog's run: llama2_7b on 128 trn1
     python plan.py --preset llama2_70b --parallel.cores=2048
     python plan.py --preset llama2_7b --instance trn2      # trn2.48xlarge: 64 logical cores each
 """
@@ -275,6 +275,8 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", "llama2_7b", *argv]    # the tiny CPU preset cannot be planned on 4096 cores
     try:
         cfg = from_args(argv)
         check_values(cfg)                   # the keys' domains and the model: what train.py refuses

@@ -133,3 +133,9 @@ def test_plan_command_on_trn2():
     assert out.returncode == 0, out.stderr
     assert "on 8192 NeuronCores (128 trn2.48xlarge)" in out.stdout and "of 22 usable (24 GiB" in out.stdout
     assert "166.75 TFLOPS per core" in out.stdout
+
+
+def test_plan_with_no_arguments_plans_the_blogs_run():
+    out = subprocess.run([sys.executable, "plan.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("plan: llama2_7b on 4096 NeuronCores (128 trn1.32xlarge)"), out.stdout[:200]
