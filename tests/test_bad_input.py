@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import configs  # noqa: E402
+import corpus  # noqa: E402
 import data  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
@@ -104,7 +105,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for owner, name in ((data.spm.SentencePieceTrainer, "train"), (parallel, "build_model"),
+        for owner, name in ((corpus.spm.SentencePieceTrainer, "train"), (parallel, "build_model"),
                             (pipeline, "build_model")):
             real = getattr(owner, name)
             monkeypatch.setattr(owner, name, self._wrap(f"{getattr(owner, '__name__', owner)}.{name}", real))
@@ -354,21 +355,25 @@ def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    assert p.returncode in (-signal.SIGINT, 130), (p.returncode, err)
+    graceful = "SIGINT: stopping at the next step boundary" in err
+    assert p.returncode in ((0,) if graceful else (-signal.SIGINT, 130)), (p.returncode, err)
     assert "Traceback" not in err, err
     assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".model")]
 
 
 @pytest.mark.parametrize("after", [0.5, 2.5])
 def test_ctrl_c_while_train_py_starts(tmp_path, after):
-    """SIGINT while torch loads, or while the config is checked and the corpus indexed: quiet."""
+    """SIGINT while torch loads, or while the config is checked and the corpus indexed: quiet. On a
+    fast machine 2.5 s may already reach the training loop, where Ctrl-C is the graceful stop (issue
+    17: save the step, exit 0): also quiet, and then it must say so."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o",
                           f"--ckpt.dir={tmp_path}/o/c", f"--data.cache_dir={tmp_path}/c"],
                          stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     time.sleep(after)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode in (-signal.SIGINT, 130), (p.returncode, err)
+    graceful = "SIGINT: stopping at the next step boundary" in err
+    assert p.returncode in ((0,) if graceful else (-signal.SIGINT, 130)), (p.returncode, err)
     assert "Traceback" not in err, err
 
 
