@@ -1,0 +1,568 @@
+"""The corpus: documents from files, and the tokenizer trained on them (data.py packs them).
+
+1. Sources -> documents. `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
+   with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and
+   `python data.py prepare` write it) and Parquet; "stdlib" = the .py files of this interpreter's
+   standard library; `--data a:0.7,b:0.3` a weighted mixture of sources.
+2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or a
+   Hugging Face tokenizer.json (Llama 3), or trains a byte-fallback BPE of exactly the model's vocab
+   size on the corpus and caches it.
+
+Reading a document is random access by index: a rank reads only the documents of its own streams
+(data.py), never the others', so what a rank reads does not grow with the number of ranks.
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import re
+import signal
+import sys
+import sysconfig
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
+
+from configs import ConfigError, DataConfig, path_kind
+
+SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
+MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
+
+
+class DataError(ConfigError):
+    """Data that cannot be used as given. Raised before training starts, naming the fix."""
+
+# ----------------------------------------------------------------------------- 1. sources
+
+def stdlib_files() -> list[str]:
+    """The embedded corpus: every .py file of the running interpreter's standard library."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+STRUCTURED = (".jsonl", ".arrow", ".parquet")
+SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+
+
+def dataset_files(folder: str, split: str = "train") -> list[str]:
+    """The documents' files in a directory. A Hugging Face dataset is read as `datasets` would:
+    - save_to_disk of a DatasetDict (dataset_dict.json): only the folder of `split`;
+    - save_to_disk of a Dataset (state.json): its arrow files, in their order;
+    - a folder holding .jsonl/.arrow/.parquet files (a cloned dataset repository): those and its
+      .txt files, never its card or scripts (README*, LICENSE*, .md, .rst, .py); and where the
+      data files' paths name splits (datasets' convention: a directory or file-name prefix
+      train/test/validation...), only `split`'s.
+    Any other directory: every text file in it, recursively (a code corpus). Hidden entries
+    (.git, .cache) are never read."""
+    marker = os.path.join(folder, "dataset_dict.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
+                            f"choose one with --data.split")
+        return dataset_files(os.path.join(folder, split), split)
+    state = os.path.join(folder, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
+        return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
+    files = []
+    for d, dirs, fs in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
+    data_files = [p for p in files if p.endswith(STRUCTURED)]
+    if not data_files:
+        return [p for p in files if p.endswith(SUFFIXES)]
+    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt",))
+                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
+    def split_of(p):
+        parts = os.path.relpath(p, folder).lower().split(os.sep)
+        named = [x for x in parts[:-1] if x in SPLITS] + [w for w in SPLITS if re.match(rf"{w}[-_.]", parts[-1])]
+        return named[0] if named else None
+    found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
+    if any(found.values()):
+        if split not in found.values():
+            raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
+                            f"not {split!r}; choose one with --data.split")
+        data_files = [p for p in data_files if found.get(p, split) == split]
+    return data_files
+
+
+def resolve_paths(spec: str, split: str = "train") -> list[str]:
+    """'stdlib', files, directories (recursive; Hugging Face datasets: see dataset_files) and globs,
+    comma-separated -> file list."""
+    paths = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        if entry == "stdlib":
+            found = stdlib_files()
+        elif os.path.isdir(entry):
+            found = dataset_files(entry, split)
+        elif any(c in entry for c in "*?["):
+            found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+        elif (kind := path_kind(entry)) == "a file":
+            found = [entry]
+        elif kind == "nothing":
+            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
+                            f"or 'stdlib', comma-separated)")
+        else:
+            raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
+                            f"directories, globs or 'stdlib'")
+        if not found:
+            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
+        paths += found
+    for p in paths:
+        if not p.endswith(SUFFIXES):
+            raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
+                            f"(or convert it with `python data.py prepare`)")
+        if not os.access(p, os.R_OK):
+            raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
+    seen = set()
+    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+class Source:
+    """n documents; read(local ids) -> raw bytes (or None) per document; where(i) names one."""
+    jsonl, n = False, 0
+
+    def where(self, i):
+        return f"{self.path}[{i}]"
+
+
+class FileDocs(Source):
+    """One document per file (.txt, .md, .py): the stdlib corpus is 1,800 of these."""
+
+    def __init__(self, paths: list[str]):
+        self.paths, self.n = paths, len(paths)
+
+    def read(self, ids):
+        return [pathlib.Path(self.paths[i]).read_bytes() for i in ids]
+
+    def where(self, i):
+        return self.paths[i]
+
+
+class LineDocs(Source):
+    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus).
+    Opening finds every newline with numpy, 64 MiB at a time; lines are then read with pread."""
+
+    def __init__(self, path: str, jsonl: bool, field: str, block: int = 1 << 26):
+        self.path, self.jsonl, self.field, size = path, jsonl, field, os.path.getsize(path)
+        with open(path, "rb") as f:
+            ends = [np.flatnonzero(np.frombuffer(f.read(block), np.uint8) == 10) + s for s in range(0, size, block)]
+        self.ends = np.concatenate(ends + [np.zeros(0, np.int64)]).astype(np.int64)
+        if size and (not len(self.ends) or self.ends[-1] != size - 1):
+            self.ends = np.append(self.ends, size)        # a last line without a newline
+        self.starts, self.n = np.concatenate(([0], self.ends[:-1] + 1)).astype(np.int64), len(self.ends)
+        self.fd = os.open(path, os.O_RDONLY)              # os.pread: safe from several threads
+        if jsonl:
+            self._check_first_record()
+
+    def _check_first_record(self):
+        """A wrong file or field shows on the first record: refuse it now, not mid-training."""
+        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
+        if i is None:
+            return
+        try:
+            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
+                            f"must be one JSON object") from None
+        if not isinstance(rec, dict) or self.field not in rec:
+            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
+                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
+                            f"--data.text_field to the one holding the text")
+
+    def read(self, ids):
+        return [os.pread(self.fd, int(self.ends[i] - self.starts[i]), int(self.starts[i])).rstrip(b"\r")
+                for i in ids]
+
+    def where(self, i):
+        return f"{self.path}:{i + 1}"
+
+
+class ColumnDocs(Source):
+    """A text column: documents are rows, read by index with Arrow's take().
+    Arrow IPC (the stream format `datasets.save_to_disk` writes, or the file format) is memory-mapped:
+    opening a terabyte file costs nothing and only the rows read are paged in. Parquet must be
+    decompressed: its column is loaded at first read (convert big Parquet corpora with `prepare`)."""
+
+    def __init__(self, path: str, field: str):
+        self.path, self.field, self.col = path, field, None
+        try:
+            if path.endswith(".parquet"):
+                meta = pq.ParquetFile(path).metadata
+                self.n = meta.num_rows
+                text_column(meta.schema.to_arrow_schema().empty_table(), field, path)    # checks only
+                return
+            source = pa.memory_map(path, "r")
+            if source.read(6) == b"ARROW1":
+                table = pa.ipc.open_file(source).read_all()   # zero-copy views into the map
+            else:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+        except (pa.ArrowException, OSError) as e:      # random bytes: ArrowInvalid; truncated: OSError
+            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
+                            f"rewrite it (python data.py prepare) or leave it out of --data") from None
+        self.col = text_column(table, field, path)
+        self.n = len(self.col)
+
+    def read(self, ids):
+        if self.col is None:
+            self.col = text_column(pq.read_table(self.path, columns=[self.field], memory_map=True),
+                                   self.field, self.path)
+        return self.col.take(pa.array(ids, pa.int64())).to_pylist()
+
+
+def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
+    """The text column viewed as bytes, so the Corpus decodes (and counts bad UTF-8) in one place."""
+    if field not in table.column_names:
+        raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
+                        f"--data.text_field to the one holding the text")
+    col = table.column(field)
+    if pa.types.is_string(col.type) or pa.types.is_binary(col.type):
+        return col.cast(pa.binary())                    # same offsets layout: a view, no copy
+    if pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type):
+        return col.cast(pa.large_binary())
+    raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
+    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; entries
+    without a weight get None (then none may have one: the corpus is one pool of documents)."""
+    out = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        head, sep, tail = entry.rpartition(":")
+        try:
+            out.append((head, float(tail)) if sep and head else (entry, None))
+        except ValueError:
+            out.append((entry, None))
+    weights = [w for _, w in out]
+    if None in weights and any(w is not None for w in weights):
+        raise DataError(f"--data {spec!r}: give every source a weight (a.arrow:0.7,b.jsonl:0.3) or none")
+    bad = [f"{e}:{w:g}" for e, w in out if w is not None and not (0 < w < float("inf"))]
+    if bad:
+        raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)}")
+    return out
+
+
+class Corpus:
+    """All documents of a data spec, indexed 0..n_docs-1 in a fixed order (the sources in the order
+    given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document.
+    A weighted spec (`a.arrow:0.7,b/:0.3`) makes `groups`: (name, weight, first doc, end) per
+    entry, weights summing to 1; unweighted, one group of every document."""
+
+    def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
+                 split: str = "train"):
+        self.spec, self.sources, self.warned = spec, [], collections.Counter()
+        entries = parse_mixture(spec)
+        seen, per_entry = set(), []             # a file named by two entries counts in the first
+        for entry, _ in entries:
+            per_entry.append([p for p in resolve_paths(entry, split)
+                              if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
+        paths = [p for ps in per_entry for p in ps]
+        empty = [p for p in paths if os.path.getsize(p) == 0]
+        self.empty_files = len(empty)
+        if empty:
+            print(f"[data] {len(empty)} empty files skipped (the first: {empty[0]})", file=sys.stderr)
+        docs_of = {}                            # path -> documents it holds (the mixture's groups)
+        for p in paths:
+            if os.path.getsize(p) == 0:
+                continue
+            elif p.endswith(".jsonl"):
+                self.sources.append(LineDocs(p, True, text_field))
+            elif p.endswith((".arrow", ".parquet")):
+                self.sources.append(ColumnDocs(p, text_field))
+            elif doc_per_line and p.endswith(".txt"):
+                self.sources.append(LineDocs(p, False, text_field))
+            elif self.sources and isinstance(self.sources[-1], FileDocs):
+                self.sources[-1].paths.append(p)        # consecutive whole files share one source
+                self.sources[-1].n += 1
+            else:
+                self.sources.append(FileDocs([p]))
+            docs_of[p] = 1 if isinstance(self.sources[-1], FileDocs) else self.sources[-1].n
+        self.offsets = np.cumsum([0] + [s.n for s in self.sources])
+        self.n_docs = int(self.offsets[-1])
+        if self.n_docs == 0:
+            raise DataError(f"no documents in {spec!r} ({len(paths)} files, {self.empty_files} empty)")
+        # Identity of the corpus for caches and resume checks: file names and sizes (hashing the
+        # content of a terabyte corpus at every start would cost more than it protects; names, not
+        # full paths, so the same files mounted elsewhere or read from another directory still match).
+        ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
+        self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+        self.groups = [(spec, 1.0, 0, self.n_docs)]
+        if entries[0][1] is not None:
+            ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])
+            total = sum(w for _, w in entries)
+            self.groups = [(e, w / total, int(lo), int(hi)) for (e, w), lo, hi in zip(entries, [0, *ends[:-1]], ends)]
+            empty = [g[0] for g in self.groups if g[2] == g[3]]
+            if empty:
+                raise DataError(f"mixture source {empty[0]!r} holds no documents")
+
+    def warn(self, kind: str, msg: str):
+        self.warned[kind] += 1
+        if self.warned[kind] <= MAX_WARNINGS:
+            more = " (further warnings of this kind are only counted)" if self.warned[kind] == MAX_WARNINGS else ""
+            print(f"[data] warning: {msg}{more}", file=sys.stderr, flush=True)
+
+    def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
+        ids = np.asarray(ids, np.int64)
+        which = np.searchsorted(self.offsets, ids, side="right") - 1
+        out = [None] * len(ids)
+        for s in np.unique(which):
+            pick = np.flatnonzero(which == s)
+            src = self.sources[s]
+            local = ids[pick] - self.offsets[s]
+            for j, i, raw in zip(pick, local, src.read(local)):
+                out[j] = self._decode(raw, src, int(i), quiet)
+        return out
+
+    def _decode(self, raw, src, i: int, quiet: bool):
+        if raw is None:
+            return "", 0, False                         # a null in a text column: an empty document
+        try:
+            text, repl = raw.decode("utf-8"), 0
+        except UnicodeDecodeError:
+            text = raw.decode("utf-8", "replace")       # U+FFFD for each bad byte sequence
+            repl = text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+            if not quiet:
+                self.warn("utf8", f"{src.where(i)}: {repl} invalid UTF-8 sequences replaced by U+FFFD")
+        if src.jsonl and text.strip():
+            try:
+                text = json.loads(text)[src.field] or ""
+                if not isinstance(text, str):
+                    raise TypeError(f"field {src.field!r} holds a {type(text).__name__}, not a string")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not quiet:
+                    what = {KeyError: f"no field {src.field!r}", TypeError: str(e)}.get(type(e), f"not JSON ({e})")
+                    self.warn("bad_record", f"{src.where(i)}: {what}: line skipped")
+                return None, repl, True
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:              # a lone surrogate from a "\udc80" escape
+                fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+                repl, text = repl + fixed.count("\ufffd") - text.count("\ufffd"), fixed
+        return text, repl, False
+
+
+# ----------------------------------------------------------------------------- 2. tokenizer
+
+class Tokenizer:
+    """A sentencepiece model: ours, or a Llama 2 tokenizer.model unchanged."""
+
+    def __init__(self, path: str, fix: str = "give a sentencepiece .model file with --data.tokenizer"):
+        try:
+            self.path, self.sp = path, spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"{path}: not a sentencepiece model ({_spm_message(e)}); {fix}") from None
+        self.vocab_size = self.sp.vocab_size()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        # Identity = what encoding depends on: the pieces, their scores and the normalizer's effect
+        # (not the whole proto, which also records where the model was trained).
+        probe = " Hello,\n\t wörld 12 中 "
+        ident = [[self.sp.id_to_piece(i), self.sp.get_score(i)] for i in range(self.vocab_size)]
+        self.fingerprint = hashlib.sha256(json.dumps([ident, self.sp.encode(probe)]).encode()).hexdigest()[:16]
+        try:                                # sentencepiece >= 0.2.1 returns numpy arrays directly
+            self._numpy = self.sp.encode(["a"], out_type="numpy") is not None
+        except (ValueError, TypeError):
+            self._numpy = False
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1) -> list[np.ndarray]:
+        """Many documents at once: sentencepiece's batch API, in C++ threads without the GIL.
+        A document longer than PIECE_CHARS is encoded in pieces (see split_long)."""
+        if not texts:
+            return []
+        if any(len(t) > PIECE_CHARS for t in texts):
+            out = []
+            for t in texts:
+                if len(t) <= PIECE_CHARS:
+                    out += self.encode_batch([t], bos, eos, threads)
+                    continue
+                parts = self.encode_batch(split_long(t), False, False, threads)
+                out.append(np.concatenate([np.asarray([self.bos_id] if bos else [], np.int32), *parts,
+                                           np.asarray([self.eos_id] if eos else [], np.int32)]).astype(np.int32))
+            return out
+        if self._numpy:
+            return self.sp.encode(texts, out_type="numpy", add_bos=bos, add_eos=eos, num_threads=threads)
+        ids = self.sp.encode(texts, add_bos=bos, add_eos=eos, num_threads=threads)
+        return [np.asarray(x, np.int32) for x in ids]
+
+
+# sentencepiece holds ~60 bytes per character of one input while it encodes it: a 50 MB document
+# in one line took 3.1 GB. Longer documents are cut into pieces of at most this many characters.
+PIECE_CHARS = 1 << 20
+
+
+def split_long(text: str, limit: int = PIECE_CHARS) -> list[str]:
+    """text in pieces of at most `limit` characters whose tokens, joined, are the tokens of the whole.
+    A cut replaces one space between two non-space characters: sentencepiece starts a word at each
+    space and merges only inside words, and the dummy prefix it adds to the next piece is that very
+    space. A run of over limit/2 characters without such a space is cut where it is: the piece after
+    it then gains one leading space, the only difference from encoding the whole."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        cut, lo = start + limit, start + limit // 2
+        while (cut := text.rfind(" ", lo, cut)) > 0 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            pass
+        if cut <= start:                       # no clean space in the second half: a hard cut
+            pieces.append(text[start:start + limit])
+            start += limit
+        else:
+            pieces.append(text[start:cut])
+            start = cut + 1
+    return pieces + [text[start:]]
+
+
+TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
+TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
+
+
+def load_tokenizer(path: str):
+    """A sentencepiece .model (Llama 2), a Hugging Face tokenizer.json (Llama 3; hf.HFTokenizer),
+    or a model folder holding one of them (tokenizer.model first: Llama 2's original)."""
+    if os.path.isdir(path):
+        found = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise DataError(f"tokenizer folder {path!r} holds neither tokenizer.model nor tokenizer.json")
+        path = found[0]
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer {path!r} does not exist; give a sentencepiece .model, a tokenizer.json "
+                        f"or a folder with one, or leave --data.tokenizer empty to train one on the corpus")
+    if path.endswith(".json"):
+        import hf
+        return hf.HFTokenizer(path)
+    return Tokenizer(path)
+
+
+def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None) -> Tokenizer:
+    """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces."""
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer)
+        if tok.vocab_size > vocab_size:
+            raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but the model's "
+                            f"vocab_size is {vocab_size}: token ids would index past the embedding; "
+                            f"set --model.vocab_size={tok.vocab_size} (or more)")
+        if vocab_size > (padded := -(-tok.vocab_size // 128) * 128):
+            # Padding to a multiple of 128 is common; more means rows no token ever trains.
+            raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but --model.vocab_size is "
+                            f"{vocab_size}: {vocab_size - tok.vocab_size} embedding rows would never be trained "
+                            f"and the sample would draw from them; set --model.vocab_size={tok.vocab_size} "
+                            f"(or padded, at most {padded})")
+    else:
+        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
+        key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
+                                         TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
+        path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+        # Every process of a launch calls this at once: one trains, the others wait for its file.
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(path):
+                train_tokenizer(corpus, split_documents(corpus.n_docs, cfg.val_fraction)[0], vocab_size, path)
+        tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
+    for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
+        if wanted and tid < 0:
+            raise DataError(f"tokenizer {tok.path} has no {name.upper()} piece; set --data.{name}=false")
+    return tok
+
+
+def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: str,
+                    max_chars: int = TOKENIZER_CHARS) -> None:
+    """Byte-fallback BPE with Llama 2's settings (identity normalization, spaces kept, digits split,
+    unk/bos/eos = 0/1/2), trained on lines sampled from the train documents. Deterministic: the
+    sample is fixed and sentencepiece does no sampling of its own, so every node gets the same model."""
+    t0, lines, order = time.time(), [], np.random.default_rng(0).permutation(doc_ids)
+    chars = bad = 0
+    for start in range(0, len(order), 256):
+        docs = corpus.read(order[start:start + 256], quiet=True)
+        lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
+        bad += sum(repl for _, repl, _ in docs)
+        chars = sum(map(len, lines))
+        if chars >= max_chars:
+            break
+    if not lines:
+        raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({len(order)} train documents, "
+                        f"all empty or unreadable records); check --data and --data.text_field")
+    if bad > chars / 10:
+        raise DataError(f"{corpus.spec!r} does not look like text: {bad:,} of the {chars:,} characters sampled "
+                        f"are invalid UTF-8 (binary or another encoding); convert it to UTF-8 or leave it out")
+    print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
+          f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    # Ctrl-C inside sentencepiece's C++ would wait for the training to end: the default action
+    # ends the process at once, quietly, and the model file is only ever renamed into place.
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+            add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+            character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=8192,
+            num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
+    except RuntimeError as e:
+        if m := re.search(r"smaller than required_chars. (\d+) vs (\d+)", str(e)):
+            raise DataError(f"{corpus.spec!r} has {m[2]} distinct characters, more than a {vocab_size}-piece "
+                            f"tokenizer holds; raise --model.vocab_size above {m[2]}, or pass --data.tokenizer") from None
+        raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {_spm_message(e)}; "
+                        f"lower --model.vocab_size, add data, or pass --data.tokenizer") from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, old_handler)
+    os.replace(tmp + ".model", path)                    # atomic: a half-written model never exists
+    os.remove(tmp + ".vocab")
+    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
+
+
+def _spm_message(e: Exception) -> str:
+    """sentencepiece's own words without its source location: "INTERNAL: x.cc(744) [cond] text"."""
+    return re.sub(r"^(INTERNAL|Internal|NOT_FOUND|INVALID_ARGUMENT): (\S+\(\d+\) )?(\[.*?\] )?", "", str(e)).strip().rstrip(".")
+
+
+# ----------------------------------------------------------------------------- 3. the held-out split
+
+def uniform(*keys) -> np.ndarray:
+    """A uniform float in [0, 1) that is a pure function of the integer keys (arrays broadcast):
+    splitmix64 chained over them. The data order is decided by it, never by a stateful RNG."""
+    h = np.uint64(0)
+    with np.errstate(over="ignore"):                    # wrapping uint64 arithmetic
+        for k in keys:
+            z = (h ^ np.asarray(k).astype(np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            h = z ^ (z >> np.uint64(31))
+    return (h >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+
+
+def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, val ids). A document is held out when a hash of its index falls below
+    val_fraction: fixed for a corpus whatever the seed, DP degree or tokenizer."""
+    with np.errstate(over="ignore"):                    # splitmix64: wrapping uint64 arithmetic
+        z = np.arange(n_docs, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        u = ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    val = u < val_fraction
+    if val_fraction > 0 and not val.any() and n_docs >= 2:
+        val[np.argmin(u)] = True                        # a tiny corpus still gets one val document
+    return np.flatnonzero(~val), np.flatnonzero(val)
