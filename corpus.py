@@ -412,24 +412,30 @@ class Tokenizer:
 PIECE_CHARS = 1 << 20
 
 
-def split_long(text: str, limit: int = PIECE_CHARS) -> list[str]:
-    """text in pieces of at most `limit` characters whose tokens, joined, are the tokens of the whole.
-    A cut replaces one space between two non-space characters: sentencepiece starts a word at each
-    space and merges only inside words, and the dummy prefix it adds to the next piece is that very
-    space. A run of over limit/2 characters without such a space is cut where it is: the piece after
-    it then gains one leading space, the only difference from encoding the whole."""
-    pieces, start = [], 0
+def split_long(text: str, limit: int | None = None) -> list[str]:
+    """All the pieces of iter_pieces at once (the packer takes them one at a time)."""
+    return list(iter_pieces(text, limit))
+
+
+def iter_pieces(text: str, limit: int | None = None):
+    """text in pieces of at most `limit` (PIECE_CHARS) characters whose tokens, joined, are the tokens
+    of the whole, one at a time. A cut replaces one space between two non-space characters:
+    sentencepiece starts a word at each space and merges only inside words, and the dummy prefix it
+    adds to the next piece is that very space. A run of over limit/2 characters without such a space
+    is cut where it is: the piece after it then gains one leading space, the only difference from
+    encoding the whole."""
+    limit, start = limit or PIECE_CHARS, 0
     while len(text) - start > limit:
         cut, lo = start + limit, start + limit // 2
         while (cut := text.rfind(" ", lo, cut)) > 0 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
             pass
         if cut <= start:                       # no clean space in the second half: a hard cut
-            pieces.append(text[start:start + limit])
+            yield text[start:start + limit]
             start += limit
         else:
-            pieces.append(text[start:cut])
+            yield text[start:cut]
             start = cut + 1
-    return pieces + [text[start:]]
+    yield text[start:]
 
 
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast

@@ -50,8 +50,8 @@ from configs import Config, ConfigError, DataConfig, check_dir, check_paths, che
 
 # The documents and the tokenizer live in corpus.py; data.py is what train.py reads, so the names
 # a caller needs from both come from here.
-from corpus import (MAX_WARNINGS, Corpus, DataError, Tokenizer, build_tokenizer, load_tokenizer,  # noqa: F401
-                    resolve_paths, split_documents, stdlib_files, train_tokenizer, uniform)
+from corpus import (MAX_WARNINGS, PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
+                    iter_pieces, load_tokenizer, resolve_paths, split_documents, stdlib_files, train_tokenizer, uniform)
 
 # ----------------------------------------------------------------------------- 4. packing
 
@@ -122,6 +122,7 @@ class PackedLoader:
         self.lane_ids = [self.lane_id(r, g, c) for r in self.streams
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
+        self.most_held = 0                      # the most tokens one lane held at once (see _blocks)
         self._check_size()
         if len(self.ids) < self.n_streams:
             raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, val_fraction "
@@ -143,11 +144,9 @@ class PackedLoader:
         """Refuse a split smaller than one global batch (val: one micro batch per rank), early."""
         c = self.cfg
         windows = c.global_batch if self.split == "train" else self.dp * c.micro_batch
-        need, have, start, step = windows * (c.seq_len + 1), 0, 0, 4
-        while start < len(self.ids):            # 4, 8, 16, ... documents: stop as soon as enough
-            texts = [t for t, _, _ in self.corpus.read(self.ids[start:start + step], quiet=True) if t and not t.isspace()]
-            have += sum(len(x) for x in self.tok.encode_batch(texts, c.bos, c.eos, self.threads))
-            start, step = start + step, min(2 * step, 1024)
+        need, have = windows * (c.seq_len + 1), 0
+        for tokens, *_ in self._blocks(self.ids, 0, 0, quiet=True):    # stop as soon as enough
+            have += len(tokens)
             if have >= need:
                 return
         what = f"global_batch {c.global_batch}" if self.split == "train" else f"dp {self.dp} x micro_batch {c.micro_batch}"
@@ -215,49 +214,86 @@ class PackedLoader:
                 yield self._batch(wins), {**state, "streams": {str(k): v for k, v in positions.items()}}
                 wins = []
 
+    def _blocks(self, order: np.ndarray, nxt: int, skip: int, quiet: bool = False):
+        """Yield the tokens of documents order[nxt:], from token `skip` of the first, in blocks:
+        (tokens, document (index into order), offset in it, (document, counts) of the documents
+        complete in the block, (document, offset) after it). Short documents come many to a block,
+        about `want` tokens; a document over PIECE_CHARS characters comes piece by piece with
+        split_long's exact cuts (sentencepiece only), so a lane never holds more than about
+        PIECE_CHARS of its tokens (a 50 MB document in one line: 0.75 M, not 37 M). Resuming
+        inside it re-encodes the pieces before the offset and drops them."""
+        c, chunk, want = self.cfg, 16, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids))
+
+        def long(t):                            # split_long's cuts are exact for sentencepiece only
+            return bool(t) and len(t) > PIECE_CHARS and isinstance(self.tok, Tokenizer)
+        while nxt < len(order):
+            ids = order[nxt:nxt + chunk]
+            docs, j, made = self.corpus.read(ids, quiet), 0, 0
+            while j < len(docs):
+                t, repl, bad = docs[j]
+                if long(t):                     # piece by piece: at most ~PIECE_CHARS tokens at a time
+                    n = 0
+                    for k, piece in enumerate(iter_pieces(t, PIECE_CHARS)):
+                        a = self.tok.encode_batch([piece], c.bos and k == 0, False, self.threads)[0]
+                        drop = min(max(skip - n, 0), len(a))
+                        yield (a[drop:], np.full(len(a) - drop, nxt + j, np.int32),
+                               np.arange(n + drop, n + len(a), dtype=np.int32), [], (nxt + j, n + len(a)))
+                        n, made = n + len(a), made + len(a)
+                    a = np.asarray([self.tok.eos_id] if c.eos else [], np.int32)[max(skip - n, 0):]
+                    n, skip = n + (1 if c.eos else 0), 0
+                    yield (a, np.full(len(a), nxt + j, np.int32), np.arange(n - len(a), n, dtype=np.int32),
+                           [(nxt + j, (1, 0, int(bad), repl, n))], (nxt + j + 1, 0))
+                    j += 1
+                    continue
+                k, size = j, 0                  # short documents up to the next long one, ~PIECE_CHARS chars
+                while k < len(docs) and size <= PIECE_CHARS and not long(docs[k][0]):
+                    size, k = size + len(docs[k][0] or ""), k + 1
+                keep = [i for i in range(j, k) if docs[i][0] and not docs[i][0].isspace()]
+                arrays = self.tok.encode_batch([docs[i][0] for i in keep], c.bos, c.eos, self.threads)
+                lens = np.zeros(k - j, np.int64)
+                lens[np.asarray(keep, np.int64) - j] = [len(a) for a in arrays]
+                entries = [(nxt + i, (int(lens[i - j] > 0), int(not docs[i][2] and lens[i - j] == 0), int(docs[i][2]),
+                                      docs[i][1], int(lens[i - j]))) for i in range(j, k)]
+                new = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+                ndoc = np.repeat(np.arange(nxt + j, nxt + k, dtype=np.int32), lens)
+                noff = np.arange(len(new), dtype=np.int32) - np.repeat((np.cumsum(lens) - lens).astype(np.int32), lens)
+                d, skip = min(skip, len(new)), 0      # resuming in the middle of document order[nxt]
+                yield new[d:], ndoc[d:], noff[d:], entries, (nxt + k, 0)
+                j, made = k, made + len(new)
+            nxt += len(ids)
+            chunk = int(np.clip(chunk * want / max(made, 1), 1, 4096))
+
     def _pack(self, stream: int, state: dict):
         """Yield (window tokens, document starts, position after it) of one stream forever, from `state`."""
-        c, L1 = self.cfg, self.cfg.seq_len + 1
-        epoch, nxt, skip = state["epoch"], state["doc"], state["offset"]
+        L1 = self.cfg.seq_len + 1
+        epoch = state["epoch"]
         stats = dict(state["stats"])            # counts of documents fully behind the position
         pending = collections.deque()           # (doc, per-document counts) of documents in flight
         order = self.documents(stream, epoch)
-        fresh, emitted = nxt == 0 and skip == 0, 0
+        blocks = self._blocks(order, state["doc"], state["offset"])
+        fresh, emitted = state["doc"] == 0 and state["offset"] == 0, 0
         tok = np.zeros(0, np.int32)
         tdoc = toff = np.zeros(0, np.int32)     # per token: document (index into order), offset in it
-        # (int32: 4 bytes a token, not 8, on a huge document's tokens; a stream's documents and a
-        # document's tokens both stay far below 2**31)
-        pos, chunk, want = 0, 16, max(2 * L1, 65536 // len(self.lane_ids))   # tokens per read
+        # (int32: 4 bytes a token, not 8; a stream's documents and a document's tokens both stay far
+        # below 2**31). The lane holds less than one window plus one block: bounded, however long
+        # the document (self.most_held records the most it held).
+        pos, after = 0, (state["doc"], state["offset"])
 
         def commit(until):                      # count the documents now fully behind the position
             while pending and pending[0][0] < until:
                 for k, v in zip(STAT_KEYS, pending.popleft()[1]):
                     stats[k] += v
         while True:
-            while len(tok) - pos < L1 and nxt < len(order):
-                # Tokenize the next documents, `want` tokens at a time: few Python calls per token.
-                ids = order[nxt:nxt + chunk]
-                docs = self.corpus.read(ids)
-                keep = [j for j, (t, _, _) in enumerate(docs) if t and not t.isspace()]
-                arrays = self.tok.encode_batch([docs[j][0] for j in keep], c.bos, c.eos, self.threads)
-                lens = np.zeros(len(ids), np.int64)
-                lens[keep] = [len(a) for a in arrays]
-                for j, (t, repl, bad) in enumerate(docs):
-                    pending.append((nxt + j, (int(lens[j] > 0), int(not bad and lens[j] == 0), int(bad), repl, int(lens[j]))))
-                new = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-                ndoc = np.repeat(np.arange(nxt, nxt + len(ids), dtype=np.int32), lens)
-                noff = np.arange(len(new), dtype=np.int32)
-                noff -= np.repeat((np.cumsum(lens) - lens).astype(np.int32), lens)
-                if skip:                        # resuming in the middle of document `nxt`
-                    new, ndoc, noff, skip = new[skip:], ndoc[skip:], noff[skip:], 0
-                tok, tdoc, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tdoc, ndoc), (toff, noff)))
-                pos, nxt = 0, nxt + len(ids)
-                chunk = int(np.clip(chunk * want / max(len(new), 1), 1, 4096))
+            while len(tok) - pos < L1 and (b := next(blocks, None)) is not None:
+                new, ndoc, noff, entries, after = b
+                pending.extend(entries)
+                tok, tdoc, toff = (np.concatenate((a[pos:], n)) for a, n in ((tok, new), (tdoc, ndoc), (toff, noff)))
+                pos, self.most_held = 0, max(self.most_held, len(tok))
             if len(tok) - pos >= L1:
                 window, starts = tok[pos:pos + L1], toff[pos:pos + L1] == 0
                 pos += L1
                 emitted += 1
-                doc, off = (int(tdoc[pos]), int(toff[pos])) if pos < len(tok) else (nxt, 0)
+                doc, off = (int(tdoc[pos]), int(toff[pos])) if pos < len(tok) else after
                 commit(doc)
                 stats["windows"] += 1
                 stats["boundary_targets"] += int(starts[1:].sum())     # targets masked in this window
@@ -270,9 +306,10 @@ class PackedLoader:
                                     ("a smaller --global_batch or --data.shuffle" if self.split == "train" else "fewer DP ranks"))
                 commit(len(order))
                 stats["dropped_tail"] += len(tok) - pos
-                epoch, nxt, pos, fresh, emitted = epoch + 1, 0, 0, True, 0
+                epoch, pos, fresh, emitted = epoch + 1, 0, True, 0
                 tok, tdoc, toff = tok[:0], tdoc[:0], toff[:0]
                 order = self.documents(stream, epoch)
+                blocks, after = self._blocks(order, 0, 0), (0, 0)
 
     @staticmethod
     def _batch(wins) -> dict[str, torch.Tensor]:

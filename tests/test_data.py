@@ -533,3 +533,34 @@ def test_datasets_folders_read_as_datasets_would(tmp_path):
     assert texts(str(repo), split="test") == test
     cfg = DataConfig(data=str(tmp_path / "dd"), split="test", seq_len=SEQ)
     assert data.Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split).n_docs == len(test)
+
+
+def test_long_document_packed_piece_by_piece_bounded_and_resumed(tok, tmp_path, monkeypatch):
+    """A 1 MB document in one line, cut into 20,000-character pieces: the windows are those of the
+    document encoded whole, a resume inside it is exact, and the lane never holds more than one
+    window plus one piece of its tokens."""
+    monkeypatch.setattr(data, "PIECE_CHARS", 20_000)
+    rng = np.random.default_rng(3)
+    long = " ".join(w for w in rng.choice(WORDS, 300_000) if w.strip())     # clean spaces: exact cuts
+    assert len(long) > 40 * data.PIECE_CHARS
+    docs = DOCS[:6] + [long] + DOCS[6:12]
+    (tmp_path / "lines.txt").write_text("\n".join(docs) + "\n")
+    c = DataConfig(data=str(tmp_path / "lines.txt"), doc_per_line=True, seq_len=1024, micro_batch=1,
+                   global_batch=1, val_fraction=0.0, shuffle=1, seed=7)
+    a = data.PackedLoader(c, tok, prefetch=0)
+    ref, starts = reference_stream(tok, docs, a.documents(0, 0))     # every document encoded whole
+    L1, n = c.seq_len + 1, len(ref) // (c.seq_len + 1)
+    got, states = [], []
+    for _ in range(n):
+        got.append(next(a))
+        states.append(a.state_dict())
+    want = [data.PackedLoader._batch([(ref[i * L1:(i + 1) * L1], starts[i * L1:(i + 1) * L1])]) for i in range(n)]
+    assert equal(got, want)
+    assert a.most_held <= L1 + data.PIECE_CHARS + 2 and a.most_held < len(ref) / 20
+    # resume inside the long document, between piece boundaries, and read on into the next epoch
+    k = next(i for i, s in enumerate(states) if s["streams"]["0"]["offset"] > 3 * data.PIECE_CHARS // 2)
+    b = data.PackedLoader(c, tok, prefetch=0)
+    b.load_state_dict(json.loads(json.dumps(states[k])))
+    assert equal(take(b, n - k - 1), got[k + 1:])
+    assert b.stats() == a.stats() and b.most_held <= L1 + data.PIECE_CHARS + 2
+    assert equal(take(b, 5), take(a, 5))
