@@ -1,8 +1,14 @@
-"""Shared by the distributed tests (test_parallel.py, test_pipeline.py): spawning gloo worlds, and
-the single-process reference every layout is compared with."""
+"""Shared by the distributed tests (test_parallel.py, test_pipeline.py, test_checkpoint.py,
+test_resume.py): spawning gloo worlds, running train.py (under torchrun), and the single-process
+reference every layout is compared with."""
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -68,3 +74,25 @@ def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99)
         b = global_batch(eval_step)
         out["eval"] = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
     return out
+
+
+def run_train(args: list[str], nproc: int = 1, restarts: int = 0, env: dict | None = None,
+              timeout: int = 300) -> subprocess.CompletedProcess:
+    """python train.py ARGS, or under `torchrun --standalone` with nproc > 1, on one thread per
+    process; env adds to this process's environment (None removes a variable). A session of its own,
+    so that a timeout kills torchrun's workers too, not only torchrun."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [str(root / "train.py"), *args]
+    if nproc > 1:
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={restarts}", *cmd]
+    p = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=root, env={k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items()
+                                       if v is not None}, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(f"train.py did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)

@@ -35,6 +35,7 @@ import optim  # noqa: E402
 import parallel  # noqa: E402
 import reshard  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError, FaultInjector  # noqa: E402
+from gloo_spawn import run_train  # noqa: E402
 
 
 def tiny_cfg(ckpt_dir, **model) -> configs.Config:
@@ -459,22 +460,8 @@ needs_train = pytest.mark.skipif(
 
 
 def train(out: Path, *extra, fault: str | None = None, nproc: int = 1, restarts: int = 0, timeout: int = 300):
-    env = {k: v for k, v in os.environ.items() if k != "NANOTRN_FAULT"}
-    env.update(OMP_NUM_THREADS="1", **({"NANOTRN_FAULT": fault} if fault else {}))
-    args = [str(ROOT / "train.py"), f"--out_dir={out}", f"--ckpt.dir={out}/ckpt", *TRAIN_ARGS, *extra]
-    if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                f"--max-restarts={restarts}", *args]
-    # A session of its own, so that a timeout kills torchrun's workers too, not only torchrun.
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env=env, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail(f"train.py did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return run_train([f"--out_dir={out}", f"--ckpt.dir={out}/ckpt", *TRAIN_ARGS, *extra], nproc, restarts,
+                     {"NANOTRN_FAULT": fault}, timeout)
 
 
 def assert_same_final_state(ref: Path, run: Path, step: int):

@@ -20,6 +20,7 @@ import checkpoint  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
+from gloo_spawn import run_train  # noqa: E402
 
 ARGS = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64",
         "--data.seq_len=32", "--model.max_seq_len=32", "--data.global_batch=4", "--data.micro_batch=1",
@@ -29,19 +30,7 @@ ARGS = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_
 
 
 def train(out: Path, *extra, nproc: int = 1, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
-    args = [str(ROOT / "train.py"), f"--out_dir={out}", f"--ckpt.dir={out}/ckpt", *ARGS, *extra]
-    if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail(f"train.py did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
-    return r
+    return run_train([f"--out_dir={out}", f"--ckpt.dir={out}/ckpt", *ARGS, *extra], nproc, env=env, timeout=timeout)
 
 
 def ok(r):
