@@ -5,7 +5,8 @@ The blog's automatic fault recovery raised the cluster's effective use from 77.8
 100+ nodes something fails every day, so a run must save often without slowing down, and come back
 by itself. Here a save costs the step only a copy into host memory; a writer thread does the I/O.
 
-On disk, one directory per saved step, in NxD's layout:
+On disk, one directory per saved step, in NxD's layout (ckptdir.py holds the directory's rules:
+names, markers, when a folder is complete and valid, claim, prune, set aside):
 
     <ckpt.dir>/
       latest                        "step_00000200": a hint for people; loading never trusts it
@@ -17,6 +18,10 @@ On disk, one directory per saved step, in NxD's layout:
         optim_dp001_tp00_pp00.pt    ... or, with ZeRO-1, the shard of every DP rank       that DP rank
         rank00000.pt                RNG streams and data-loader state                       every rank
         rank00000.done              completion marker: size and crc32 of each file rank 0 wrote
+
+This module: the Writer (this rank's files, atomic, in a background thread), find_newest_valid
+(the search every rank makes on resume; reshard.py then reads the files), and the Checkpointer that
+joins them with the directory's rules, plus RNG streams, fault injection and the command line.
 
 Who writes a file that DP replicas hold alike (the model, the optimizer without ZeRO-1): one replica
 per file, spread over the DP group (writer_dp_rank), as NxD spreads its saves over the DP ranks
@@ -46,14 +51,11 @@ from __future__ import annotations
 
 import copy
 import errno
-import fcntl
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -69,41 +71,14 @@ import torch.distributed as dist
 
 from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
 from parallel import Grid
+import ckptdir
 import reshard
 # CheckpointError is defined in reshard.py, which reads checkpoints back and must not import this
 # module; callers keep using checkpoint.CheckpointError.
 from reshard import CheckpointError, Loaded
 
-STEP_DIR = re.compile(r"^step_(\d{8})(\.bad\d*)?$")     # step_00000200, or set aside: step_00000200.bad<time>
+STEP_DIR = ckptdir.STEP_DIR
 MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
-
-
-def _marker(rank: int) -> str:
-    return f"rank{rank:05d}.done"
-
-
-def read_marker(path: Path) -> dict:
-    """A completion marker, checked field by field: a marker that parses as JSON but lacks a key or
-    holds a wrong type is damage like any other (ValueError naming it), never a KeyError that would
-    stop every restart although an older checkpoint is valid."""
-    m = json.loads(path.read_text())            # JSONDecodeError is a ValueError
-    if not isinstance(m, dict):
-        raise ValueError("not a JSON object")
-    for key in ("step", "rank", "world", "files"):
-        want = dict if key == "files" else int
-        if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
-            raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
-    for name, rec in m["files"].items():
-        if "/" in name or name.startswith(".") or not isinstance(rec, dict) or not all(
-                isinstance(rec.get(k), int) for k in ("bytes", "crc32")):
-            raise ValueError(f"its record of {name!r} is damaged")
-    if m["world"] < 1:
-        raise ValueError(f"world {m['world']}")
-    return m
 
 
 # ----------------------------------------------------------------------------- RNG streams
@@ -189,7 +164,7 @@ class FaultInjector:
     def from_env(cls, rank: int, root: Path) -> "FaultInjector":
         return cls(os.environ.get("NANOTRN_FAULT", ""), rank, root)
 
-    def _die(self, what: str):
+    def die(self, what: str):
         line = f"rank {self.rank} {what} ({self.spec})"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as f:
@@ -206,11 +181,11 @@ class FaultInjector:
     def maybe_crash(self, step: int):
         """Call at the start of every training step."""
         if self._fixed(step, in_save=False):
-            self._die(f"step {step}")
+            self.die(f"step {step}")
         if self.p > 0 and (self.max is None or len(self.fired) < self.max):
             draw = random.Random(f"{self.seed}|{self.rank}|{step}|{len(self.fired)}").random()
             if draw < self.p:
-                self._die(f"step {step} at random")
+                self.die(f"step {step} at random")
 
     def dies_in_save(self, step: int) -> bool:
         return self._fixed(step, in_save=True)
@@ -237,7 +212,7 @@ class _CrcFile:
         self.f.flush()
 
 
-def _write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
+def write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
     """Write obj (bytes as they are, anything else with torch.save), fsync; return size and crc32."""
     with open(path, "wb") as raw:
         f = _CrcFile(raw, die_at, die)
@@ -250,45 +225,13 @@ def _write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
     return {"bytes": f.n, "crc32": f.crc}
 
 
-def _fsync_dir(path: Path):          # makes the renames inside it durable
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes):
-    tmp = path.with_name("." + path.name + ".tmp")
-    _write_file(tmp, data)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _crc_of(path: Path) -> int:
-    crc, buf = 0, bytearray(1 << 24)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(memoryview(buf)[:n], crc)
-    return crc
-
-
-def _tensor_bytes(obj) -> int:
+def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, bytes):
         return len(obj)
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(_tensor_bytes(v) for v in items)
-
-
-def _diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(saved) | set(now)):
-        a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
-    return out
+    return sum(tensor_bytes(v) for v in items)
 
 
 # ----------------------------------------------------------------------------- who writes what
@@ -305,64 +248,52 @@ def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
     return k * g.dp // n
 
 
-# ----------------------------------------------------------------------------- the checkpointer
+def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data, extra, device) -> dict:
+    """This rank's files of the checkpoint of `step`: name -> bytes or a torch-saveable object."""
+    tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
+    files = {}
+    if g.rank == 0:
+        meta = {"step": step, "time": time.time(), "layout": layout, "config": cfg.to_dict(),
+                "extra": extra or {}, "torch": torch.__version__}
+        try:
+            files["meta.json"] = json.dumps(meta, indent=1).encode()
+        except TypeError as e:
+            raise CheckpointError(f"save(extra=...) must be JSON-able (ints, floats, strings, lists, "
+                                  f"dicts): {e}") from None
+    zero1 = layout["zero1"]
+    # DP replicas hold the same model (and, without ZeRO-1, the same optimizer state): one copy
+    # of each, written by the replica writer_dp_rank picks, so the writes spread over the nodes.
+    if model is not None and g.dp_rank == writer_dp_rank(0, g, zero1):
+        files[f"model_{tag}.pt"] = model
+    if optim is not None and (zero1 or g.dp_rank == writer_dp_rank(1, g, zero1)):
+        files[reshard.optim_name(g.dp_rank, tag, zero1)] = optim
+    files[f"rank{g.rank:05d}.pt"] = {"rank": g.rank, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
+                                     "pp_rank": g.pp_rank, "rng": rng_state(device), "data": data}
+    return files
 
-class Checkpointer:
-    """Saves and loads this rank's part of a checkpoint. Create one on every rank:
 
-        ckpt = Checkpointer(cfg, grid, device)
-        loaded = ckpt.load_latest()            # None: nothing to resume, starting fresh
-        ckpt.fault.maybe_crash(step)           # at the start of every step (NANOTRN_FAULT)
-        ckpt.save(step, model.state_dict(), opt.state_dict(), data=loader.state_dict(), extra={...})
-        ckpt.close()                           # waits for the save in flight
-    """
+# ----------------------------------------------------------------------------- the writer
 
-    def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
-                 log=print, marker_timeout_s: float = 600.0):
-        self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
-        self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
-        self._log = log
-        g = self.grid
-        # ZeRO-1 shards exist only when there is more than one DP rank (optim.build_optimizer).
-        self.layout = {"world": g.world, "tp": g.tp, "pp": g.pp, "dp": g.dp,
-                       "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
-        self.fault = FaultInjector.from_env(g.rank, self.root)
+class Writer:
+    """Writes this rank's files of one checkpoint at a time, atomically, in a background thread
+    (async_save) or in the caller's. write(step, files) returns once the files are staged in host
+    memory; wait() blocks until they are on disk (and raises what went wrong); on rank 0, finish(step)
+    runs in the writer thread after its own marker (waiting for the others', then `latest`, prune)."""
+
+    def __init__(self, root: Path, rank: int, world: int, fault: FaultInjector, async_save: bool,
+                 device: torch.device | str | None = None, finish=None):
+        self.root, self.rank, self.world, self.fault, self.async_save = Path(root), rank, world, fault, async_save
+        self.device, self.finish = device, finish
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}   # host staging buffers, reused between saves
-        self._newest = -1                                # newest step saved or resumed from
-        self._lock: int | None = None                    # rank 0's flock on run.lock (claim)
         self.stats: dict = {}
-        if not self.c.resume and self._scan():
-            raise CheckpointError(f"--ckpt.resume=false but {self.root} already holds checkpoints, which this "
-                                  f"run would overwrite; resume (--ckpt.resume=true), or start the new run in "
-                                  f"another --ckpt.dir")
 
-    def say(self, msg: str):
-        if self.grid.rank == 0:
-            self._log(f"ckpt: {msg}")
-
-    # --------------------------------------------------------------- save
-    def save(self, step: int, model: dict | None, optim: dict | None = None, data=None,
-             extra: dict | None = None):
-        """Save this rank's part of the state after `step` optimizer steps.
-
-        model: this rank's model.state_dict() (its TP shard of its pipeline stage).
-        optim: this rank's optimizer.state_dict() (its ZeRO-1 shard when sharded).
-        data:  this rank's data-loader state (any picklable object).
-        extra: JSON-able run state kept in meta.json by rank 0 (tokens seen, ...).
-        The RNG streams of this rank are captured here. With async_save, returns once everything
-        is copied to host memory; the previous save in flight is waited for first."""
-        t0 = time.perf_counter()
-        self.wait()
-        t1 = time.perf_counter()
-        if step <= self._newest:
-            self.say(f"step {step} is already saved (newest is step {self._newest}); not saving it again")
-            return
-        files = self._files(step, model, optim, data, extra)
+    def write(self, step: int, files: dict, t0: float):
+        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began."""
         # Stage into host memory for a background write, and always off a device: torch.save of an
         # XLA tensor pickles the device itself and ignores map_location at load.
-        if self.c.async_save or (self.device is not None and torch.device(self.device).type != "cpu"):
+        if self.async_save or (self.device is not None and torch.device(self.device).type != "cpu"):
             # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
             # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
             threads = torch.get_num_threads()
@@ -373,40 +304,14 @@ class Checkpointer:
                 torch.set_num_threads(threads)
             if self.device is not None and torch.device(self.device).type == "cuda":
                 torch.cuda.synchronize()
-        self.stats = {"step": step, "wait_s": t1 - t0, "blocked_s": time.perf_counter() - t0,
-                      "bytes": sum(_tensor_bytes(o) for o in files.values())}
-        self._newest = step
-        if self.c.async_save:
+        self.stats.update(blocked_s=time.perf_counter() - t0, bytes=sum(tensor_bytes(o) for o in files.values()))
+        if self.async_save:
             self._thread = threading.Thread(target=self._write_in_background, args=(step, files),
                                             name=f"ckpt-writer-{step}")
             self._thread.start()
         else:
             self._write(step, files)
             self.stats["blocked_s"] = time.perf_counter() - t0
-
-    def _files(self, step, model, optim, data, extra) -> dict:
-        """This rank's files: name -> bytes or a torch-saveable object."""
-        g = self.grid
-        tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
-        files = {}
-        if g.rank == 0:
-            meta = {"step": step, "time": time.time(), "layout": self.layout, "config": self.cfg.to_dict(),
-                    "extra": extra or {}, "torch": torch.__version__}
-            try:
-                files["meta.json"] = json.dumps(meta, indent=1).encode()
-            except TypeError as e:
-                raise CheckpointError(f"save(extra=...) must be JSON-able (ints, floats, strings, lists, "
-                                      f"dicts): {e}") from None
-        zero1 = self.layout["zero1"]
-        # DP replicas hold the same model (and, without ZeRO-1, the same optimizer state): one copy
-        # of each, written by the replica writer_dp_rank picks, so the writes spread over the nodes.
-        if model is not None and g.dp_rank == writer_dp_rank(0, g, zero1):
-            files[f"model_{tag}.pt"] = model
-        if optim is not None and (zero1 or g.dp_rank == writer_dp_rank(1, g, zero1)):
-            files[reshard.optim_name(g.dp_rank, tag, zero1)] = optim
-        files[f"rank{g.rank:05d}.pt"] = {"rank": g.rank, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
-                                         "pp_rank": g.pp_rank, "rng": rng_state(self.device), "data": data}
-        return files
 
     def _stage(self, obj, key: tuple):
         """A host copy of obj that training can no longer change: tensors are copied into buffers
@@ -438,9 +343,9 @@ class Checkpointer:
         try:
             self._write_files(step, files)
         except (OSError, RuntimeError) as e:     # torch.save's zip writer turns ENOSPC into a RuntimeError
-            need = sum(map(_tensor_bytes, files.values()))
+            need = sum(map(tensor_bytes, files.values()))
             free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
-            shutil.rmtree(step_dir(self.root, step) / f".tmp-rank{self.grid.rank:05d}", ignore_errors=True)
+            shutil.rmtree(ckptdir.step_dir(self.root, step) / f".tmp-rank{self.rank:05d}", ignore_errors=True)
             if getattr(e, "errno", None) == errno.ENOSPC or free < need:
                 raise CheckpointError(
                     f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
@@ -450,60 +355,26 @@ class Checkpointer:
 
     def _write_files(self, step: int, files: dict):
         t0 = time.perf_counter()
-        r = self.grid.rank
-        final = step_dir(self.root, step)
+        r = self.rank
+        final = ckptdir.step_dir(self.root, step)
         tmp = final / f".tmp-rank{r:05d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         # NANOTRN_FAULT=R:S:save: die halfway through this rank's largest file.
-        victim = max(files, key=lambda n: _tensor_bytes(files[n])) if self.fault.dies_in_save(step) else None
+        victim = max(files, key=lambda n: tensor_bytes(files[n])) if self.fault.dies_in_save(step) else None
         record = {}
         for name, obj in files.items():
-            die_at = _tensor_bytes(obj) // 2 if name == victim else None
-            record[name] = _write_file(tmp / name, obj, die_at, lambda: self.fault._die(f"writing {name} of step {step}"))
+            die_at = tensor_bytes(obj) // 2 if name == victim else None
+            record[name] = write_file(tmp / name, obj, die_at, lambda: self.fault.die(f"writing {name} of step {step}"))
         for name in files:
             os.replace(tmp / name, final / name)
         tmp.rmdir()
-        _fsync_dir(final)
-        marker = {"step": step, "rank": r, "world": self.grid.world, "files": record}
-        _atomic_write(final / _marker(r), json.dumps(marker, indent=1).encode())
-        if r == 0:
-            self._publish(step)
+        ckptdir.fsync_dir(final)
+        marker = {"step": step, "rank": r, "world": self.world, "files": record}
+        ckptdir.atomic_write(final / ckptdir.marker_name(r), json.dumps(marker, indent=1).encode())
+        if self.finish is not None:
+            self.finish(step)
         self.stats["write_s"] = time.perf_counter() - t0
-
-    def _publish(self, step: int):
-        """Rank 0, in the background: once every rank's marker is there, point `latest` at the step
-        and drop old checkpoints. Polls the file system: no collective in a background thread."""
-        d, deadline = step_dir(self.root, step), time.monotonic() + self.marker_timeout_s
-        while missing := [r for r in range(self.grid.world) if not (d / _marker(r)).exists()]:
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"{d.name}: rank(s) {missing[:8]} did not finish writing within "
-                                      f"{self.marker_timeout_s:.0f} s; it stays incomplete and will be skipped")
-            time.sleep(0.02)
-        try:
-            _atomic_write(self.root / "latest", d.name.encode())
-        except OSError as e:      # the checkpoint is complete: resume finds it by scanning, not by `latest`
-            self.say(f"warning: {d.name} is complete but `latest` could not be updated ({e.strerror or e}); "
-                     f"resuming finds checkpoints without it")
-            (self.root / ".latest.tmp").unlink(missing_ok=True)
-        self._prune()
-
-    def _prune(self):
-        # After a good save, the half-written checkpoints set aside as step_N.bad<time> have served
-        # their purpose (being looked at): they only take space.
-        for p in self.root.iterdir():
-            if (m := STEP_DIR.match(p.name)) and m.group(2):
-                shutil.rmtree(p, ignore_errors=True)
-        if self.c.keep <= 0:
-            return
-        complete = [s for s, d in self._scan() if self._complete(d)[0] is None]
-        if len(complete) <= self.c.keep:
-            return
-        oldest_kept = complete[self.c.keep - 1]
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and int(m.group(1)) < oldest_kept:
-                shutil.rmtree(p, ignore_errors=True)
 
     @property
     def in_flight(self) -> bool:
@@ -527,55 +398,177 @@ class Checkpointer:
         if self._thread is not None and not self._thread.is_alive():
             self.wait()
 
+
+# ----------------------------------------------------------------------------- finding the newest valid checkpoint
+
+def _diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
+    return out
+
+
+def check_config(meta: dict, d: Path, cfg: Config, say=print):
+    """Refuse a checkpoint of another model or optimizer precision; report other differences."""
+    saved, now = meta["config"]["model"], cfg.to_dict()["model"]
+    diffs = [x for x in _diff(saved, now, "model.") if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
+    if diffs:
+        raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
+                              f"\nresume with the checkpoint's --model.* settings, or start a new run "
+                              f"in another --ckpt.dir")
+    saved_precision = meta["config"]["optim"]["precision"]
+    if saved_precision != cfg.optim.precision:
+        raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
+                              f"for {cfg.optim.precision}: its optimizer state is kept in the other "
+                              f"precision; resume with --optim.precision={saved_precision}, or start a new "
+                              f"run in another --ckpt.dir")
+    other = [x for x in _diff(meta["config"], cfg.to_dict())
+             if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
+    if other:
+        say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
+
+
+def agree(grid: Grid, ok: bool) -> bool:
+    """True only if every rank says ok (so that all ranks fall back together)."""
+    if grid.world == 1 or not dist.is_initialized():
+        return ok
+    # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
+    t = torch.tensor([int(ok)], device="cuda" if grid.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.host_group)
+    return bool(t.item())
+
+
+def barrier(grid: Grid):
+    if grid.world > 1 and dist.is_initialized():
+        import parallel                     # on xla, a gloo group: xla's own barrier is a no-op
+        parallel.barrier(grid)
+
+
+def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Path | None, list[Path]]:
+    """(the newest complete, valid step folder or None, the newer ones skipped). Call on every rank:
+    each checks a 1/world share of the markers and the sizes and crc32 of the files they list, then
+    all ranks agree, so that they fall back to an older step together."""
+    share = (grid.rank, grid.world) if grid.world > 1 and dist.is_initialized() else (0, 1)
+    skipped = []
+    for _, d in ckptdir.scan(root):
+        problem, files = ckptdir.check(d, share)
+        problem = problem or ckptdir.verify(d, files)
+        if problem is not None and grid.world > 1:
+            log(f"ckpt: [rank {grid.rank}] {d.name}: {problem}")
+        if agree(grid, problem is None):
+            return d, skipped
+        say(f"skipping {d.name}: {problem or 'a marker or file checked by another rank is damaged (see its message)'}")
+        skipped.append(d)
+    return None, skipped
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+class Checkpointer:
+    """Saves and loads this rank's part of a checkpoint. Create one on every rank:
+
+        ckpt = Checkpointer(cfg, grid, device)
+        ckpt.claim()                           # the directory is this run's (rank 0 holds a lock)
+        loaded = ckpt.load_latest()            # None: nothing to resume, starting fresh
+        ckpt.fault.maybe_crash(step)           # at the start of every step (NANOTRN_FAULT)
+        ckpt.save(step, model.state_dict(), opt.state_dict(), data=loader.state_dict(), extra={...})
+        ckpt.close()                           # waits for the save in flight
+
+    It joins the three parts: a Writer (this rank's files, atomic, in the background), the search
+    for the newest valid checkpoint (find_newest_valid, then reshard.read), and the directory's
+    rules (ckptdir.CkptDir: claim, prune, set aside; rank 0's)."""
+
+    def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
+                 log=print, marker_timeout_s: float = 600.0):
+        self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
+        self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
+        self._log = log
+        g = self.grid
+        # ZeRO-1 shards exist only when there is more than one DP rank (optim.build_optimizer).
+        self.layout = {"world": g.world, "tp": g.tp, "pp": g.pp, "dp": g.dp,
+                       "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
+        self.fault = FaultInjector.from_env(g.rank, self.root)
+        self.dir = ckptdir.CkptDir(self.root, say=self.say)
+        self.writer = Writer(self.root, g.rank, g.world, self.fault, self.c.async_save, device,
+                             finish=self._finish if g.rank == 0 else None)
+        self._newest = -1                                # newest step saved or resumed from
+        if not self.c.resume and self.has_checkpoints():
+            raise CheckpointError(f"--ckpt.resume=false but {self.root} already holds checkpoints, which this "
+                                  f"run would overwrite; resume (--ckpt.resume=true), or start the new run in "
+                                  f"another --ckpt.dir")
+
+    def say(self, msg: str):
+        if self.grid.rank == 0:
+            self._log(f"ckpt: {msg}")
+
+    def has_checkpoints(self) -> bool:
+        """The directory holds step folders (complete or not)."""
+        return bool(ckptdir.scan(self.root))
+
+    @property
+    def stats(self) -> dict:
+        """The last save's: step, wait_s, blocked_s, bytes, write_s."""
+        return self.writer.stats
+
+    @property
+    def in_flight(self) -> bool:
+        return self.writer.in_flight
+
+    def wait(self):
+        self.writer.wait()
+
+    def check(self):
+        self.writer.check()
+
+    # --------------------------------------------------------------- save
+    def save(self, step: int, model: dict | None, optim: dict | None = None, data=None,
+             extra: dict | None = None):
+        """Save this rank's part of the state after `step` optimizer steps.
+
+        model: this rank's model.state_dict() (its TP shard of its pipeline stage).
+        optim: this rank's optimizer.state_dict() (its ZeRO-1 shard when sharded).
+        data:  this rank's data-loader state (any picklable object).
+        extra: JSON-able run state kept in meta.json by rank 0 (tokens seen, ...).
+        The RNG streams of this rank are captured here. With async_save, returns once everything
+        is copied to host memory; the previous save in flight is waited for first."""
+        t0 = time.perf_counter()
+        self.wait()
+        if step <= self._newest:
+            self.say(f"step {step} is already saved (newest is step {self._newest}); not saving it again")
+            return
+        files = rank_files(step, self.grid, self.layout, self.cfg, model, optim, data, extra, self.device)
+        self.writer.stats = {"step": step, "wait_s": time.perf_counter() - t0}
+        self._newest = step
+        self.writer.write(step, files, t0)
+
+    def _finish(self, step: int):
+        """Rank 0, in the writer thread: once every rank's marker is there, point `latest` at the
+        step and drop old checkpoints."""
+        missing = self.dir.wait_for_markers(step, self.grid.world, self.marker_timeout_s)
+        if missing:
+            raise CheckpointError(f"{ckptdir.step_dir(self.root, step).name}: rank(s) {missing[:8]} did not "
+                                  f"finish writing within {self.marker_timeout_s:.0f} s; it stays incomplete "
+                                  f"and will be skipped")
+        self.dir.publish(step)
+        self.dir.prune(self.c.keep)
+
     def close(self):
         """At exit: the save in flight must be on disk; then the directory is free for another run."""
         try:
             self.wait()
         finally:
-            if self._lock is not None:
-                os.close(self._lock)           # releases the flock
-                self._lock = None
+            self.dir.release()
 
     def claim(self):
-        """Before any work, on every rank: the checkpoint directory must be a directory (created if
-        absent), writable, and this run's alone. Rank 0 holds an exclusive flock on <dir>/run.lock
-        for the run's lifetime, with who holds it written inside. The kernel drops it when the
-        process dies, so a killed run never leaves a stale lock (torchrun restarts take it again).
-        On a shared file system flock must reach every node (NFSv4, Lustre mounted with -o flock,
-        as FSx for Lustre is). All ranks agree before going on."""
-        problem = self._claim() if self.grid.rank == 0 else None
-        if not self._agree(problem is None):
+        """Before any work, on every rank: rank 0 claims the directory (ckptdir.CkptDir.claim); all
+        ranks agree before going on."""
+        problem = self.dir.claim() if self.grid.rank == 0 else None
+        if not agree(self.grid, problem is None):
             raise CheckpointError(problem or f"rank 0 could not claim {self.root} (see its message)")
-
-    def _claim(self) -> str | None:
-        root = self.root
-        if root.exists() and not root.is_dir():
-            return f"--ckpt.dir {root} is a file, not a directory; remove it or give another --ckpt.dir"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(root / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            what = {errno.EROFS: "is on a read-only file system", errno.ENOSPC: "is on a full disk",
-                    errno.EACCES: "is not writable"}.get(e.errno, f"cannot be written ({e.strerror})")
-            return f"--ckpt.dir {root} {what}: checkpoints could not be saved; give a writable --ckpt.dir"
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            return (f"{root} is in use by another run ({holder}): two runs in one directory resume each "
-                    f"other's checkpoints and write the same step folders. Wait for it to end or stop it, "
-                    f"or give this run its own --out_dir or --ckpt.dir")
-        try:
-            me = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (me + ", command: " + " ".join(sys.argv))[:4000].encode() + b"\n", 0)
-        except OSError as e:
-            os.close(fd)
-            return (f"--ckpt.dir {root} cannot be written ({'disk full' if e.errno == errno.ENOSPC else e.strerror}): "
-                    f"checkpoints could not be saved; free space or give another --ckpt.dir")
-        self._lock = fd
-        return None
 
     def __enter__(self):
         return self
@@ -584,86 +577,6 @@ class Checkpointer:
         self.wait()
 
     # --------------------------------------------------------------- load
-    def _scan(self) -> list[tuple[int, Path]]:
-        """Step directories (not the set-aside ones), newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := STEP_DIR.match(p.name)) and not m.group(2) and p.is_dir()]
-        return sorted(found, reverse=True)
-
-    def _complete(self, d: Path, share: tuple[int, int] = (0, 1)) -> tuple[str | None, dict]:
-        """(problem or None, {file: {bytes, crc32}} of the markers looked at). Cheap: markers and
-        file sizes only. share (i, n): only the markers of ranks i, i+n, i+2n, ... and the files
-        they list. On resume every rank takes its own 1/world share and the ranks then agree
-        (load_latest): at 4096 ranks each rank reads rank 0's marker and its own, not all 4096
-        (16M marker reads of the shared file system if every rank read every marker)."""
-        try:
-            world = read_marker(d / _marker(0))["world"]
-        except FileNotFoundError:
-            return "no completion marker from rank 0: the save was interrupted", {}
-        except (ValueError, OSError) as e:
-            return f"rank 0's completion marker is damaged ({e})", {}
-        ranks = range(share[0], world, share[1])
-        missing = [r for r in ranks if not (d / _marker(r)).exists()]
-        if missing:
-            return (f"incomplete: no completion marker from rank(s) {missing[:8]} of {world}: "
-                    f"the save was interrupted"), {}
-        files = {}
-        for r in ranks:
-            try:
-                m = read_marker(d / _marker(r))
-            except (ValueError, OSError) as e:
-                return f"rank {r}'s completion marker is damaged ({e})", {}
-            if m["step"] != int(d.name[5:13]) or m["world"] != world:
-                return f"rank {r}'s completion marker belongs to another save", {}
-            files.update(m["files"])
-        for name, rec in files.items():
-            if not (d / name).exists():
-                return f"{name} is missing", {}
-            if (size := (d / name).stat().st_size) != rec["bytes"]:
-                return f"{name} is {size} bytes, its marker says {rec['bytes']} (truncated or damaged)", {}
-        return None, files
-
-    def _agree(self, ok: bool) -> bool:
-        """True only if every rank says ok (so that all ranks fall back together)."""
-        if self.grid.world == 1 or not dist.is_initialized():
-            return ok
-        # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
-        t = torch.tensor([int(ok)], device="cuda" if self.grid.backend == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.grid.host_group)
-        return bool(t.item())
-
-    def _barrier(self):
-        if self.grid.world > 1 and dist.is_initialized():
-            import parallel                     # on xla, a gloo group: xla's own barrier is a no-op
-            parallel.barrier(self.grid)
-
-    def _verify(self, d: Path, files: dict) -> str | None:
-        """The first file of `files` whose crc32 differs from its marker's, or None."""
-        for name in sorted(files):
-            if (crc := _crc_of(d / name)) != files[name]["crc32"]:
-                return f"{name}: crc32 {crc:08x}, its marker says {files[name]['crc32']:08x} (corrupted)"
-        return None
-
-    def _check_model(self, meta: dict, d: Path):
-        saved, now = meta["config"]["model"], self.cfg.to_dict()["model"]
-        diffs = [x for x in _diff(saved, now, "model.") if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
-        if diffs:
-            raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
-                                  f"\nresume with the checkpoint's --model.* settings, or start a new run "
-                                  f"in another --ckpt.dir")
-        saved_precision = meta["config"]["optim"]["precision"]
-        if saved_precision != self.cfg.optim.precision:
-            raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
-                                  f"for {self.cfg.optim.precision}: its optimizer state is kept in the other "
-                                  f"precision; resume with --optim.precision={saved_precision}, or start a new "
-                                  f"run in another --ckpt.dir")
-        other = [x for x in _diff(meta["config"], self.cfg.to_dict())
-                 if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
-        if other:
-            self.say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
-
     def load_latest(self, load_optim: bool = True, set_aside: bool = True, names=None) -> Loaded | None:
         """The newest complete, valid checkpoint, or None to start fresh (saying why). Call on every
         rank. Incomplete or corrupt checkpoints are skipped with the reason, and (set_aside)
@@ -673,34 +586,21 @@ class Checkpointer:
         if not self.c.resume:
             self.say("--ckpt.resume=false: starting fresh")
             return None
-        if not (candidates := self._scan()):
+        if not self.has_checkpoints():
             self.say(f"no checkpoint directory {self.root}: starting fresh" if not self.root.is_dir() else
                      f"{self.root} holds no checkpoint: starting fresh")
             return None
-        skipped, loaded = [], None
-        share = (self.grid.rank, self.grid.world) if self.grid.world > 1 and dist.is_initialized() else (0, 1)
-        for step, d in candidates:
-            # Each rank checks a 1/world share of the markers, and the sizes and crc32 of the files
-            # they list; all ranks then agree, so that they fall back to an older step together.
-            problem, files = self._complete(d, share)
-            problem = problem or self._verify(d, files)
-            if problem is not None and self.grid.world > 1:
-                self._log(f"ckpt: [rank {self.grid.rank}] {d.name}: {problem}")
-            if not self._agree(problem is None):
-                problem = problem or "a marker or file checked by another rank is damaged (see its message)"
-                self.say(f"skipping {d.name}: {problem}")
-                skipped.append(d)
-                continue
+        d, skipped = find_newest_valid(self.root, self.grid, self.say, self._log)
+        loaded = None
+        if d is not None:
             meta = json.loads((d / "meta.json").read_text())
-            self._check_model(meta, d)
+            check_config(meta, d, self.cfg, self.say)
             loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say)
-            break
         if set_aside and skipped:
-            self._barrier()                  # every rank is done looking at them
+            barrier(self.grid)                  # every rank is done looking at them
             if self.grid.rank == 0:
-                for d in skipped:
-                    os.replace(d, d.with_name(f"{d.name}.bad{time.time_ns()}"))
-            self._barrier()
+                self.dir.set_aside(skipped)
+            barrier(self.grid)
         if loaded is None:
             self.say(f"no complete, valid checkpoint in {self.root} ({len(skipped)} skipped): starting fresh")
             return None
@@ -710,7 +610,7 @@ class Checkpointer:
 
 # ----------------------------------------------------------------------------- command line: ls, export
 
-def _cli(argv: list[str]):
+def cli(argv: list[str]):
     """python checkpoint.py ls DIR           each checkpoint: ok, or why loading would skip it
     python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] DIR OUT
                                             the newest valid one as a complete Hugging Face folder
@@ -740,15 +640,12 @@ def _cli(argv: list[str]):
         if os.path.isdir(out) and os.listdir(out) and "--overwrite" not in flags:
             raise CheckpointError(f"{out} is not empty: export into a new folder, or pass --overwrite to "
                                   f"replace what is there")
-    cfg = Config()
-    cfg.ckpt.dir = root
-    ck = Checkpointer(cfg, Grid())
-    found = ck._scan()
+    found = ckptdir.scan(Path(root))
     if not found:
         raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
     for _, d in found:
-        problem, files = ck._complete(d)
-        problem = problem or ck._verify(d, files)
+        problem, files = ckptdir.check(d)
+        problem = problem or ckptdir.verify(d, files)
         if argv[0] == "ls":
             print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
         elif problem is None:
@@ -765,7 +662,7 @@ def _cli(argv: list[str]):
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        _cli(argv)
+        cli(argv)
     except (CheckpointError, ConfigError) as e:                # ConfigError: hf.HFError, data.DataError
         sys.exit(f"checkpoint error: {e}" if not str(e).startswith("usage") else str(e))
     except KeyboardInterrupt:

@@ -227,7 +227,7 @@ def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> boo
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
     kept = [os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(folder, n))]
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
-    if kept and not same and ckpt.c.resume and ckpt._scan():
+    if kept and not same and ckpt.c.resume and ckpt.has_checkpoints():
         raise checkpoint.CheckpointError(
             f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and this run's {tok.path} differs "
             f"(a new corpus trains a new one): continue with --data.tokenizer={kept[0]}")

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
+import ckptdir  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
@@ -105,8 +106,8 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch):
     want_model, want_opt = clone(model.state_dict()), clone(opt.state_dict())
     data = {"epoch": 1, "pos": 17, "buffer": [3, 1, 4, 1, 5]}
     # The writer thread waits at a gate until training has changed everything it was given.
-    gate, write_file = threading.Event(), checkpoint._write_file
-    monkeypatch.setattr(checkpoint, "_write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
+    gate, write_file = threading.Event(), checkpoint.write_file
+    monkeypatch.setattr(checkpoint, "write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
     ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128})
     assert ck.in_flight and not (tmp_path / "ckpt" / "step_00000002" / "rank00000.done").exists()
     random_step(model, opt, seed=99)
@@ -296,9 +297,9 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
         ranks_save(cfg, 2, world=4, tp=2, dp=2, make_state=state, skip_ranks=(2,))
     # On resume each rank checks only its 1/world share of the markers (then all ranks agree): the
     # share of rank 2 finds the missing marker; rank 0's does not even look at it.
-    d2, ck = tmp_path / "step_00000002", Checkpointer(cfg, parallel.Grid())
-    assert ck._complete(d2, (0, 4))[0] is None and "rank(s) [2] of 4" in ck._complete(d2, (2, 4))[0]
-    assert "rank(s) [2] of 4" in ck._complete(d2)[0]
+    d2 = tmp_path / "step_00000002"
+    assert ckptdir.check(d2, (0, 4))[0] is None and "rank(s) [2] of 4" in ckptdir.check(d2, (2, 4))[0]
+    assert "rank(s) [2] of 4" in ckptdir.check(d2)[0]
     capsys.readouterr()
     g0 = parallel.Grid(world=4, rank=0, tp=2, dp=2)       # no process group: rank 0 checks every marker
     assert Checkpointer(cfg, g0).load_latest().step == 1
@@ -372,7 +373,7 @@ def _dies(fi, step, killed, log=True) -> bool:
     if not log:       # only ask whether it would fire, leaving faults.log as it is
         def die(what):
             raise killed
-        fi._die = die
+        fi.die = die
     try:
         fi.maybe_crash(step)
         return False
@@ -436,7 +437,7 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     # Export the TP=2 checkpoint offline; transformers must give our logits.
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    checkpoint._cli(["export", str(tmp_path / "b"), str(out)])      # python checkpoint.py export B OUT
+    checkpoint.cli(["export", str(tmp_path / "b"), str(out)])      # python checkpoint.py export B OUT
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     ref = llama.Llama(cfg.model)

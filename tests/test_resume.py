@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
+import ckptdir  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
@@ -140,8 +141,7 @@ def stopped_step(stdout: str, name: str) -> int:
 def assert_only_checkpoint(ckpt: Path, step: int):
     steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_"))
     assert steps == [f"step_{step:08d}"], steps
-    cfg = configs.from_args([f"--ckpt.dir={ckpt}"])
-    problem, files = checkpoint.Checkpointer(cfg)._complete(ckpt / steps[0])
+    problem, files = ckptdir.check(ckpt / steps[0])
     assert problem is None and files                          # every rank's marker: all saved this step
 
 
@@ -202,7 +202,7 @@ def test_damaged_marker_is_skipped_in_resume_and_ls(tmp_path, capsys, damage):
     m = json.loads(marker.read_text())
     damage(m)
     marker.write_text(json.dumps(m))
-    checkpoint._cli(["ls", str(tmp_path / "ck")])
+    checkpoint.cli(["ls", str(tmp_path / "ck")])
     assert "step_00000002  BAD: rank 0's completion marker is damaged" in capsys.readouterr().out
     loaded = checkpoint.Checkpointer(cfg).load_latest()
     assert loaded.step == 1 and torch.equal(loaded.model["w"], torch.full((4,), 1.0))
@@ -231,7 +231,7 @@ def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, mon
         else:                                       # simulated: the writer's first file write fails
             def full(*a, **k):
                 raise OSError(28, "No space left on device")
-            monkeypatch.setattr(checkpoint, "_write_file", full)
+            monkeypatch.setattr(checkpoint, "write_file", full)
             with pytest.raises(checkpoint.CheckpointError, match="disk full: no space left"):
                 save_steps(small, 1)
             monkeypatch.undo()
