@@ -56,7 +56,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # 1f1b | gpipe
     pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
-    instance: str = "trn1"       # trn1 | trn2: the instance type (INSTANCES): the planner, the MFU peak, ranks per node
+    instance: str = "trn1"       # trn1 | trn1n | trn2: the instance type (INSTANCES): the planner, the MFU peak, ranks per node
     cores: int = 0               # planner only: NeuronCores it lays out (0 = 128 instances, the blog's cluster)
 
 
@@ -235,7 +235,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "llama3"),
     "parallel.pp_schedule": ("1f1b", "gpipe"),
     "parallel.pp_p2p": ("send", "allgather"),
-    "parallel.instance": ("trn1", "trn2"),
+    "parallel.instance": ("trn1", "trn1n", "trn2"),
     "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
     "log.on_nonfinite": ("stop", "skip"),
     "device": ("auto", "cpu", "cuda", "xla"),
@@ -598,20 +598,26 @@ class Instance:
     fp32_flops: float
     link_bw: float               # bytes/s per core over NeuronLink, between the chips of one instance
     efa_bw: float                # bytes/s per instance over EFA, between instances
+    devices: int = 16            # Trainium chips: the Neuron device plugin's aws.amazon.com/neuron (scripts/eks.py)
+    efa: int = 8                 # EFA interfaces: the EFA device plugin's vpc.amazonaws.com/efa (scripts/eks.py)
 
 
 # The Neuron docs (Release 2.29), "Trainium Architecture" / "Amazon EC2 Trn1 Architecture":
 #   trn1.32xlarge: 16 Trainium chips x 2 NeuronCore-v2; per chip 190 BF16 / 47.5 FP32 TFLOPS,
 #   32 GiB HBM; NeuronLink-v2 (384 GiB/s per chip, shared by its 2 cores); EFA 800 Gbps.
+#   trn1n.32xlarge: the same with EFA 1600 Gbps. "How to prepare trn1.32xlarge for multi-node
+#   execution": "trn1.32xlarge has 8 EFA devices, trn1n.32xlarge has 16 EFA devices".
 # "Trainium2 Architecture" / "Amazon EC2 Trn2 Architecture" / "Logical NeuronCore configuration":
 #   trn2.48xlarge: 16 Trainium2 chips x 8 NeuronCore-v3; per chip 667 BF16 / 181 FP32 TFLOPS
 #   (10.7 / 2.9 PFLOPS per instance), 96 GiB HBM, NeuronLink-v3 1.28 TB/s per chip (4x4 torus);
 #   EFAv3 3.2 Tbps per instance. The default LNC=2 makes two physical cores one logical core:
 #   4 per chip, 64 ranks per instance, 24 GiB each ("Best practices for training": "approximately
 #   24 GiB of HBM per rank, before runtime overhead"). Per logical core: 667/4 = 166.75 TFLOPS.
+#   EFAv3 on 16 network cards: 16 EFA interfaces (EC2: maximumEfaInterfaces of trn2.48xlarge).
 INSTANCES = {
-    "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8),
-    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.28e12 / 4, 3.2e12 / 8),
+    "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8, devices=16, efa=8),
+    "trn1n": Instance("trn1n.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 1600e9 / 8, devices=16, efa=16),
+    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.28e12 / 4, 3.2e12 / 8, devices=16, efa=16),
 }
 
 

@@ -16,6 +16,12 @@
 #
 # The values are the ones of the AWS blog and the HLAT scripts (see ../README.md, Running on trn1).
 
+# The pin, read by the Dockerfile's build check and by the tests (its base image tag must match):
+# the Neuron release, and the torch-neuronx it ships.
+# shellcheck disable=SC2034  # read by the Dockerfile and tests/test_eks.py, not by the launch
+NANOTRN_NEURON_SDK=2.29.0
+NANOTRN_TORCH_NEURONX=2.9.0.2.13
+
 NEURON_CACHE_DIR="${NEURON_CACHE_DIR:-/var/tmp/neuron-compile-cache}"
 
 # The blog's stability lesson: with the Neuron persistent cache on the shared FSx, every core of

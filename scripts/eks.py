@@ -1,0 +1,311 @@
+"""The blog's way on Amazon EKS: the Kubernetes manifests of a nanotrn run, from the same sources
+as SLURM. One pod per Trainium instance, each running the same `scripts/launch.sh` that
+`slurm_train.sbatch` runs on a node, with the environment of `scripts/env.sh` and the hardware of
+the planner's instance table (configs.INSTANCES). No operator is needed on the cluster.
+
+    python scripts/eks.py --preset llama2_7b --nodes 128 --image IMAGE --fsx-claim CLAIM \\
+        --data /fsx/data/train.arrow --tokenizer /fsx/tok.model | kubectl apply -f -
+    python scripts/eks.py ... --job compile | kubectl apply -f -      # fill the compile caches first
+    python scripts/eks.py ... --out manifests/                         # both, one file each
+
+Every flag eks.py does not know is train.py's (validated here, for nodes x cores ranks, before
+anything is written). What it writes (README, Running on Amazon EKS):
+  - a headless Service: pod i of a Job is <job>-i.<name>, so pod 0 is reachable before any pod is
+    ready; torchrun's c10d rendezvous runs on pod 0 (MASTER_ADDR);
+  - an Indexed Job, one pod per instance (anti-affinity), each with every Neuron device and (more
+    than one node) every EFA interface of the instance, the FSx claim for data, checkpoints and
+    TensorBoard, a memory-backed /dev/shm, the compile cache on the node's own disk (hostPath).
+    --job train: a node-local health check, then `exec scripts/launch.sh train`; --job compile:
+    the run's full health check (node pairs over EFA), then `exec scripts/launch.sh compile`.
+
+Followed where it cannot run here (cited at each place): the Neuron EKS docs ("Kubernetes
+environment setup for Neuron": device plugin resources; "How to prepare trn1.32xlarge for multi-node
+execution": EFA devices), AWS's own Trainium manifests (aws-samples/awsome-distributed-training
+3.test_cases/pytorch/neuronx-distributed/llama3/kubernetes/llama3_train.yaml-template;
+aws/aws-k8s-tester test/cases/neuron-training/manifests/bert-training.yaml, an Indexed Job with a
+headless Service and MASTER_ADDR=<job>-0.<service>) and the Kubernetes Job API (1.31).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from configs import INSTANCES, ConfigError, from_args, validate  # noqa: E402  (the planner's table)
+
+WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
+CONTAINER = "nanotrn"
+TORCHRUN_STOP_S = 30            # torchrun SIGKILLs its workers 30 s after passing on a SIGTERM: a
+                                # constant in torch (elastic/multiprocessing/api.py, close(timeout=30))
+CONFIG_ERROR = 2                # launch.sh's exit status for a bad configuration: no retry can help
+
+
+def fail(msg: str):
+    sys.exit(f"error: {msg}")
+
+
+# ----------------------------------------------------------------------------- the inputs
+
+def parse(argv: list[str]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                 epilog="every other flag is train.py's (--preset, --data, --tp, ...)")
+    ap.add_argument("--nodes", type=int, required=True, help="instances (one pod each)")
+    ap.add_argument("--image", required=True, help="the nanotrn image (Dockerfile), e.g. ECR_URI:TAG")
+    ap.add_argument("--fsx-claim", required=True, help="PersistentVolumeClaim of the FSx for Lustre file system")
+    ap.add_argument("--mount", default="/fsx", help="where the FSx claim is mounted in the pods")
+    ap.add_argument("--name", default="nanotrn", help="the Service; the Jobs are NAME-train and NAME-compile")
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--job", choices=("train", "compile"), default="train",
+                    help="what goes to stdout: the training Job or the pre-compile Job (with the Service)")
+    ap.add_argument("--out", default="", help="write NAME-compile.yaml and NAME-train.yaml here instead")
+    ap.add_argument("--max-restarts", type=int, default=3,
+                    help="torchrun's restarts of a pod's workers, and the Job's replacements of each pod")
+    ap.add_argument("--grace-period", type=int, default=2 * TORCHRUN_STOP_S,
+                    help="terminationGracePeriodSeconds (at least torchrun's 30 s + 5)")
+    ap.add_argument("--shm", default="64Gi", help="size limit of the memory-backed /dev/shm")
+    ap.add_argument("--cache-dir", default="/var/tmp/neuron-compile-cache",
+                    help="the Neuron compile cache on each node's local disk (hostPath)")
+    ap.add_argument("--port", type=int, default=29500, help="the rendezvous port on pod 0")
+    return ap.parse_known_args(argv)
+
+
+def dns_name(flag: str, value: str, limit: int) -> str:
+    import re
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > limit:
+        fail(f"{flag} {value!r} is not a Kubernetes name: lower-case letters, digits and '-', "
+             f"at most {limit} characters")
+    return value
+
+
+def check(args, train_args: list[str]):
+    """Every refusal, before anything is written. Returns (config, instance, train.py arguments)."""
+    if args.nodes < 1:
+        fail(f"--nodes {args.nodes}: give the number of instances, at least 1")
+    # Job names become pod host names <job>-<index> (63 characters) and label values.
+    dns_name("--name", args.name, 63 - len("-compile-") - len(str(args.nodes - 1)))
+    dns_name("--namespace", args.namespace, 63)
+    if args.max_restarts < 0:
+        fail(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if args.grace_period < TORCHRUN_STOP_S + 5:
+        fail(f"--grace-period {args.grace_period}: torchrun gives its workers {TORCHRUN_STOP_S} s after a "
+             f"SIGTERM to save and exit; below {TORCHRUN_STOP_S + 5} s the kubelet kills torchrun first "
+             f"and the final checkpoint is lost")
+    if not args.mount.startswith("/") or args.mount.rstrip("/") in ("", "/dev", "/dev/shm"):
+        fail(f"--mount {args.mount!r}: give an absolute path such as /fsx")
+    if not args.cache_dir.startswith("/") or under(args.cache_dir, args.mount):
+        fail(f"--cache-dir {args.cache_dir!r}: the compile cache must be an absolute path on each node's "
+             f"local disk, not on FSx ({args.mount}): a shared cache caused timeouts in the blog's run")
+    mount = args.mount.rstrip("/")
+    try:
+        cfg = from_args(train_args)
+        # Inside a pod only the FSx mount outlives the pod: the run's outputs go there by default.
+        given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in train_args)  # noqa: E731
+        extra = ([] if given("--out_dir") else [f"--out_dir={mount}/{args.name}"]) + \
+                ([] if given("--data.cache_dir") else [f"--data.cache_dir={mount}/{args.name}/cache"])
+        train_args = [*train_args, *extra]
+        cfg = from_args(train_args)
+        hw = INSTANCES[cfg.parallel.instance]
+        if hw.cores % cfg.parallel.tp:
+            fail(f"--tp {cfg.parallel.tp} does not divide the {hw.cores} NeuronCores of a {hw.name}: a TP "
+                 f"group must stay inside one instance (NeuronLink); use a TP of "
+                 + ", ".join(str(t) for t in (1, 2, 4, 8, 16, 32, 64) if hw.cores % t == 0))
+        validate(cfg, args.nodes * hw.cores, "xla")          # launch.sh's own check, for this world size
+    except ConfigError as e:
+        fail(f"config error: {e}")
+    for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard)):
+        if path and not under(path, mount):
+            fail(f"--{key}={path} is not on the FSx mount {mount}: a pod's own disk is gone when the pod "
+                 f"ends; give a path under {mount}")
+    return cfg, hw, train_args
+
+
+def under(path: str, mount: str) -> bool:
+    return os.path.normpath(path).startswith(os.path.normpath(mount).rstrip("/") + "/")
+
+
+def env_sh(cfg, nodes: int, cache_dir: str) -> dict[str, str]:
+    """The variables scripts/env.sh exports for this run, read by sourcing it (its own list,
+    NANOTRN_ENV_VARS): SLURM and EKS share one source, nothing is copied here."""
+    script = 'source "$1" >&2 && for v in "${NANOTRN_ENV_VARS[@]}"; do printf "%s\\0%s\\0" "$v" "${!v}"; done'
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "NNODES": str(nodes),
+           "NANOTRN_PRECISION": cfg.optim.precision, "NANOTRN_INSTANCE": cfg.parallel.instance,
+           "NEURON_CACHE_DIR": cache_dir}
+    env.update({k: os.environ[k] for k in ("NANOTRN_SR_SEED", "NEURON_CC_EXTRA_FLAGS") if k in os.environ})
+    r = subprocess.run(["bash", "-c", script, "env.sh", str(HERE / "env.sh")], env=env,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"scripts/env.sh refused: {r.stderr.strip()}")
+    words = r.stdout.split("\0")[:-1]
+    return dict(zip(words[::2], words[1::2]))
+
+
+# ----------------------------------------------------------------------------- the objects
+
+def labels(args, job: str = "") -> dict:
+    out = {"app.kubernetes.io/name": "nanotrn", "app.kubernetes.io/instance": args.name}
+    return {**out, "app.kubernetes.io/component": job} if job else out
+
+
+def service(args) -> dict:
+    """Headless: no virtual IP, one DNS record per pod (<host name>.<service>). publishNotReadyAddresses,
+    so that pod 0 resolves as soon as it runs, before any readiness (the rendezvous starts then)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": args.name, "namespace": args.namespace, "labels": labels(args)},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(args),
+                     "ports": [{"name": "rendezvous", "port": args.port, "targetPort": args.port}]}}
+
+
+def command(mode: str, cfg, train_args: list[str]) -> list[str]:
+    """The container's command. It ends in `exec`: bash is replaced by launch.sh, which execs
+    torchrun, so torchrun is the container's main process and receives the pod's SIGTERM (it passes it
+    on to train.py, which stops at the next step boundary and saves; see --grace-period)."""
+    run = shlex.join(["scripts/launch.sh", mode, *train_args])
+    if mode == "train":
+        # Node-local health check on every (re)start: this instance's NeuronCores and its TP groups.
+        # It must not wait for other pods: a restarted pod joins a run that is already training. The
+        # cross-node check (EFA between node pairs) runs once, in the pre-compile Job.
+        health = (f'torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" scripts/healthcheck.py '
+                  f'--tp={cfg.parallel.tp} --ranks-per-node="$NPROC_PER_NODE" $HEALTHCHECK_ARGS')
+    else:
+        health = shlex.join(["scripts/launch.sh", "health", *train_args])
+    return ["bash", "-c", f"set -e\n{health}\nexec {run}\n"]
+
+
+def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> dict:
+    name = f"{args.name}-{mode}"
+    multi = args.nodes > 1
+    # Launch inputs of launch.sh (no NODE_RANK: torchrun's c10d rendezvous on pod 0, so that the
+    # agents of surviving pods re-form the group with a restarted one), then env.sh's variables.
+    env = {"NNODES": str(args.nodes), "NPROC_PER_NODE": str(hw.cores),
+           "MASTER_ADDR": f"{name}-0.{args.name}", "MASTER_PORT": str(args.port), "RUN_ID": name,
+           "MAX_RESTARTS": str(args.max_restarts), "NEURON_CACHE_DIR": args.cache_dir, **neuron_env}
+    # Neuron device plugin: aws.amazon.com/neuron = whole Trainium devices, all of the instance
+    # (Neuron docs, "Kubernetes environment setup for Neuron"; llama3_train.yaml-template). EFA only
+    # between nodes, as env.sh sets FI_PROVIDER=efa only then (EFA device plugin: vpc.amazonaws.com/efa).
+    resources = {"aws.amazon.com/neuron": hw.devices, **({"vpc.amazonaws.com/efa": hw.efa} if multi else {})}
+    container = {
+        "name": CONTAINER, "image": args.image, "workingDir": WORKDIR,
+        "command": command(mode, cfg, train_args),
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "resources": {"requests": resources, "limits": resources},
+        "ports": [{"name": "rendezvous", "containerPort": args.port}],
+        "volumeMounts": [{"name": "fsx", "mountPath": args.mount},
+                         {"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "neuron-cache", "mountPath": args.cache_dir}],
+    }
+    pod = {
+        "subdomain": args.name,                     # + the Job's host name <job>-<index>: the DNS name
+        "restartPolicy": "Never",                   # a failed pod is replaced (podFailurePolicy below)
+        "terminationGracePeriodSeconds": args.grace_period,
+        # The pause container is PID 1 and reaps orphans; torchrun stays the container's main process.
+        "shareProcessNamespace": True,
+        # The rendezvous port and the Neuron runtime's bootstrap port (launch.sh reserves them with sudo
+        # on SLURM nodes): a safe, per-pod sysctl here (Kubernetes >= 1.27), so no ephemeral port takes them.
+        "securityContext": {"sysctls": [{"name": "net.ipv4.ip_local_reserved_ports",
+                                         "value": f"{args.port},62182"}]},
+        "nodeSelector": {"node.kubernetes.io/instance-type": hw.name},
+        "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}],
+        # One pod per instance: no two pods of this run (train or compile) share a node.
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": labels(args)}, "topologyKey": "kubernetes.io/hostname"}]}},
+        "containers": [container],
+        "volumes": [
+            {"name": "fsx", "persistentVolumeClaim": {"claimName": args.fsx_claim}},
+            # Docker's /dev/shm is 64 MB; the data loader's workers pass batches through it.
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": args.shm}},
+            # The node's own disk, kept across pods: the compile Job fills it, the training Job reads it.
+            {"name": "neuron-cache", "hostPath": {"path": args.cache_dir, "type": "DirectoryOrCreate"}}],
+    }
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": args.namespace, "labels": labels(args, mode)},
+        "spec": {
+            "completionMode": "Indexed", "completions": args.nodes, "parallelism": args.nodes,
+            # Each pod (index) is replaced up to --max-restarts times; one index out of retries fails
+            # the Job. A failure of pod 0 (the rendezvous host) ends every agent: each index uses one.
+            "backoffLimitPerIndex": args.max_restarts, "maxFailedIndexes": 0,
+            "podReplacementPolicy": "Failed",      # the replacement starts once the old pod is gone
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob",                # a bad configuration: no retry can help
+                 "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [CONFIG_ERROR]}},
+                {"action": "Ignore",                 # drained, preempted, evicted: not the run's fault
+                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+            "template": {"metadata": {"labels": labels(args, mode)}, "spec": pod},
+        },
+    }
+
+
+def manifests(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> list[dict]:
+    return [service(args), job(args, mode, cfg, hw, train_args, neuron_env)]
+
+
+# ----------------------------------------------------------------------------- YAML
+
+def to_yaml(obj, indent: int = 0) -> str:
+    """Block-style YAML; scalars as JSON (a subset of YAML), multi-line strings as literal blocks."""
+    pad = " " * indent
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        lines = []
+        for k, v in obj.items():
+            key = json.dumps(k) if not k.replace("-", "").replace(".", "").replace("/", "").isalnum() else k
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}{key}:\n{to_yaml(v, indent + 2)}")
+            else:
+                lines.append(f"{pad}{key}: {scalar(v, indent + 2)}")
+        return "\n".join(lines)
+    if isinstance(obj, list):
+        if not obj:
+            return "[]"
+        lines = []
+        for v in obj:
+            body = to_yaml(v, indent + 2) if isinstance(v, (dict, list)) and v else scalar(v, indent + 2)
+            lines.append(f"{pad}- {body.lstrip() if isinstance(v, (dict, list)) else body}")
+        return "\n".join(lines)
+    return scalar(obj, indent)
+
+
+def scalar(v, indent: int) -> str:
+    if isinstance(v, (dict, list)):
+        return "{}" if isinstance(v, dict) else "[]"
+    if isinstance(v, str) and "\n" in v and v.endswith("\n") and not any(
+            line != line.rstrip() or line.startswith(" ") for line in v.splitlines()):
+        return "|\n" + "".join(" " * indent + line + "\n" if line else "\n" for line in v.splitlines()).rstrip("\n")
+    return json.dumps(v)
+
+
+def dump(objs: list[dict]) -> str:
+    return "".join(f"---\n{to_yaml(o)}\n" for o in objs)
+
+
+def main(argv: list[str]) -> None:
+    args, train_args = parse(argv)
+    cfg, hw, train_args = check(args, train_args)
+    neuron_env = env_sh(cfg, args.nodes, args.cache_dir)
+    docs = {mode: dump(manifests(args, mode, cfg, hw, train_args, neuron_env)) for mode in ("compile", "train")}
+    if not args.out:
+        sys.stdout.write(docs[args.job])
+        return
+    out = Path(args.out)
+    paths = {mode: out / f"{args.name}-{mode}.yaml" for mode in docs}
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file: give a directory")
+    taken = [str(p) for p in paths.values() if p.exists()]
+    if taken:
+        fail(f"{', '.join(taken)} already exist: give another --out or --name (nothing was overwritten)")
+    out.mkdir(parents=True, exist_ok=True)
+    for mode, text in docs.items():
+        paths[mode].write_text(text)
+    print(f"wrote {paths['compile']} and {paths['train']} ({args.nodes} x {hw.name})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
