@@ -4,9 +4,12 @@ layouts fit, fastest first. Arithmetic on the config only: no model is built, no
     python plan.py                                        # the blog's run: llama2_7b on 128 trn1
     python plan.py --preset llama2_70b --parallel.cores=2048
     python plan.py --preset llama2_7b --instance trn2      # trn2.48xlarge: 64 logical cores each
+    python plan.py --validate                             # step time against Neuron's trn1 figures
 """
 from __future__ import annotations
 
+import csv
+import os
 import sys
 from dataclasses import dataclass
 
@@ -19,13 +22,68 @@ RESERVE = 2 * 2**30             # assumption: runtime, compiled program, collect
                                 # scratch. Neuron publishes no figure, and users report HBM OOM at compile
                                 # time for layouts that fit by arithmetic (aws-neuron-sdk #884, #1014)
 STATED_MFU = 0.40               # the MFU the headline step time is quoted at
-COMPUTE_EFFICIENCY = 0.50       # assumption: share of peak the compiled matmuls sustain; recompute,
-                                # pipeline bubble and exposed communication then lower the real MFU
 # Bytes per parameter (weights, gradients, optimizer states) and per activation, as optim.py stores
 # them: mixed keeps bf16 weights, fp32 gradients (accumulated in fp32: optim.accumulate_grads_in_fp32)
 # plus an fp32 master copy and fp32 moments; bf16 and bf16_sr store everything in bf16 (SR changes
 # only how updates are rounded).
 PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 4, 2), "bf16_sr": (2, 2, 4, 2)}
+
+
+# Step time. A microbatch on one pipeline stage is priced op by op from its shapes and the
+# datasheets: the matmuls (a roofline of TensorEngine FLOPs and HBM bytes), the attention core, the
+# TP collectives on NeuronLink and the stage-to-stage sends, plus a fixed cost per microbatch; the
+# step adds the pipeline bubble, the DP reduction and the optimizer update. Three constants are
+# fitted to Neuron's published trn1 throughput of NxD Llama 2 7B and 13B (scripts/trn1_training.csv)
+# by scripts/fit_plan.py, whose output they are (tests/test_plan.py reruns it); everything else is
+# a datasheet or a measurement, cited. `python plan.py --validate` prints the published rows
+# against these estimates, the 70B and Llama 3.1 rows predicted, not fitted.
+MATMUL_EFFICIENCY = 0.471      # fitted: share of the bf16 peak a large matmul sustains on trn1
+MICROBATCH_OVERHEAD = 0.0118   # fitted: seconds per microbatch and stage (graph launches, syncs)
+# (and SCORE_PASSES below)
+# Per-core HBM bandwidth: trn1 820 GiB/s per chip of 2 cores ("Trainium Architecture");
+# trn2.48xlarge 46.4 TB/s per instance of 64 logical cores ("Amazon EC2 Trn2 Architecture").
+HBM_BW = {"trn1": 820 * 2**30 / 2, "trn2": 46.4e12 / 64}
+# Collectives: the Neuron nccom-test guide's example (2.16 docs, trn1 and inf2 only then): a 2-rank
+# all-reduce of 1 GiB on one instance sustains 52.83 GiB/s of bus bandwidth, a per-rank figure
+# that the guide defines independent of the rank count, so a ring of r ranks moves (r-1)/r of a
+# buffer per rank at that rate: 27.5% of the NeuronLink share in configs.INSTANCES (the same share
+# is assumed on trn2, which has no published measurement). A 32-rank all-gather of 1 KiB takes
+# 6.16 us (same guide, 2.29): the latency of one collective.
+LINK_EFFICIENCY = 52.83 / 192
+COLLECTIVE_LATENCY = 6.16e-6
+TILE = 128                     # NeuronCore-v2's TensorEngine is a 128 x 128 systolic array: a matmul
+                               # dimension that is not a multiple of 128 leaves part of it idle
+# Attention without a fused kernel writes the [heads, T, T] scores and probabilities to HBM and
+# reads them back. Our ExplicitAttention (written out like NxD's CoreAttention) materializes 15
+# passes per layer and microbatch under recompute: forward 4 (scores written, read by the softmax,
+# probabilities written, read by P@V), backward 7 (dP written, dP and P read, dS written, dS read
+# twice, P read), the recomputed forward 4; without recompute 11. A compiler that fuses the mask
+# and softmax into the matmuls makes fewer, so the count is fitted: Neuron's 7B rows of 2.16-2.18
+# (NxD's CoreAttention) and 2.20-2.21 (its flash kernel) differ by no more than the full square's
+# extra matmuls, and the fit finds no score traffic beyond them (0). A flash kernel (NxD's
+# nki_flash_attn_func) keeps the scores on chip: none.
+SCORE_PASSES = 0.0             # fitted: passes per layer and microbatch under recompute
+WRITTEN_PASSES = {"none": 11, "recompute": 15}
+
+
+def _tile(n: int) -> float:
+    return n / (TILE * -(-n // TILE))
+
+
+def _matmul_s(M: int, K: int, N: int, peak: float, hbm: float, ab: int, eff: float,
+              acc_bytes: int = 0) -> float:
+    """[M, K] @ [K, N]: its FLOPs at the sustained TensorEngine rate or its HBM bytes, whichever
+    takes longer (the roofline): small per-core shapes at high TP are bandwidth-bound. A weight
+    gradient (acc_bytes > 0) is added into its accumulation buffer: read and written."""
+    flops = 2.0 * M * K * N / (_tile(K) * _tile(N))
+    moved = ab * (M * K + K * N) + (2 * acc_bytes if acc_bytes else ab) * M * N
+    return max(flops / (peak * eff), moved / hbm)
+
+
+def _linear_s(M: int, K: int, N: int, peak: float, hbm: float, ab: int, gb: int, eff: float) -> tuple[float, float, float]:
+    """Forward, input gradient ([M, N] @ [N, K]) and weight gradient ([K, M] @ [M, N])."""
+    return (_matmul_s(M, K, N, peak, hbm, ab, eff), _matmul_s(M, N, K, peak, hbm, ab, eff),
+            _matmul_s(K, M, N, peak, hbm, ab, eff, acc_bytes=gb))
 
 
 @dataclass(frozen=True, order=True)
@@ -56,14 +114,16 @@ class Estimate:
     total: float
     fits: bool
     flops: float                  # model FLOPs per core per step (6N + attention)
-    compute_s: float              # with recompute, at COMPUTE_EFFICIENCY
+    compute_s: float              # matmuls and attention, recompute included (the busiest stage)
     bubble_s: float
     tp_bytes: float               # per core per step, and the link each kind crosses
     pp_bytes: float
     dp_bytes: float
     tp_s: float
     pp_s: float
-    dp_s: float                   # exposed part (the rest overlaps the last backward)
+    dp_s: float                   # after the last microbatch, before the update: not overlapped
+    opt_s: float                  # the AdamW update (and clipping) over this core's shard
+    overhead_s: float             # MICROBATCH_OVERHEAD per microbatch
     pp_link: str
     dp_link: str
     stage: str = "all"            # the pipeline stage these bytes are for: first, last or all
@@ -71,7 +131,7 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s
+        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.opt_s + self.overhead_s
 
     @property
     def mfu(self) -> float:
@@ -116,22 +176,28 @@ def activation_bytes(m: ModelConfig, seq: int, mb: int, tp: int, sp: bool, ckpt:
 
 def _comm_seconds(hw: Instance, per_core: float, stride: int, size: int, world: int, ring: bool) -> tuple[float, str]:
     """Time for a collective whose groups are `size` ranks `stride` apart. Inside one instance it
-    runs on NeuronLink at each core's share. Across instances the instance's EFA carries, per
-    group touching it, one ring crossing (ring) or every core's own bytes (pipeline send/recv)."""
+    runs on NeuronLink at each core's measured share (LINK_EFFICIENCY). Across instances the
+    instance's EFA (its datasheet rate: no published measurement) carries, per group touching it,
+    one ring crossing (ring) or every core's own bytes (pipeline send/recv)."""
     if size == 1:
         return 0.0, "-"
     n = hw.cores
     if stride * size <= n or world <= n:
-        return per_core / hw.link_bw, "NeuronLink"
+        return per_core / (hw.link_bw * LINK_EFFICIENCY), "NeuronLink"
     ranks_here = max(1, min(size, n // stride))      # of one group, on one instance
     node_bytes = per_core * (n // ranks_here if ring else n)
     return node_bytes / hw.efa_bw, "EFA"
 
 
 def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None,
-             attention: str = "math") -> Estimate:
-    """Memory, time and traffic per core of `layout` (default: the configured one) on `world` cores."""
+             attention: str | None = None, calibration: tuple[float, float, float] | None = None) -> Estimate:
+    """Memory, time and traffic per core of `layout` (default: the configured one) on `world` cores.
+    attention: the kernel, default the model's (explicit; sdpa is XLA's math path), or "flash" (a
+    fused kernel: NxD's on trn1, PyTorch's on CPU). calibration: (MATMUL_EFFICIENCY,
+    MICROBATCH_OVERHEAD, SCORE_PASSES) instead of the shipped ones (scripts/fit_plan.py)."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
+    kernel = attention or ("explicit" if m.attention == "explicit" else "math")
+    attention = "flash" if kernel == "flash" else "math"       # memory: the probabilities kept or not
     hw = INSTANCES[p.instance]
     world = world or p.cores or 128 * hw.cores
     L = layout or Layout(p.tp, p.pp, max(1, world // (p.tp * p.pp)), p.sp and p.tp > 1, p.zero1,
@@ -164,28 +230,81 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
                       ) if L.checkpointing == "full" else 0.0
         stages.append((states + act + loss - overlap, n, act, loss, "all" if last and first else "first" if first else "last"))
     total, n, act, loss, stage = max(stages)
-    flops = flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world
-    recompute = {"none": 0, "selective": 2 * m.n_layers * d.seq_len * m.dim,
-                 "full": flops_per_token(m, d.seq_len) / 3}[L.checkpointing]
-    peak = (hw.fp32_flops if ab == 4 else hw.bf16_flops) * COMPUTE_EFFICIENCY
-    compute = (flops + recompute * d.global_batch * d.seq_len / world) / peak
-    bubble = compute * (L.pp - 1) / mbs
-    # Per microbatch and layer, TP moves 4 activations forward and 4 back (all-gather/reduce-scatter
-    # with SP, all-reduces without: the same bytes), 4 more for full recompute; +4 for embed/head.
-    act_msg = rows * m.dim * ab
-    n_msgs = mbs * (layers * (12 if L.checkpointing == "full" else 8) + 4)
-    tp_bytes = n_msgs * act_msg * (L.tp - 1) / L.tp
-    pp_bytes = 0 if L.pp == 1 else 2 * mbs * act_msg / (L.tp if L.sp else 1)
-    # all-reduce of the grads, or (ZeRO-1) reduce-scatter of the grads + all-gather of the weights
-    dp_bytes = (L.dp - 1) / L.dp * n * (gb + (wb if L.zero1 else gb))
-    tp_s = tp_bytes / hw.link_bw
-    pp_s, pp_link = _comm_seconds(hw, pp_bytes, L.tp * L.dp, L.pp, world, ring=False)
-    dp_s, dp_link = _comm_seconds(hw, dp_bytes, L.tp, L.dp, world, ring=True)
-    # Assumption: TP and PP transfers block compute; the DP reduction overlaps the last microbatch's backward.
-    dp_s = max(0.0, dp_s - compute / mbs * 2 / 3)
+    t = _step_time(cfg, L, world, mbs, layers, n, kernel, calibration)
     return Estimate(L, mbs, n, n * wb, n * gb, n * ob / (L.dp if L.zero1 else 1), act, loss, total,
-                    total <= hw.hbm - RESERVE, flops, compute, bubble, tp_bytes, pp_bytes,
-                    dp_bytes, tp_s, pp_s, dp_s, pp_link, dp_link, stage, peak / COMPUTE_EFFICIENCY)
+                    total <= hw.hbm - RESERVE, flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world,
+                    **t, stage=stage, peak=hw.fp32_flops if ab == 4 else hw.bf16_flops)
+
+
+def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int, attention: str,
+               calibration: tuple[float, float, float] | None) -> dict:
+    """Seconds per optimizer step on the busiest stage (the last: its layers and the head), by part."""
+    m, d, hw = cfg.model, cfg.data, INSTANCES[cfg.parallel.instance]
+    eff, per_mb, score_passes = calibration or (MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES)
+    wb, gb, ob, ab = PRECISION_BYTES[cfg.optim.precision]
+    if cfg.optim.precision == "mixed" and not cfg.optim.fp32_grad_acc:
+        gb = 2
+    peak, hbm = (hw.fp32_flops if ab == 4 else hw.bf16_flops), HBM_BW[cfg.parallel.instance]
+    T, tp, ck = d.seq_len, L.tp, L.checkpointing
+    M, h, hd = T * L.micro_batch, m.n_heads // tp, m.head_dim
+    kv = max(m.n_kv_heads // tp, 1)                  # tp > n_kv_heads: one KV head copy per rank
+    # Per layer and microbatch. The four projections at their per-core shapes (SP gathers the whole
+    # sequence before the column-parallel ones): forward, backward, and what checkpointing recomputes
+    # ("selective+mlp": NxD at seq 8192 also checkpoints the MLP, run_llama_nxd.py).
+    qkv, o, up, down = [_linear_s(M, K, N, peak, hbm, ab, gb, eff) for K, N in
+                        ((m.dim, (h + 2 * kv) * hd), (h * hd, m.dim), (m.dim, 2 * m.ffn_dim // tp), (m.ffn_dim // tp, m.dim))]
+    linear = sum(sum(x) for x in (qkv, o, up, down))
+    linear += {"full": qkv[0] + o[0] + up[0] + down[0], "selective+mlp": up[0] + down[0]}.get(ck, 0.0)
+    # The attention core: QK^T and PV over the causal half of the scores (our ExplicitAttention's
+    # query blocks, a flash kernel's skipped tiles; SDPA's math path on XLA computes the full square).
+    square = T * T * (1 if attention == "math" else 0.5)
+    recompute = ck != "none" or attention == "flash"
+    attn_flops = 4 * square * hd * h * L.micro_batch * (3 + recompute)
+    passes = 0 if attention == "flash" else score_passes * (1 if recompute else WRITTEN_PASSES["none"] / WRITTEN_PASSES["recompute"])
+    attn = attn_flops / (peak * eff * _tile(hd)) + passes * square * h * L.micro_batch * ab / hbm
+    # The head (last stage): logits [M, V/tp], their fp32 softmax and gradient (three passes).
+    vocab = -(-m.vocab_size // tp)
+    head = sum(_linear_s(M, m.dim, vocab, peak, hbm, ab, gb, eff)) + 3 * 4 * M * vocab / hbm
+    compute = layers * (linear + attn) + head
+    # TP, per layer. With SP: forward, an all-gather of [M, dim] before each column-parallel
+    # projection (qkv, gate_up) and a reduce-scatter after each row-parallel one (o, down); backward,
+    # an all-gather of each row-parallel output's gradient, and for each column-parallel projection
+    # a re-gather of its saved sequence shard and a reduce-scatter of its input gradient. Those two
+    # run beside its matmuls, as NxD's LinearWithAsyncCommunication.backward (and our
+    # _LinearWithSequenceParallel) order them: the gather while the input gradient is computed, the
+    # reduce-scatter while the weight gradient is; only what outlasts the matmul shows. Without SP,
+    # all-reduces (twice the bytes): 2 forward, and 2 backward beside the weight gradients.
+    # Recomputed projections gather and scatter again; embedding and head add 5 (3 on a last stage).
+    one = M * m.dim * ab * (tp - 1) / tp / (hw.link_bw * LINK_EFFICIENCY) + COLLECTIVE_LATENCY
+    n_coll, tp_mb = 0, 0.0
+    if tp > 1:
+        recomputed = {"full": 4, "selective+mlp": 2}.get(ck, 0)
+        if L.sp:
+            outlast = sum(max(0.0, one - dx) + max(0.0, one - dw) for _, dx, dw in (qkv, up))
+            per_layer, n_layer = (6 + recomputed) * one + outlast, 10 + recomputed
+        else:
+            outlast = sum(max(0.0, 2 * one - dw) for _, _, dw in (qkv, up))
+            per_layer, n_layer = (4 + recomputed) * one + outlast, 8 + recomputed
+        n_coll = layers * n_layer + (5 if L.pp == 1 else 3)
+        tp_mb = layers * per_layer + (5 if L.pp == 1 else 3) * one
+    coll_bytes = M * m.dim * ab * (tp - 1) / tp
+    # PP: each microbatch sends its activation forward and its gradient back (a sequence shard under SP).
+    pp_bytes = 0 if L.pp == 1 else 2 * mbs * M * m.dim * ab / (tp if L.sp else 1)
+    pp_s, pp_link = _comm_seconds(hw, pp_bytes, tp * L.dp, L.pp, world, ring=False)
+    pp_s += 0 if L.pp == 1 else 2 * mbs * COLLECTIVE_LATENCY
+    # One microbatch on the stage; 1F1B and GPipe both idle (pp - 1) of them per step.
+    per = compute + tp_mb + pp_s / mbs + per_mb
+    # DP after the last microbatch, in the update's graph as in NxD and optim.py (not overlapped):
+    # all-reduce of the gradients, or (ZeRO-1) reduce-scatter of the gradients + all-gather of the weights.
+    dp_bytes = (L.dp - 1) / L.dp * n * (gb + (wb if L.zero1 else gb))
+    dp_s, dp_link = _comm_seconds(hw, dp_bytes, tp, L.dp, world, ring=True)
+    # AdamW over this core's shard reads the gradient and the states and writes the states and the
+    # weight (bandwidth-bound); clipping reads every local gradient and zeroing writes it.
+    shard = n / (L.dp if L.zero1 else 1)
+    opt_s = (shard * (gb + 2 * ob + wb) + 2 * n * gb) / hbm
+    return dict(compute_s=mbs * compute, bubble_s=(L.pp - 1) * per, tp_bytes=mbs * n_coll * coll_bytes,
+                pp_bytes=pp_bytes, dp_bytes=dp_bytes, tp_s=mbs * tp_mb, pp_s=pp_s, dp_s=dp_s, opt_s=opt_s,
+                overhead_s=mbs * per_mb, pp_link=pp_link, dp_link=dp_link)
 
 
 def _tps(m: ModelConfig, hw: Instance) -> list[int]:
@@ -242,7 +361,8 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         f"  traffic per core per step: TP {e.tp_bytes / 1e9:.2f} GB NeuronLink, PP {e.pp_bytes / 1e9:.2f} GB "
         f"{e.pp_link}, DP {e.dp_bytes / 1e9:.2f} GB {e.dp_link}",
         f"  estimated step {e.step_s:.2f} s = compute {e.compute_s:.2f} + bubble {e.bubble_s:.2f} + TP "
-        f"{e.tp_s:.2f} + PP {e.pp_s:.2f} + exposed DP {e.dp_s:.2f} (MFU {e.mfu:.0%})",
+        f"{e.tp_s:.2f} + PP {e.pp_s:.2f} + DP {e.dp_s:.2f} + update {e.opt_s:.2f} + launches {e.overhead_s:.2f}: "
+        f"{d.global_batch / e.step_s:.1f} seq/s, MFU {e.mfu:.0%} (calibrated on Neuron's trn1 figures: --validate)",
         "", f"  activations per core (GiB) at TP={L.tp} PP={L.pp}:",
         "  checkpointing " + "".join(f"  mb={b}: SP off  SP on" for b in (1, 2, 4))]
     for ckpt in ("none", "selective", "full"):
@@ -274,7 +394,75 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- validation
+# Neuron's published trn1 rows (scripts/trn1_training.csv, sources in it) and the model each names:
+# our presets, with NxD's 13B config and Llama 3.1 70B's config.json shapes where there is none.
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "trn1_training.csv")
+MODELS = {
+    "Llama2-7B": ["--preset=llama2_7b"],
+    "Llama2-13B": ["--preset=llama2_7b", "--model.dim=5120", "--model.n_layers=40", "--model.n_heads=40",
+                   "--model.n_kv_heads=40", "--model.ffn_dim=13824"],
+    "Llama2-70B": ["--preset=llama2_70b"],
+    "Llama-3.1-8B": ["--preset=llama3_8b"],
+    "Llama-3.1-70B": ["--preset=llama3_8b", "--model.dim=8192", "--model.n_layers=80", "--model.n_heads=64",
+                      "--model.ffn_dim=28672"],
+}
+
+
+def published_rows(path: str = PUBLISHED) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def row_estimate(row: dict, calibration: tuple[float, float, float] | None = None) -> Estimate:
+    """The estimate for one published row: its model, cores, layout, batch, sequence and kernel."""
+    world = int(row["nodes"]) * INSTANCES["trn1"].cores
+    cfg = from_args(MODELS[row["model"]] + [
+        f"--parallel.cores={world}", f"--parallel.tp={row['tp']}", f"--parallel.pp={row['pp']}",
+        f"--parallel.dp={row['dp']}", f"--parallel.zero1={row['zero1']}", f"--parallel.sp={row['sp']}",
+        f"--data.global_batch={row['global_batch']}", f"--data.micro_batch={row['micro_batch']}",
+        f"--data.seq_len={row['seq_len']}", "--optim.precision=mixed", "--model.checkpointing=selective"])
+    check_layout(cfg, world)
+    L = Layout(cfg.parallel.tp, cfg.parallel.pp, int(row["dp"]), cfg.parallel.sp, cfg.parallel.zero1,
+               row["checkpointing"], cfg.data.micro_batch)
+    return estimate(cfg, L, world, attention=row["attention"], calibration=calibration)
+
+
+def validation(calibration: tuple[float, float, float] | None = None) -> list[tuple[dict, float, float]]:
+    """(row, estimated seq/s, relative error) for every published row."""
+    out = []
+    for row in published_rows():
+        est = int(row["global_batch"]) / row_estimate(row, calibration).step_s
+        out.append((row, est, est / float(row["seq_per_s"]) - 1))
+    return out
+
+
+def validation_table() -> str:
+    lines = [f"Neuron's published trn1 throughput (NxD, {os.path.relpath(PUBLISHED)}) against this planner",
+             f"(MATMUL_EFFICIENCY {MATMUL_EFFICIENCY}, MICROBATCH_OVERHEAD {MICROBATCH_OVERHEAD * 1e3:g} ms, "
+             f"SCORE_PASSES {SCORE_PASSES:g}, "
+             f"fitted on the 'fit' rows by scripts/fit_plan.py; the 'predict' rows are not fitted)", "",
+             "  model          release  cores  TP PP  DP   seq  ckpt           attention  role     "
+             "published  estimated   error"]
+    worst = {}
+    for row, est, err in validation():
+        e = row_estimate(row)
+        lines.append(f"  {row['model']:14s} {row['release'].split()[0]:8s} {int(row['nodes']) * 32:5d} {row['tp']:>3s}"
+                     f" {row['pp']:>2s} {row['dp']:>3s} {row['seq_len']:>5s}  {row['checkpointing']:14s} "
+                     f"{row['attention']:9s}  {row['role']:7s} {float(row['seq_per_s']):9.2f} {est:10.2f} {err:+7.1%}"
+                     f"   (MFU {e.mfu:.0%})")
+        worst[row["role"]] = max(worst.get(row["role"], 0.0), abs(err))
+    lines += ["", "  largest error: " + ", ".join(f"{k} rows {v:.1%}" for k, v in worst.items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
+    if "--validate" in argv:                # the published trn1 rows: their own layouts, nothing to override
+        if argv != ["--validate"]:
+            sys.exit(f"config error: --validate takes no other arguments (got {' '.join(argv)}); "
+                     "run `python plan.py --validate` alone")
+        print(validation_table())
+        return
     if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
         argv = ["--preset", "llama2_7b", *argv]    # the tiny CPU preset cannot be planned on 4096 cores
     try:

@@ -139,3 +139,93 @@ def test_plan_with_no_arguments_plans_the_blogs_run():
     out = subprocess.run([sys.executable, "plan.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("plan: llama2_7b on 4096 NeuronCores (128 trn1.32xlarge)"), out.stdout[:200]
+
+
+# ----------------------------------------------------------------------------- step time
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import fit_plan  # noqa: E402
+
+ISSUE_7B = ["--preset=llama2_7b", "--parallel.cores=512", "--parallel.tp=8", "--parallel.dp=64",
+            "--data.global_batch=1024", "--optim.precision=mixed", "--parallel.zero1=true"]
+
+
+def test_shipped_constants_are_the_fits_output():
+    # The fitted constants are what scripts/fit_plan.py computes from the 'fit' rows today.
+    assert fit_plan.fit() == (plan.MATMUL_EFFICIENCY, plan.MICROBATCH_OVERHEAD, plan.SCORE_PASSES)
+    assert 0.2 < plan.MATMUL_EFFICIENCY <= 1.0 and 0.0 <= plan.MICROBATCH_OVERHEAD < 0.1
+
+
+def test_published_rows_are_consistent():
+    rows = plan.published_rows()
+    assert {r["role"] for r in rows} == {"fit", "predict"}
+    assert {r["model"] for r in rows if r["role"] == "fit"} == {"Llama2-7B", "Llama2-13B"}
+    for r in rows:
+        tp, pp, dp = int(r["tp"]), int(r["pp"]), int(r["dp"])
+        assert tp * pp * dp == int(r["nodes"]) * 32, r                 # the table's topology uses every core
+        assert int(r["global_batch"]) % (dp * int(r["micro_batch"])) == 0, r
+        assert r["source"].startswith("aws-neuron/aws-neuron-sdk@") and len(r["source"].split("@")[1]) == 40
+
+
+def test_validation_against_neuron_published_trn1_throughput():
+    rows = plan.validation()
+    print(plan.validation_table())
+    assert max(abs(err) for r, _, err in rows if r["role"] == "fit") <= 0.10
+    predicted = {}
+    for r, _, err in rows:
+        if r["role"] == "predict":
+            predicted.setdefault(r["model"], []).append(err)
+    mean = {k: sum(v) / len(v) for k, v in predicted.items()}
+    # Predicted, not fitted: Llama 2 70B (TP=32, PP=4 and 8) and Llama 3.1 8B (TP=32, seq 8192)
+    # within 15% on average over Neuron's releases (single rows: see --validate).
+    assert abs(mean["Llama2-70B"]) <= 0.15 and abs(mean["Llama-3.1-8B"]) <= 0.15, mean
+    # Known miss: Llama 3.1 70B (seq 8192, NxD recomputing the MLP) runs about a quarter faster
+    # than the model predicts; the test pins the sign and size so a change to the model shows here.
+    assert -0.35 <= mean["Llama-3.1-70B"] <= 0.0, mean
+
+
+def test_refitting_other_rows_changes_the_constants():
+    # The fit reads its rows: fitting the 13B rows alone gives other constants than 7B + 13B.
+    rows = [r for r in plan.published_rows() if r["model"] == "Llama2-13B"]
+    assert fit_plan.fit(rows)[0] != fit_plan.fit()[0]
+
+
+def test_issue_command_prints_the_estimated_step(capsys):
+    plan.main(ISSUE_7B)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "estimated step" in x)
+    step = float(line.split("estimated step")[1].split()[0])
+    published = [float(r["seq_per_s"]) for r in plan.published_rows() if r["model"] == "Llama2-7B"]
+    # Neuron's 7B rows at this layout: 92.9 to 101.3 seq/s (Neuron 2.16 to 2.21)
+    assert min(published) * 0.9 <= 1024 / step <= max(published) * 1.1, line
+
+
+def test_validate_command_prints_the_table(capsys):
+    plan.main(["--validate"])
+    out = capsys.readouterr().out
+    assert "published  estimated   error" in out
+    assert sum(x.startswith("  Llama") for x in out.splitlines()) == len(plan.published_rows())
+
+
+def test_matmul_roofline_and_overlap():
+    hbm, peak = plan.HBM_BW["trn1"], configs.INSTANCES["trn1"].bf16_flops
+    big = plan._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
+    assert big == pytest.approx(2 * 4096**3 / (0.5 * peak))                 # compute-bound
+    thin = plan._matmul_s(8192, 128, 128, peak, hbm, 2, 0.5)
+    assert thin == pytest.approx(2 * (8192 * 128 + 128 * 128 + 8192 * 128) / hbm)   # bandwidth-bound
+    # a dimension of 8 occupies the 128-wide TensorEngine as 128 would: same compute time
+    assert plan._matmul_s(4096, 4096, 8, peak, hbm, 2, 0.5) == pytest.approx(plan._matmul_s(4096, 4096, 128, peak, hbm, 2, 0.5))
+    c = configs.from_args(ISSUE_7B)
+    one = estimate(c, Layout(1, 1, 512, False, True, "selective", 1), 512)
+    assert one.tp_s == 0 and one.tp_bytes == 0
+    eight = estimate(c)
+    assert eight.tp_s > 0 and eight.bubble_s == 0 and eight.dp_link == "EFA"
+    # selective recompute costs time; the full square of scores (SDPA's math path on XLA, NxD's
+    # CoreAttention) costs more than our causal query blocks or a flash kernel
+    none = estimate(c, Layout(8, 1, 64, True, True, "none", 1), 512)
+    assert none.compute_s < eight.compute_s
+    assert estimate(c, attention="flash").compute_s <= eight.compute_s < estimate(c, attention="math").compute_s
+
+
+def test_validate_refuses_other_arguments():
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--validate", "--preset=llama2_70b"])
+    assert "--validate takes no other arguments" in str(e.value)
