@@ -40,9 +40,10 @@ PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 
 MATMUL_EFFICIENCY = 0.471      # fitted: share of the bf16 peak a large matmul sustains on trn1
 MICROBATCH_OVERHEAD = 0.0118   # fitted: seconds per microbatch and stage (graph launches, syncs)
 # (and SCORE_PASSES below)
-# Per-core HBM bandwidth: trn1 820 GiB/s per chip of 2 cores ("Trainium Architecture");
-# trn2.48xlarge 46.4 TB/s per instance of 64 logical cores ("Amazon EC2 Trn2 Architecture").
-HBM_BW = {"trn1": 820 * 2**30 / 2, "trn2": 46.4e12 / 64}
+# Per-core HBM bandwidth: trn1 and trn1n 820 GiB/s per chip of 2 cores ("Trainium Architecture";
+# 13,120 GiB/s per instance in "Amazon EC2 Trn1/Trn1n Architecture"); trn2.48xlarge 46.4 TB/s per
+# instance of 64 logical cores ("Amazon EC2 Trn2 Architecture").
+HBM_BW = {"trn1": 820 * 2**30 / 2, "trn1n": 820 * 2**30 / 2, "trn2": 46.4e12 / 64}
 # Collectives: the Neuron nccom-test guide's example (2.16 docs, trn1 and inf2 only then): a 2-rank
 # all-reduce of 1 GiB on one instance sustains 52.83 GiB/s of bus bandwidth, a per-rank figure
 # that the guide defines independent of the rank count, so a ring of r ranks moves (r-1)/r of a

@@ -206,6 +206,7 @@ def test_validate_command_prints_the_table(capsys):
 
 
 def test_matmul_roofline_and_overlap():
+    assert set(plan.HBM_BW) == set(configs.INSTANCES)                     # every instance type is priced
     hbm, peak = plan.HBM_BW["trn1"], configs.INSTANCES["trn1"].bf16_flops
     big = plan._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
     assert big == pytest.approx(2 * 4096**3 / (0.5 * peak))                 # compute-bound
