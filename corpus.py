@@ -29,10 +29,12 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
 from configs import ConfigError, DataConfig, path_kind
+from order import by_hash, held_out, permute
 
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
 MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
@@ -151,6 +153,14 @@ class FileDocs(Source):
     def read(self, ids):
         return [pathlib.Path(self.paths[i]).read_bytes() for i in ids]
 
+    def lengths(self, lo, hi):
+        return np.array([os.path.getsize(p) for p in self.paths[lo:hi]], np.int64)
+
+    def read_range(self, i, start, stop):
+        with open(self.paths[i], "rb") as f:
+            f.seek(start)
+            return f.read(stop - start if stop >= 0 else -1)
+
     def where(self, i):
         return self.paths[i]
 
@@ -190,6 +200,14 @@ class LineDocs(Source):
         return [os.pread(self.fd, int(self.ends[i] - self.starts[i]), int(self.starts[i])).rstrip(b"\r")
                 for i in ids]
 
+    def lengths(self, lo, hi):                          # of the line (.jsonl: the record, not its text)
+        return (self.ends[lo:hi] - self.starts[lo:hi]).astype(np.int64)
+
+    def read_range(self, i, start, stop):               # .txt lines only (a .jsonl record is parsed whole)
+        end = int(self.ends[i]) if stop < 0 else int(self.starts[i]) + stop
+        raw = os.pread(self.fd, end - int(self.starts[i]) - start, int(self.starts[i]) + start)
+        return raw.rstrip(b"\r") if stop < 0 else raw
+
     def where(self, i):
         return f"{self.path}:{i + 1}"
 
@@ -218,13 +236,49 @@ class ColumnDocs(Source):
             raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
                             f"rewrite it (python data.py prepare) or leave it out of --data") from None
         self.col = text_column(table, field, path)
+        self.chunk_starts = np.cumsum([0] + [len(c) for c in self.col.chunks])
         self.n = len(self.col)
 
     def read(self, ids):
+        # Chunk by chunk: a take() on the whole ChunkedArray concatenates its chunks first, a copy of
+        # the column (the corpus) in private memory.
+        col, ids = self.column(), np.asarray(ids, np.int64)
+        which = np.searchsorted(self.chunk_starts, ids, "right") - 1
+        out = [None] * len(ids)
+        for c in np.unique(which):
+            pick = np.flatnonzero(which == c)
+            got = col.chunks[c].take(pa.array(ids[pick] - self.chunk_starts[c], pa.int64())).to_pylist()
+            for j, v in zip(pick, got):
+                out[j] = v
+        return out
+
+    def column(self) -> pa.ChunkedArray:
         if self.col is None:
             self.col = text_column(pq.read_table(self.path, columns=[self.field], memory_map=True),
                                    self.field, self.path)
-        return self.col.take(pa.array(ids, pa.int64())).to_pylist()
+            self.chunk_starts = np.cumsum([0] + [len(c) for c in self.col.chunks])
+        return self.col
+
+    def lengths(self, lo, hi):                          # from the offsets, in chunks: no text is read
+        col, out = self.column(), []
+        for c in range(np.searchsorted(self.chunk_starts, lo, "right") - 1, len(col.chunks)):
+            a, b = max(lo, self.chunk_starts[c]), min(hi, self.chunk_starts[c + 1])
+            if a >= b:
+                break
+            part = col.chunks[c].slice(a - self.chunk_starts[c], b - a)
+            out.append(pc.binary_length(part).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def read_range(self, i, start, stop):               # a slice of the mapped bytes: the row is not copied
+        col = self.column()
+        c = int(np.searchsorted(self.chunk_starts, i, "right") - 1)
+        chunk, j = col.chunks[c], i - int(self.chunk_starts[c])
+        if chunk.null_count and not chunk[j].is_valid:
+            return None
+        wide = pa.types.is_large_binary(chunk.type)
+        offs = np.frombuffer(chunk.buffers()[1], np.int64 if wide else np.int32)[chunk.offset + j:chunk.offset + j + 2]
+        end = int(offs[1]) if stop < 0 else int(offs[0]) + stop
+        return chunk.buffers()[2][int(offs[0]) + start:end].to_pybytes()
 
 
 def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
@@ -238,6 +292,14 @@ def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
     if pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type):
         return col.cast(pa.large_binary())
     raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
+
+
+class _Plain:
+    """A source's name for warnings, its bytes already text (a slice of a parsed .jsonl record)."""
+    jsonl = False
+
+    def __init__(self, src):
+        self.where = src.where
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
@@ -328,6 +390,54 @@ class Corpus:
             local = ids[pick] - self.offsets[s]
             for j, i, raw in zip(pick, local, src.read(local)):
                 out[j] = self._decode(raw, src, int(i), quiet)
+        return out
+
+    def _where(self, docs):
+        """(source, local ids, positions) per source of the documents `docs`."""
+        docs = np.asarray(docs, np.int64)
+        which = np.searchsorted(self.offsets, docs, side="right") - 1
+        for s in np.unique(which):
+            pick = np.flatnonzero(which == s)
+            yield self.sources[s], docs[pick] - self.offsets[s], pick
+
+    def doc_lengths(self, lo: int, hi: int) -> np.ndarray:
+        """Bytes of documents lo..hi-1 without reading them (a .jsonl record's: an upper bound of its text's)."""
+        out = []
+        for s in range(np.searchsorted(self.offsets, lo, "right") - 1, len(self.sources)):
+            a, b = max(lo, self.offsets[s]), min(hi, self.offsets[s + 1])
+            if a >= b:
+                break
+            src = self.sources[s]
+            out.append(src.lengths(a - self.offsets[s], b - self.offsets[s]) if hasattr(src, "lengths")
+                       else np.array([len(r or b"") for r in src.read(range(a - self.offsets[s], b - self.offsets[s]))]))
+        return np.concatenate(out).astype(np.int64)
+
+    def raw(self, docs) -> list[bytes]:
+        """The bytes spans index into: the file's bytes of a document, a .jsonl record's text in UTF-8."""
+        out = [b""] * len(docs)
+        for src, local, pick in self._where(docs):
+            for j, i, r in zip(pick, local, src.read(local)):
+                out[j] = (self._decode(r, src, int(i), True)[0] or "").encode() if src.jsonl else (r or b"")
+        return out
+
+    def read_spans(self, rows: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
+        """(text, utf8 replacements, bad record) of spans (rows of the span index: document, first
+        byte, end byte or -1 = to the end). A whole document is read as read() does; a part of a
+        long one is a slice of its bytes (a file or Arrow row: only the slice is read)."""
+        rows = np.asarray(rows, np.int64).reshape(-1, 3)
+        whole = (rows[:, 1] == 0) & (rows[:, 2] < 0)
+        out = [None] * len(rows)
+        for j, r in zip(np.flatnonzero(whole), self.read(rows[whole, 0], quiet)):
+            out[j] = r
+        for j in np.flatnonzero(~whole):
+            d, start, stop = (int(x) for x in rows[j])
+            (src, local, _), = self._where([d])
+            if src.jsonl or not hasattr(src, "read_range"):
+                b = self.raw([d])[0]
+                raw = b[start:stop if stop >= 0 else len(b)]
+            else:
+                raw = src.read_range(int(local[0]), start, stop)
+            out[j] = self._decode(raw, _Plain(src), int(local[0]), quiet)
         return out
 
     def _decode(self, raw, src, i: int, quiet: bool):
@@ -438,6 +548,36 @@ def iter_pieces(text: str, limit: int | None = None):
     yield text[start:]
 
 
+_SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
+
+
+def cut_points(raw: bytes, limit: int) -> list[int]:
+    """Where to cut a document's bytes into spans of at most `limit` bytes that, tokenized and
+    joined, are the document tokenized (iter_pieces' rule, in bytes): at a space between two
+    non-space bytes, the space opening the next span (a tokenizer with a dummy prefix, as
+    sentencepiece's, drops it and adds it back; a byte-level one keeps it: its pre-tokenizer starts
+    a piece there). A stretch of over limit/2 bytes without such a space is cut where it is, at a
+    UTF-8 character boundary: there the next span's first word is split, the only difference.
+    Returns the start of every span after the first."""
+    if len(raw) <= limit:
+        return []
+    b = np.frombuffer(raw, np.uint8)
+    ws = np.isin(b, _SPACES)
+    clean = np.flatnonzero((b[1:-1] == 32) & ~ws[:-2] & ~ws[2:]) + 1
+    cuts, start = [], 0
+    while len(b) - start > limit:
+        k = np.searchsorted(clean, start + limit, side="right") - 1
+        if k >= 0 and clean[k] > start + limit // 2:
+            cut = int(clean[k])
+        else:
+            cut = start + limit
+            while cut > start + 1 and b[cut] & 0xC0 == 0x80:     # not inside a character
+                cut -= 1
+        cuts.append(cut)
+        start = cut
+    return cuts
+
+
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
 TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
 
@@ -483,7 +623,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
         with open(path + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(path):
-                train_tokenizer(corpus, split_documents(corpus.n_docs, cfg.val_fraction)[0], vocab_size, path)
+                train_tokenizer(corpus, cfg.val_fraction, vocab_size, path)
         tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0:
@@ -491,22 +631,27 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     return tok
 
 
-def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: str,
+def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str,
                     max_chars: int = TOKENIZER_CHARS) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, spaces kept, digits split,
-    unk/bos/eos = 0/1/2), trained on lines sampled from the train documents. Deterministic: the
+    unk/bos/eos = 0/1/2), trained on lines sampled from the train documents (the documents in a
+    fixed permutation, computed a block at a time: nothing per document is held; with few
+    documents, whose held-out split is the last spans, from all of them). Deterministic: the
     sample is fixed and sentencepiece does no sampling of its own, so every node gets the same model."""
-    t0, lines, order = time.time(), [], np.random.default_rng(0).permutation(doc_ids)
+    t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
-    for start in range(0, len(order), 256):
-        docs = corpus.read(order[start:start + 256], quiet=True)
+    for start in range(0, n, 256):
+        order = permute(np.arange(start, min(n, start + 256)), n, (0,))
+        if by_hash(n, val_fraction):
+            order = order[~held_out(order, val_fraction)]
+        docs = corpus.read(order, quiet=True)
         lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
         bad += sum(repl for _, repl, _ in docs)
         chars = sum(map(len, lines))
         if chars >= max_chars:
             break
     if not lines:
-        raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({len(order)} train documents, "
+        raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({n} documents, "
                         f"all empty or unreadable records); check --data and --data.text_field")
     if bad > chars / 10:
         raise DataError(f"{corpus.spec!r} does not look like text: {bad:,} of the {chars:,} characters sampled "
@@ -543,32 +688,3 @@ def train_tokenizer(corpus: Corpus, doc_ids: np.ndarray, vocab_size: int, path: 
 def _spm_message(e: Exception) -> str:
     """sentencepiece's own words without its source location: "INTERNAL: x.cc(744) [cond] text"."""
     return re.sub(r"^(INTERNAL|Internal|NOT_FOUND|INVALID_ARGUMENT): (\S+\(\d+\) )?(\[.*?\] )?", "", str(e)).strip().rstrip(".")
-
-
-# ----------------------------------------------------------------------------- 3. the held-out split
-
-def uniform(*keys) -> np.ndarray:
-    """A uniform float in [0, 1) that is a pure function of the integer keys (arrays broadcast):
-    splitmix64 chained over them. The data order is decided by it, never by a stateful RNG."""
-    h = np.uint64(0)
-    with np.errstate(over="ignore"):                    # wrapping uint64 arithmetic
-        for k in keys:
-            z = (h ^ np.asarray(k).astype(np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            h = z ^ (z >> np.uint64(31))
-    return (h >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
-
-
-def split_documents(n_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train ids, val ids). A document is held out when a hash of its index falls below
-    val_fraction: fixed for a corpus whatever the seed, DP degree or tokenizer."""
-    with np.errstate(over="ignore"):                    # splitmix64: wrapping uint64 arithmetic
-        z = np.arange(n_docs, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        u = ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
-    val = u < val_fraction
-    if val_fraction > 0 and not val.any() and n_docs >= 2:
-        val[np.argmin(u)] = True                        # a tiny corpus still gets one val document
-    return np.flatnonzero(~val), np.flatnonzero(val)

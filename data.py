@@ -1,28 +1,37 @@
 """Data: raw text in, packed windows of token ids out, tokenized online while training runs.
 
 The blog kept the raw corpus as one Arrow file and tokenized and packed it online on every DP rank:
-re-tokenizing offline costs days each time an experiment changes its data or tokenizer. Four steps:
+re-tokenizing offline costs days each time an experiment changes its data or tokenizer. Five steps:
 
 1. Sources -> documents (corpus.py). `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
    with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and `prepare`
    write it) and Parquet; "stdlib" = the .py files of this interpreter's standard library.
-2. Tokenizer (corpus.py). `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or
-   trains a byte-fallback BPE of exactly the model's vocab size on the corpus and caches it.
-3. Split and streams. A hash of the document index holds out `val_fraction` of the documents.
-   Each epoch the train documents are permuted from (seed, epoch) and dealt to `global_batch`
-   streams; global batch b is window b of every stream, and DP rank r packs only its share of
-   the streams. The batches are thus the same whatever the DP degree and micro-batch. A stream
-   mixes `shuffle` documents in flight (and, for `--data a:0.7,b:0.3`, sources by weight), each
-   window's pick a hash of (seed, stream, window index). Evaluation reads fixed windows (EvalWindows).
-4. Pack. A stream tokenizes its documents in order (BOS/EOS each) into one sequence cut into
-   windows of seq_len + 1 tokens, no padding; a long document continues in the next window.
-   Windows carry per-document positions and ids; targets never cross a document boundary. The
-   partial window at the end of a stream's epoch is dropped and counted: the only loss.
+2. Documents -> spans (spans.py). Each document is cut into spans of ~4 windows of text, only where
+   tokenization does not cross the cut; an index of them is built once per corpus and memory-mapped.
+   The span is the unit that is shuffled and dealt: one long document spreads over every stream like
+   many short ones. The held-out split is by spans: whole documents by hash in a corpus of many, the
+   last spans in a corpus of few (one book: its last val_fraction, as nanoGPT holds out its last 10%).
+3. Tokenizer (corpus.py). `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as
+   is) or a tokenizer.json, or trains a byte-fallback BPE of exactly the model's vocab size and caches it.
+4. Order (order.py, pure functions). Each epoch is a permutation of the train spans computed per index
+   (a Feistel network), dealt round-robin over global_batch streams x `shuffle` lanes. Window b of
+   stream s comes from a lane drawn by a hash of (seed, s, b) (for `--data a:0.7,b:0.3`, first a source
+   by weight). Global batch b is window b of every stream, the same at every DP degree and micro-batch,
+   and DP rank r packs only its share of the streams. A lane at the end of an epoch continues into the
+   next, reshuffled: no stream ever runs short, whatever the corpus shape.
+5. Pack (`pack`). A lane tokenizes its spans in order (BOS at a document's start, EOS at its end) into
+   one sequence cut into windows of seq_len + 1 tokens, no padding, nothing dropped. Windows carry
+   per-segment positions and ids; a target never crosses a span boundary.
 
-A stream's position is (epoch, document, token offset in it): the partial-window buffer is exactly
-the tokens from there on, so the state is a few integers per stream however long documents are,
-and a restored loader, at any DP degree, re-tokenizes from there and yields the very same windows.
-A thread packs ahead of training.
+A lane's position is (reads done, token offset in the span being read), so a stream's state is a
+few integers, and a restored loader, at any DP degree, re-tokenizes at most one span per lane and
+yields the very same windows. A thread packs ahead of training (`Prefetch`).
+
+What one rank holds, whatever the number of documents (the blog's 1.8T tokens: ~1e9 documents): its
+lanes (global_batch / dp x shuffle x sources, each under one window plus one read block of tokens)
+and the pages of the span index it touches (page cache, shared by the node's ranks). Nothing per
+document is materialized: no permutation, no split membership, no id list. (The readers of .jsonl
+and per-line .txt keep 16 bytes per line: `prepare` big ones into Arrow.)
 
     python data.py prepare SRC... --out corpus.arrow             # many files -> one Arrow file
     python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
@@ -48,49 +57,151 @@ import torch
 import monitor
 from configs import Config, ConfigError, DataConfig, check_dir, check_paths, check_values, path_kind
 
-# The documents and the tokenizer live in corpus.py; data.py is what train.py reads, so the names
-# a caller needs from both come from here.
+# The documents and the tokenizer live in corpus.py, the span index in spans.py, the order in
+# order.py; data.py is what train.py reads, so the names a caller needs from them come from here.
 from corpus import (MAX_WARNINGS, PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
-                    iter_pieces, load_tokenizer, resolve_paths, split_documents, stdlib_files, train_tokenizer, uniform)
+                    cut_points, iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
+from order import Deal, choose, held_out, lane_key, lanes_per_stream, permute, positions  # noqa: F401
+from spans import SpanIndex, span_bytes  # noqa: F401
 
-# ----------------------------------------------------------------------------- 4. packing
+# ----------------------------------------------------------------------------- 5. packing
 
-STAT_KEYS = ("documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
-COUNTERS = STAT_KEYS + ("windows", "dropped_tail", "boundary_targets")
+STAT_KEYS = ("spans", "documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
+COUNTERS = STAT_KEYS + ("windows", "boundary_targets")
+FORMAT = 2      # of the data state: 2 = lanes of spans (reads, offset); none = documents (before spans)
+
+
+class StaleDataState(DataError):
+    """A data state written before the current format: the run resumes its model, not its stream."""
+
+
+def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1) -> None:
+    """Refuse a corpus smaller than one global batch, before a tokenizer is trained on it. Without a
+    tokenizer the tokens are bounded by the bytes (a byte-fallback or byte-level tokenizer makes at
+    most one token per byte) plus BOS/EOS: refused only when certainly too small, with the largest
+    --global_batch or --seq_len that passes."""
+    L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
+    if index.bytes + ends * index.corpus.n_docs >= gb * L1:
+        return
+    # Small enough to read (under one global batch of bytes): documents of only whitespace make no token.
+    rows = np.asarray(index.rows)
+    kept = [(len(t.encode()), r) for (t, _, _), r in zip(index.corpus.read_spans(rows, quiet=True), rows) if t and not t.isspace()]
+    text = sum(n for n, _ in kept)
+    most = text + sum(int(cfg.bos) * (r[1] == 0) + int(cfg.eos) * (r[2] < 0) for _, r in kept)
+    fits = most // L1 // step * step
+    fix = " or ".join(([f"--global_batch={fits}"] if fits else []) + ([f"--seq_len={most // gb - 1}"] if most // gb > 1 else []))
+    raise DataError(f"{cfg.data!r} holds {text:,} bytes of text, at most {most:,} tokens, but one global batch "
+                    f"is global_batch {gb} x (seq_len {cfg.seq_len} + 1) = {gb * L1:,} tokens: add data"
+                    + (f", or set {fix}" if fix else ""))
+
+
+def pack(blocks, L1: int, position: dict):
+    """Cut one lane's tokens into windows of L1 tokens, forever. `blocks` yields (tokens, read index
+    per token, offset in its span per token, [(read index, counts)] of the reads in the block,
+    position after the block); `position` ({"i", "offset", "stats"}) is where it starts. Yields
+    (window, starts, position after the window), starts True at the first token of each span.
+    Holds less than one window plus one block: bounded, however long the documents."""
+    stats, pending = dict(position["stats"]), collections.deque()
+    tok, tpos, toff = np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32)
+    pos, after = 0, (position["i"], position["offset"])
+    while True:
+        while len(tok) - pos < L1:
+            new, npos, noff, entries, after = next(blocks)
+            pending.extend(entries)
+            tok, tpos, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tpos, npos), (toff, noff)))
+            pos = 0
+        window, starts = tok[pos:pos + L1], toff[pos:pos + L1] == 0
+        pos += L1
+        i, off = (int(tpos[pos]), int(toff[pos])) if pos < len(tok) else after
+        while pending and pending[0][0] < i:                # counts of the reads now fully behind
+            for k, v in zip(STAT_KEYS, pending.popleft()[1]):
+                stats[k] += v
+        stats["windows"] += 1
+        stats["boundary_targets"] += int(starts[1:].sum())  # targets masked in this window
+        yield window, starts, {"i": i, "offset": off, "stats": dict(stats)}
+
+
+def make_batch(wins) -> dict[str, torch.Tensor]:
+    """Windows (tokens [L1], starts [L1]) -> the batch: tokens, targets (-100 where the next token
+    opens another segment), positions and segment ids within each row."""
+    w = np.stack([t for t, _ in wins]).astype(np.int64)          # [B, seq_len + 1]
+    start = np.stack([s for _, s in wins])
+    ar = np.arange(w.shape[1])
+    doc = np.cumsum(start, axis=1) - start[:, :1]                 # 0 for the window's first segment
+    positions = ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)
+    targets = w[:, 1:].copy()
+    targets[start[:, 1:]] = -100
+    as_t = torch.from_numpy
+    return {"tokens": as_t(np.ascontiguousarray(w[:, :-1])), "targets": as_t(targets),
+            "positions": as_t(np.ascontiguousarray(positions[:, :-1])),
+            "doc_ids": as_t(np.ascontiguousarray(doc[:, :-1]))}
+
+
+class Prefetch:
+    """The items of a generator, computed up to `depth` ahead in a daemon thread (depth 0: in the
+    caller). An exception in the generator is raised in the caller, at the item where it happened."""
+
+    def __init__(self, gen, depth: int, name: str = "prefetch"):
+        self.gen, self.depth, self.error, self.thread = gen, depth, None, None
+        if depth:
+            self.stop, self.queue = threading.Event(), queue.Queue(depth)
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self.thread.start()
+
+    def _run(self):
+        try:
+            for item in self.gen:
+                if self.stop.is_set():
+                    return
+                self.queue.put(item)            # blocks while the queue is full: prefetch depth
+        except BaseException as e:              # handed to the consumer, raised there
+            self.queue.put(e)
+
+    def __next__(self):
+        if self.error is not None:
+            raise self.error
+        try:
+            item = self.queue.get() if self.depth else next(self.gen)
+        except Exception as e:                  # without a thread: fail the same way as with one
+            item = e
+        if isinstance(item, BaseException):
+            self.error = item
+            raise item
+        return item
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.stop.set()
+            while self.thread.is_alive():       # empty the queue so a blocked put() returns
+                try:
+                    self.queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self.thread.join()
+            self.thread = None
 
 
 class PackedLoader:
     """Infinite iterator of packed batches for one DP rank: dicts of int64 tensors [micro_batch,
-    seq_len] with tokens, targets (-100 across document boundaries), positions, doc_ids.
+    seq_len] with tokens, targets (-100 across segment boundaries), positions, doc_ids.
+    It composes the parts above: the span index, the deal of spans to lanes (order.positions), the
+    reading and tokenizing of a lane's spans (_blocks), packing (pack), the pick of a lane per
+    window (order.choose), the batch (make_batch) and the thread (Prefetch).
 
-    The stream is defined by global window index, not by the layout. A split has S streams (train:
-    S = global_batch). In epoch e, stream s reads the documents permutation_e[s::S] and packs them
-    on its own; global batch b is window b of every stream, in stream order. DP rank r owns the
-    streams [r*S/dp, (r+1)*S/dp) and hands out their windows round-robin, micro_batch at a time.
-    So every DP degree and micro-batch sees the very same global batches (and the same loss curve),
-    a stream's position is a few integers (epoch, document, token offset, counts), and a run resumed
-    at another DP degree gives each rank the saved positions of the streams it now owns.
-    At the blog's scale (4096 cores = dp 512 x tp 8, global batch 1024) a rank packs 2 streams,
-    tokenizes only their documents and saves 2 positions; resumed at another DP degree it reads the
-    files of the one or two saved ranks that owned them. Every rank computes each epoch's
-    permutation of the document ids (8 bytes per document, independent of the number of ranks).
-
-    train: S = global_batch streams running through epochs of the train documents, reshuffled each
-           epoch (a stream starts its next epoch when its own share is used up). Each stream is a
-           shuffle buffer of documents: it holds `shuffle` (M) lanes, each packing its own share
-           of the documents, and takes window b from a lane drawn by a hash of (seed, stream, b).
-           So one long file fills one window in global_batch x M at a time, not every window of
-           consecutive steps, and the order is still a pure function of the global window index:
-           exactly resumable and the same at every layout. A mixture (`--data a:0.7,b:0.3`) gives
-           every stream M lanes per source and draws the source of window b by its weight, from
-           the same hash (mixture_counts() recomputes the realized counts from it).
-    val:   S = dp streams, one per rank, over the held-out documents in a fixed order, cycled (an
-           "epoch" is one pass); `reset()` before each evaluation makes every evaluation read the
-           same windows.
+    train: S = global_batch streams; each has `shuffle` lanes per source (fewer for a small source),
+           and window b of stream s is the next window of the lane drawn by a hash of (seed, s, b).
+           DP rank r owns the streams [r*S/dp, (r+1)*S/dp) and hands out their windows round-robin,
+           micro_batch at a time: every DP degree and micro-batch sees the very same global batches,
+           and a run resumed at another DP degree gives each rank the saved positions of its streams.
+           At the blog's scale (dp 512 x tp 8, global batch 1024) a rank packs 2 streams x 8 lanes
+           and saves 16 positions, however many ranks or documents.
+    val:   S = dp streams, one lane each, over the held-out spans in corpus order, cycled;
+           `reset()` before each evaluation makes every evaluation read the same windows.
     """
 
     def __init__(self, cfg: DataConfig, tok: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
-                 split: str = "train", *, corpus: Corpus | None = None, threads: int = 1, prefetch: int = 4):
+                 split: str = "train", *, corpus: Corpus | None = None, index: SpanIndex | None = None,
+                 threads: int = 1, prefetch: int = 4):
         if split not in ("train", "val") or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need split 'train' or 'val' and 0 <= dp_rank < dp_size, got {split!r}, {dp_rank}, {dp_size}")
         if cfg.seq_len < 1 or cfg.micro_batch < 1:
@@ -104,81 +215,65 @@ class PackedLoader:
         k = self.n_streams // dp_size
         self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
         self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
-        train_ids, val_ids = split_documents(self.corpus.n_docs, cfg.val_fraction)
-        self.ids = train_ids if split == "train" else val_ids
-        groups = [(lo, hi) for _, _, lo, hi in self.corpus.groups]
-        if split == "train":                    # per source: its train documents and its lanes per stream
-            self.group_ids = [train_ids[(train_ids >= lo) & (train_ids < hi)] for lo, hi in groups]
-            self.weights = np.array([w for _, w, _, _ in self.corpus.groups])
-            self.lanes_max = max(1, cfg.shuffle)
-        else:                                   # one pool, the sources interleaved document by document
-            per = [val_ids[(val_ids >= lo) & (val_ids < hi)] for lo, hi in groups]
-            rank = np.concatenate([np.arange(len(p)) for p in per])
-            self.ids = np.concatenate(per)[np.lexsort((np.repeat(np.arange(len(per)), [len(p) for p in per]), rank))]
-            self.group_ids, self.weights, self.lanes_max = [self.ids], np.ones(1), 1
-        # A source with few documents gets fewer lanes: every lane needs at least one document.
-        self.lanes = [max(1, min(self.lanes_max, len(ids) // self.n_streams)) for ids in self.group_ids]
+        self.index = idx = index or SpanIndex(self.corpus, cfg.seq_len, cfg.cache_dir, cfg.val_fraction)
+        if split == "train":
+            ranges, keep = [idx.train_range(g) for g in range(len(idx.groups))], "train" if idx.hashed else ""
+            self.weights, self.lanes_max = np.array([w for _, w, _, _ in self.corpus.groups]), max(1, cfg.shuffle)
+            for (name, _, dlo, dhi), (lo, hi) in zip(self.corpus.groups, ranges):
+                if hi <= lo or (idx.hashed and dhi - dlo <= 65536 and held_out(np.arange(dlo, dhi), cfg.val_fraction).all()):
+                    raise DataError(f"{name!r}: every span is held out for validation (val_fraction "
+                                    f"{cfg.val_fraction}); lower --data.val_fraction or add data")
+        else:
+            if not idx.has_val():
+                raise DataError(f"{cfg.data!r} has no held-out split (val_fraction {cfg.val_fraction}, "
+                                f"{idx.n_spans} span): set --data.val_fraction above 0 with more than one span "
+                                f"of text, or turn evaluation off with --log.eval_interval=0")
+            ranges, keep = [idx.val_range()], "val" if idx.hashed else ""
+            self.weights, self.lanes_max = np.ones(1), 1
+        self.lanes = [lanes_per_stream(hi - lo, self.n_streams, self.lanes_max) for lo, hi in ranges]
+        self.deals = [Deal(lo, hi - lo, self.n_streams * n, split == "train", cfg.seed, g, keep)
+                      for g, ((lo, hi), n) in enumerate(zip(ranges, self.lanes))]
         self.cum_weights = np.cumsum(self.weights / self.weights.sum())
-        self.lane_ids = [self.lane_id(r, g, c) for r in self.streams
+        self.lane_ids = [self.lane_id(s, g, c) for s in self.streams
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
-        self.most_held = 0                      # the most tokens one lane held at once (see _blocks)
-        self._check_size()
-        if len(self.ids) < self.n_streams:
-            raise DataError(f"the {split} split has {len(self.ids)} documents (of {self.corpus.n_docs}, val_fraction "
-                            f"{cfg.val_fraction}) for {self.n_streams} streams (" + ("one per sequence of the global "
-                            "batch" if split == "train" else "one per DP rank") + "): each needs at least one; use "
-                            "more data" + (" or a larger val_fraction" if split == "val" else " or a smaller --global_batch"))
-        self._perms = {}                        # epoch -> permutation of the split, the last few
+        # A tokenizer that adds a dummy prefix (sentencepiece) reads a span's opening space as its own
+        # prefix; a byte-level one (tokenizer.json) keeps it (spans.py, corpus.cut_points).
+        self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")
         # What a saved position means depends on these; a resume must match them.
-        self.fingerprint = {"corpus": self.corpus.fingerprint, "tokenizer": tok.fingerprint,
+        self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,
                             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
                             "shuffle": self.lanes_max, "mixture": [round(float(w), 12) for w in self.weights]}
-        start = {"epoch": 0, "doc": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
-        self._start_state = {"split": split, "n_streams": self.n_streams, "dp_size": dp_size, **self.fingerprint,
-                             "streams": {str(s): start for s in self.lane_ids}}
-        self._state = self._start_state
-        self._gen = self._thread = self._error = None
+        start = {"i": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
+        self._start_state = {"format": FORMAT, "split": split, "n_streams": self.n_streams, "dp_size": dp_size,
+                             **self.fingerprint, "streams": {str(s): start for s in self.lane_ids}}
+        self._state, self._it = self._start_state, None
+        for g, (name, *_) in enumerate(self.corpus.groups if split == "train" else [(cfg.data,)]):
+            self._check_tokens(self.deals[g], name)
 
-    def _check_size(self):
-        """Refuse a split smaller than one global batch (val: one micro batch per rank), early."""
-        c = self.cfg
-        windows = c.global_batch if self.split == "train" else self.dp * c.micro_batch
-        need, have = windows * (c.seq_len + 1), 0
-        for tokens, *_ in self._blocks(self.ids, 0, 0, quiet=True):    # stop as soon as enough
-            have += len(tokens)
-            if have >= need:
+    def _check_tokens(self, deal: Deal, name: str) -> None:
+        """Refuse a split without a single token (every document empty or unreadable) now, not at the
+        first batch. Reads spans in corpus order up to the first token: one read, but for such a corpus."""
+        lo, n = deal.lo, 16
+        while lo < deal.lo + deal.n:
+            spans = np.arange(lo, min(lo + n, deal.lo + deal.n))
+            if sum(len(a) for a in self._read(spans, deal.keep, quiet=True)[0]):
                 return
-        what = f"global_batch {c.global_batch}" if self.split == "train" else f"dp {self.dp} x micro_batch {c.micro_batch}"
-        raise DataError(f"the {self.split} split of {c.data!r} has {have:,} tokens ({len(self.ids):,} documents) but "
-                        f"one batch needs {what} x (seq_len {c.seq_len} + 1) = {need:,} tokens; use more data, "
-                        f"or lower --global_batch / --seq_len" + (" or raise --data.val_fraction" if self.split == "val" else ""))
+            lo, n = lo + n, n * 4
+        raise DataError(f"the {self.split} split of {name!r} has 0 tokens ({deal.n:,} spans of empty documents "
+                        f"or unreadable records); check --data and --data.text_field")
 
     def lane_id(self, stream: int, group: int, lane: int) -> int:
-        """The key of one lane: a stream's lanes are contiguous, so DP ranks own whole blocks."""
-        return (stream * len(self.lanes) + group) * self.lanes_max + lane
+        return lane_key(stream, group, lane, len(self.lanes), self.lanes_max)
 
-    def documents(self, lane: int, epoch: int) -> np.ndarray:
-        """The document ids lane `lane` (lane_id) reads in `epoch`, in order: its source's
-        permutation for the epoch, dealt over the streams x lanes of that source."""
+    def _deal_of(self, lane: int) -> tuple[Deal, int]:
+        """The deal of lane `lane` (a lane_id) and its index among that deal's lanes."""
         stream, rest = divmod(lane, len(self.lanes) * self.lanes_max)
         g, c = divmod(rest, self.lanes_max)
-        j, n = stream * self.lanes[g] + c, self.n_streams * self.lanes[g]
-        if self.split == "val":
-            return self.ids[j::n]
-        if (epoch, g) not in self._perms:       # lanes cross an epoch at different times: keep a few
-            perms = {k: p for k, p in self._perms.items() if k[0] > epoch - 3}
-            key = [self.cfg.seed, epoch] + ([g] if g else [])       # one source: as without a mixture
-            self._perms = {**perms, (epoch, g): np.random.default_rng(key).permutation(self.group_ids[g])}
-        return self._perms[epoch, g][j::n]
+        return self.deals[g], stream * self.lanes[g] + c
 
-    def choose(self, streams, b) -> tuple[np.ndarray, np.ndarray]:
-        """(source, lane) that window b of each stream comes from: a hash of (seed, stream, b),
-        the source by weight, then one of its lanes uniformly. Arrays broadcast."""
-        g = np.minimum(np.searchsorted(self.cum_weights, uniform(self.cfg.seed, 1, streams, b), side="right"),
-                       len(self.lanes) - 1)
-        c = (uniform(self.cfg.seed, 2, streams, b) * np.asarray(self.lanes)[g]).astype(np.int64)
-        return g, c
+    def choose(self, streams, b):
+        return choose(self.cfg.seed, self.cum_weights, np.asarray(self.lanes), streams, b)
 
     def mixture_counts(self, n_batches: int) -> np.ndarray:
         """Windows per source in the first n_batches global batches, over every stream (every DP
@@ -194,170 +289,86 @@ class PackedLoader:
         return counts
 
     # ---------------------------------------------------------------- producer
+    def _read(self, spans: np.ndarray, keep: str, quiet: bool = False):
+        """Tokens and counts of the spans at some reads of a lane (a span of the other split: none)."""
+        mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
+        rows = np.asarray(self.index.rows[spans[mine]])
+        texts, c, bos, eos = self.corpus.read_spans(rows, quiet), self.cfg, self.tok.bos_id, self.tok.eos_id
+        todo = []
+        for j, ((text, _, bad), (_, start, stop)) in enumerate(zip(texts, rows)):
+            if text and start > 0 and self.drop_space and text[0] == " ":
+                text = text[1:]
+            if text and not (start == 0 and stop < 0 and text.isspace()):
+                todo.append((j, text))
+        enc = self.tok.encode_batch([t for _, t in todo], False, False, self.threads)
+        arrays = [np.zeros(0, np.int32)] * len(rows)
+        for (j, _), a in zip(todo, enc):
+            start, stop = rows[j, 1], rows[j, 2]
+            parts = ([[bos]] if c.bos and start == 0 else []) + [a] + ([[eos]] if c.eos and stop < 0 else [])
+            arrays[j] = np.concatenate(parts).astype(np.int32) if len(parts) > 1 else np.asarray(a, np.int32)
+        out, counts, it = [], [], iter(range(len(rows)))
+        for m in mine:
+            if not m:
+                out.append(np.zeros(0, np.int32))
+                counts.append((0, 0, 0, 0, 0, 0))
+                continue
+            j = next(it)
+            (_, repl, bad), n, last = texts[j], len(arrays[j]), rows[j, 2] < 0
+            counts.append((1, int(last and n > 0), int(last and rows[j, 1] == 0 and n == 0 and not bad), int(bad), repl, n))
+            out.append(arrays[j])
+        return out, counts
+
+    def _blocks(self, lane: int, i: int, skip: int, quiet: bool = False):
+        """Yield the tokens of a lane's reads i, i+1, ... (from token `skip` of read i) in blocks of
+        about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes of text)."""
+        deal, j = self._deal_of(lane)
+        chunk, want, idle = 16, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids)), 0
+        while True:
+            spans, _ = positions(deal, j, i, chunk)
+            arrays, counts = self._read(spans, deal.keep, quiet)
+            lens = np.array([len(a) for a in arrays], np.int64)
+            new = np.concatenate(arrays)
+            ks = np.arange(i, i + chunk, dtype=np.int64)
+            off = (np.arange(len(new)) - np.repeat(np.cumsum(lens) - lens, lens)).astype(np.int32)
+            d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
+            yield new[d:], np.repeat(ks, lens)[d:], off[d:], list(zip(ks.tolist(), counts)), (i + chunk, 0)
+            idle = 0 if len(new) else idle + chunk
+            if idle > deal.n + chunk:                       # a whole epoch without a token
+                raise DataError(f"the {self.split} spans {deal.lo}..{deal.lo + deal.n - 1} of {self.cfg.data!r} "
+                                f"hold no tokens (empty documents or unreadable records); check --data")
+            i += chunk
+            chunk = int(np.clip(chunk * want / max(len(new), 1), 1, 4096))
+
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
         round-robin, micro_batch windows per batch."""
-        positions = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
-        packers = {lane: self._pack(lane, positions[lane]) for lane in self.lane_ids}
+        positions_ = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
+        packers = {lane: pack(self._blocks(lane, p["i"], p["offset"]), self.cfg.seq_len + 1, p)
+                   for lane, p in positions_.items()}
         per = len(self.lane_ids) // len(self.streams)       # lanes per stream, contiguous
-        done = [sum(positions[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])
+        done = [sum(positions_[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])
                 for k in range(len(self.streams))]          # windows each stream has handed out
         i, wins = sum(n > min(done) for n in done), []      # mid-round: the streams ahead come first
         while True:
             g, c = self.choose(self.streams[i], done[i])
             lane = self.lane_id(self.streams[i], int(g), int(c))
-            tokens, starts, positions[lane] = next(packers[lane])
+            tokens, starts, positions_[lane] = next(packers[lane])
             wins.append((tokens, starts))
             done[i] += 1
             i = (i + 1) % len(self.streams)
             if len(wins) == self.cfg.micro_batch:
-                yield self._batch(wins), {**state, "streams": {str(k): v for k, v in positions.items()}}
+                yield make_batch(wins), {**state, "streams": {str(k): v for k, v in positions_.items()}}
                 wins = []
-
-    def _blocks(self, order: np.ndarray, nxt: int, skip: int, quiet: bool = False):
-        """Yield the tokens of documents order[nxt:], from token `skip` of the first, in blocks:
-        (tokens, document (index into order), offset in it, (document, counts) of the documents
-        complete in the block, (document, offset) after it). Short documents come many to a block,
-        about `want` tokens; a document over PIECE_CHARS characters comes piece by piece with
-        split_long's exact cuts (sentencepiece only), so a lane never holds more than about
-        PIECE_CHARS of its tokens (a 50 MB document in one line: 0.75 M, not 37 M). Resuming
-        inside it re-encodes the pieces before the offset and drops them."""
-        c, chunk, want = self.cfg, 16, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids))
-
-        def long(t):                            # split_long's cuts are exact for sentencepiece only
-            return bool(t) and len(t) > PIECE_CHARS and isinstance(self.tok, Tokenizer)
-        while nxt < len(order):
-            ids = order[nxt:nxt + chunk]
-            docs, j, made = self.corpus.read(ids, quiet), 0, 0
-            while j < len(docs):
-                t, repl, bad = docs[j]
-                if long(t):                     # piece by piece: at most ~PIECE_CHARS tokens at a time
-                    n = 0
-                    for k, piece in enumerate(iter_pieces(t, PIECE_CHARS)):
-                        a = self.tok.encode_batch([piece], c.bos and k == 0, False, self.threads)[0]
-                        drop = min(max(skip - n, 0), len(a))
-                        yield (a[drop:], np.full(len(a) - drop, nxt + j, np.int32),
-                               np.arange(n + drop, n + len(a), dtype=np.int32), [], (nxt + j, n + len(a)))
-                        n, made = n + len(a), made + len(a)
-                    a = np.asarray([self.tok.eos_id] if c.eos else [], np.int32)[max(skip - n, 0):]
-                    n, skip = n + (1 if c.eos else 0), 0
-                    yield (a, np.full(len(a), nxt + j, np.int32), np.arange(n - len(a), n, dtype=np.int32),
-                           [(nxt + j, (1, 0, int(bad), repl, n))], (nxt + j + 1, 0))
-                    j += 1
-                    continue
-                k, size = j, 0                  # short documents up to the next long one, ~PIECE_CHARS chars
-                while k < len(docs) and size <= PIECE_CHARS and not long(docs[k][0]):
-                    size, k = size + len(docs[k][0] or ""), k + 1
-                keep = [i for i in range(j, k) if docs[i][0] and not docs[i][0].isspace()]
-                arrays = self.tok.encode_batch([docs[i][0] for i in keep], c.bos, c.eos, self.threads)
-                lens = np.zeros(k - j, np.int64)
-                lens[np.asarray(keep, np.int64) - j] = [len(a) for a in arrays]
-                entries = [(nxt + i, (int(lens[i - j] > 0), int(not docs[i][2] and lens[i - j] == 0), int(docs[i][2]),
-                                      docs[i][1], int(lens[i - j]))) for i in range(j, k)]
-                new = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-                ndoc = np.repeat(np.arange(nxt + j, nxt + k, dtype=np.int32), lens)
-                noff = np.arange(len(new), dtype=np.int32) - np.repeat((np.cumsum(lens) - lens).astype(np.int32), lens)
-                d, skip = min(skip, len(new)), 0      # resuming in the middle of document order[nxt]
-                yield new[d:], ndoc[d:], noff[d:], entries, (nxt + k, 0)
-                j, made = k, made + len(new)
-            nxt += len(ids)
-            chunk = int(np.clip(chunk * want / max(made, 1), 1, 4096))
-
-    def _pack(self, stream: int, state: dict):
-        """Yield (window tokens, document starts, position after it) of one stream forever, from `state`."""
-        L1 = self.cfg.seq_len + 1
-        epoch = state["epoch"]
-        stats = dict(state["stats"])            # counts of documents fully behind the position
-        pending = collections.deque()           # (doc, per-document counts) of documents in flight
-        order = self.documents(stream, epoch)
-        blocks = self._blocks(order, state["doc"], state["offset"])
-        fresh, emitted = state["doc"] == 0 and state["offset"] == 0, 0
-        tok = np.zeros(0, np.int32)
-        tdoc = toff = np.zeros(0, np.int32)     # per token: document (index into order), offset in it
-        # (int32: 4 bytes a token, not 8; a stream's documents and a document's tokens both stay far
-        # below 2**31). The lane holds less than one window plus one block: bounded, however long
-        # the document (self.most_held records the most it held).
-        pos, after = 0, (state["doc"], state["offset"])
-
-        def commit(until):                      # count the documents now fully behind the position
-            while pending and pending[0][0] < until:
-                for k, v in zip(STAT_KEYS, pending.popleft()[1]):
-                    stats[k] += v
-        while True:
-            while len(tok) - pos < L1 and (b := next(blocks, None)) is not None:
-                new, ndoc, noff, entries, after = b
-                pending.extend(entries)
-                tok, tdoc, toff = (np.concatenate((a[pos:], n)) for a, n in ((tok, new), (tdoc, ndoc), (toff, noff)))
-                pos, self.most_held = 0, max(self.most_held, len(tok))
-            if len(tok) - pos >= L1:
-                window, starts = tok[pos:pos + L1], toff[pos:pos + L1] == 0
-                pos += L1
-                emitted += 1
-                doc, off = (int(tdoc[pos]), int(toff[pos])) if pos < len(tok) else after
-                commit(doc)
-                stats["windows"] += 1
-                stats["boundary_targets"] += int(starts[1:].sum())     # targets masked in this window
-                yield window, starts, {"epoch": epoch, "doc": doc, "offset": off, "stats": dict(stats)}
-            else:                               # end of the epoch: drop the partial window, count it
-                if fresh and emitted == 0:
-                    raise DataError(f"stream {stream} of the {self.split} split ({len(order)} documents in epoch "
-                                    f"{epoch}) holds fewer than seq_len + 1 = {L1} tokens: it cannot fill one "
-                                    f"window; use more data, a shorter --seq_len or " +
-                                    ("a smaller --global_batch or --data.shuffle" if self.split == "train" else "fewer DP ranks"))
-                commit(len(order))
-                stats["dropped_tail"] += len(tok) - pos
-                epoch, pos, fresh, emitted = epoch + 1, 0, True, 0
-                tok, tdoc, toff = tok[:0], tdoc[:0], toff[:0]
-                order = self.documents(stream, epoch)
-                blocks, after = self._blocks(order, 0, 0), (0, 0)
-
-    @staticmethod
-    def _batch(wins) -> dict[str, torch.Tensor]:
-        w = np.stack([t for t, _ in wins]).astype(np.int64)          # [B, seq_len + 1]
-        start = np.stack([s for _, s in wins])                        # True at a document's first token
-        ar = np.arange(w.shape[1])
-        doc = np.cumsum(start, axis=1) - start[:, :1]                 # 0 for the window's first document
-        positions = ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)
-        targets = w[:, 1:].copy()
-        targets[start[:, 1:]] = -100            # the next token opens another document: not predictable
-        as_t = torch.from_numpy
-        return {"tokens": as_t(np.ascontiguousarray(w[:, :-1])), "targets": as_t(targets),
-                "positions": as_t(np.ascontiguousarray(positions[:, :-1])),
-                "doc_ids": as_t(np.ascontiguousarray(doc[:, :-1]))}
 
     # ---------------------------------------------------------------- consumer
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self._error is not None:
-            raise self._error
-        if self._gen is None:
-            self._gen = self._produce(self._state)
-            if self.prefetch:
-                self._stop, self._queue = threading.Event(), queue.Queue(self.prefetch)
-                self._thread = threading.Thread(target=self._worker, args=(self._gen, self._queue, self._stop),
-                                                name=f"data-{self.split}-dp{self.rank}", daemon=True)
-                self._thread.start()
-        try:
-            item = self._queue.get() if self.prefetch else next(self._gen)
-        except Exception as e:                  # without a thread: fail the same way as with one
-            item = e
-        if isinstance(item, BaseException):
-            self._error = item
-            raise item
-        batch, self._state = item
+        if self._it is None:
+            self._it = Prefetch(self._produce(self._state), self.prefetch, f"data-{self.split}-dp{self.rank}")
+        batch, self._state = next(self._it)
         return batch
-
-    @staticmethod
-    def _worker(gen, q: queue.Queue, stop: threading.Event):
-        try:
-            for item in gen:
-                if stop.is_set():
-                    return
-                q.put(item)                     # blocks while the queue is full: prefetch depth
-        except BaseException as e:              # handed to the training thread, raised there
-            q.put(e)
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out (not after what the thread prefetched):
@@ -382,9 +393,11 @@ class PackedLoader:
                             f"was saved by another DP rank; give every saved DP rank's state")
         self.close()
         self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.lane_ids}}
-        self._gen = self._error = None
 
     def _check(self, sd: dict):
+        if sd.get("format") != FORMAT:
+            raise StaleDataState(f"the data state was written by an older nanotrn (format {sd.get('format', 1)}, "
+                                 f"whole documents; now {FORMAT}, spans): its position means nothing to this loader")
         if sd.get("n_streams") != self.n_streams:
             raise DataError(f"the data state was saved with {sd.get('n_streams')} streams (global batch) but this "
                             f"run has {self.n_streams}: the stream is defined by the global batch, so it cannot "
@@ -405,34 +418,31 @@ class PackedLoader:
 
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (sum them over DP ranks for
-        the run's). Documents are counted once fully behind the position; epoch = the lowest stream's."""
-        positions = self._state["streams"].values()
-        s = {k: sum(p["stats"][k] for p in positions) for k in COUNTERS}
-        packed = s["windows"] * (self.cfg.seq_len + 1)
-        s["windows_by_source"] = [sum(p["stats"]["windows"] for k, p in self._state["streams"].items()
+        the run's). A span is counted once fully behind the position; epoch = the lowest lane's."""
+        st = self._state["streams"]
+        s = {k: sum(p["stats"][k] for p in st.values()) for k in COUNTERS}
+        s["windows_by_source"] = [sum(p["stats"]["windows"] for k, p in st.items()
                                       if int(k) // self.lanes_max % len(self.lanes) == g) for g in range(len(self.lanes))]
-        s.update(epoch=min(p["epoch"] for p in positions), empty_files=self.corpus.empty_files,
-                 split_documents=len(self.ids), packing_efficiency=packed / max(packed + s["dropped_tail"], 1))
+
+        def epoch(lane, p):
+            deal, j = self._deal_of(lane)
+            return (j + p["i"] * deal.lanes) // deal.n
+        s.update(epoch=min(epoch(int(k), p) for k, p in st.items()), empty_files=self.corpus.empty_files,
+                 split_spans=sum(d.n for d in self.deals))
         return s
 
     def close(self) -> None:
         """Stop the prefetch thread (the next batch starts a new one from the current position)."""
-        if self._thread is not None:
-            self._stop.set()
-            while self._thread.is_alive():      # empty the queue so a blocked put() returns
-                try:
-                    self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            self._thread.join()
-        self._gen = self._thread = None
+        if self._it is not None:
+            self._it.close()
+        self._it = None
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 class EvalWindows:
     """The held-out windows evaluation reads: the first `n_windows` windows of the val split (its
-    documents in a fixed order, one stream), whatever the layout. DP rank r takes the r-th block
+    spans in corpus order, one stream, cycled if they hold fewer), whatever the layout. DP rank r takes the r-th block
     of ceil(n / dp) of them, in micro-batches padded with rows whose every target is -100 (they add
     nothing to the loss sum or the token count; the shapes stay static for XLA). Every rank runs
     the same number of batches, and the summed loss over the summed count is the same number at
@@ -441,10 +451,11 @@ class EvalWindows:
     4097 for 7B), however many ranks. Interface of a loader: reset(), next(); len() batches."""
 
     def __init__(self, cfg: DataConfig, tok: Tokenizer, n_windows: int, dp_rank: int = 0, dp_size: int = 1,
-                 *, corpus: Corpus | None = None):
+                 *, corpus: Corpus | None = None, index: SpanIndex | None = None):
         per = -(-n_windows // dp_size)          # windows per rank; the last ranks may hold fewer
         mine = range(min(n_windows, dp_rank * per), min(n_windows, (dp_rank + 1) * per))
-        val = PackedLoader(dataclasses.replace(cfg, micro_batch=1), tok, 0, 1, split="val", corpus=corpus, prefetch=0)
+        val = PackedLoader(dataclasses.replace(cfg, micro_batch=1), tok, 0, 1, split="val", corpus=corpus,
+                           index=index, prefetch=0)
         rows = [next(val) for _ in range(mine.stop)][mine.start:]
         val.close()
         mb, T = cfg.micro_batch, cfg.seq_len

@@ -263,14 +263,18 @@ def main(argv: list[str]) -> None:
 
     # Data. The tokenizer is trained on the corpus at first use and cached (one process trains,
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
+    # The span index (one file per corpus, built once, memory-mapped) first: the size check needs
+    # only bytes, so a corpus too small for one global batch is refused before a tokenizer is trained.
     corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split)
+    index = data.SpanIndex(corpus, cfg.data.seq_len, cfg.data.cache_dir, cfg.data.val_fraction)
+    data.check_size(cfg.data, index, grid.dp)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
     kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
     if grid.is_main and not kept:        # beside the checkpoints: `checkpoint.py export` ships it too
         hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
-    train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus)
+    train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
     # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
-    val_loader = (data.EvalWindows(cfg.data, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus)
+    val_loader = (data.EvalWindows(cfg.data, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus, index=index)
                   if cfg.log.eval_interval else None)
 
     # Model and optimizer. The model is built empty; a resume loads the newest complete, valid
@@ -306,7 +310,10 @@ def main(argv: list[str]) -> None:
         if cfg.ckpt.reset_data:
             log("--ckpt.reset_data: the model and optimizer continue, the data stream starts afresh")
         else:
-            train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
+            try:
+                train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
+            except data.StaleDataState as e:     # a checkpoint of an older data format: keep the model
+                log(f"{e}; the model and optimizer continue, the data stream restarts from its beginning")
         if loaded.rng is not None:
             checkpoint.set_rng_state(loaded.rng, device)
         step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)

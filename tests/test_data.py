@@ -1,5 +1,7 @@
-"""data.py: every source format, packing against a plain-Python reference, coverage over DP ranks,
-exact resume (mid-document, epoch boundary, with the prefetch thread), bad input, prepare, XLA."""
+"""data.py: every source format, packing against a plain-Python reference of each lane's spans, coverage
+over DP ranks, spans joined = the document, corpora of any shape (one document, a huge one beside
+tiny ones, a few global batches over many epochs), exact resume (mid-span, across epochs and DP
+degrees, with the prefetch thread), the held-out split, bad input, prepare, XLA."""
 import json
 import os
 import subprocess
@@ -57,9 +59,13 @@ def files(tmp_path_factory):
     return write_formats(tmp_path_factory.mktemp("corpus"), DOCS)
 
 
+CACHE = []
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    CACHE.append(str(tmp_path_factory.mktemp("cache")))         # the span indexes go there too (cfg)
+    return CACHE[0]
 
 
 @pytest.fixture(scope="session")
@@ -68,20 +74,38 @@ def tok(files, cache):
 
 
 def cfg(spec, **kw):
-    base = dict(data=spec, seq_len=SEQ, micro_batch=1, global_batch=4, val_fraction=0.1, seed=7,
-                doc_per_line=spec.endswith("lines.txt"), shuffle=1)     # stream order: packing checked exactly
+    base = dict(data=spec, seq_len=SEQ, micro_batch=1, global_batch=4, val_fraction=0.1, seed=7, cache_dir=CACHE[0],
+                doc_per_line=spec.endswith("lines.txt"), shuffle=1)     # one lane per stream: packing checked exactly
     return DataConfig(**{**base, **kw})
 
 
-def reference_stream(tok, docs, ids):
-    """Plain Python: each document encoded alone, with BOS and EOS, concatenated in reading order."""
+def span_texts(loader, spans, docs):
+    """The text of each span, cut from the document strings by the index's byte offsets (plain Python)."""
+    out = []
+    for d, a, b in np.asarray(loader.index.rows[spans]).tolist():
+        raw = docs[d].encode()
+        out.append((raw[a:b if b >= 0 else len(raw)].decode(), a == 0, b < 0))
+    return out
+
+
+def reference_stream(tok, loader, docs, spans):
+    """Plain Python: each span encoded alone (its opening space left to the dummy prefix), BOS at a
+    document's start, EOS at its end, concatenated in reading order; starts at each span's first token."""
     ids_out, starts = [], []
-    for i in ids:
-        if docs[i].strip():
-            t = [tok.bos_id] + tok.encode(docs[i]) + [tok.eos_id]
-            starts += [True] + [False] * (len(t) - 1)
-            ids_out += t
+    for text, first, last in span_texts(loader, spans, docs):
+        if not text.strip() and first and last:
+            continue
+        t = [tok.bos_id] * first + tok.encode(text[1:] if not first and text[0] == " " else text) + [tok.eos_id] * last
+        starts += [True] + [False] * (len(t) - 1)
+        ids_out += t
     return np.array(ids_out, np.int64), np.array(starts, bool)
+
+
+def lane_spans(loader, lane, n):
+    """The first n spans lane `lane` reads (its spans of the other split left out)."""
+    deal, j = loader._deal_of(lane)
+    spans, _ = data.positions(deal, j, 0, n)
+    return spans[~loader.index.is_val(spans)] if deal.keep == "train" else spans
 
 
 def reference_window(w, s):
@@ -108,43 +132,33 @@ def equal(a, b):
 # ----------------------------------------------------------------------------- coverage, formats
 
 @pytest.mark.parametrize("fmt", ["txt", "txt_lines", "jsonl", "arrow_stream_hf_dir", "arrow_file_large", "parquet"])
-def test_epoch_coverage_every_format(files, tok, fmt):
-    """Each stream's windows equal the reference packing of its documents, then its next epoch's;
-    the streams' documents partition the train split; seen + dropped tails = the tokenized split."""
+def test_windows_are_the_reference_packing_of_each_lanes_spans(files, tok, fmt):
+    """Each stream's windows equal the plain-Python packing of its spans, read on through epoch 1;
+    one epoch's spans over the streams are the train split exactly; nothing is dropped: the tokens
+    handed out are exactly the spans' tokens up to each position."""
     c = cfg(files[fmt])                             # global_batch 4 = 4 streams, handed out round-robin
     S, L1 = c.global_batch, SEQ + 1
-    train_ids, val_ids = data.split_documents(len(DOCS), c.val_fraction)
     loader = data.PackedLoader(c, tok)
-    refs = [reference_stream(tok, DOCS, loader.documents(s, 0)) for s in range(S)]
-    ns = [len(stream) // L1 for stream, _ in refs]
-    batches = take(loader, S * (max(ns) + 1))       # every stream's epoch and into its next one
-    seen, dropped = [], 0
+    n_train = loader.deals[0].n
+    per = -(-2 * n_train // S)                      # two epochs' worth of reads per lane
+    refs = [reference_stream(tok, loader, DOCS, lane_spans(loader, s, per)) for s in range(S)]
+    ns = min(len(stream) // L1 for stream, _ in refs) - 1
+    batches = take(loader, S * ns)
     for s, (stream, starts) in enumerate(refs):
-        mine = batches[s::S]
-        for k in range(ns[s]):
-            for got, want in zip((mine[k][key][0] for key in ("tokens", "targets", "positions", "doc_ids")),
+        for k, b in enumerate(batches[s::S]):
+            for got, want in zip((b[key][0] for key in ("tokens", "targets", "positions", "doc_ids")),
                                  reference_window(stream[k * L1:(k + 1) * L1], starts[k * L1:(k + 1) * L1])):
                 assert torch.equal(got, want), (fmt, s, k)
-        nxt, nxt_starts = reference_stream(tok, DOCS, loader.documents(s, 1))
-        assert torch.equal(mine[ns[s]]["tokens"][0], torch.from_numpy(nxt[:SEQ]))
-        # Documents count once fully behind the position: all of epoch 0 and, of epoch 1, those
-        # ending inside the windows read (k = the last document start at or before their end).
         p = loader.state_dict()["streams"][str(s)]
-        into = (len(mine) - ns[s]) * L1
-        k = np.flatnonzero(nxt_starts[:into + 1])[-1]
-        tail = len(stream) - ns[s] * L1
-        assert p["epoch"] == 1 and p["stats"]["dropped_tail"] == tail < L1
-        assert p["stats"]["documents"] == len(loader.documents(s, 0)) + nxt_starts[1:k + 1].sum()
-        assert p["stats"]["tokens"] == len(stream) + k
-        seen.append(stream[:ns[s] * L1])
-        dropped += tail
+        done = reference_stream(tok, loader, DOCS, lane_spans(loader, s, p["i"]))[0]
+        assert len(done) + p["offset"] == ns * L1 and p["stats"]["tokens"] == len(done)
+    assert loader.stats()["epoch"] >= 1
     loader.close()
-    docs_seen = np.concatenate([loader.documents(s, 0) for s in range(S)])
-    assert sorted(docs_seen.tolist()) == sorted(train_ids.tolist())    # disjoint and complete
-    everything = reference_stream(tok, DOCS, train_ids)[0]
-    counts_seen = np.bincount(np.concatenate(seen), minlength=VOCAB)
-    counts_all = np.bincount(everything, minlength=VOCAB)
-    assert (counts_seen <= counts_all).all() and (counts_all - counts_seen).sum() == dropped < S * L1
+    first = np.concatenate([data.positions(loader.deals[0], j, 0, per)[0] for j in range(S)])
+    k = np.concatenate([j + np.arange(per) * S for j in range(S)])
+    assert sorted(first[k < n_train]) == list(range(n_train))                 # epoch 0: each span once
+    val = np.flatnonzero(loader.index.is_val(np.arange(loader.index.n_spans)))
+    assert n_train + len(val) == loader.index.n_spans and val.min() >= n_train   # a few documents: the tail
 
 
 def global_batches(c, tok, dp, n, resume=None):
@@ -194,14 +208,15 @@ def test_shuffle_and_mixture_same_at_any_layout_and_resume_across_dp(files, tok)
     # The mixture: lanes of source 1 read only its documents; the windows each source gave (summed
     # over the DP ranks' states) are what mixture_counts() recomputes from the hash for the log.
     loaders = [data.PackedLoader(cfg(mix, micro_batch=2, shuffle=2), tok, r, 2, prefetch=0) for r in range(2)]
-    assert all(d >= len(DOCS) for lane in loaders[0].lane_ids if lane % 4 >= 2 for d in loaders[0].documents(lane, 0))
+    lo1 = loaders[0].index.groups[1][0]                # source 1's spans come after source 0's
+    assert all(((lane_spans(loaders[0], lane, 40) >= lo1) == (lane % 4 >= 2)).all() for lane in loaders[0].lane_ids)
     take(loaders[0], 30)
     take(loaders[1], 30)
     by_source = np.sum([x.stats()["windows_by_source"] for x in loaders], axis=0)
     assert by_source.tolist() == loaders[0].mixture_counts(30).tolist() and by_source.sum() == 120
-    # Realized proportions over 20,000 windows: within 4 binomial standard deviations of 0.7.
+    # Realized proportions over 20,000 windows: within 2% of the weights (4 binomial sigmas: 1.3%).
     n = loaders[0].mixture_counts(5000)
-    assert abs(n[0] / n.sum() - 0.7) < 4 * (0.7 * 0.3 / n.sum()) ** 0.5, n
+    assert abs(n[0] / n.sum() - 0.7) < 0.02, n
     with pytest.raises(data.DataError, match="every source a weight"):
         data.Corpus(f"{files['jsonl']}:0.7,{files['arrow_file_large']}")
 
@@ -271,25 +286,44 @@ def test_resume_mid_document_with_prefetch_thread(files, tok):
     assert b.stats() == ref.stats()
 
 
-def test_resume_at_epoch_boundary(files, tok):
-    c = cfg(files["jsonl"], micro_batch=1)          # 4 streams, round-robin: stream 0 is every 4th window
-    a = data.PackedLoader(c, tok)
-    n = len(reference_stream(tok, DOCS, a.documents(0, 0))[0]) // (SEQ + 1)
-    straight = take(a, 4 * n + 10)
-    assert not np.array_equal(a.documents(0, 0), a.documents(0, 1))      # reshuffled per epoch
-    b = data.PackedLoader(c, tok)
-    take(b, 4 * (n - 1) + 1)                        # exactly the end of stream 0's epoch 0
-    sd = b.state_dict()
-    b.close()
-    r = data.PackedLoader(c, tok)
-    r.load_state_dict(sd)
-    assert equal(take(r, 10), straight[4 * (n - 1) + 1:][:10])
-    assert r.state_dict()["streams"]["0"]["epoch"] == 1
+def test_three_epochs_of_two_global_batches_reshuffled_and_resumed_anywhere(tok, tmp_path):
+    """A corpus of about 2 global batches of tokens (40 documents, 4 streams x 2 lanes): 3 epochs
+    run without an error, each epoch a new order of the spans, and a resume at every step, epoch
+    boundaries included, at DP 1, 2 or 4, continues bit-exactly."""
+    rng = np.random.default_rng(5)
+    docs = [" ".join(rng.choice(WORDS, k)) for k in rng.integers(3, 15, 40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = cfg(str(tmp_path / "d.jsonl"), seq_len=64, global_batch=4, shuffle=2, val_fraction=0.0)
+    probe = data.PackedLoader(c, tok, prefetch=0)
+    tokens = sum(len(a) for a in probe._read(np.arange(probe.index.n_spans), "")[0])
+    steps = 3 * tokens // (4 * 65) + 2              # global batches in 3 epochs
+    assert 1.5 < tokens / (4 * 65) < 3
+    ref, _, _ = global_batches(c, tok, 1, steps)
+    assert probe.stats()["epoch"] == 0
+    orders = [np.concatenate([data.positions(probe.deals[0], j, 0, 40)[0] for j in range(8)]) for _ in (0,)]
+    deal, n = probe.deals[0], probe.deals[0].n
+    k = np.concatenate([j + np.arange(40) * deal.lanes for j in range(deal.lanes)])
+    seq = orders[0][np.argsort(k)]
+    assert not np.array_equal(seq[:n], seq[n:2 * n]) and not np.array_equal(seq[n:2 * n], seq[2 * n:3 * n])
+    for at in range(1, steps - 1, 3):
+        _, saved, _ = global_batches(c, tok, 2, at)
+        for dp in (1, 4):
+            got, states, _ = global_batches(c, tok, dp, steps - at, resume=saved)
+            assert all(torch.equal(a, b) for a, b in zip(ref[at:], got)), (at, dp)
+    last = data.PackedLoader(c, tok, prefetch=0)
+    last.load_state_dict(states)
+    assert last.stats()["epoch"] >= 2
 
 
 def test_resume_refuses_other_global_batch_seed_or_rank(files, tok):
     a = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=0, dp_size=2)
     take(a, 3)
+    old = {k: v for k, v in a.state_dict().items() if k != "format"}    # written before spans: no format
+    old["streams"] = {"0": {"epoch": 0, "doc": 5, "offset": 3, "stats": {}}}
+    with pytest.raises(data.StaleDataState, match="older nanotrn.*format 1"):
+        a.load_state_dict(old)
+    with pytest.raises(data.StaleDataState):
+        a.load_state_dict([old, old])                   # at another DP degree too
     b = data.PackedLoader(cfg(files["txt"], global_batch=8), tok, dp_rank=0, dp_size=2)
     with pytest.raises(data.DataError, match="saved with 4 streams.*has 8.*--ckpt.reset_data"):
         b.load_state_dict(a.state_dict())
@@ -303,17 +337,42 @@ def test_resume_refuses_other_global_batch_seed_or_rank(files, tok):
 
 # ----------------------------------------------------------------------------- split, batches, model
 
-def test_val_split_held_out_fixed_and_cycled(files, tok):
-    train, val = data.split_documents(1000, 0.05)
-    assert not set(train) & set(val) and len(train) + len(val) == 1000 and 30 < len(val) < 70
-    assert np.array_equal(val, data.split_documents(1000, 0.05)[1])
-    assert len(data.split_documents(5, 0.01)[1]) == 1                 # never empty for a tiny corpus
-    v = data.PackedLoader(cfg(files["txt"], micro_batch=2), tok, split="val", dp_rank=0, dp_size=2)
-    assert set(v.documents(0, 0)) <= set(data.split_documents(len(DOCS), 0.1)[1].tolist())
-    assert np.array_equal(v.documents(0, 0), v.documents(0, 5))         # val order never changes
+@pytest.mark.parametrize("n_docs", [1, 3])
+def test_val_split_with_one_and_three_documents(tok, tmp_path, n_docs):
+    """nanoGPT's analogue: a corpus of few documents holds out its last val_fraction of spans (at
+    least one); train and val never share a span, the val order is fixed, evaluation works."""
+    rng = np.random.default_rng(n_docs)
+    docs = [" ".join(rng.choice(WORDS[:20], 3000 // n_docs)) for _ in range(n_docs)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = cfg(str(tmp_path / "t.jsonl"), seq_len=16, global_batch=4, val_fraction=0.1)
+    train = data.PackedLoader(c, tok, prefetch=0)
+    idx = train.index
+    assert idx.n_spans > 1 and not idx.hashed and idx.tail == max(1, int(np.ceil(0.1 * idx.n_spans)))
+    assert train.deals[0].lo + train.deals[0].n == idx.n_spans - idx.tail
+    take(train, 20)
+    v = data.PackedLoader(c, tok, split="val", prefetch=0)
+    assert v.deals[0].lo == idx.n_spans - idx.tail and v.deals[0].n == idx.tail
     first = take(v, 3)
     v.reset()
     assert equal(take(v, 3), first)
+    ev = data.EvalWindows(c, tok, 4)
+    assert len(ev) == 4
+    with pytest.raises(data.DataError, match="no held-out split.*--log.eval_interval=0"):
+        data.PackedLoader(cfg(str(tmp_path / "t.jsonl"), seq_len=16, val_fraction=0.0), tok, split="val")
+
+
+def test_val_split_by_document_hash_in_a_big_corpus(tok, tmp_path):
+    docs = [f"doc {i} " + " ".join(WORDS[i % 7:i % 7 + 3]) for i in range(2000)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = cfg(str(tmp_path / "t.jsonl"), seq_len=16, global_batch=4, val_fraction=0.05)
+    train, val = data.PackedLoader(c, tok, prefetch=0), data.PackedLoader(c, tok, split="val", prefetch=0)
+    assert train.index.hashed
+    tr = np.unique(np.concatenate([lane_spans(train, lane, 600) for lane in train.lane_ids]))
+    va = np.unique(lane_spans(val, 0, 2000)[val.index.is_val(lane_spans(val, 0, 2000))])
+    assert not set(tr) & set(va) and len(tr) + len(va) == 2000 and 60 < len(va) < 140
+    take(train, 10)
+    take(val, 10)
+    assert val.stats()["spans"] < 140
 
 
 def test_packed_batch_matches_separate_documents_in_the_model(files, tok):
@@ -336,11 +395,11 @@ def test_packed_batch_matches_separate_documents_in_the_model(files, tok):
 # ----------------------------------------------------------------------------- bad input
 
 def behind(loader):
-    """How often each document is fully behind the loader's position, over its streams and epochs."""
+    """How often each document's span is fully behind the loader's position, over its lanes."""
     n = np.zeros(loader.corpus.n_docs, np.int64)
     for s, p in loader.state_dict()["streams"].items():
-        for e in range(p["epoch"] + 1):
-            np.add.at(n, loader.documents(int(s), e)[:None if e < p["epoch"] else p["doc"]], 1)
+        deal, j = loader._deal_of(int(s))
+        np.add.at(n, np.asarray(loader.index.rows[data.positions(deal, j, 0, p["i"])[0], 0]), 1)
     return n
 
 
@@ -355,8 +414,7 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     loader = data.PackedLoader(c, tok, prefetch=0)
     # documents: 0 b_blank, 1 c, 2-4 the jsonl lines (text, blank line, empty text)
     assert [t for t, _, _ in loader.corpus.read(range(5))][2:] == ["print(1) " * 30 + "\ufffd", "", ""]
-    while loader.stats()["epoch"] == 0:
-        next(loader)
+    take(loader, 40)
     st, n = loader.stats(), behind(loader)
     assert st["empty_files"] == 1
     assert st["empty_docs"] == n[0] + n[3] + n[4] and st["documents"] == n[1] + n[2]
@@ -370,8 +428,7 @@ def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
                  '{not json\n{"body": "no text"}\n{"text": "w x \\udc80 y z"}\n')     # a lone surrogate
     loader = data.PackedLoader(cfg(str(p), seq_len=4, global_batch=2, val_fraction=0.0), tok, prefetch=0)
-    while loader.stats()["epoch"] == 0:
-        next(loader)
+    take(loader, 40)
     st, n = loader.stats(), behind(loader)
     assert st["bad_records"] == n[2] + n[3] and st["documents"] == n[0] + n[1] + n[4]
     assert st["utf8_replacements"] == n[4]
@@ -382,25 +439,48 @@ def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
         data.Corpus(str(p))
 
 
-def test_rank_share_below_one_window_fails_through_the_thread(tok, tmp_path):
-    (tmp_path / "d.jsonl").write_text(json.dumps({"text": " ".join(WORDS * 4)}) + "\n" + '{"text": "a"}\n')
-    c = cfg(str(tmp_path / "d.jsonl"), seq_len=16, global_batch=2, val_fraction=0.0)
-    failed, tiny, threads = [], None, []
-    for r in (0, 1):
-        loader = data.PackedLoader(c, tok, dp_rank=r, dp_size=2, prefetch=2)
-        if loader.documents(r, 0).tolist() == [1]:   # stream r is rank r's (global batch 2, dp 2)
-            tiny = r                                    # this rank holds only the 3-token document
-        try:
-            take(loader, 3)
-        except data.DataError as e:
-            assert f"stream {r} of the train split" in str(e) and "fewer than seq_len + 1 = 17 tokens" in str(e)
-            failed.append(r)
-            with pytest.raises(data.DataError):        # stays failed
-                next(loader)
-        threads.append(loader._thread)
-        loader.close()
-    assert failed == [tiny]
-    assert all(t is not None and not t.is_alive() for t in threads)                # close() stopped them
+def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path):
+    """One document of 10x the rest of the corpus beside tiny ones (today's failure: one stream held
+    it all, or a rank held only a 1-token document): every stream of every rank trains on, and the
+    long document's spans reach every lane. An error in the packing thread reaches the caller."""
+    rng = np.random.default_rng(1)
+    tiny = ["a", "x = 1"] + [" ".join(rng.choice(WORDS, 5)) for _ in range(20)]
+    huge = " ".join(w for w in rng.choice(WORDS, 40 * sum(len(t) for t in tiny)) if w.strip())
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in tiny + [huge]))
+    c = cfg(str(tmp_path / "d.jsonl"), seq_len=16, global_batch=4, micro_batch=1, shuffle=2, val_fraction=0.0)
+    loaders = [data.PackedLoader(c, tok, dp_rank=r, dp_size=2, prefetch=2) for r in range(2)]
+    assert loaders[0].index.n_spans > 30                    # the huge document: many spans
+    take(loaders[0], 60)
+    take(loaders[1], 60)
+    for x in loaders:
+        for lane in x.lane_ids:
+            assert (np.asarray(x.index.rows[lane_spans(x, lane, 20), 0]) == len(tiny)).any()
+        x.close()
+
+    def broken(*a, **k):
+        raise RuntimeError("disk gone")
+    bad = data.PackedLoader(c, tok, prefetch=2)
+    bad.corpus.read_spans = broken
+    with pytest.raises(RuntimeError, match="disk gone"):
+        next(bad)
+    with pytest.raises(RuntimeError):                       # stays failed
+        next(bad)
+    thread = bad._it.thread
+    bad.close()
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_one_to_four_global_batches_of_documents(tok, tmp_path, factor):
+    """global_batch 16 (the default) and 16 to 64 short documents: it trains (no document per
+    stream is needed any more), at DP 1 and 2 alike."""
+    rng = np.random.default_rng(factor)
+    docs = [" ".join(rng.choice(WORDS, 12)) for _ in range(16 * factor)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = cfg(str(tmp_path / "d.jsonl"), seq_len=16, global_batch=16, micro_batch=4, shuffle=8, val_fraction=0.01)
+    ref, _, _ = global_batches(c, tok, 1, 8)
+    got, _, _ = global_batches(c, tok, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
 def test_missing_text_column_names_the_columns(tmp_path):
@@ -420,15 +500,17 @@ def test_missing_text_column_names_the_columns(tmp_path):
 def test_refusals_before_training(files, tok, cache, tmp_path):
     with pytest.raises(data.DataError, match=f"{VOCAB} pieces but the model's vocab_size is 300"):
         data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=300)
-    with pytest.raises(data.DataError, match=r"has [\d,]+ tokens .* needs global_batch 5000 x \(seq_len 32 \+ 1\) = 165,000"):
-        data.PackedLoader(cfg(files["txt"], global_batch=5000), tok)
+    idx = data.SpanIndex(data.Corpus(files["txt"]), SEQ, CACHE[0])
+    most = sum(len(d.encode()) for d in DOCS) + 2 * len(DOCS)
+    with pytest.raises(data.DataError, match=rf"at most {most:,} tokens.*global_batch 5000 x \(seq_len 32 \+ 1\) = "
+                                             rf"165,000.*--global_batch={most // 33 // 2 * 2} or --seq_len={most // 5000 - 1}"):
+        data.check_size(cfg(files["txt"], global_batch=5000, micro_batch=2), idx)
+    data.check_size(cfg(files["txt"], global_batch=most // 33 // 2 * 2, micro_batch=2), idx)     # the advice works
     with pytest.raises(data.DataError, match="does not exist"):
         data.Corpus(files["txt"] + "/nope.txt")
     (tmp_path / "t.csv").write_text("a,b\n")
     with pytest.raises(data.DataError, match="t.csv: unsupported file type"):
         data.Corpus(f"{files['jsonl']},{tmp_path / 't.csv'}")
-    with pytest.raises(data.DataError, match="for 200 streams"):
-        data.PackedLoader(cfg(files["txt"], global_batch=200), tok, dp_rank=0, dp_size=200)
     with pytest.raises(data.DataError, match="could not train a 100000-piece tokenizer"):
         data.build_tokenizer(DataConfig(data=files["jsonl"], cache_dir=cache), 100000)
 
@@ -442,7 +524,7 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     again = data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=cache, val_fraction=0.1), VOCAB)
     assert again.path == tok.path and "training" not in capsys.readouterr().err     # from the cache
     corpus = data.Corpus(files["txt"])
-    data.train_tokenizer(corpus, data.split_documents(corpus.n_docs, 0.1)[0], VOCAB, str(tmp_path / "b.model"))
+    data.train_tokenizer(corpus, 0.1, VOCAB, str(tmp_path / "b.model"))
     assert data.Tokenizer(str(tmp_path / "b.model")).fingerprint == tok.fingerprint
     # A given .model (here ours: the same settings as Llama 2's tokenizer.model) loads as is.
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
@@ -535,32 +617,52 @@ def test_datasets_folders_read_as_datasets_would(tmp_path):
     assert data.Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split).n_docs == len(test)
 
 
-def test_long_document_packed_piece_by_piece_bounded_and_resumed(tok, tmp_path, monkeypatch):
-    """A 1 MB document in one line, cut into 20,000-character pieces: the windows are those of the
-    document encoded whole, a resume inside it is exact, and the lane never holds more than one
-    window plus one piece of its tokens."""
-    monkeypatch.setattr(data, "PIECE_CHARS", 20_000)
+def test_one_document_spans_joined_equal_the_whole_and_it_trains(tok, tmp_path):
+    """nanoGPT's first lesson, one text file (one document, 200 KB): its spans, tokenized and joined,
+    are the document tokenized whole (sentencepiece's dummy prefix included); with the default
+    global batch, shuffle and val_fraction it trains (val = its last 1% of spans), resumes
+    mid-span exactly, and no lane holds more than a window plus a read block."""
     rng = np.random.default_rng(3)
-    long = " ".join(w for w in rng.choice(WORDS, 300_000) if w.strip())     # clean spaces: exact cuts
-    assert len(long) > 40 * data.PIECE_CHARS
-    docs = DOCS[:6] + [long] + DOCS[6:12]
-    (tmp_path / "lines.txt").write_text("\n".join(docs) + "\n")
-    c = DataConfig(data=str(tmp_path / "lines.txt"), doc_per_line=True, seq_len=1024, micro_batch=1,
-                   global_batch=1, val_fraction=0.0, shuffle=1, seed=7)
+    text = " ".join(w for w in rng.choice(WORDS, 60_000) if w.strip()) + "\n\nThe end.\n"
+    (tmp_path / "input.txt").write_text(text)
+    c = DataConfig(data=str(tmp_path / "input.txt"), seq_len=64, cache_dir=CACHE[0])
     a = data.PackedLoader(c, tok, prefetch=0)
-    ref, starts = reference_stream(tok, docs, a.documents(0, 0))     # every document encoded whole
-    L1, n = c.seq_len + 1, len(ref) // (c.seq_len + 1)
+    idx = a.index
+    assert idx.n_spans > 20 and idx.tail == int(np.ceil(0.01 * idx.n_spans))
+    whole = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
+    joined = np.concatenate(a._read(np.arange(idx.n_spans), "")[0])
+    assert joined.tolist() == whole
+    sizes = np.diff(np.append(np.asarray(idx.rows[:, 1]), len(text.encode())))
+    assert sizes.max() <= data.span_bytes(64) and (sizes > data.span_bytes(64) // 2).mean() > 0.9
     got, states = [], []
-    for _ in range(n):
+    for _ in range(30):
         got.append(next(a))
         states.append(a.state_dict())
-    want = [data.PackedLoader._batch([(ref[i * L1:(i + 1) * L1], starts[i * L1:(i + 1) * L1])]) for i in range(n)]
-    assert equal(got, want)
-    assert a.most_held <= L1 + data.PIECE_CHARS + 2 and a.most_held < len(ref) / 20
-    # resume inside the long document, between piece boundaries, and read on into the next epoch
-    k = next(i for i, s in enumerate(states) if s["streams"]["0"]["offset"] > 3 * data.PIECE_CHARS // 2)
+    k = next(i for i, s in enumerate(states) if min(p["offset"] for p in s["streams"].values()) > 0)
     b = data.PackedLoader(c, tok, prefetch=0)
     b.load_state_dict(json.loads(json.dumps(states[k])))
-    assert equal(take(b, n - k - 1), got[k + 1:])
-    assert b.stats() == a.stats() and b.most_held <= L1 + data.PIECE_CHARS + 2
-    assert equal(take(b, 5), take(a, 5))
+    assert equal(take(b, 29 - k), got[k + 1:]) and b.stats() == a.stats()
+    assert len(data.EvalWindows(c, tok, 8)) == 1
+
+
+def test_byte_level_tokenizer_keeps_the_span_opening_space(tmp_path):
+    """A byte-level BPE (a tokenizer.json, GPT-2 / Llama 3 style) has no dummy prefix: a span keeps
+    its opening space, and the spans joined are again the document tokenized whole."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, decoders, trainers
+    t = tokenizers.Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    hf_tok = data.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(4)
+    text = " ".join(w for w in rng.choice(WORDS, 8000) if w.strip())
+    (tmp_path / "input.txt").write_text(text)
+    c = DataConfig(data=str(tmp_path / "input.txt"), seq_len=16, cache_dir=CACHE[0], val_fraction=0.0)
+    a = data.PackedLoader(c, hf_tok, prefetch=0)
+    assert not a.drop_space and a.index.n_spans > 5
+    joined = np.concatenate(a._read(np.arange(a.index.n_spans), "")[0])
+    assert joined.tolist() == [hf_tok.bos_id] + hf_tok.encode(text) + [hf_tok.eos_id]
