@@ -6,8 +6,9 @@ each one onto theirs):
 1. The rank grid. ranks = arange(world).reshape(PP, DP, TP): TP ranks are neighbours (one trn1
    instance, NeuronLink), PP is outermost. `rank_groups` lists every group of every kind; the same
    lists create the gloo/nccl groups and, on XLA, the full replica-group mesh of each collective.
-2. Collectives, wrapped in one place (`all_reduce`, `_all_gather`, `_reduce_scatter`) so that one
-   step's communication can be counted (`count_collectives`).
+2. Collectives, wrapped in one place (`all_reduce`, `_all_gather`, `_reduce_scatter`, and ZeRO-1's
+   `reduce_scatter_tensor`, `all_gather_tensor`) so that one step's communication can be counted
+   (`count_collectives`).
 3. The region operators as autograd Functions: each is one collective forward and its transpose
    backward (f/g of Megatron, the sequence-parallel all-gather / reduce-scatter pair, and the SP
    column-parallel linear that saves only its input's sequence shard).
@@ -205,7 +206,7 @@ def destroy(grid: Grid) -> None:
 
 
 # ----------------------------------------------------------------------------- 2. collectives
-# Every collective of this file goes through these three functions, so a test or a benchmark can
+# Every collective of this file (and ZeRO-1's) goes through these functions, so a test or a benchmark can
 # count one step's communication per kind (count_collectives). Bytes counted: the full tensor
 # (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the input).
 
@@ -235,6 +236,20 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     _record("all_reduce", group, t)
     dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """SUM x over group into out, this rank's 1/n of it (dim 0); returns out. ZeRO-1's bucket."""
+    _record("reduce_scatter", group, x)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x, concatenated along dim 0 into out; returns out. ZeRO-1's bucket."""
+    _record("all_gather", group, out)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -544,7 +559,45 @@ def mark_parameters(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> 
             p.kv_replicas, p.q_rows = r, model.cfg.n_heads // grid.tp * model.cfg.head_dim
 
 
-def build_model(cfg: Config, grid: Grid, device, stage=None, load=None) -> llama.Llama:
+def tie_embeddings(model: nn.Module) -> None:
+    """Make the head's weight the embedding's Parameter again, where the model holds both and the
+    config ties them (Llama 3.2; a pipeline stage only when it has both: PP=1). Module.to_empty()
+    from meta and .to() to another device type make a new Parameter per module, so a tied pair
+    comes out as two tensors that start equal and then train apart (issue 26): after every move."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if model.cfg.tie_embeddings and embed is not None and head is not None:
+        head.weight = embed.weight
+
+
+def check_tied(model: nn.Module) -> None:
+    """Raise unless a tied head and embedding are one Parameter on one storage (train.py calls it
+    before the first step; the optimizer, the gradient sums and the export count on it)."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if model.cfg.tie_embeddings and embed is not None and head is not None and not (
+            head.weight is embed.weight and head.weight.data_ptr() == embed.weight.data_ptr()):
+        raise RuntimeError("tied embeddings came untied: lm_head.weight is not embed.weight "
+                           "(a move made new Parameters; call parallel.tie_embeddings after it)")
+
+
+@torch.no_grad()
+def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn.Module:
+    """Cast (on the host, before the move: half the bytes to copy) and move every parameter, each
+    Parameter once: a tied pair stays one Parameter, where Module.to() would make two."""
+    device = torch.device(device)
+    params = list(model.parameters())              # each tied matrix once
+    host = [p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach() for p in params]
+    moved = {id(p): nn.Parameter(t.to(device), requires_grad=p.requires_grad) for p, t in zip(params, host)}
+    for mod in model.modules():
+        for k, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[k] = moved[id(p)]
+        for k, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[k] = b.to(device)
+    return model
+
+
+def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: torch.dtype | None = None) -> llama.Llama:
     """The Llama for this rank: TP/SP-parallelized for grid, initialized from cfg.seed so that every
     layout holds the same full weights. Built on the meta device (no memory), then each local shard
     is materialized from its full-shape initial value, one parameter at a time, or with
@@ -552,7 +605,9 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None) -> llama
     stage: pipeline.py's hook, meta model -> the part this rank keeps (its pipeline stage, with the
     whole model's parameter names); only that part is materialized.
     load: a resume's hook, empty model -> True if it loaded the weights (a checkpoint): then nothing
-    is initialized only to be overwritten (5.9 s per restart at 134M parameters, bench.py ckpt)."""
+    is initialized only to be overwritten (5.9 s per restart at 134M parameters, bench.py ckpt).
+    dtype: the parameters' dtype (optim.param_dtype), cast on the host before the move.
+    Tied embeddings stay one Parameter through every step of this (tie_embeddings, check_tied)."""
     device = torch.device(device)
     if grid.world > 1 and backend_for(device.type) != grid.backend:
         raise ConfigError(f"the model would live on {device} but the process groups use {grid.backend}: "
@@ -570,16 +625,18 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None) -> llama
     # after evals.
     build_on = torch.device("cpu") if device.type == "xla" else device
     model.to_empty(device=build_on)
+    tie_embeddings(model)                     # to_empty from meta made two Parameters of the tied one
     if load is not None and load(model):
         pass
     elif cfg.init_from:        # continued pretraining: each rank reads only its shard from the files
         hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
     else:
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
                 full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
                 p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
-    model = model.to(device)
+    model = move_model(model, device, dtype)
+    check_tied(model)
     mark_parameters(model, grid, sp)          # after the moves: they make new Parameter objects
     return model
 

@@ -290,8 +290,8 @@ def main(argv: list[str]) -> None:
             empty.load_state_dict(loaded.model)
         return loaded is not None
     pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
-    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, load=resume)
-    model.to(optim.param_dtype(cfg.optim.precision))
+    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, load=resume,
+                                                                   dtype=optim.param_dtype(cfg.optim.precision))
     if device.type == "xla":             # torch-xla's checkpoint adds the barrier XLA needs
         llama.use_xla_checkpointing(model)
     optimizer = optim.build_optimizer(model, cfg, grid)
@@ -328,6 +328,7 @@ def main(argv: list[str]) -> None:
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     eval_batches = len(val_loader) if val_loader is not None else 0
     cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
+    parallel.check_tied(model)               # a tied head is the embedding itself, on one storage
     if device.type == "xla":
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
     try:

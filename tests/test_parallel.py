@@ -137,6 +137,12 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         res["loss"].append(r["loss"])
         res["norm"].append(r["grad_norm"])
     res["grads"], res["params"] = opt.grads, parallel.gather_full_state_dict(model, grid)
+    if cfg.model.tie_embeddings:       # still one Parameter after the steps; its logits, for the export's check
+        parallel.check_tied(model)
+        with torch.no_grad():
+            logits = model(b0["tokens"], torch.arange(SEQ).expand_as(b0["tokens"]))
+        res["logits_trained"] = parallel.gather_from_tensor_parallel_region(logits, grid.tp_group) \
+            if grid.tp > 1 else logits
     # load_full_state_dict is the inverse: load the reference init into a differently seeded model.
     cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.model.tie_embeddings)
     cfg2.seed = 8
@@ -338,6 +344,20 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
             assert_close(res["grads"][k], g, f"{where}: grad of {k} (step 0, reduced and clipped)")
         for k, p in reference["params"].items():
             assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
+
+
+def test_tied_export_gives_the_trained_logits(spawned, tmp_path):
+    """TP=2 x DP=2 with tied embeddings (issue 26): the export of the trained weights (the embedding
+    only, as HF writes a tied model), read by transformers, gives the trained model's logits."""
+    transformers = pytest.importorskip("transformers")
+    import hf
+    res = load(spawned, "tp2dp2_sp1_tied")[0]
+    assert torch.equal(res["params"]["embed.weight"], res["params"]["lm_head.weight"])
+    hf.save_hf(res["params"], tiny_cfg(tied=True).model, str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = back(global_batch(0)["tokens"][:res["logits_trained"].shape[0]]).logits
+    assert_close(logits, res["logits_trained"][..., :97], "tied TP=2: the export's logits in transformers")
 
 
 def test_layouts_issue_only_xla_collectives(spawned):

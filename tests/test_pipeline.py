@@ -151,6 +151,10 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     res["grads"], res["params"] = opt.grads, pipeline.gather_full_state_dict(model, grid)
     res["eval"] = pipeline.evaluate(model, FixedLoader(rank_batches(99, grid, cfg)), len(batches), grid,
                                     torch.device("cpu"))
+    if cfg.model.tie_embeddings:      # one document per row, for the export's check in transformers
+        plain = [dict(b, doc_ids=torch.zeros_like(b["doc_ids"]), positions=torch.arange(SEQ).expand_as(b["tokens"]))
+                 for b in rank_batches(99, grid, cfg)]
+        res["eval_plain"] = pipeline.evaluate(model, FixedLoader(plain), len(plain), grid, torch.device("cpu"))
     # load_full_state_dict is the inverse of the gather: load the initial weights into another seed.
     cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
                     cfg.data.micro_batch, cfg.parallel.pp_cuts, cfg.model.tie_embeddings)
@@ -184,18 +188,18 @@ def _worker(rank: int, ports: list[int], out_dir: str):
         run_layout("pp2tp2_send", tiny_cfg(pp=2, tp=2, p2p="send"), grid, out_dir)
         run_layout("pp2tp2_allgather_sp", tiny_cfg(pp=2, tp=2, sp=True, p2p="allgather"), grid, out_dir)
         cfg4 = tiny_cfg(pp=4, p2p="allgather", micro_batch=1)
-        cfg_tied = tiny_cfg(pp=2, tp=2, tied=True)
+        cfg_tied = tiny_cfg(pp=2, tp=2, tied=True, p2p="allgather")     # as XLA needs (no send/recv)
     else:
         grid = _init(ports, 2, r, 4, tiny_cfg(pp=2, dp=2))
         run_layout("pp2dp2_send", tiny_cfg(pp=2, dp=2, p2p="send"), grid, out_dir)
         run_layout("pp2dp2_allgather", tiny_cfg(pp=2, dp=2, p2p="allgather"), grid, out_dir)
         cfg4 = tiny_cfg(pp=4, schedule="gpipe", p2p="send", micro_batch=1)
-        cfg_tied = tiny_cfg(pp=2, dp=2, tied=True)
+        cfg_tied = tiny_cfg(pp=2, dp=2, tied=True, p2p="allgather")
     grid4 = parallel.new_grid(4, r, 1, 4, 1, "gloo")        # PP=4 in the same world
     run_layout(f"pp4_{cfg4.parallel.pp_schedule}", cfg4, grid4, out_dir)
     p = cfg_tied.parallel       # tied embeddings: the embedding group joins the first and last stage
     grid_tied = parallel.new_grid(4, r, p.tp, p.pp, 1, "gloo", tied=True)
-    run_layout(f"pp2tp{p.tp}dp{4 // p.tp // p.pp}_tied", cfg_tied, grid_tied, out_dir)
+    run_layout(f"pp2tp{p.tp}dp{4 // p.tp // p.pp}_allgather_tied", cfg_tied, grid_tied, out_dir)
     parallel.destroy(grid)
 
     # Phase C: four worlds of 2, PP=2: each schedule with each point-to-point.
@@ -216,7 +220,7 @@ def spawned(tmp_path_factory):
 LAYOUTS = {  # name -> number of ranks that wrote a file
     "pp2tp2dp2_send": 8, "pp2tp2dp2_allgather_sp": 8,
     "pp2tp2_send": 4, "pp2tp2_allgather_sp": 4, "pp2dp2_send": 4, "pp2dp2_allgather": 4,
-    "pp4_1f1b": 4, "pp4_gpipe": 4, "pp2tp2dp1_tied": 4, "pp2tp1dp2_tied": 4,
+    "pp4_1f1b": 4, "pp4_gpipe": 4, "pp2tp2dp1_allgather_tied": 4, "pp2tp1dp2_allgather_tied": 4,
     "pp2_1f1b_send": 2, "pp2_1f1b_allgather": 2, "pp2_gpipe_send": 2, "pp2_gpipe_allgather": 2,
 }
 
@@ -238,7 +242,7 @@ def test_layouts_issue_only_xla_collectives(spawned):
                 print(name, ops)
             assert any(k.startswith("all_gather_into_tensor over pp pairs") for k in ops), (name, ops)
             seen += 1
-    assert seen == 8 + 4 + 4 + 4 + 2 + 2
+    assert seen == 8 + 4 + 4 + 4 + 2 + 2 + 4 + 4
 
 
 def load(spawned, name):
@@ -274,6 +278,27 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
 
 def test_clipping_was_active(reference):
     assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "tied" in n])
+def test_tied_copies_stay_equal_and_export(spawned, name, tmp_path):
+    """Tied embeddings over two stages (issue 26): the first stage's embedding and the last
+    stage's copy in its head take the same summed gradient and the same update, so after the steps
+    they are bit-for-bit equal; the export (the embedding only, as HF writes a tied model) read by
+    transformers gives the pipeline's own loss on held-out batches."""
+    transformers = pytest.importorskip("transformers")
+    import hf
+    res = load(spawned, name)[0]
+    params = res["params"]
+    assert torch.equal(params["embed.weight"], params["lm_head.weight"]), f"{name}: the tied copies parted"
+    cfg = tiny_cfg(pp=1, tied=True)
+    hf.save_hf(params, cfg.model, str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    b = global_batch(99)
+    with torch.no_grad():
+        logits = back(b["tokens"]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), ignore_index=-100)
+    assert_close(loss, res["eval_plain"], f"{name}: the export's loss in transformers")
 
 
 @pytest.mark.parametrize("name", ["pp2_1f1b_send", "pp2_gpipe_allgather", "pp4_1f1b", "pp4_gpipe"])
