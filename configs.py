@@ -53,6 +53,7 @@ class ParallelConfig:
     dp: int = -1                 # data parallel degree; -1 = world_size / (tp * pp)
     sp: bool = False             # sequence parallelism inside the TP group (needs tp > 1 to matter)
     zero1: bool = False          # shard optimizer states over the DP group (HLAT 70B)
+    zero1_bucket_mb: float = 130.0   # ZeRO-1's reduce-scatter/all-gather bucket cap (NxD: 130; 0 = one bucket)
     pp_schedule: str = "1f1b"    # 1f1b | gpipe
     pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
@@ -389,7 +390,7 @@ DOMAINS = {
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr", "optim.eps",
                      "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps",
-                     "optim.constant_steps", "optim.weight_decay", "optim.grad_clip", "ckpt.interval",
+                     "optim.constant_steps", "optim.weight_decay", "optim.grad_clip", "ckpt.interval", "parallel.zero1_bucket_mb",
                      "ckpt.keep", "log.eval_interval", "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
     "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),

@@ -31,6 +31,7 @@ The call sequence train.py uses:
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ import parallel
 from parallel import Grid
 
 PRECISIONS = ("fp32", "mixed", "bf16", "bf16_sr")
+BUCKET_BYTES = 130 * 2**20      # ZeRO-1's collective bucket cap (NxD's; --parallel.zero1_bucket_mb)
 
 
 def param_dtype(precision: str) -> torch.dtype:
@@ -360,12 +362,31 @@ class Zero1AdamW(AdamW):
     but optimizer memory drops by DP. The TP sums of parallel.reduce_tp_replicated_gradients must
     still run before step 1. A param without a gradient counts as a zero gradient here (it is
     still decayed), where the unsharded AdamW skips it.
+
+    Buckets (issue 26). Both collectives run in buckets of at most bucket_bytes (the reduce-scatter's
+    input, the all-gather's output), never over one flat copy of every gradient (1.1 GB in fp32
+    for the 70B preset's local model, 2 GB for llama3_8b): NxD caps ZeRO-1's buckets at 130 MB
+    (neuronx_distributed/trainer/trainer.py, initialize_optimizer_from_class: "Bucket cap >140MB
+    causes NaN at step 3 (known issue)"; ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB, passed to
+    torch_xla's ZeroRedundancyOptimizer as bucket_cap_mb_reduce_scatter and, divided by DP for its
+    input, bucket_cap_mb_all_gather; that one coalesces whole parameters per bucket, each sharded
+    on its own). Here the shard layout stays the one above (so checkpoints and reshard.py do not
+    change): view the flat space as a [DP, S] grid, rank r's shard is row r, and bucket j is the
+    column band [j*b, (j+1)*b) of every row, b = bucket_bytes / (DP * element size). A
+    reduce-scatter of that band gives rank r exactly columns j*b.. of its own row; the all-gather
+    of each rank's band rebuilds it. The transient memory is one bucket, not the whole model.
+    Cost: a band is DP runs of b elements, cut where parameters end, so a bucket is gathered from
+    about DP + (parameters in it) slices: per rank the bytes moved stay those of its local model
+    whatever DP, the slices grow with DP. At 4096 ranks (llama2_7b, TP 8, DP 512, fp32 gradients):
+    about 27 buckets of 130 MB, 512 runs of ~250 KB each, ~14k slices traced once per graph.
     """
     zero1 = True
 
-    def __init__(self, named_params, cfg: OptimConfig, grid: Grid, seed: int = 0, software_sr: bool = True):
+    def __init__(self, named_params, cfg: OptimConfig, grid: Grid, seed: int = 0, software_sr: bool = True,
+                 bucket_bytes: int = BUCKET_BYTES):
         self._grad_shard = None
         super().__init__(named_params, cfg, grid, seed, software_sr)
+        self.buckets = self._plan_buckets(bucket_bytes)
 
     def _make_slots(self) -> list[_Slot]:
         dp, r = self.grid.dp, self.grid.dp_rank
@@ -401,6 +422,30 @@ class Zero1AdamW(AdamW):
                                    self._sr_key(n, sharing, a - start, p), weight, a - lo, b - lo))
         return slots
 
+    def _plan_buckets(self, bucket_bytes: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The column bands of the [DP, S] grid (see the class): [(c0, c1, runs)], runs in the order
+        the bucket holds them, row by row: (param index, start, end) in that param's flat elements,
+        or (-1, 0, n): n padding zeros past the last parameter. bucket_bytes 0: one bucket."""
+        dp, S = self.grid.dp, self.shard
+        itemsize = 4 if self.fp32_grads else self.named[0][1].element_size()   # the larger of the two
+        cols = S if bucket_bytes <= 0 else max(1, min(S, bucket_bytes // (dp * itemsize)))
+        ends = [start + p.numel() for (_, p), start in zip(self.named, self.offsets)]
+        plan = []
+        for c0 in range(0, S, cols):
+            c1, runs = min(c0 + cols, S), []
+            for r in range(dp):
+                lo, hi = r * S + c0, r * S + c1
+                i = bisect.bisect_right(ends, lo)                 # the first param ending after lo
+                while lo < hi:
+                    if i >= len(ends):
+                        runs.append((-1, 0, hi - lo))
+                        break
+                    end = min(hi, ends[i])
+                    runs.append((i, lo - self.offsets[i], end - self.offsets[i]))
+                    lo, i = end, i + 1
+            plan.append((c0, c1, runs))
+        return plan
+
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.flat)
 
@@ -421,18 +466,22 @@ class Zero1AdamW(AdamW):
     @torch.no_grad()
     def reduce_scatter_and_clip(self, max_norm: float) -> torch.Tensor:
         """Replace the DP all-reduce: sum the grads over the DP group into this rank's shard
-        (scaled 1/DP), then clip on the true global norm. Returns the norm before clipping."""
+        (scaled 1/DP), bucket by bucket, then clip on the true global norm. Returns the norm
+        before clipping."""
         g = self.grid
         # fp32 gradient accumulation reduce-scatters in fp32 too (NxD: higher_cc_precision)
         dtype = torch.float32 if self.fp32_grads else self.named[0][1].dtype
-        full = torch.zeros(self.shard * g.dp, dtype=dtype, device=self.flat["exp_avg"].device)
-        for (n, p), start in zip(self.named, self.offsets):
-            grad = parallel.grad_of(p)
-            if grad is not None:         # a param without a grad contributes zeros
-                full[start:start + p.numel()].copy_(grad.view(-1))
-        full.mul_(1.0 / g.dp)
-        shard = torch.empty(self.shard, dtype=dtype, device=full.device)
-        dist.reduce_scatter_tensor(shard, full, group=g.dp_group)
+        device = self.flat["exp_avg"].device
+        grads = [parallel.grad_of(p) for _, p in self.named]
+        pieces = []
+        for c0, c1, runs in self.buckets:
+            bucket = torch.cat([grads[i].view(-1)[a:b].to(dtype) if i >= 0 and grads[i] is not None
+                                else torch.zeros(b - a, dtype=dtype, device=device)   # padding, or no grad
+                                for i, a, b in runs])
+            bucket.mul_(1.0 / g.dp)
+            pieces.append(parallel.reduce_scatter_tensor(torch.empty(c1 - c0, dtype=dtype, device=device),
+                                                         bucket, g.dp_group))
+        shard = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
         if max_norm > 0:
             shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(dtype))
@@ -449,15 +498,22 @@ class Zero1AdamW(AdamW):
         for s in self.slots:
             self._update(s, self._grad_shard[s.lo:s.hi], k[id(s.group)])
         self._grad_shard = None
-        # Every rank updated only its shard: all-gather the params so each holds the full model again.
+        # Every rank updated only its shard: all-gather the params, bucket by bucket, so each holds
+        # the full model again; each param is then written once, from its runs in flat order.
         dtype = self.named[0][1].dtype
         mine = torch.zeros(self.shard, dtype=dtype, device=self.flat["exp_avg"].device)
         for s in self.slots:
             mine[s.lo:s.hi] = s.value
-        full = torch.empty(self.shard * self.grid.dp, dtype=dtype, device=mine.device)
-        dist.all_gather_into_tensor(full, mine, group=self.grid.dp_group)
-        for (n, p), start in zip(self.named, self.offsets):
-            p.data.view(-1).copy_(full[start:start + p.numel()])
+        runs_of = [[] for _ in self.named]
+        for c0, c1, runs in self.buckets:
+            out = parallel.all_gather_tensor(torch.empty((c1 - c0) * self.grid.dp, dtype=dtype, device=mine.device),
+                                             mine[c0:c1], self.grid.dp_group)
+            for (i, a, b), piece in zip(runs, out.split([b - a for _, a, b in runs])):
+                if i >= 0:
+                    runs_of[i].append((a, piece))
+        for (n, p), runs in zip(self.named, runs_of):
+            runs.sort(key=lambda run: run[0])
+            p.data.view(-1).copy_(torch.cat([t for _, t in runs]) if len(runs) > 1 else runs[0][1])
 
 
 # ----------------------------------------------------------------------------- construction
@@ -471,5 +527,6 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = Non
     if software_sr is None:
         software_sr = all(p.device.type != "xla" for _, p in named)
     if cfg.parallel.zero1 and grid.dp > 1:
-        return Zero1AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)
+        return Zero1AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr,
+                          bucket_bytes=int(cfg.parallel.zero1_bucket_mb * 2**20))
     return AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)

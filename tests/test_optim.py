@@ -498,3 +498,51 @@ def test_second_optimizer_over_the_same_mixed_model():
         backward(m, tokens, targets)
     for p, q in zip(model.parameters(), one.parameters()):
         assert p.grad is None and torch.equal(p.main_grad, q.main_grad)
+
+
+def _zero1_bucket_worker(rank: int, world: int, store_file: str):
+    """DP=2, fp32, bucket caps 1 KB, 130 MB and none: each run's weights after 3 steps equal, bit
+    for bit, one process applying the same AdamW to the same summed gradient; the buckets are the
+    planned ones, each within the cap, in both collectives."""
+    _init_gloo(rank, world, store_file)
+    grid = Grid(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))))
+    try:
+        for cap in (1024, 130 * 2**20, 0):
+            cfg = tiny_config("fp32", grad_clip=0.0, lr=3e-3)      # no clipping: bitwise is reachable
+            cfg.parallel.zero1, cfg.parallel.zero1_bucket_mb = True, cap / 2**20
+            model, ref = tiny_model(cfg), tiny_model(cfg)
+            opt, ref_opt = optim.build_optimizer(model, cfg, grid), optim.build_optimizer(ref, cfg)
+            n = sum(p.numel() for p in model.parameters())
+            shard = -(-n // world)
+            cols = shard if cap == 0 else min(shard, cap // (world * 4))
+            want = [world * 4 * min(cols, shard - c) for c in range(0, shard, cols)]    # bytes per bucket
+            assert len(opt.buckets) == len(want) == (-(-shard // 128) if cap == 1024 else 1), (cap, len(opt.buckets))
+            for step in range(3):
+                tokens, targets = batch(step, n=4)
+                scale = targets.numel() / world           # the train.py rule: local sum * dp / global tokens
+                with parallel.count_collectives() as log:
+                    backward(model, tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2], scale=scale)
+                    opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
+                    opt.step()
+                opt.zero_grad()
+                for op in ("reduce_scatter", "all_gather"):
+                    got = [nbytes for o, _, nbytes in log if o == op]
+                    assert got == want and all(b <= (cap or b) for b in got), (cap, op, got, want)
+                # one process: both halves' gradients, each scaled 1/DP and summed, as the reduce-scatter does
+                halves = []
+                for r in range(world):
+                    backward(ref, tokens[2 * r:2 * r + 2], targets[2 * r:2 * r + 2], scale=scale)
+                    halves.append([p.grad.clone() for p in ref.parameters()])
+                    ref.zero_grad()
+                for p, g0, g1 in zip(ref.parameters(), *halves):
+                    p.grad = g0 * (1.0 / world) + g1 * (1.0 / world)
+                ref_opt.step()
+                ref_opt.zero_grad()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p, q), (cap, name, (p - q).abs().max().item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_buckets_match_one_process_bitwise(tmp_path):
+    mp.spawn(_zero1_bucket_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
