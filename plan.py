@@ -226,6 +226,8 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
             chunk = min(rows, max(1, LinearCrossEntropy.CHUNK_LOGITS // m.vocab_size)) * m.vocab_size
             loss = rows * (4 + 3 * ab) * m.dim + 4 * embed + (2 * ab + 4) * chunk
         states = n * (wb + gb + ob / (L.dp if L.zero1 else 1))
+        if L.zero1:     # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
+            states += min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb)
         # Full checkpointing recomputes a layer only after the loss's buffers are freed: not both at once.
         overlap = min(loss, rows * _layer_act_bytes(m, d.seq_len, L.tp, L.sp, "none", ab, attention)
                       ) if L.checkpointing == "full" else 0.0
