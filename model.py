@@ -378,22 +378,40 @@ class LMHead(nn.Linear):
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """loss_sum(h @ W^T, targets) in row chunks of at most CHUNK_LOGITS logits (16 MiB in fp32),
-    with each chunk's gradient computed in the forward, while its logits are at hand, and kept
-    for backward (the chunked fused loss of Liger-Kernel and torchtune). The full fp32 logits,
-    their log-softmax and its gradient (three [tokens, vocab] fp32 tensors, 256 MiB per 2048
-    tokens at Llama's 32k vocab) are never built. The numbers are loss_sum's: the same bf16
-    logits upcast to fp32, the same bf16 logit gradient into the same matmuls (tests/test_model.py).
-    Backward only scales the kept gradients by d(loss)/d(sum)."""
-    CHUNK_LOGITS = 2 ** 22
+    """loss_sum(h @ W^T, targets) in chunks of rows, each chunk's gradients computed in the forward
+    while its logits are at hand and kept for backward (the chunked fused loss of Liger-Kernel and
+    torchtune). The [tokens, vocab] fp32 logits, their log-softmax and its gradient never exist
+    whole: at Llama 3's 128k vocab they are 1.5 GiB per 1024 tokens, three times over.
+
+    Chunks of `chunk_rows` rows: about `dim` (the chunk's logits then take no more memory than the
+    weight gradient held anyway, and the matmuls are square enough to run at full rate: 2048 rows
+    at Llama 3.2 1B), more where the vocabulary is small. Few chunks matter twice: each one passes
+    over the whole [vocab, dim] weight gradient, and on XLA each is unrolled into the step's graph.
+    At TP=1 and 8192 tokens a microbatch, llama3_2_1b unrolls 4 chunks and llama3_8b 2 (the
+    former CHUNK_LOGITS = 2^22 cut them into 32-row chunks: 256 each). Their presets run TP=8,
+    where the vocab-parallel cross entropy (parallel.py) replaces this Function.
+
+    The fp32/bf16 split, that of loss_sum through autograd: the logits and both gradient matmuls
+    in the weights' dtype (bf16 on a tensor engine, which accumulates in fp32 inside the matmul);
+    the log-softmax, the loss and softmax - one_hot in fp32, rounded once to the weights' dtype.
+    The weight gradient accumulates inside the matmul (addmm_ into the accumulator, no [vocab, dim]
+    temporary per chunk), in the weights' dtype: fp32 stays fp32, bf16 is rounded once per chunk
+    rather than once in all (Liger-Kernel's choice; the test bounds its error against fp64)."""
+
+    @staticmethod
+    def chunk_rows(n_rows: int, vocab: int, dim: int) -> int:
+        """Rows per chunk: max(dim, 2^22 logits), the chunks balanced so that none is a sliver."""
+        rows = min(n_rows, max(dim, (1 << 22) // vocab, 1))
+        chunks = -(-n_rows // rows)
+        return -(-n_rows // chunks)
 
     @staticmethod
     def forward(ctx, h, w, targets):
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        rows = max(1, LinearCrossEntropy.CHUNK_LOGITS // w.shape[0])
+        rows = LinearCrossEntropy.chunk_rows(h.shape[0], w.shape[0], w.shape[1])
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         gh = torch.empty_like(h) if want_grad else None
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_grad else None
+        gw = torch.zeros_like(w) if want_grad else None
         for i in range(0, h.shape[0], rows):
             hc, t = h[i:i + rows], targets[i:i + rows]
             valid = t != -100
@@ -402,17 +420,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             total -= (logp.gather(1, t).squeeze(1) * valid).sum()
             if want_grad:        # d(sum of losses)/d(logits) = softmax - one_hot(target)
                 g = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, device=t.device)).to(h.dtype)
+                del logp
                 keep = valid[:, None].to(h.dtype)      # ignored rows: masked on the [rows, dim] side
-                torch.mul(g @ w, keep, out=gh[i:i + rows])
-                gw += g.t() @ (hc * keep)
+                torch.mm(g, w, out=gh[i:i + rows]).mul_(keep)
+                gw.addmm_(g.t(), hc * keep)
         ctx.save_for_backward(gh, gw)
-        ctx.w_dtype = w.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad):
         gh, gw = ctx.saved_tensors
-        return gh * grad.to(gh.dtype), (gw * grad).to(ctx.w_dtype), None
+        return gh.mul_(grad.to(gh.dtype)), gw.mul_(grad.to(gw.dtype)), None
 
 
 def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:

@@ -222,9 +222,10 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
         loss = 0.0
         if last and L.tp > 1:   # final norm; vocab-parallel logits + fp32 softmax + two fp32 gradients
             loss = rows * ((4 + 2 * ab) * m.dim / (L.tp if L.sp else 1) + (ab + 12) * embed / m.dim)
-        elif last:              # final norm; the fused loss: its kept gradients, one chunk of logits
-            chunk = min(rows, max(1, LinearCrossEntropy.CHUNK_LOGITS // m.vocab_size)) * m.vocab_size
-            loss = rows * (4 + 3 * ab) * m.dim + 4 * embed + (2 * ab + 4) * chunk
+        elif last:              # final norm; the fused loss: its kept gradients (the weight's in the
+            # weights' dtype), one chunk of logits (in ab, their log-softmax in fp32, its gradient in ab)
+            chunk = LinearCrossEntropy.chunk_rows(rows, m.vocab_size, m.dim) * m.vocab_size
+            loss = rows * (4 + 3 * ab) * m.dim + wb * embed + (2 * ab + 4) * chunk
         states = n * (wb + gb + ob / (L.dp if L.zero1 else 1))
         if L.zero1:     # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
             states += min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb)
