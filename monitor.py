@@ -242,17 +242,23 @@ class Monitor:
         """Call after the gradient norm is known and BEFORE optimizer.step(). True: go on.
         False (on_nonfinite=skip): skip this update, zero the gradients, and go on.
         Raises NonFiniteError (on_nonfinite=stop).
-        On XLA in stop mode nothing is read here (that would sync every step): the values are
+        On XLA nothing is read here (that would sync every step). In stop mode the values are
         checked at the next flush(), which train.py calls before every checkpoint save, so a poisoned
-        state can run a few steps but is never saved."""
-        if self.lazy and self.policy == "stop":
-            return True
+        state can run a few steps but is never saved. In skip mode the verdict is a boolean tensor
+        (optim.guarded_step applies the update by a select on it, on the device) and flush() reads
+        it with the step's other metrics, then counts, reports and limits the skips."""
+        if self.lazy:
+            return True if self.policy == "stop" else torch.isfinite(loss) & torch.isfinite(grad_norm)
         loss_v, gn_v = float(loss), float(grad_norm)
         if math.isfinite(loss_v) and math.isfinite(gn_v):
             self.consecutive_skips = 0
             return True
         if self.policy == "stop":
             raise NonFiniteError(_nonfinite_message(step, loss_v, gn_v))
+        self._count_skip(step, loss_v, gn_v)
+        return False
+
+    def _count_skip(self, step: int, loss_v: float, gn_v: float) -> None:
         self.skipped += 1
         self.consecutive_skips += 1
         self.print(f"step {step}: non-finite loss {loss_v} / gradient norm {gn_v}: update skipped "
@@ -261,7 +267,6 @@ class Monitor:
             raise NonFiniteError(f"step {step}: {self.consecutive_skips} consecutive non-finite steps; "
                                  f"skipping cannot recover this run. Resume from the last checkpoint "
                                  f"with a lower --optim.lr")
-        return False
 
     # -------------------------------------------------------------- per step
     def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
@@ -270,7 +275,7 @@ class Monitor:
         param_spread: max - min of the parameter norm over the DP replicas (parallel.replica_spread)."""
         self.pending.append({"step": step, "loss": loss, "grad_norm": grad_norm, "param_norm": param_norm,
                              "param_spread": param_spread, "lr": lr, "tokens": tokens,
-                             "data_wait": data_wait, "skipped": skipped})
+                             "data_wait": data_wait, "skipped": skipped, "on_device": torch.is_tensor(skipped)})
         if step % self.interval == 0:
             self.flush()
 
@@ -279,7 +284,7 @@ class Monitor:
         write TensorBoard, print one console line. Call it before saving a checkpoint."""
         if not self.pending:
             return
-        keys = ("loss", "grad_norm", "param_norm", "param_spread", "lr", "tokens")
+        keys = ("loss", "grad_norm", "param_norm", "param_spread", "lr", "tokens", "skipped")
         tensors = [r[k].detach() for r in self.pending for k in keys if torch.is_tensor(r[k])]
         if self.lazy and tensors:
             # One transfer of the finished values, and no graph: a torch.stack over a varying number
@@ -295,6 +300,12 @@ class Monitor:
             rows.append(dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}))
         self.pending = []
         for r in rows:
+            if r.pop("on_device", False):           # XLA skip mode: the verdict is read only now
+                r["skipped"] = bool(r["skipped"])
+                if r["skipped"]:
+                    self._count_skip(r["step"], r["loss"], r["grad_norm"])
+                else:
+                    self.consecutive_skips = 0
             if self.policy == "stop" and not r["skipped"] and not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])):
                 raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
             for warning in self.spikes.update(r["step"], r["grad_norm"]):

@@ -270,15 +270,34 @@ class AdamW:
         _write(s.value, w, gen)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, apply: torch.Tensor | None = None):
         """One AdamW step on the (already DP-reduced and clipped) gradients; params without a
-        gradient are skipped, as torch.optim does."""
+        gradient are skipped, as torch.optim does. apply: see _keep."""
+        keep = self._keep(apply)
         self.step_count += 1
         k = self._step_scalars()
         for s in self.slots:
             grad = parallel.grad_of(s.param)
             if grad is not None:
                 self._update(s, grad.view(-1)[s.lo:s.hi], k[id(s.group)])
+        self._select(apply, keep)
+
+    def _keep(self, apply: torch.Tensor | None) -> list:
+        """apply, a boolean tensor on the device (--log.on_nonfinite=skip on XLA: is the step's loss
+        and gradient norm finite?), decides on the device whether the update lands: the weights
+        and states before it are kept and a select puts them back where apply is False, so the host
+        never waits for the flag (it reads it with the logged metrics). On XLA the kept copies are
+        the graph's input buffers: no extra memory. The step count (Adam's t) advances either way:
+        a skipped step shifts the bias correction by one step, which fp32 no longer resolves after
+        t ~ 330 (1 - 0.95^t rounds to 1)."""
+        if apply is None:
+            return []
+        return [(t, t.clone()) for t in [p.data for _, p in self.named] + list(self._state_tensors().values())]
+
+    @staticmethod
+    def _select(apply: torch.Tensor | None, keep: list) -> None:
+        for t, before in keep:
+            t.copy_(torch.where(apply, t, before))
 
     def zero_grad(self, set_to_none: bool = True):
         for _, p in self.named:
@@ -489,15 +508,17 @@ class Zero1AdamW(AdamW):
         return norm
 
     @torch.no_grad()
-    def step(self):
+    def step(self, apply: torch.Tensor | None = None):
         if self._grad_shard is None:
             raise RuntimeError("ZeRO-1: call opt.reduce_scatter_and_clip(max_norm) before opt.step(); "
                                "it reduces the gradients into this rank's shard (it replaces the DP all-reduce)")
+        keep = self._keep(apply)
         self.step_count += 1
         k = self._step_scalars()
         for s in self.slots:
             self._update(s, self._grad_shard[s.lo:s.hi], k[id(s.group)])
         self._grad_shard = None
+        self._select(apply, keep)        # before the all-gather: a skipped update gathers the old shard
         # Every rank updated only its shard: all-gather the params, bucket by bucket, so each holds
         # the full model again; each param is then written once, from its runs in flat order.
         dtype = self.named[0][1].dtype
@@ -514,6 +535,21 @@ class Zero1AdamW(AdamW):
         for (n, p), runs in zip(self.named, runs_of):
             runs.sort(key=lambda run: run[0])
             p.data.view(-1).copy_(torch.cat([t for _, t in runs]) if len(runs) > 1 else runs[0][1])
+
+
+# ----------------------------------------------------------------------------- the guarded update
+
+def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
+    """optimizer.step() under the non-finite policy's verdict (monitor.Monitor.check_finite): True
+    or False decided on the host, or a boolean tensor decided on the device (XLA, skip: no host
+    read), which the update applies by a select. Returns whether the step was skipped, of the same
+    kind (the monitor reads a tensor with the step's other metrics)."""
+    if torch.is_tensor(verdict):
+        optimizer.step(apply=verdict)
+        return ~verdict
+    if verdict:
+        optimizer.step()
+    return not verdict
 
 
 # ----------------------------------------------------------------------------- construction

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import model as llama
+import optim
 import parallel
 from configs import Config, ConfigError
 from parallel import Grid
@@ -376,9 +377,7 @@ def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid,
     # The loss exists on the last stage only: the others add zeros, so every rank gets it.
     loss_sum = parallel.all_reduce(mb.loss_sum, grid.pp_group)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
-    skipped = guard is not None and not guard(loss, grad_norm)
-    if not skipped:
-        optimizer.step()
+    skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped,
             "bubble": bubble_fraction(grid.pp, len(batches)), "idle": comm.wait_s / max(schedule_s, 1e-9),

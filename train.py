@@ -107,9 +107,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
         parallel.reduce_gradients(model, grid)
         grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
-    skipped = guard is not None and not guard(loss, grad_norm)
-    if not skipped:
-        optimizer.step()
+    skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped}
 

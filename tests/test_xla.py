@@ -366,3 +366,62 @@ def checkpointing_runs():
             out[mode] = json.loads(rest)
     print(out)
     return out
+
+
+SKIP_CHILD = textwrap.dedent('''
+    import json, sys
+    import torch, torch_xla
+    import torch_xla.debug.metrics as met
+    sys.path.insert(0, ROOT)
+    import configs, monitor, optim, parallel, train
+    cfg = configs.from_args(["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2",
+                             "--model.ffn_dim=64", "--model.vocab_size=97", "--data.seq_len=16",
+                             "--data.global_batch=4", "--data.micro_batch=2", "--log.on_nonfinite=skip",
+                             "--log.interval=100", "--optim.warmup_steps=1"])
+    dev = torch_xla.device()
+    model = parallel.build_model(cfg, parallel.Grid(), dev)
+    opt = optim.build_optimizer(model, cfg)
+    mon = monitor.Monitor(cfg, flops_per_token=1.0, peak_flops=0.0, device=dev, print_fn=lambda *a: None)
+    reads = lambda: (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    sync = torch_xla.sync
+    g = torch.Generator().manual_seed(0)
+    transfers, weights = [], []
+    for step in range(1, 7):
+        toks = torch.randint(0, 97, (4, 17), generator=g)
+        b = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "positions": torch.arange(16).expand(4, 16),
+             "doc_ids": torch.zeros(4, 16, dtype=torch.long)}
+        micro = [{k: v[i:i + 2].to(dev) for k, v in b.items()} for i in (0, 2)]
+        sync()
+        poison = [p.register_hook(lambda x: x * float("nan")) for p in model.parameters()] if step == 3 else []
+        before = reads()
+        out = train.train_step(model, opt, micro, parallel.Grid(), cfg, cut=sync,
+                               guard=lambda loss, gnorm: mon.check_finite(step, loss, gnorm))
+        sync()
+        mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=1e-3, tokens=64, skipped=out["skipped"])
+        transfers.append(reads() - before)
+        for h in poison:
+            h.remove()
+        weights.append(model.layers[0].attn.qkv_proj.weight.detach().clone())
+        sync()
+    mon.flush()                                   # the batched read: the verdicts come with the metrics
+    w = [t.cpu() for t in weights]
+    json.dump({"transfers": transfers, "skipped": mon.skipped, "finite": bool(torch.isfinite(w[-1]).all()),
+               "moved": [not torch.equal(a, b) for a, b in zip(w, w[1:])]}, open(OUT, "w"))
+''')
+
+
+def test_skip_nonfinite_decides_on_device(tmp_path):
+    """--log.on_nonfinite=skip on XLA:CPU: six steps of train.train_step, the third with NaN
+    gradients: no step reads anything back (torch_xla's TransferFromDevice count stays put; the
+    host check read the loss and norm every step), the third update does not land (a select on
+    the device), the others do, and the flush reports exactly one skip."""
+    out = tmp_path / "skip.json"
+    code = f"ROOT = {str(ROOT)!r}; OUT = {str(out)!r}\n" + SKIP_CHILD
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=child_env())
+    assert r.returncode == 0, r.stderr[-5000:]
+    res = json.loads(out.read_text())
+    print(res)
+    assert res["transfers"] == [0] * 6, f"device-to-host transfers per step: {res['transfers']}"
+    assert res["moved"] == [True, False, True, True, True], res["moved"]     # steps 2->3 unchanged
+    assert res["skipped"] == 1 and res["finite"]
