@@ -253,7 +253,7 @@ def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data
     tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
     files = {}
     if g.rank == 0:
-        meta = {"step": step, "time": time.time(), "layout": layout, "config": cfg.to_dict(),
+        meta = {"format": ckptdir.FORMAT, "step": step, "time": time.time(), "layout": layout, "config": cfg.to_dict(),
                 "extra": extra or {}, "torch": torch.__version__}
         try:
             files["meta.json"] = json.dumps(meta, indent=1).encode()
@@ -370,7 +370,7 @@ class Writer:
             os.replace(tmp / name, final / name)
         tmp.rmdir()
         ckptdir.fsync_dir(final)
-        marker = {"step": step, "rank": r, "world": self.world, "files": record}
+        marker = {"format": ckptdir.FORMAT, "step": step, "rank": r, "world": self.world, "files": record}
         ckptdir.atomic_write(final / ckptdir.marker_name(r), json.dumps(marker, indent=1).encode())
         if self.finish is not None:
             self.finish(step)
@@ -432,14 +432,15 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
         say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
 
 
-def agree(grid: Grid, ok: bool) -> bool:
-    """True only if every rank says ok (so that all ranks fall back together)."""
+def agree(grid: Grid, value: int) -> int:
+    """The smallest value any rank holds (ok: True only if every rank says so), so that all ranks
+    fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():
-        return ok
+        return int(value)
     # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
-    t = torch.tensor([int(ok)], device="cuda" if grid.backend == "nccl" else "cpu")
+    t = torch.tensor([int(value)], device="cuda" if grid.backend == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.host_group)
-    return bool(t.item())
+    return int(t.item())
 
 
 def barrier(grid: Grid):
@@ -448,21 +449,27 @@ def barrier(grid: Grid):
         parallel.barrier(grid)
 
 
-def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Path | None, list[Path]]:
-    """(the newest complete, valid step folder or None, the newer ones skipped). Call on every rank:
-    each checks a 1/world share of the markers and the sizes and crc32 of the files they list, then
-    all ranks agree, so that they fall back to an older step together."""
+def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Path | None, list]:
+    """(the newest complete, valid step folder or None, [(newer folder, verdict, problem)] skipped).
+    Call on every rank: each checks a 1/world share of the markers and the sizes and crc32 of the
+    files they list, then all ranks agree on the worst verdict, so that they fall back together.
+    A checkpoint of a newer format is refused by name (an older one would silently drop its steps)."""
     share = (grid.rank, grid.world) if grid.world > 1 and dist.is_initialized() else (0, 1)
     skipped = []
     for _, d in ckptdir.scan(root):
-        problem, files = ckptdir.check(d, share)
-        problem = problem or ckptdir.verify(d, files)
+        verdict, problem, files = ckptdir.check(d, share)
+        if verdict == ckptdir.OK and (problem := ckptdir.verify(d, files)) is not None:
+            verdict = ckptdir.DAMAGED
         if problem is not None and grid.world > 1:
             log(f"ckpt: [rank {grid.rank}] {d.name}: {problem}")
-        if agree(grid, problem is None):
+        verdict = agree(grid, verdict)
+        if verdict == ckptdir.OK:
             return d, skipped
-        say(f"skipping {d.name}: {problem or 'a marker or file checked by another rank is damaged (see its message)'}")
-        skipped.append(d)
+        problem = problem or "a marker or file checked by another rank is damaged or missing (see its message)"
+        if verdict == ckptdir.NEWER:
+            raise CheckpointError(ckptdir.newer_format(d, "newer") if "newer nanotrn" not in problem else problem)
+        say(f"skipping {d.name}: {problem}")
+        skipped.append((d, verdict, problem))
     return None, skipped
 
 
@@ -492,18 +499,26 @@ class Checkpointer:
         self.layout = {"world": g.world, "tp": g.tp, "pp": g.pp, "dp": g.dp,
                        "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
         self.fault = FaultInjector.from_env(g.rank, self.root)
-        self.dir = ckptdir.CkptDir(self.root, say=self.say)
+        self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.fault, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None)
         self._newest = -1                                # newest step saved or resumed from
-        if not self.c.resume and self.has_checkpoints():
-            raise CheckpointError(f"--ckpt.resume=false but {self.root} already holds checkpoints, which this "
-                                  f"run would overwrite; resume (--ckpt.resume=true), or start the new run in "
-                                  f"another --ckpt.dir")
+        if not self.c.resume and not self.c.start_fresh and (found := ckptdir.scan(self.root)):
+            raise CheckpointError(
+                f"--ckpt.resume=false but {self.root} already holds checkpoints ({', '.join(d.name for _, d in found[:4])}"
+                f"{' ...' if len(found) > 4 else ''}), which this run would overwrite; resume (--ckpt.resume=true), "
+                f"or add --ckpt.start_fresh to move them aside into {self.root}/previous_<time>/ and start over, "
+                f"or start the new run in another --ckpt.dir")
 
     def say(self, msg: str):
         if self.grid.rank == 0:
             self._log(f"ckpt: {msg}")
+
+    def warn(self, msg: str):
+        """What a user must not miss (a checkpoint passed over, steps lost): on stdout and stderr."""
+        if self.grid.rank == 0:
+            self._log(f"ckpt: WARNING: {msg}")
+            print(f"ckpt: WARNING: {msg}", file=sys.stderr, flush=True)
 
     def has_checkpoints(self) -> bool:
         """The directory holds step folders (complete or not)."""
@@ -546,14 +561,18 @@ class Checkpointer:
         self.writer.write(step, files, t0)
 
     def _finish(self, step: int):
-        """Rank 0, in the writer thread: once every rank's marker is there, point `latest` at the
-        step and drop old checkpoints."""
+        """Rank 0, in the writer thread: once every rank's marker is there, the manifest (complete),
+        `latest`, and pruning. A rank whose marker does not come in time (a slow shared disk, a
+        hung rank) does not stop the run: the step stays incomplete, which resume passes over, and
+        training goes on with the previous complete checkpoint as the newest."""
         missing = self.dir.wait_for_markers(step, self.grid.world, self.marker_timeout_s)
         if missing:
-            raise CheckpointError(f"{ckptdir.step_dir(self.root, step).name}: rank(s) {missing[:8]} did not "
-                                  f"finish writing within {self.marker_timeout_s:.0f} s; it stays incomplete "
-                                  f"and will be skipped")
-        self.dir.publish(step)
+            self.warn(f"{ckptdir.step_dir(self.root, step).name}: no completion marker from rank(s) {missing[:16]}"
+                      f"{' ...' if len(missing) > 16 else ''} ({len(missing)} of {self.grid.world}) within "
+                      f"{self.marker_timeout_s:.0f} s; it stays incomplete (no manifest: resume passes over it, "
+                      f"pruning never deletes it) and training goes on")
+            return
+        self.dir.complete(step, self.grid.world)
         self.dir.prune(self.c.keep)
 
     def close(self):
@@ -566,7 +585,7 @@ class Checkpointer:
     def claim(self):
         """Before any work, on every rank: rank 0 claims the directory (ckptdir.CkptDir.claim); all
         ranks agree before going on."""
-        problem = self.dir.claim() if self.grid.rank == 0 else None
+        problem = self.dir.claim(self.c.resume, self.c.start_fresh) if self.grid.rank == 0 else None
         if not agree(self.grid, problem is None):
             raise CheckpointError(problem or f"rank 0 could not claim {self.root} (see its message)")
 
@@ -579,9 +598,11 @@ class Checkpointer:
     # --------------------------------------------------------------- load
     def load_latest(self, load_optim: bool = True, set_aside: bool = True, names=None) -> Loaded | None:
         """The newest complete, valid checkpoint, or None to start fresh (saying why). Call on every
-        rank. Incomplete or corrupt checkpoints are skipped with the reason, and (set_aside)
-        renamed step_N.bad so that a new save of step N starts in an empty directory. names: this
-        rank's model state keys (model.state_dict()); at another layout only those are built."""
+        rank. Newer folders that are incomplete (an interrupted save) or damaged are passed over
+        with the reason and (set_aside) renamed aside and kept, so that a new save of their step
+        starts in a new folder; a damaged one is said loudly, with the steps lost. No valid
+        checkpoint while a damaged one is there: refused, nothing touched. names: this rank's model
+        state keys (model.state_dict()); at another layout only those are built."""
         self.wait()
         if not self.c.resume:
             self.say("--ckpt.resume=false: starting fresh")
@@ -591,19 +612,39 @@ class Checkpointer:
                      f"{self.root} holds no checkpoint: starting fresh")
             return None
         d, skipped = find_newest_valid(self.root, self.grid, self.say, self._log)
+        damaged = [(x, p) for x, v, p in skipped if v == ckptdir.DAMAGED]
+        if d is None and damaged:
+            raise CheckpointError(
+                f"{self.root} holds no valid checkpoint to resume: " + "; ".join(f"{x.name}: {p}" for x, p in damaged) +
+                ". Nothing was changed. To start over, run with --ckpt.resume=false --ckpt.start_fresh (the "
+                "folders are moved aside into previous_<time>/, not deleted), or copy a good checkpoint back")
         loaded = None
         if d is not None:
             meta = json.loads((d / "meta.json").read_text())
             check_config(meta, d, self.cfg, self.say)
             loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say)
+        where = {}
         if set_aside and skipped:
             barrier(self.grid)                  # every rank is done looking at them
             if self.grid.rank == 0:
-                self.dir.set_aside(skipped)
+                where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
             barrier(self.grid)
+        kept = lambda x: f" (kept as {where[x].name})" if x in where else ""
         if loaded is None:
-            self.say(f"no complete, valid checkpoint in {self.root} ({len(skipped)} skipped): starting fresh")
+            self.warn(f"no complete checkpoint in {self.root}: " + "; ".join(
+                f"{x.name} was interrupted{kept(x)}" for x, _, _ in skipped) + "; starting fresh from step 0")
             return None
+        for x, p in damaged:
+            lost = int(x.name[5:13]) - loaded.step
+            self.warn(f"{x.name} is damaged ({p}){kept(x)}: resuming from the newest valid older checkpoint, "
+                      f"{d.name}; {lost} step{'s' * (lost != 1)} ({loaded.step + 1} to {x.name[5:13].lstrip('0')}) "
+                      f"will be trained again")
+        fmt = loaded.meta.get("format", 1)
+        if fmt >= 2 and self.grid.rank == 0:
+            self.dir.lineage = ckptdir.read_manifest(d / ckptdir.MANIFEST)["lineage"]    # continue its lineage
+        elif fmt < 2:
+            self.say(f"{d.name} has checkpoint format {fmt} (no manifest): it is loaded as it is, and it and the "
+                     f"other format-{fmt} checkpoints are kept, never pruned; delete them when you no longer need them")
         self._newest = loaded.step
         self.say(f"resuming from {loaded.path} (step {loaded.step})")
         return loaded
@@ -644,8 +685,10 @@ def cli(argv: list[str]):
     if not found:
         raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
     for _, d in found:
-        problem, files = ckptdir.check(d)
+        verdict, problem, files = ckptdir.check(d)
         problem = problem or ckptdir.verify(d, files)
+        if verdict == ckptdir.NEWER and argv[0] == "export":
+            raise CheckpointError(problem)
         if argv[0] == "ls":
             print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
         elif problem is None:

@@ -1,18 +1,32 @@
 """The checkpoint directory's rules: what its names mean, when a step folder is complete and valid,
-and what a run may do to the folders in it (claim the directory, prune old checkpoints, set damaged
-ones aside). checkpoint.py writes and reads checkpoints; everything that decides whether a folder
-may be trusted, written or removed is here, in one place a reader can check.
+whose it is, and what a run may do to the folders in it. checkpoint.py writes and reads
+checkpoints; everything that decides whether a folder may be trusted, written or removed is here.
 
     <ckpt.dir>/
       run.lock                      rank 0's flock for the run's lifetime: one run per directory
       latest                        "step_00000200": a hint for people; loading never trusts it
       step_00000200/                one saved step (checkpoint.py's docstring draws its files)
         rankRRRRR.done              rank R's completion marker: size and crc32 of each file it wrote
-      step_00000100.bad<time>       a checkpoint set aside: skipped on resume, never written to
+        manifest.json               rank 0, once it has seen every marker: format, step, world, lineage
+      step_00000190.bad<time>       a damaged checkpoint, set aside on resume and kept
+      step_00000210.incomplete<time>  an interrupted save, set aside on resume and kept
+      previous_<time>/              what --ckpt.start_fresh moved aside, as it was
 
-A step folder is complete when every rank's marker exists, and valid when every file has the size
-and crc32 its marker records. Markers are written atomically (temp file, fsync, rename), so a
-marker that is there is whole: a crash leaves at worst a missing one.
+The rules (nothing a user has is lost or replaced):
+- A step folder is complete when its manifest exists (format 2; format 1, before manifests: every
+  rank's marker), and valid when every file has the size and crc32 its rank's marker records.
+  Markers and manifests are written atomically (temp file, fsync, rename): one that is there is
+  whole, so a crash leaves at worst a missing one (interrupted), and one that does not parse, a
+  missing marker beside a manifest, or a file of the wrong size or crc is damage.
+- Resume takes the newest valid checkpoint. Newer folders are renamed aside and kept; if one was
+  damaged it says so loudly, with the steps lost. No valid checkpoint but a damaged one: refused,
+  nothing touched (the fix: --ckpt.resume=false --ckpt.start_fresh, which moves folders aside).
+- A run writes only step folders newer than the one it resumed (the newer ones were set aside), so
+  it never writes into a folder it did not create. It deletes only complete checkpoints of its own
+  lineage (the manifest says whose: a fresh start begins a lineage, a resume continues it), beyond
+  the newest --ckpt.keep of them; never a damaged, interrupted, foreign or format-1 folder.
+- A `latest` that is not nanotrn's pointer, or a step-named file or folder holding none of
+  nanotrn's files, is someone else's: the run is refused, naming its path.
 """
 from __future__ import annotations
 
@@ -25,10 +39,22 @@ import shutil
 import socket
 import sys
 import time
+import uuid
 import zlib
 from pathlib import Path
 
-STEP_DIR = re.compile(r"^step_(\d{8})(\.bad\d*)?$")     # step_00000200, or set aside: step_00000200.bad<time>
+STEP_DIR = re.compile(r"^step_(\d{8})(\.(?:bad|incomplete)\d*)?$")   # step_00000200, or set aside (.bad<time>)
+# What nanotrn writes inside a step folder (a folder holding none of these is not ours).
+OURS = re.compile(r"^(meta\.json|manifest\.json|rank\d{5}\.(done|pt)|model_tp\d+_pp\d+\.pt|"
+                  r"optim_(dp\d+_)?tp\d+_pp\d+\.pt|\.tmp-rank\d{5}|\.(rank\d{5}\.done|manifest\.json)\.tmp)$")
+LATEST = re.compile(r"^step_\d{8}$")
+MANIFEST = "manifest.json"
+# The checkpoint format: 1 (no manifest, no version: nanotrn before issue 25), 2 (manifest,
+# lineage, "format" in meta.json, markers and manifest). Bump it when a reader of the old one would
+# misread the new one; a reader loads every format up to its own and refuses a newer one by name.
+FORMAT = 2
+# The verdict on a step folder, ordered so that the ranks' MIN is the worst any rank saw.
+NEWER, DAMAGED, INTERRUPTED, OK = 0, 1, 2, 3
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -56,7 +82,25 @@ def read_marker(path: Path) -> dict:
             raise ValueError(f"its record of {name!r} is damaged")
     if m["world"] < 1:
         raise ValueError(f"world {m['world']}")
+    if not isinstance(m.get("format", 1), int):
+        raise ValueError(f"'format' is {type(m['format']).__name__}, expected int")
     return m
+
+
+def read_manifest(path: Path) -> dict:
+    """A manifest, checked field by field (ValueError naming what is wrong)."""
+    m = json.loads(path.read_text())
+    if not isinstance(m, dict):
+        raise ValueError("not a JSON object")
+    for key, want in (("format", int), ("step", int), ("world", int), ("lineage", str)):
+        if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
+            raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
+    return m
+
+
+def newer_format(d: Path, fmt: int) -> str:
+    return (f"{d} was written by a newer nanotrn (checkpoint format {fmt}; this one reads formats 1 to "
+            f"{FORMAT}): resume it with that nanotrn; it is left as it is")
 
 
 # ----------------------------------------------------------------------------- durable small writes
@@ -100,38 +144,69 @@ def scan(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[str | None, dict]:
-    """(problem or None, {file: {bytes, crc32}} of the markers looked at). Cheap: markers and file
-    sizes only. share (i, n): only the markers of ranks i, i+n, i+2n, ... and the files they list.
-    On resume every rank takes its own 1/world share and the ranks then agree: at 4096 ranks each
-    rank reads rank 0's marker and its own, not all 4096 (16M marker reads of the shared file system
-    if every rank read every marker)."""
+def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, dict]:
+    """(verdict, problem or None, {file: {bytes, crc32}} of the markers looked at). Cheap: the
+    manifest, markers and file sizes only (verify() reads the files). share (i, n): only the
+    markers of ranks i, i+n, i+2n, ... and the files they list. On resume every rank takes its own
+    1/world share and the ranks then agree: at 4096 ranks each rank reads rank 0's marker, the
+    manifest and its own marker, not all 4096 (16M marker reads of the shared file system)."""
+    has_manifest = (d / MANIFEST).exists()
     try:
-        world = read_marker(d / marker_name(0))["world"]
+        m0 = read_marker(d / marker_name(0))
     except FileNotFoundError:
-        return "no completion marker from rank 0: the save was interrupted", {}
+        if has_manifest:
+            return DAMAGED, "rank 0's completion marker is missing although its manifest says every rank finished", {}
+        return INTERRUPTED, "no completion marker from rank 0: the save was interrupted", {}
     except (ValueError, OSError) as e:
-        return f"rank 0's completion marker is damaged ({e})", {}
+        return DAMAGED, f"rank 0's completion marker is damaged ({e})", {}
+    world, fmt = m0["world"], m0.get("format", 1)
+    if fmt > FORMAT:
+        return NEWER, newer_format(d, fmt), {}
+    if fmt >= 2:
+        try:
+            man = read_manifest(d / MANIFEST)
+        except FileNotFoundError:
+            return INTERRUPTED, ("no manifest: rank 0 never saw every rank's completion marker (the save was "
+                                 "interrupted, or a rank's marker did not arrive in time)"), {}
+        except (ValueError, OSError) as e:
+            return DAMAGED, f"its manifest is damaged ({e})", {}
+        if (man["step"], man["world"]) != (int(d.name[5:13]), world):
+            return DAMAGED, "its manifest belongs to another save", {}
     ranks = range(share[0], world, share[1])
     missing = [r for r in ranks if not (d / marker_name(r)).exists()]
+    if missing and fmt >= 2:
+        return DAMAGED, (f"no completion marker from rank(s) {missing[:8]} of {world}, although its manifest "
+                         f"says every rank finished"), {}
     if missing:
-        return (f"incomplete: no completion marker from rank(s) {missing[:8]} of {world}: "
-                f"the save was interrupted"), {}
+        return INTERRUPTED, (f"incomplete: no completion marker from rank(s) {missing[:8]} of {world}: "
+                             f"the save was interrupted"), {}
     files = {}
     for r in ranks:
         try:
-            m = read_marker(d / marker_name(r))
+            m = m0 if r == 0 else read_marker(d / marker_name(r))
         except (ValueError, OSError) as e:
-            return f"rank {r}'s completion marker is damaged ({e})", {}
+            return DAMAGED, f"rank {r}'s completion marker is damaged ({e})", {}
         if m["step"] != int(d.name[5:13]) or m["world"] != world:
-            return f"rank {r}'s completion marker belongs to another save", {}
+            return DAMAGED, f"rank {r}'s completion marker belongs to another save", {}
         files.update(m["files"])
     for name, rec in files.items():
         if not (d / name).exists():
-            return f"{name} is missing", {}
+            return DAMAGED, f"{name} is missing", {}
         if (size := (d / name).stat().st_size) != rec["bytes"]:
-            return f"{name} is {size} bytes, its marker says {rec['bytes']} (truncated or damaged)", {}
-    return None, files
+            return DAMAGED, f"{name} is {size} bytes, its marker says {rec['bytes']} (truncated or damaged)", {}
+    return OK, None, files
+
+
+def is_ours(d: Path) -> bool:
+    """A step-named folder nanotrn could have made: empty (a save killed between its mkdirs) or
+    holding at least one of the names nanotrn writes. One directory read, stopped at the first hit."""
+    with os.scandir(d) as it:
+        empty = True
+        for e in it:
+            empty = False
+            if OURS.match(e.name):
+                return True
+    return empty
 
 
 def verify(d: Path, files: dict) -> str | None:
@@ -145,19 +220,22 @@ def verify(d: Path, files: dict) -> str | None:
 # ----------------------------------------------------------------------------- what a run may do
 
 class CkptDir:
-    """One run's hold on its checkpoint directory (rank 0's; other ranks only write their files)."""
+    """One run's hold on its checkpoint directory: rank 0's (other ranks only write their files).
+    lineage: the id written into each manifest, and the only checkpoints prune() may delete."""
 
-    def __init__(self, root: Path, say=print):
-        self.root, self.say = Path(root), say
+    def __init__(self, root: Path, say=print, warn=None):
+        self.root, self.say, self.warn = Path(root), say, warn or say
         self.lock: int | None = None                     # the flock on run.lock (claim)
+        self.lineage = uuid.uuid4().hex[:16]             # a fresh start's; a resume adopts its checkpoint's
 
-    def claim(self) -> str | None:
+    def claim(self, resume: bool = True, start_fresh: bool = False) -> str | None:
         """Rank 0, before any work: the directory must be a directory (created if absent), writable,
         and this run's alone. An exclusive flock on <dir>/run.lock for the run's lifetime, with who
         holds it written inside. The kernel drops it when the process dies, so a killed run never
         leaves a stale lock (torchrun restarts take it again). On a shared file system flock must
-        reach every node (NFSv4, Lustre mounted with -o flock, as FSx for Lustre is).
-        Returns the problem, or None."""
+        reach every node (NFSv4, Lustre mounted with -o flock, as FSx for Lustre is). Then nothing
+        in it may be someone else's (foreign()), and with start_fresh the step folders are moved
+        aside. Returns the problem, or None."""
         root = self.root
         if root.exists() and not root.is_dir():
             return f"--ckpt.dir {root} is a file, not a directory; remove it or give another --ckpt.dir"
@@ -185,31 +263,96 @@ class CkptDir:
             return (f"--ckpt.dir {root} cannot be written ({'disk full' if e.errno == errno.ENOSPC else e.strerror}): "
                     f"checkpoints could not be saved; free space or give another --ckpt.dir")
         self.lock = fd
-        return None
+        problem = self.foreign()
+        if problem is None and not resume and start_fresh and scan(root):
+            problem = self.start_fresh()
+        if problem is not None:
+            self.release()
+        return problem
 
     def release(self):
         if self.lock is not None:
             os.close(self.lock)           # releases the flock
             self.lock = None
 
-    def set_aside(self, dirs: list[Path]):
-        """Rename skipped checkpoints step_N.bad<time>: a new save of step N starts in an empty folder."""
-        for d in dirs:
-            os.replace(d, d.with_name(f"{d.name}.bad{time.time_ns()}"))
+    def foreign(self) -> str | None:
+        """What in the directory is not nanotrn's and would be replaced or written into: a `latest`
+        that is not its pointer, a step-named file, a step-named folder holding none of its files."""
+        latest = self.root / "latest"
+        if latest.is_symlink() or (latest.exists() and not latest.is_file()):
+            return (f"{latest} is not nanotrn's `latest` pointer (a {'link' if latest.is_symlink() else 'folder'}), "
+                    f"and each save replaces that file: move it out of the checkpoint directory, or give another --ckpt.dir")
+        if latest.is_file():
+            try:
+                text = latest.read_bytes()[:64].decode().strip()
+            except (OSError, UnicodeDecodeError):
+                text = None
+            if text is None or not LATEST.match(text) or latest.stat().st_size > 64:
+                return (f"{latest} is not nanotrn's `latest` pointer (it should hold a name like step_00000200), "
+                        f"and each save replaces that file: move it out of the checkpoint directory, or give "
+                        f"another --ckpt.dir")
+        theirs = []
+        for p in sorted(self.root.iterdir()):
+            if STEP_DIR.match(p.name) and (not p.is_dir() or p.is_symlink() or not is_ours(p)):
+                theirs.append(p)
+        if theirs:
+            return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
+                    f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's (no "
+                    f"checkpoint files inside): a save of that step would write into it or prune it. Move "
+                    f"{'it' if len(theirs) == 1 else 'them'} out of the checkpoint directory, or give another --ckpt.dir")
+        return None
 
-    def wait_for_markers(self, step: int, world: int, timeout_s: float):
-        """Rank 0's writer: until every rank's marker of `step` is there. Polls the file system: no
-        collective in a background thread."""
-        d, deadline = step_dir(self.root, step), time.monotonic() + timeout_s
-        while missing := [r for r in range(world) if not (d / marker_name(r)).exists()]:
+    def start_fresh(self) -> str | None:
+        """--ckpt.start_fresh: move every step folder (and `latest`, and the tokenizer kept beside
+        them) into previous_<time>/, as they are. Nothing is deleted."""
+        dest = self.root / f"previous_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
+        moved = [p for p in sorted(self.root.iterdir())
+                 if STEP_DIR.match(p.name) or p.name in ("latest", "tokenizer")]
+        try:
+            dest.mkdir()
+            for p in moved:
+                os.replace(p, dest / p.name)
+            fsync_dir(self.root)
+        except OSError as e:
+            return f"--ckpt.start_fresh could not move the old checkpoints into {dest}: {e}"
+        self.warn(f"--ckpt.start_fresh: moved {len(moved)} entries ({', '.join(p.name for p in moved[:4])}"
+                  f"{' ...' if len(moved) > 4 else ''}) into {dest}; nothing was deleted")
+        return None
+
+    def set_aside(self, dirs: list[tuple[Path, int]]) -> dict[Path, Path]:
+        """Rename skipped step folders aside and keep them: damaged ones step_N.bad<time>,
+        interrupted saves step_N.incomplete<time>. A new save of step N starts in a new folder.
+        Returns where each went."""
+        where = {}
+        for d, verdict in dirs:
+            to = d.with_name(f"{d.name}.{'bad' if verdict == DAMAGED else 'incomplete'}{time.time_ns()}")
+            os.replace(d, to)
+            where[d] = to
+        if dirs:
+            fsync_dir(self.root)
+        return where
+
+    def wait_for_markers(self, step: int, world: int, timeout_s: float) -> list[int]:
+        """Rank 0's writer: until every rank's marker of `step` is there; the ranks still missing
+        after timeout_s. Polls the file system (no collective in a background thread): every marker
+        once, then only the missing ones, every 20 ms growing to 2 s. At 4096 ranks on a slow disk
+        that is 4096 stats, then a few per second, not 200,000 a second."""
+        d, deadline, pause = step_dir(self.root, step), time.monotonic() + timeout_s, 0.02
+        missing = list(range(world))
+        while missing := [r for r in missing if not (d / marker_name(r)).exists()]:
             if time.monotonic() > deadline:
                 return missing
-            time.sleep(0.02)
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())) or 0.001)
+            pause = min(2.0, pause * 1.5)
         return []
 
-    def publish(self, step: int):
-        """Point `latest` at a complete step."""
+    def complete(self, step: int, world: int):
+        """Rank 0, once every marker of `step` is there: its manifest (which makes it complete and
+        says whose it is), then `latest`."""
         d = step_dir(self.root, step)
+        manifest = {"format": FORMAT, "step": step, "world": world, "lineage": self.lineage,
+                    "by": f"pid {os.getpid()} on {socket.gethostname()}", "time": time.time()}
+        atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
         try:
             atomic_write(self.root / "latest", d.name.encode())
         except OSError as e:      # the checkpoint is complete: resume finds it by scanning, not by `latest`
@@ -218,18 +361,17 @@ class CkptDir:
             (self.root / ".latest.tmp").unlink(missing_ok=True)
 
     def prune(self, keep: int):
-        # After a good save, the half-written checkpoints set aside as step_N.bad<time> have served
-        # their purpose (being looked at): they only take space.
-        for p in self.root.iterdir():
-            if (m := STEP_DIR.match(p.name)) and m.group(2):
-                shutil.rmtree(p, ignore_errors=True)
+        """Delete this lineage's complete checkpoints beyond the newest `keep` of them. Reads one
+        manifest per step folder, no marker. Never touches a folder without a manifest of this
+        lineage: a damaged, interrupted, foreign or format-1 one, or one set aside."""
         if keep <= 0:
             return
-        complete = [s for s, d in scan(self.root) if check(d)[0] is None]
-        if len(complete) <= keep:
-            return
-        oldest_kept = complete[keep - 1]
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and int(m.group(1)) < oldest_kept:
-                shutil.rmtree(p, ignore_errors=True)
+        ours = []
+        for _, d in scan(self.root):
+            try:
+                if read_manifest(d / MANIFEST)["lineage"] == self.lineage:
+                    ours.append(d)
+            except (OSError, ValueError):
+                continue
+        for d in ours[keep:]:
+            shutil.rmtree(d, ignore_errors=True)

@@ -105,6 +105,7 @@ class CheckpointConfig:
     async_save: bool = True
     resume: bool = True          # continue from the newest complete checkpoint if there is one
     reset_data: bool = False     # on resume, start the data stream afresh (needed after a change of global batch)
+    start_fresh: bool = False    # with --ckpt.resume=false: move the directory's checkpoints aside (never deleted) and start over
 
 
 @dataclass
@@ -416,6 +417,9 @@ def check_values(cfg: Config) -> None:
     if not o.min_lr <= o.lr:
         raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr}: the schedule decays "
                           f"from lr to min_lr; lower min_lr")
+    if cfg.ckpt.start_fresh and cfg.ckpt.resume:
+        raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
+                          "it goes with --ckpt.resume=false (drop it to resume them)")
     m = cfg.model
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above "

@@ -141,8 +141,8 @@ def stopped_step(stdout: str, name: str) -> int:
 def assert_only_checkpoint(ckpt: Path, step: int):
     steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_"))
     assert steps == [f"step_{step:08d}"], steps
-    problem, files = ckptdir.check(ckpt / steps[0])
-    assert problem is None and files                          # every rank's marker: all saved this step
+    verdict, problem, files = ckptdir.check(ckpt / steps[0])
+    assert verdict == ckptdir.OK and files                          # every rank's marker: all saved this step
 
 
 def test_sigterm_to_torchrun_and_sigint_stop_at_a_step_boundary_with_a_checkpoint(tmp_path):
@@ -213,7 +213,7 @@ def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, mon
     """A checkpoint directory on a 1 MiB tmpfs (simulated ENOSPC where mounting is not allowed): the
     run stops with "disk full" at the save that failed, not at the next interval. A file or a
     read-only mount as --ckpt.dir is refused before any work. A complete checkpoint whose `latest`
-    could not be written is still found; a `.bad` directory goes after the next good save."""
+    could not be written is still found; a `.bad` directory stays after the next good save."""
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
@@ -248,7 +248,7 @@ def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, mon
     cfg = save_steps(root, 1)
     assert "complete but `latest` could not be updated" in capsys.readouterr().out
     assert checkpoint.Checkpointer(cfg).load_latest().step == 1
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000007.bad123"]
 
 
 def test_resume_builds_the_model_empty_and_loads_it(monkeypatch):

@@ -1,0 +1,302 @@
+"""The checkpoint directory's rules (ckptdir.py, issue 25): nothing a user has is lost or replaced.
+Each case asserts what is still on disk afterwards, byte for byte: a damaged newest checkpoint
+(resume from the older one, loudly), the only checkpoint damaged (refused, nothing touched),
+--ckpt.start_fresh (moved aside, not deleted), a foreign `latest` or step folder (refused), set-aside
+folders kept after the next good save, pruning only this lineage's complete checkpoints, a marker
+that never comes (no crash, incomplete, passed over), and the checkpoint format (1 loads, newer is
+refused by name)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import checkpoint  # noqa: E402
+import ckptdir  # noqa: E402
+import configs  # noqa: E402
+import parallel  # noqa: E402
+from checkpoint import Checkpointer, CheckpointError  # noqa: E402
+
+
+def cfg_for(root: Path, *args) -> configs.Config:
+    return configs.from_args([f"--ckpt.dir={root}", "--ckpt.async_save=false", *args])
+
+
+def save(cfg, *steps):
+    ck = Checkpointer(cfg)
+    for s in steps:
+        ck.save(s, {"w": torch.full((4,), float(s))}, {"m": torch.full((2,), -float(s))}, data={"pos": s})
+    ck.close()
+
+
+def tree(root: Path) -> dict:
+    """Every file under root (but run.lock): relative path -> sha1 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "run.lock"}
+
+
+def start(cfg) -> Checkpointer:
+    """What train.py does before the first step: claim the directory, then resume."""
+    ck = Checkpointer(cfg)
+    ck.claim()
+    return ck
+
+
+def damage(d: Path, how: str):
+    if how == "truncated model":
+        f = d / "model_tp00_pp00.pt"
+        f.write_bytes(f.read_bytes()[:100])
+    elif how == "flipped optimizer byte":
+        f = d / "optim_tp00_pp00.pt"
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        f.write_bytes(raw)
+    else:                                           # a garbage done-marker
+        (d / "rank00000.done").write_text("{garbage")
+
+
+# ----------------------------------------------------------------------------- item 1
+
+@pytest.mark.parametrize("how", ["truncated model", "flipped optimizer byte", "garbage marker"])
+def test_damaged_newest_resumes_the_older_one_loudly_and_keeps_it(tmp_path, capsys, how):
+    cfg = cfg_for(tmp_path)
+    save(cfg, 4, 7)
+    damage(tmp_path / "step_00000007", how)
+    before = tree(tmp_path / "step_00000007")
+    capsys.readouterr()
+    ck = start(cfg)
+    loaded = ck.load_latest()
+    out, err = capsys.readouterr()
+    assert loaded.step == 4 and torch.equal(loaded.model["w"], torch.full((4,), 4.0))
+    # which, why, and the steps lost, on stderr too
+    assert "WARNING: step_00000007 is damaged" in err and "resuming from the newest valid older checkpoint, step_00000004" in err
+    assert "3 steps (5 to 7) will be trained again" in err, err
+    kept = list(tmp_path.glob("step_00000007.bad*"))
+    assert len(kept) == 1 and tree(kept[0]) == before           # set aside, byte for byte
+    ck.save(7, {"w": torch.zeros(4)}, {"m": torch.zeros(2)})    # a new step 7 goes into a new folder
+    ck.close()
+    assert tree(kept[0]) == before and (tmp_path / "step_00000007" / ckptdir.MANIFEST).exists()
+
+
+@pytest.mark.parametrize("how", ["truncated model", "flipped optimizer byte", "garbage marker"])
+def test_only_checkpoint_damaged_is_refused_and_nothing_changes(tmp_path, how):
+    cfg = cfg_for(tmp_path)
+    save(cfg, 9)
+    damage(tmp_path / "step_00000009", how)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        start(cfg).load_latest()
+    msg = str(e.value)
+    assert "holds no valid checkpoint" in msg and "step_00000009" in msg and "Nothing was changed" in msg
+    assert "--ckpt.resume=false --ckpt.start_fresh" in msg
+    assert tree(tmp_path) == before and sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000009"]
+
+
+def test_start_fresh_moves_the_old_folders_aside(tmp_path, capsys):
+    cfg = cfg_for(tmp_path)
+    save(cfg, 2, 4)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.model").write_bytes(b"old")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(step_00000004, step_00000002\).*start_fresh"):
+        Checkpointer(cfg_for(tmp_path, "--ckpt.resume=false"))
+    with pytest.raises(configs.ConfigError, match="start_fresh.*--ckpt.resume=false"):
+        configs.validate(cfg_for(tmp_path, "--ckpt.start_fresh"))
+    fresh = cfg_for(tmp_path, "--ckpt.resume=false", "--ckpt.start_fresh")
+    configs.validate(fresh)
+    ck = start(fresh)
+    assert ck.load_latest() is None
+    assert "moved 4 entries" in capsys.readouterr().err
+    (aside,) = tmp_path.glob("previous_*")
+    assert tree(aside) == before                                # everything, byte for byte
+    ck.save(1, {"w": torch.ones(4)})
+    ck.close()
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000001"] and tree(aside) == before
+
+
+def test_foreign_step_folder_and_latest_are_refused_with_their_path(tmp_path):
+    cfg = cfg_for(tmp_path)
+    save(cfg, 3)
+    mine = tmp_path / "step_00000009"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's own files")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{mine} is named like a checkpoint but not nanotrn's"):
+        start(cfg)
+    assert tree(tmp_path) == before
+    mine.rename(tmp_path / "elsewhere")
+    (tmp_path / "latest").write_text("my own notes, not a pointer")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is not nanotrn's `latest` pointer"):
+        start(cfg)
+    assert tree(tmp_path) == before
+    (tmp_path / "latest").write_text("step_00000003")          # nanotrn's own: fine
+    start(cfg).close()
+
+
+def test_interrupted_saves_are_set_aside_and_kept_after_the_next_good_save(tmp_path, capsys):
+    """An interrupted save (no manifest, or no marker from rank 0) is not a checkpoint a user had:
+    the run passes over it (starting fresh if nothing else is there), keeps it aside, and the next
+    good save deletes no set-aside folder."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 5)
+    (tmp_path / "step_00000005" / ckptdir.MANIFEST).unlink()   # rank 0 died before it saw every marker
+    before = tree(tmp_path / "step_00000005")
+    ck = start(cfg)
+    assert ck.load_latest() is None
+    assert "step_00000005 was interrupted (kept as step_00000005.incomplete" in capsys.readouterr().err
+    ck.save(2, {"w": torch.ones(4)})
+    ck.save(3, {"w": torch.ones(4)})
+    ck.close()
+    (aside,) = tmp_path.glob("step_00000005.incomplete*")
+    assert tree(aside) == before
+
+
+def test_prune_deletes_only_this_lineages_complete_checkpoints(tmp_path):
+    """keep=2: another run's complete checkpoint (another lineage, copied in), a format-1 one and
+    this run's damaged and incomplete ones stay; of this lineage's, the newest 2 stay."""
+    other = tmp_path / "other"
+    save(cfg_for(other), 1)
+    root = tmp_path / "run"
+    root.mkdir()
+    (other / "step_00000001").rename(root / "step_00000001")    # another run's, complete
+    save(cfg_for(root), 2)
+    to_format_1(root / "step_00000002")
+    before = {n: tree(root / n) for n in ("step_00000001", "step_00000002")}
+    cfg = cfg_for(root, "--ckpt.keep=2")
+    ck = start(cfg)
+    assert ck.load_latest().step == 2                          # format 1: a new lineage begins here
+    for s in (3, 4, 5, 6):
+        ck.save(s, {"w": torch.ones(4)})
+    ck.close()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002", "step_00000005",
+                                                          "step_00000006"]
+    assert {n: tree(root / n) for n in before} == before
+    # Resumed, the lineage continues: its own older checkpoints are pruned, still no other.
+    ck = start(cfg)
+    assert ck.load_latest().step == 6
+    ck.save(7, {"w": torch.ones(4)})
+    ck.close()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002", "step_00000006",
+                                                          "step_00000007"]
+
+
+# ----------------------------------------------------------------------------- item 3
+
+def test_a_rank_that_never_writes_its_marker_leaves_the_step_incomplete_and_training_goes_on(tmp_path, capsys):
+    """World 2, rank 1 never writes (a dead or hung rank, or a very slow disk): rank 0's writer
+    waits marker_timeout_s, names rank 1, writes no manifest and no `latest`, raises nothing; the
+    run saves the next step; resume passes over the incomplete one; every file stays on disk."""
+    cfg = cfg_for(tmp_path)
+    cfg.ckpt.async_save = True
+    g0 = parallel.Grid(world=2, rank=0, dp=2, dp_rank=0)
+    g1 = parallel.Grid(world=2, rank=1, dp=2, dp_rank=1)
+    state = lambda s: ({"w": torch.full((4,), float(s))}, {"m": torch.zeros(2)})   # noqa: E731
+    ck1 = Checkpointer(cfg, g1)
+    ck1.save(1, *state(1))
+    ck1.close()
+    ck0 = Checkpointer(cfg, g0, marker_timeout_s=0.5)
+    ck0.save(1, *state(1))
+    ck0.wait()                                                 # step 1 complete: both markers
+    ck0.save(2, *state(2))                                     # rank 1 never saves step 2
+    ck0.wait()                                                 # no exception: training goes on
+    ck0.check()
+    out = capsys.readouterr()
+    assert "step_00000002: no completion marker from rank(s) [1] (1 of 2) within 0 s" in out.err
+    d2 = tmp_path / "step_00000002"
+    assert not (d2 / ckptdir.MANIFEST).exists() and (tmp_path / "latest").read_text() == "step_00000001"
+    assert ckptdir.check(d2)[0] == ckptdir.INTERRUPTED
+    files2 = tree(d2)
+    assert "rank00000.done" in files2 and "model_tp00_pp00.pt" in files2
+    ck0.close()
+    # Resume (rank 0's view, no process group: it checks every marker) passes over step 2.
+    loaded = Checkpointer(cfg, parallel.Grid(world=2, rank=0, dp=2)).load_latest()
+    assert loaded.step == 1
+    (aside,) = tmp_path.glob("step_00000002.incomplete*")
+    assert tree(aside) == files2
+
+
+def test_marker_wait_polls_only_the_missing_ones_with_backoff(tmp_path, monkeypatch):
+    d = tmp_path / "step_00000001"
+    d.mkdir(parents=True)
+    for r in range(0, 64):
+        if r != 17:
+            (d / ckptdir.marker_name(r)).write_text("{}")
+    looked, exists = [], Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: looked.append(p.name) or exists(p))
+    clock, sleeps = [0.0], []                  # a clock that moves only when the wait sleeps
+    monkeypatch.setattr(ckptdir.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ckptdir.time, "sleep", lambda s: (sleeps.append(s), clock.__setitem__(0, clock[0] + s)))
+    missing = ckptdir.CkptDir(tmp_path).wait_for_markers(1, 64, timeout_s=60)
+    assert missing == [17]
+    assert looked[:64] == [ckptdir.marker_name(r) for r in range(64)]            # every marker once
+    assert set(looked[64:]) == {ckptdir.marker_name(17)}                         # then only the missing one
+    # 20 ms growing by 1.5x to 2 s: about 40 looks in a minute, not 3000
+    assert sleeps[:3] == pytest.approx([0.02, 0.03, 0.045]) and max(sleeps) == 2.0 and len(sleeps) < 45
+
+
+def test_prune_reads_one_manifest_per_checkpoint_and_no_marker(tmp_path, monkeypatch):
+    cfg = cfg_for(tmp_path, "--ckpt.keep=1")
+    ck = Checkpointer(cfg)
+    ck.save(1, {"w": torch.ones(4)})
+    read = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: read.append(p.name) or real(p, *a, **k))
+    ck.dir.prune(1)
+    ck.save(2, {"w": torch.ones(4)})       # writes, waits for the markers, prunes step 1
+    ck.close()
+    assert read and set(read) == {ckptdir.MANIFEST}
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002"]
+
+
+# ----------------------------------------------------------------------------- item 6: the format
+
+def to_format_1(d: Path):
+    """Rewrite a checkpoint as nanotrn wrote it before issue 25 (checkpoint format 1): no manifest,
+    no "format" in meta.json or the markers (the markers' record of meta.json follows)."""
+    (d / ckptdir.MANIFEST).unlink()
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["format"]
+    raw = json.dumps(meta, indent=1).encode()
+    (d / "meta.json").write_bytes(raw)
+    for p in d.glob("rank*.done"):
+        m = json.loads(p.read_text())
+        del m["format"]
+        if "meta.json" in m["files"]:
+            m["files"]["meta.json"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+        p.write_text(json.dumps(m, indent=1))
+
+
+def test_format_1_checkpoint_loads_and_a_newer_one_is_refused_by_name(tmp_path, capsys):
+    cfg = cfg_for(tmp_path)
+    save(cfg, 3)
+    d = tmp_path / "step_00000003"
+    to_format_1(d)
+    assert ckptdir.check(d)[0] == ckptdir.OK
+    loaded = start(cfg).load_latest()
+    assert loaded.step == 3 and torch.equal(loaded.model["w"], torch.full((4,), 3.0)) and loaded.data == {"pos": 3}
+    assert "has checkpoint format 1 (no manifest): it is loaded as it is" in capsys.readouterr().out
+    # A format-1 save interrupted (rank 0's marker missing) is passed over as before.
+    save(cfg_for(tmp_path / "b"), 1, 2)
+    for s in (1, 2):
+        to_format_1(tmp_path / "b" / f"step_0000000{s}")
+    (tmp_path / "b" / "step_00000002" / "rank00000.done").unlink()
+    assert Checkpointer(cfg_for(tmp_path / "b")).load_latest().step == 1
+
+    save(cfg_for(tmp_path / "c"), 4)
+    for p in (tmp_path / "c" / "step_00000004").glob("rank*.done"):
+        p.write_text(p.read_text().replace('"format": 2', '"format": 3'))
+    before = tree(tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"step_00000004 was written by a newer nanotrn \(checkpoint format 3"):
+        Checkpointer(cfg_for(tmp_path / "c")).load_latest()
+    assert tree(tmp_path / "c") == before
+    checkpoint.cli(["ls", str(tmp_path / "c")])
+    assert "step_00000004  BAD: " in capsys.readouterr().out
