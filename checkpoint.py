@@ -59,7 +59,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
@@ -205,7 +204,7 @@ class _CrcFile:
             self.f.flush()
             self.die()
         n = self.f.write(b)
-        self.crc, self.n = zlib.crc32(b, self.crc), self.n + n
+        self.crc, self.n = ckptdir.crc32(b, self.crc), self.n + n
         return n
 
     def flush(self):
@@ -232,6 +231,17 @@ def tensor_bytes(obj) -> int:
         return len(obj)
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     return sum(tensor_bytes(v) for v in items)
+
+
+def to_host(obj):
+    """obj with every tensor copied to host memory (on XLA: the device-to-host transfer)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 # ----------------------------------------------------------------------------- who writes what
@@ -289,11 +299,13 @@ class Writer:
         self._buffers: dict[tuple, torch.Tensor] = {}   # host staging buffers, reused between saves
         self.stats: dict = {}
 
-    def write(self, step: int, files: dict, t0: float):
-        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began."""
+    def write(self, step: int, files: dict, t0: float, to_disk: bool = True):
+        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began.
+        to_disk=False: only the staging into host memory (the pre-compile pass: the same transfers
+        and graph cuts as a save, nothing written)."""
         # Stage into host memory for a background write, and always off a device: torch.save of an
         # XLA tensor pickles the device itself and ignores map_location at load.
-        if self.async_save or (self.device is not None and torch.device(self.device).type != "cpu"):
+        if self.async_save or not to_disk or (self.device is not None and torch.device(self.device).type != "cpu"):
             # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
             # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
             threads = torch.get_num_threads()
@@ -305,6 +317,8 @@ class Writer:
             if self.device is not None and torch.device(self.device).type == "cuda":
                 torch.cuda.synchronize()
         self.stats.update(blocked_s=time.perf_counter() - t0, bytes=sum(tensor_bytes(o) for o in files.values()))
+        if not to_disk:
+            return
         if self.async_save:
             self._thread = threading.Thread(target=self._write_in_background, args=(step, files),
                                             name=f"ckpt-writer-{step}")
@@ -490,7 +504,11 @@ class Checkpointer:
     rules (ckptdir.CkptDir: claim, prune, set aside; rank 0's)."""
 
     def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
-                 log=print, marker_timeout_s: float = 600.0):
+                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False):
+        """compile_only: the pre-compile pass (neuron_parallel_compile runs train.py with
+        NEURON_EXTRACT_GRAPHS_ONLY: every output is invalid): nothing is read or written; a save
+        only stages into host memory, which traces the same device-to-host transfers and graph cuts
+        as a real save (aws-neuron-sdk #813: the steps after a save compile other graphs)."""
         self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
         self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
         self._log = log
@@ -503,6 +521,9 @@ class Checkpointer:
         self.writer = Writer(self.root, g.rank, g.world, self.fault, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None)
         self._newest = -1                                # newest step saved or resumed from
+        self.compile_only = compile_only
+        if compile_only:
+            return
         if not self.c.resume and not self.c.start_fresh and (found := ckptdir.scan(self.root)):
             raise CheckpointError(
                 f"--ckpt.resume=false but {self.root} already holds checkpoints ({', '.join(d.name for _, d in found[:4])}"
@@ -558,7 +579,7 @@ class Checkpointer:
         files = rank_files(step, self.grid, self.layout, self.cfg, model, optim, data, extra, self.device)
         self.writer.stats = {"step": step, "wait_s": time.perf_counter() - t0}
         self._newest = step
-        self.writer.write(step, files, t0)
+        self.writer.write(step, files, t0, to_disk=not self.compile_only)
 
     def _finish(self, step: int):
         """Rank 0, in the writer thread: once every rank's marker is there, the manifest (complete),
@@ -585,6 +606,10 @@ class Checkpointer:
     def claim(self):
         """Before any work, on every rank: rank 0 claims the directory (ckptdir.CkptDir.claim); all
         ranks agree before going on."""
+        if self.compile_only:
+            self.say(f"pre-compile pass (graph extraction: its values are not real): nothing is read from or "
+                     f"written to {self.root}")
+            return
         problem = self.dir.claim(self.c.resume, self.c.start_fresh) if self.grid.rank == 0 else None
         if not agree(self.grid, problem is None):
             raise CheckpointError(problem or f"rank 0 could not claim {self.root} (see its message)")
@@ -604,6 +629,8 @@ class Checkpointer:
         checkpoint while a damaged one is there: refused, nothing touched. names: this rank's model
         state keys (model.state_dict()); at another layout only those are built."""
         self.wait()
+        if self.compile_only:
+            return None
         if not self.c.resume:
             self.say("--ckpt.resume=false: starting fresh")
             return None

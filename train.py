@@ -251,7 +251,11 @@ def main(argv: list[str]) -> None:
     stop = StopSignal(grid)
     # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before
     # any work; otherwise a second run on it would resume the first one's checkpoints.
-    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print)
+    # neuron_parallel_compile's pre-compile pass (scripts/launch.sh compile) runs this same command
+    # with NEURON_EXTRACT_GRAPHS_ONLY set: every value is invalid, so it reads and writes no
+    # checkpoint (and no export), yet traces the save and load graphs a real run compiles.
+    compile_only = bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
+    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print, compile_only=compile_only)
     ckpt.claim()
     accum = configs.grad_accum_steps(cfg, grid.dp)
     log = print if grid.is_main else (lambda *a, **k: None)
@@ -268,7 +272,7 @@ def main(argv: list[str]) -> None:
     data.check_size(cfg.data, index, grid.dp)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
     kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
-    if grid.is_main and not kept:        # beside the checkpoints: `checkpoint.py export` ships it too
+    if grid.is_main and not kept and not compile_only:     # beside the checkpoints: `checkpoint.py export` ships it too
         hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
     train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
     # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
@@ -370,6 +374,11 @@ def main(argv: list[str]) -> None:
                 mon.flush()                             # raises on a poisoned state: it is never saved
                 ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
                           extra={"tokens_seen": tokens_seen})
+                if compile_only and step == cfg.ckpt.interval:
+                    # A resume's load graph (the optimizer state copied in from host memory, as
+                    # from a checkpoint) goes into the compile cache too, without a checkpoint.
+                    optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
+                    sync(device)
             ckpt.check()                                # a failed save (full disk) stops the run now
             if stopping:
                 break
@@ -382,6 +391,10 @@ def main(argv: list[str]) -> None:
         if val_loader is not None:
             val_loader.close()
 
+    if compile_only:
+        log(f"pre-compile pass: {step} steps traced, nothing saved or exported")
+        parallel.destroy(grid)
+        return
     if step < cfg.optim.max_steps:                      # stopped by a signal: no export, exit cleanly
         log(f"{stopping}: stopped after step {step}, saved in {cfg.ckpt.dir}; run the same command to continue")
         parallel.destroy(grid)

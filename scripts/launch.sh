@@ -114,12 +114,13 @@ compile)
     # invalid), then compiles every graph in parallel into NEURON_CACHE_DIR. Everything that
     # shapes a graph must match the real run, so only the step count changes; an eval and a
     # checkpoint save inside the few steps put the eval graph and the steps after a save
-    # (aws-neuron-sdk #813) in the cache too. Its invalid checkpoint goes to a side directory
-    # that the real run never resumes from.
+    # (aws-neuron-sdk #813) in the cache too. train.py sees NEURON_EXTRACT_GRAPHS_ONLY and writes
+    # no checkpoint and no export (its values are invalid), yet traces the save and load graphs;
+    # the side directories are never created, let alone resumed from.
     side="$out_dir/precompile"
     cmd=(neuron_parallel_compile "${launcher[@]}" --max-restarts=0 train.py "$@"
          --optim.max_steps="$COMPILE_STEPS" --log.eval_interval=4 --ckpt.interval=5
-         --ckpt.resume=false --ckpt.dir="$side/ckpt" --out_dir="$side" --log.tensorboard=) ;;
+         --ckpt.dir="$side/ckpt" --out_dir="$side" --log.tensorboard=) ;;
 health)
     read -r -a extra <<< "${HEALTHCHECK_ARGS:-}"
     cmd=("${launcher[@]}" --max-restarts=0 scripts/healthcheck.py --tp="$tp" --pp="$pp" "${extra[@]}") ;;
@@ -140,7 +141,6 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
     printf '%s\n' "${node_setup[@]}"
     for v in "${NANOTRN_ENV_VARS[@]}"; do echo "export $v=$(quote "${!v}")"; done
     echo "cd $(quote "$root")"
-    if [[ "$mode" == compile ]]; then echo "rm -rf -- $(quote "$side")"; fi
     quote "${cmd[@]}"
     exit 0
 fi
@@ -154,9 +154,4 @@ if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_port
     echo "warning: could not reserve ports ${missing[*]} (needs sudo): another process may take them" >&2
 fi
 mkdir -p "$NEURON_CACHE_DIR"
-if [[ "$mode" == compile ]]; then
-    # The side directory holds only an earlier compile pass's invalid checkpoints; with them there,
-    # --ckpt.resume=false would refuse to start (and resuming would skip the steps to trace).
-    rm -rf -- "$side"
-fi
 exec "${cmd[@]}"
