@@ -18,10 +18,12 @@ names, markers, when a folder is complete and valid, claim, prune, set aside):
         optim_dp001_tp00_pp00.pt    ... or, with ZeRO-1, the shard of every DP rank       that DP rank
         rank00000.pt                RNG streams and data-loader state                       every rank
         rank00000.done              completion marker: size and crc32 of each file rank 0 wrote
+        manifest.json               complete: rank 0 saw every marker (format, lineage)        rank 0
 
-This module: the Writer (this rank's files, atomic, in a background thread), find_newest_valid
-(the search every rank makes on resume; reshard.py then reads the files), and the Checkpointer that
-joins them with the directory's rules, plus RNG streams, fault injection and the command line.
+Three parts, each in its place: the writer (ckptsave.Writer: this rank's files, atomic, in a
+background thread), the search for the newest valid checkpoint (find_newest_valid here, then
+reshard.read), and the directory's rules (ckptdir.py). The Checkpointer joins them; this module
+also holds what each rank saves (rank_files), the RNG streams, fault injection and the command line.
 
 Who writes a file that DP replicas hold alike (the model, the optimizer without ZeRO-1): one replica
 per file, spread over the DP group (writer_dp_rank), as NxD spreads its saves over the DP ranks
@@ -41,23 +43,19 @@ A save, on every rank (the training step waits only for step 1):
   1. copy this rank's state into host buffers (reused between saves) and return to training;
   2. a writer thread writes each file into step_N/.tmp-rankR/, fsyncs it, renames it into step_N/;
   3. then writes its marker rankR.done the same way (temp file, fsync, rename, fsync the directory);
-  4. rank 0's writer waits for every rank's marker, points `latest` at step_N and deletes the
-     checkpoints older than the newest `keep` complete ones.
-A checkpoint is complete when every rank's marker exists, and valid when every file has the size
-and crc32 its marker records. A crash at any moment leaves at worst an incomplete directory, which
-loading skips (and sets aside as step_N.bad); nothing complete is ever written to again.
+  4. rank 0's writer waits for every rank's marker, writes the manifest, points `latest` at step_N
+     and deletes this lineage's checkpoints beyond the newest `keep` complete ones.
+A checkpoint is complete when its manifest exists, and valid when every file has the size and crc32
+its marker records. A crash at any moment leaves at worst an interrupted save, which resume passes
+over (and sets aside, kept, as step_N.incomplete<time>); nothing complete is ever written to again.
 """
 from __future__ import annotations
 
-import copy
-import errno
 import json
 import os
 import random
-import shutil
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -72,6 +70,7 @@ from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
 from parallel import Grid
 import ckptdir
 import reshard
+from ckptsave import Writer, to_host  # noqa: F401  (to_host: for train.py)
 # CheckpointError is defined in reshard.py, which reads checkpoints back and must not import this
 # module; callers keep using checkpoint.CheckpointError.
 from reshard import CheckpointError, Loaded
@@ -190,60 +189,6 @@ class FaultInjector:
         return self._fixed(step, in_save=True)
 
 
-# ----------------------------------------------------------------------------- files
-
-class _CrcFile:
-    """A write-only file that checksums what passes through it (one pass over the bytes), and can
-    die halfway (fault injection: the kill lands in the middle of a real file write)."""
-
-    def __init__(self, f, die_at: int | None = None, die=None):
-        self.f, self.n, self.crc, self.die_at, self.die = f, 0, 0, die_at, die
-
-    def write(self, b) -> int:
-        if self.die_at is not None and self.n >= self.die_at:
-            self.f.flush()
-            self.die()
-        n = self.f.write(b)
-        self.crc, self.n = ckptdir.crc32(b, self.crc), self.n + n
-        return n
-
-    def flush(self):
-        self.f.flush()
-
-
-def write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
-    """Write obj (bytes as they are, anything else with torch.save), fsync; return size and crc32."""
-    with open(path, "wb") as raw:
-        f = _CrcFile(raw, die_at, die)
-        if isinstance(obj, bytes):
-            f.write(obj)
-        else:
-            torch.save(obj, f)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return {"bytes": f.n, "crc32": f.crc}
-
-
-def tensor_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, bytes):
-        return len(obj)
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in items)
-
-
-def to_host(obj):
-    """obj with every tensor copied to host memory (on XLA: the device-to-host transfer)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(to_host(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 # ----------------------------------------------------------------------------- who writes what
 
 def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
@@ -280,137 +225,6 @@ def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data
     files[f"rank{g.rank:05d}.pt"] = {"rank": g.rank, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
                                      "pp_rank": g.pp_rank, "rng": rng_state(device), "data": data}
     return files
-
-
-# ----------------------------------------------------------------------------- the writer
-
-class Writer:
-    """Writes this rank's files of one checkpoint at a time, atomically, in a background thread
-    (async_save) or in the caller's. write(step, files) returns once the files are staged in host
-    memory; wait() blocks until they are on disk (and raises what went wrong); on rank 0, finish(step)
-    runs in the writer thread after its own marker (waiting for the others', then `latest`, prune)."""
-
-    def __init__(self, root: Path, rank: int, world: int, fault: FaultInjector, async_save: bool,
-                 device: torch.device | str | None = None, finish=None):
-        self.root, self.rank, self.world, self.fault, self.async_save = Path(root), rank, world, fault, async_save
-        self.device, self.finish = device, finish
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._buffers: dict[tuple, torch.Tensor] = {}   # host staging buffers, reused between saves
-        self.stats: dict = {}
-
-    def write(self, step: int, files: dict, t0: float, to_disk: bool = True):
-        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began.
-        to_disk=False: only the staging into host memory (the pre-compile pass: the same transfers
-        and graph cuts as a save, nothing written)."""
-        # Stage into host memory for a background write, and always off a device: torch.save of an
-        # XLA tensor pickles the device itself and ignores map_location at load.
-        if self.async_save or not to_disk or (self.device is not None and torch.device(self.device).type != "cpu"):
-            # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
-            # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                files = {n: o if isinstance(o, bytes) else self._stage(o, (n,)) for n, o in files.items()}
-            finally:
-                torch.set_num_threads(threads)
-            if self.device is not None and torch.device(self.device).type == "cuda":
-                torch.cuda.synchronize()
-        self.stats.update(blocked_s=time.perf_counter() - t0, bytes=sum(tensor_bytes(o) for o in files.values()))
-        if not to_disk:
-            return
-        if self.async_save:
-            self._thread = threading.Thread(target=self._write_in_background, args=(step, files),
-                                            name=f"ckpt-writer-{step}")
-            self._thread.start()
-        else:
-            self._write(step, files)
-            self.stats["blocked_s"] = time.perf_counter() - t0
-
-    def _stage(self, obj, key: tuple):
-        """A host copy of obj that training can no longer change: tensors are copied into buffers
-        kept from the previous save (a fresh allocation would page-fault every byte: ~10x slower),
-        other objects deep-copied. On XLA/CUDA the copy_ is the device-to-host transfer."""
-        if isinstance(obj, torch.Tensor):
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
-                self._buffers[key] = buf
-            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._stage(v, key + (k,)) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            items = [self._stage(v, key + (i,)) for i, v in enumerate(obj)]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return copy.deepcopy(obj)
-
-    def _write_in_background(self, step: int, files: dict):
-        try:
-            if hasattr(os, "setpriority"):     # Linux: lower this thread only, training keeps the CPU
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            self._write(step, files)
-        except BaseException as e:        # kept, and raised in the training thread by wait()
-            self._error = e
-
-    def _write(self, step: int, files: dict):
-        try:
-            self._write_files(step, files)
-        except (OSError, RuntimeError) as e:     # torch.save's zip writer turns ENOSPC into a RuntimeError
-            need = sum(map(tensor_bytes, files.values()))
-            free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
-            shutil.rmtree(ckptdir.step_dir(self.root, step) / f".tmp-rank{self.rank:05d}", ignore_errors=True)
-            if getattr(e, "errno", None) == errno.ENOSPC or free < need:
-                raise CheckpointError(
-                    f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
-                    f"(this rank's part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
-                    f"space, lower --ckpt.keep, or point --ckpt.dir at a larger disk") from None
-            raise CheckpointError(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
-
-    def _write_files(self, step: int, files: dict):
-        t0 = time.perf_counter()
-        r = self.rank
-        final = ckptdir.step_dir(self.root, step)
-        tmp = final / f".tmp-rank{r:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # NANOTRN_FAULT=R:S:save: die halfway through this rank's largest file.
-        victim = max(files, key=lambda n: tensor_bytes(files[n])) if self.fault.dies_in_save(step) else None
-        record = {}
-        for name, obj in files.items():
-            die_at = tensor_bytes(obj) // 2 if name == victim else None
-            record[name] = write_file(tmp / name, obj, die_at, lambda: self.fault.die(f"writing {name} of step {step}"))
-        for name in files:
-            os.replace(tmp / name, final / name)
-        tmp.rmdir()
-        ckptdir.fsync_dir(final)
-        marker = {"format": ckptdir.FORMAT, "step": step, "rank": r, "world": self.world, "files": record}
-        ckptdir.atomic_write(final / ckptdir.marker_name(r), json.dumps(marker, indent=1).encode())
-        if self.finish is not None:
-            self.finish(step)
-        self.stats["write_s"] = time.perf_counter() - t0
-
-    @property
-    def in_flight(self) -> bool:
-        """A save is still being written in the background."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self):
-        """Block until the save in flight (if any) is on disk; raise if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
-            if isinstance(e, CheckpointError):   # already says what failed (a full disk, a lost rank)
-                raise e
-            raise CheckpointError(f"the background save of step {self.stats.get('step')} failed: {e!r}") from e
-
-    def check(self):
-        """Raise now if the save in flight has failed (call every step): a full disk is named at
-        once, not one interval later when the next save waits for it."""
-        if self._thread is not None and not self._thread.is_alive():
-            self.wait()
 
 
 # ----------------------------------------------------------------------------- finding the newest valid checkpoint

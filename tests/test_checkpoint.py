@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
 import ckptdir  # noqa: E402
+import ckptsave  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
@@ -106,8 +107,8 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch):
     want_model, want_opt = clone(model.state_dict()), clone(opt.state_dict())
     data = {"epoch": 1, "pos": 17, "buffer": [3, 1, 4, 1, 5]}
     # The writer thread waits at a gate until training has changed everything it was given.
-    gate, write_file = threading.Event(), checkpoint.write_file
-    monkeypatch.setattr(checkpoint, "write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
+    gate, write_file = threading.Event(), ckptsave.write_file
+    monkeypatch.setattr(ckptsave, "write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
     ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128})
     assert ck.in_flight and not (tmp_path / "ckpt" / "step_00000002" / "rank00000.done").exists()
     random_step(model, opt, seed=99)

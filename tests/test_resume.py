@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
 import ckptdir  # noqa: E402
+import ckptsave  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
@@ -231,7 +232,7 @@ def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, mon
         else:                                       # simulated: the writer's first file write fails
             def full(*a, **k):
                 raise OSError(28, "No space left on device")
-            monkeypatch.setattr(checkpoint, "write_file", full)
+            monkeypatch.setattr(ckptsave, "write_file", full)
             with pytest.raises(checkpoint.CheckpointError, match="disk full: no space left"):
                 save_steps(small, 1)
             monkeypatch.undo()

@@ -1,0 +1,209 @@
+"""Saving a checkpoint: this rank's files staged into host memory, then written atomically, in a
+background thread while training goes on (checkpoint.Checkpointer decides what each rank's files
+are; ckptdir.py names them and decides when a step is complete).
+
+Each file goes into step_N/.tmp-rankR/ through one pass that serializes, checksums (crc32) and writes
+it with large buffered writes, is fsynced once, and renamed into step_N/; then the rank's
+completion marker is written the same way. A crash at any moment leaves at worst an interrupted
+save, which resume passes over; nothing complete is ever written to again.
+"""
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import ckptdir
+from reshard import CheckpointError
+
+
+# ----------------------------------------------------------------------------- files
+
+class _CrcFile:
+    """A write-only file that checksums what passes through it (one pass over the bytes), and can
+    die halfway (fault injection: the kill lands in the middle of a real file write)."""
+
+    def __init__(self, f, die_at: int | None = None, die=None):
+        self.f, self.n, self.crc, self.die_at, self.die = f, 0, 0, die_at, die
+
+    def write(self, b) -> int:
+        if self.die_at is not None and self.n >= self.die_at:
+            self.f.flush()
+            self.die()
+        n = self.f.write(b)
+        self.crc, self.n = ckptdir.crc32(b, self.crc), self.n + n
+        return n
+
+    def flush(self):
+        self.f.flush()
+
+
+def write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
+    """Write obj (bytes as they are, anything else with torch.save), fsync; return size and crc32."""
+    with open(path, "wb") as raw:
+        f = _CrcFile(raw, die_at, die)
+        if isinstance(obj, bytes):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return {"bytes": f.n, "crc32": f.crc}
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, bytes):
+        return len(obj)
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in items)
+
+
+def to_host(obj):
+    """obj with every tensor copied to host memory (on XLA: the device-to-host transfer)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+# ----------------------------------------------------------------------------- the writer
+
+class Writer:
+    """Writes this rank's files of one checkpoint at a time, atomically, in a background thread
+    (async_save) or in the caller's. write(step, files) returns once the files are staged in host
+    memory; wait() blocks until they are on disk (and raises what went wrong); on rank 0, finish(step)
+    runs in the writer thread after its own marker (waiting for the others', then `latest`, prune)."""
+
+    def __init__(self, root: Path, rank: int, world: int, fault, async_save: bool,
+                 device: torch.device | str | None = None, finish=None):
+        self.root, self.rank, self.world, self.fault, self.async_save = Path(root), rank, world, fault, async_save
+        self.device, self.finish = device, finish
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffers: dict[tuple, torch.Tensor] = {}   # host staging buffers, reused between saves
+        self.stats: dict = {}
+
+    def write(self, step: int, files: dict, t0: float, to_disk: bool = True):
+        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began.
+        to_disk=False: only the staging into host memory (the pre-compile pass: the same transfers
+        and graph cuts as a save, nothing written)."""
+        # Stage into host memory for a background write, and always off a device: torch.save of an
+        # XLA tensor pickles the device itself and ignores map_location at load.
+        if self.async_save or not to_disk or (self.device is not None and torch.device(self.device).type != "cpu"):
+            # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
+            # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                files = {n: o if isinstance(o, bytes) else self._stage(o, (n,)) for n, o in files.items()}
+            finally:
+                torch.set_num_threads(threads)
+            if self.device is not None and torch.device(self.device).type == "cuda":
+                torch.cuda.synchronize()
+        self.stats.update(blocked_s=time.perf_counter() - t0, bytes=sum(tensor_bytes(o) for o in files.values()))
+        if not to_disk:
+            return
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_in_background, args=(step, files),
+                                            name=f"ckpt-writer-{step}")
+            self._thread.start()
+        else:
+            self._write(step, files)
+            self.stats["blocked_s"] = time.perf_counter() - t0
+
+    def _stage(self, obj, key: tuple):
+        """A host copy of obj that training can no longer change: tensors are copied into buffers
+        kept from the previous save (a fresh allocation would page-fault every byte: ~10x slower),
+        other objects deep-copied. On XLA/CUDA the copy_ is the device-to-host transfer."""
+        if isinstance(obj, torch.Tensor):
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                self._buffers[key] = buf
+            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._stage(v, key + (k,)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._stage(v, key + (i,)) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return copy.deepcopy(obj)
+
+    def _write_in_background(self, step: int, files: dict):
+        try:
+            if hasattr(os, "setpriority"):     # Linux: lower this thread only, training keeps the CPU
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            self._write(step, files)
+        except BaseException as e:        # kept, and raised in the training thread by wait()
+            self._error = e
+
+    def _write(self, step: int, files: dict):
+        try:
+            self._write_files(step, files)
+        except (OSError, RuntimeError) as e:     # torch.save's zip writer turns ENOSPC into a RuntimeError
+            need = sum(map(tensor_bytes, files.values()))
+            free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
+            shutil.rmtree(ckptdir.step_dir(self.root, step) / f".tmp-rank{self.rank:05d}", ignore_errors=True)
+            if getattr(e, "errno", None) == errno.ENOSPC or free < need:
+                raise CheckpointError(
+                    f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
+                    f"(this rank's part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
+                    f"space, lower --ckpt.keep, or point --ckpt.dir at a larger disk") from None
+            raise CheckpointError(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
+
+    def _write_files(self, step: int, files: dict):
+        t0 = time.perf_counter()
+        r = self.rank
+        final = ckptdir.step_dir(self.root, step)
+        tmp = final / f".tmp-rank{r:05d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # NANOTRN_FAULT=R:S:save: die halfway through this rank's largest file.
+        victim = max(files, key=lambda n: tensor_bytes(files[n])) if self.fault.dies_in_save(step) else None
+        record = {}
+        for name, obj in files.items():
+            die_at = tensor_bytes(obj) // 2 if name == victim else None
+            record[name] = write_file(tmp / name, obj, die_at, lambda: self.fault.die(f"writing {name} of step {step}"))
+        for name in files:
+            os.replace(tmp / name, final / name)
+        tmp.rmdir()
+        ckptdir.fsync_dir(final)
+        marker = {"format": ckptdir.FORMAT, "step": step, "rank": r, "world": self.world, "files": record}
+        ckptdir.atomic_write(final / ckptdir.marker_name(r), json.dumps(marker, indent=1).encode())
+        if self.finish is not None:
+            self.finish(step)
+        self.stats["write_s"] = time.perf_counter() - t0
+
+    @property
+    def in_flight(self) -> bool:
+        """A save is still being written in the background."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self):
+        """Block until the save in flight (if any) is on disk; raise if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            if isinstance(e, CheckpointError):   # already says what failed (a full disk, a lost rank)
+                raise e
+            raise CheckpointError(f"the background save of step {self.stats.get('step')} failed: {e!r}") from e
+
+    def check(self):
+        """Raise now if the save in flight has failed (call every step): a full disk is named at
+        once, not one interval later when the next save waits for it."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
