@@ -548,36 +548,6 @@ def iter_pieces(text: str, limit: int | None = None):
     yield text[start:]
 
 
-_SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
-
-
-def cut_points(raw: bytes, limit: int) -> list[int]:
-    """Where to cut a document's bytes into spans of at most `limit` bytes that, tokenized and
-    joined, are the document tokenized (iter_pieces' rule, in bytes): at a space between two
-    non-space bytes, the space opening the next span (a tokenizer with a dummy prefix, as
-    sentencepiece's, drops it and adds it back; a byte-level one keeps it: its pre-tokenizer starts
-    a piece there). A stretch of over limit/2 bytes without such a space is cut where it is, at a
-    UTF-8 character boundary: there the next span's first word is split, the only difference.
-    Returns the start of every span after the first."""
-    if len(raw) <= limit:
-        return []
-    b = np.frombuffer(raw, np.uint8)
-    ws = np.isin(b, _SPACES)
-    clean = np.flatnonzero((b[1:-1] == 32) & ~ws[:-2] & ~ws[2:]) + 1
-    cuts, start = [], 0
-    while len(b) - start > limit:
-        k = np.searchsorted(clean, start + limit, side="right") - 1
-        if k >= 0 and clean[k] > start + limit // 2:
-            cut = int(clean[k])
-        else:
-            cut = start + limit
-            while cut > start + 1 and b[cut] & 0xC0 == 0x80:     # not inside a character
-                cut -= 1
-        cuts.append(cut)
-        start = cut
-    return cuts
-
-
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
 TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
 

@@ -60,9 +60,9 @@ from configs import Config, ConfigError, DataConfig, check_dir, check_paths, che
 # The documents and the tokenizer live in corpus.py, the span index in spans.py, the order in
 # order.py; data.py is what train.py reads, so the names a caller needs from them come from here.
 from corpus import (MAX_WARNINGS, PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
-                    cut_points, iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
+                    iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
 from order import Deal, choose, held_out, lane_key, lanes_per_stream, permute, positions  # noqa: F401
-from spans import SpanIndex, span_bytes  # noqa: F401
+from spans import SpanIndex, cut_points, span_bytes  # noqa: F401
 
 # ----------------------------------------------------------------------------- 5. packing
 
@@ -238,7 +238,7 @@ class PackedLoader:
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
         # A tokenizer that adds a dummy prefix (sentencepiece) reads a span's opening space as its own
-        # prefix; a byte-level one (tokenizer.json) keeps it (spans.py, corpus.cut_points).
+        # prefix; a byte-level one (tokenizer.json) keeps it (spans.cut_points).
         self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,

@@ -1,8 +1,8 @@
 """The span index: every document of a corpus cut into spans, the unit the data stream shuffles and deals.
 
-A span is a bounded piece of one document: at most SPAN_TOKENS windows' worth of bytes (16 x
-seq_len, ~4 windows of text), cut only where tokenization does not cross the cut
-(corpus.cut_points), so a document's spans, tokenized and joined, are the document tokenized. A
+A span is a bounded piece of one document: at most span_bytes(seq_len) = 16 x seq_len bytes (~4
+windows of text), cut only where tokenization does not cross the cut (cut_points), so a
+document's spans, tokenized and joined, are the document tokenized. A
 document shorter than that is one span. So a single 1 MB text file is ~250 spans at seq_len 256,
 spread over every stream and lane like a folder of 250 files, and no stream ever holds a whole
 long document.
@@ -28,11 +28,41 @@ import time
 
 import numpy as np
 
-from corpus import Corpus, DataError, cut_points
+from corpus import Corpus, DataError
 from order import by_hash, held_out, tail_spans
 
 INDEX_VERSION = 1
 BLOCK = 1 << 20             # documents per block while building: ~24 MB of rows in memory at once
+
+
+_SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
+
+
+def cut_points(raw: bytes, limit: int) -> list[int]:
+    """Where to cut a document's bytes into spans of at most `limit` bytes that, tokenized and
+    joined, are the document tokenized (iter_pieces' rule, in bytes): at a space between two
+    non-space bytes, the space opening the next span (a tokenizer with a dummy prefix, as
+    sentencepiece's, drops it and adds it back; a byte-level one keeps it: its pre-tokenizer starts
+    a piece there). A stretch of over limit/2 bytes without such a space is cut where it is, at a
+    UTF-8 character boundary: there the next span's first word is split, the only difference.
+    Returns the start of every span after the first."""
+    if len(raw) <= limit:
+        return []
+    b = np.frombuffer(raw, np.uint8)
+    ws = np.isin(b, _SPACES)
+    clean = np.flatnonzero((b[1:-1] == 32) & ~ws[:-2] & ~ws[2:]) + 1
+    cuts, start = [], 0
+    while len(b) - start > limit:
+        k = np.searchsorted(clean, start + limit, side="right") - 1
+        if k >= 0 and clean[k] > start + limit // 2:
+            cut = int(clean[k])
+        else:
+            cut = start + limit
+            while cut > start + 1 and b[cut] & 0xC0 == 0x80:     # not inside a character
+                cut -= 1
+        cuts.append(cut)
+        start = cut
+    return cuts
 
 
 def span_bytes(seq_len: int) -> int:

@@ -3,6 +3,7 @@ over DP ranks, spans joined = the document, corpora of any shape (one document, 
 tiny ones, a few global batches over many epochs), exact resume (mid-span, across epochs and DP
 degrees, with the prefetch thread), the held-out split, bad input, prepare, XLA."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -288,8 +289,8 @@ def test_resume_mid_document_with_prefetch_thread(files, tok):
 
 def test_three_epochs_of_two_global_batches_reshuffled_and_resumed_anywhere(tok, tmp_path):
     """A corpus of about 2 global batches of tokens (40 documents, 4 streams x 2 lanes): 3 epochs
-    run without an error, each epoch a new order of the spans, and a resume at every step, epoch
-    boundaries included, at DP 1, 2 or 4, continues bit-exactly."""
+    run without an error, each epoch a new order of the spans, and resumes saved at DP 2 early,
+    mid-run and in the last epoch continue bit-exactly at DP 1 and 4."""
     rng = np.random.default_rng(5)
     docs = [" ".join(rng.choice(WORDS, k)) for k in rng.integers(3, 15, 40)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -305,11 +306,10 @@ def test_three_epochs_of_two_global_batches_reshuffled_and_resumed_anywhere(tok,
     k = np.concatenate([j + np.arange(40) * deal.lanes for j in range(deal.lanes)])
     seq = orders[0][np.argsort(k)]
     assert not np.array_equal(seq[:n], seq[n:2 * n]) and not np.array_equal(seq[n:2 * n], seq[2 * n:3 * n])
-    for at in range(1, steps - 1, 3):
+    for at, dp in ((1, 4), (steps // 2, 1), (steps - 2, 4)):            # saved at DP 2
         _, saved, _ = global_batches(c, tok, 2, at)
-        for dp in (1, 4):
-            got, states, _ = global_batches(c, tok, dp, steps - at, resume=saved)
-            assert all(torch.equal(a, b) for a, b in zip(ref[at:], got)), (at, dp)
+        got, states, _ = global_batches(c, tok, dp, steps - at, resume=saved)
+        assert all(torch.equal(a, b) for a, b in zip(ref[at:], got)), (at, dp)
     last = data.PackedLoader(c, tok, prefetch=0)
     last.load_state_dict(states)
     assert last.stats()["epoch"] >= 2
@@ -561,7 +561,7 @@ import sys, time, torch, torch_xla
 sys.path.insert(0, sys.argv[1])
 import data
 from configs import DataConfig
-c = DataConfig(data=sys.argv[2], seq_len=32, micro_batch=2, global_batch=4, val_fraction=0.1, seed=7)
+c = DataConfig(data=sys.argv[2], seq_len=32, micro_batch=2, global_batch=4, val_fraction=0.1, seed=7, cache_dir=sys.argv[4])
 tok = data.Tokenizer(sys.argv[3])
 dl = data.to_device_loader(data.PackedLoader(c, tok), torch_xla.device())
 got = [next(dl) for _ in range(5)]
@@ -582,7 +582,7 @@ def test_device_loader_xla_uses_mpdeviceloader(files, tok):
     pytest.importorskip("torch_xla")
     env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", XLA_SCRIPT, root, files["txt"], tok.path], env=env,
+    r = subprocess.run([sys.executable, "-c", XLA_SCRIPT, root, files["txt"], tok.path, CACHE[0]], env=env,
                        capture_output=True, text=True, timeout=300)
     assert "XLA_OK" in r.stdout, r.stdout + r.stderr
 
@@ -666,3 +666,23 @@ def test_byte_level_tokenizer_keeps_the_span_opening_space(tmp_path):
     assert not a.drop_space and a.index.n_spans > 5
     joined = np.concatenate(a._read(np.arange(a.index.n_spans), "")[0])
     assert joined.tolist() == [hf_tok.bos_id] + hf_tok.encode(text) + [hf_tok.eos_id]
+
+
+def test_checkpoint_of_the_older_data_format_resumes_model_and_restarts_the_stream(files, tok, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose data state predates spans (here: written as format 1) resumes its model,
+    optimizer and step, and says that the data stream restarts; never a traceback."""
+    import train
+    args = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+            f"--model.vocab_size={VOCAB}", "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2",
+            "--micro_batch=2", f"--data={files['jsonl']}", f"--data.tokenizer={tok.path}", f"--data.cache_dir={CACHE[0]}",
+            "--log.eval_interval=0", "--log.sample_tokens=0", "--log.peak_tflops=1", "--log.tensorboard=",
+            "--ckpt.async_save=false", "--ckpt.interval=2", "--optim.warmup_steps=1", "--device=cpu",
+            f"--out_dir={tmp_path}/run", f"--ckpt.dir={tmp_path}/run/ckpt"]
+    monkeypatch.setattr(data, "FORMAT", 1)
+    train.main([*args, "--steps=2"])
+    monkeypatch.setattr(data, "FORMAT", 2)
+    capsys.readouterr()
+    train.main([*args, "--steps=4", "--optim.decay_steps=3"])
+    out = capsys.readouterr().out
+    assert "older nanotrn (format 1" in out and "the data stream restarts from its beginning" in out, out
+    assert re.search(r"step\s+4 \|", out) and not re.search(r"step\s+1 \|", out), out
