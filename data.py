@@ -322,7 +322,9 @@ class PackedLoader:
         """Yield the tokens of a lane's reads i, i+1, ... (from token `skip` of read i) in blocks of
         about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes of text)."""
         deal, j = self._deal_of(lane)
-        chunk, want, idle = 16, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids)), 0
+        # One read first: a lane's share starts small (many lanes x 16 spans would be epochs of a
+        # small corpus read ahead), then grows to ~`want` tokens a block.
+        chunk, want, idle = 1, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids)), 0
         while True:
             spans, _ = positions(deal, j, i, chunk)
             arrays, counts = self._read(spans, deal.keep, quiet)
@@ -333,11 +335,12 @@ class PackedLoader:
             d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
             yield new[d:], np.repeat(ks, lens)[d:], off[d:], list(zip(ks.tolist(), counts)), (i + chunk, 0)
             idle = 0 if len(new) else idle + chunk
-            if idle > deal.n + chunk:                       # a whole epoch without a token
+            if idle > 100 * deal.n + chunk:                 # 100 epochs' share without a token: a corpus of
+                # (almost) only empty documents, which _check_tokens lets through when one span has tokens
                 raise DataError(f"the {self.split} spans {deal.lo}..{deal.lo + deal.n - 1} of {self.cfg.data!r} "
                                 f"hold no tokens (empty documents or unreadable records); check --data")
-            i += chunk
-            chunk = int(np.clip(chunk * want / max(len(new), 1), 1, 4096))
+            i += chunk                          # next: ~want tokens, growing at most 4x a block (an empty
+            chunk = max(1, min(4096, 4 * chunk, chunk * want // max(len(new), 1)))    # span must not ask for 4096)
 
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
