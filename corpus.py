@@ -36,7 +36,12 @@ import sentencepiece as spm
 from configs import ConfigError, DataConfig, path_kind
 from order import by_hash, held_out, permute
 
-SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".arrow", ".parquet")
+# JSON lines, also compressed as most public corpora ship (C4 and Dolma: .json.gz; the Pile: .jsonl.zst).
+# gzip and zstd allow no random access: training reads such a file through an Arrow copy made once
+# (prepare.cached); `python data.py prepare` converts many of them in parallel.
+COMPRESSED = (".gz", ".zst")
+JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
+SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
 MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
 
 
@@ -55,7 +60,7 @@ def stdlib_files() -> list[str]:
     return out
 
 
-STRUCTURED = (".jsonl", ".arrow", ".parquet")
+STRUCTURED = (".arrow", ".parquet") + JSON_LINES
 SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 
 
@@ -129,7 +134,7 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
     for p in paths:
         if not p.endswith(SUFFIXES):
             raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
-                            f"(or convert it with `python data.py prepare`)")
+                            f"(convert it to JSON lines or text first)")
         if not os.access(p, os.R_OK):
             raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
     seen = set()
@@ -328,7 +333,7 @@ class Corpus:
     entry, weights summing to 1; unweighted, one group of every document."""
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
-                 split: str = "train"):
+                 split: str = "train", cache_dir: str = ".cache"):
         self.spec, self.sources, self.warned = spec, [], collections.Counter()
         entries = parse_mixture(spec)
         seen, per_entry = set(), []             # a file named by two entries counts in the first
@@ -344,6 +349,10 @@ class Corpus:
         for p in paths:
             if os.path.getsize(p) == 0:
                 continue
+            elif p.endswith(COMPRESSED):           # an Arrow copy, made once (see COMPRESSED)
+                import prepare
+                self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text"))
+                self.sources[-1].path = p
             elif p.endswith(".jsonl"):
                 self.sources.append(LineDocs(p, True, text_field))
             elif p.endswith((".arrow", ".parquet")):
@@ -584,7 +593,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
                             f"and the sample would draw from them; set --model.vocab_size={tok.vocab_size} "
                             f"(or padded, at most {padded})")
     else:
-        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
+        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir)
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
                                          TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
         path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
@@ -598,6 +607,9 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0:
             raise DataError(f"tokenizer {tok.path} has no {name.upper()} piece; set --data.{name}=false")
+    if isinstance(tok, Tokenizer):      # the run ends with a Hugging Face export: refused now, not then
+        import hf
+        hf.check_sentencepiece_export(tok)
     return tok
 
 

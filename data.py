@@ -33,7 +33,7 @@ and the pages of the span index it touches (page cache, shared by the node's ran
 document is materialized: no permutation, no split membership, no id list. (The readers of .jsonl
 and per-line .txt keep 16 bytes per line: `prepare` big ones into Arrow.)
 
-    python data.py prepare SRC... --out corpus.arrow             # many files -> one Arrow file
+    python data.py prepare SRC... --out corpus.arrow             # many shards -> one Arrow file (prepare.py)
     python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
 """
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import os
 import queue
 import signal
 import sys
@@ -51,14 +50,13 @@ if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds):
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-import monitor
-from configs import Config, ConfigError, DataConfig, check_dir, check_paths, check_values, path_kind
+from configs import Config, ConfigError, DataConfig, check_paths, check_values
 
 # The documents and the tokenizer live in corpus.py, the span index in spans.py, the order in
 # order.py; data.py is what train.py reads, so the names a caller needs from them come from here.
+from prepare import prepare  # noqa: F401  (python data.py prepare; bench.py calls data.prepare)
 from corpus import (MAX_WARNINGS, PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
                     iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
 from order import Deal, choose, held_out, lane_key, lanes_per_stream, permute, positions  # noqa: F401
@@ -527,61 +525,17 @@ def to_device_loader(loader: PackedLoader, device: torch.device) -> DeviceLoader
 
 # ----------------------------------------------------------------------------- command line
 
-def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line: bool = False,
-            force: bool = False) -> dict:
-    """The blog's offline step: many files -> one Arrow IPC stream with a large_string `text`
-    column (what datasets writes; `datasets.Dataset.from_file` reads it). Written to a temporary
-    file and renamed, so an existing file is never half-overwritten."""
-    if not out.endswith(".arrow"):
-        raise DataError(f"--out {out}: name the output file *.arrow so that --data finds it")
-    if (kind := path_kind(out)) not in ("nothing", "a file"):
-        raise DataError(f"--out {out} is {kind}; give the name of an .arrow file to write")
-    if kind == "a file" and not force:
-        raise DataError(f"{out} exists; pass --force to replace it")
-    check_dir("out", os.path.dirname(os.path.abspath(out)))
-    if os.path.realpath(out) in {os.path.realpath(p) for p in resolve_paths(",".join(sources))}:
-        raise DataError(f"--out {out} is also one of the sources")
-    corpus = Corpus(",".join(sources), text_field, doc_per_line)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    schema = pa.schema({"text": pa.large_string()})
-    counts = collections.Counter(empty_files=corpus.empty_files)
-    bar = monitor.Progress(corpus.n_docs, "[prepare] documents", unit="docs")
-    tmp = f"{out}.tmp{os.getpid()}"
-    try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for start in range(0, corpus.n_docs, 1024):
-                done, texts = min(start + 1024, corpus.n_docs), []
-                for text, repl, bad in corpus.read(np.arange(start, done)):
-                    empty = not bad and (not text or text.isspace())
-                    counts.update(utf8_replacements=repl, bad_records=bad, empty_docs=empty)
-                    if not (bad or empty):
-                        texts.append(text)
-                        counts.update(documents=1, bytes=len(text.encode()))
-                writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
-                bar.update(done - start)
-        bar.close()
-        if not counts["documents"]:
-            raise DataError(f"{', '.join(sources)}: no document has text ({counts['empty_docs']} empty, "
-                            f"{counts['bad_records']} unreadable records): nothing written to {out}; check the "
-                            f"sources and --text-field")
-        os.replace(tmp, out)
-    finally:                                            # an error or Ctrl-C leaves no partial file
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    print(f"[prepare] wrote {out}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())),
-          file=sys.stderr, flush=True)
-    return dict(counts)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("prepare", help="many text/jsonl/arrow/parquet files -> one Arrow file")
+    a = sub.add_parser("prepare", help="text/jsonl(.gz/.zst)/arrow/parquet shards -> one Arrow file (--out x.arrow) "
+                                       "or one per shard (--out dir/), in parallel (prepare.py)")
     a.add_argument("sources", nargs="+")
     a.add_argument("--out", required=True)
     a.add_argument("--text-field", default="text")
-    for flag in ("--doc-per-line", "--force"):
-        a.add_argument(flag, action="store_true")
+    a.add_argument("-j", "--workers", type=int, default=0, help="worker processes (default: one per core)")
+    for flag in ("--doc-per-line", "--force", "--strict"):
+        a.add_argument(flag, action="store_true", help="stop at the first bad record" if flag == "--strict" else None)
     t = sub.add_parser("tokenizer", help="train and cache the default tokenizer (once, before a launch)")
     for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache")):
         t.add_argument(flag, default=default, type=type(default))
@@ -591,7 +545,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "prepare":
             if not args.text_field.strip():
                 raise DataError("--text-field is empty: name the column or JSON key holding the text")
-            prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force)
+            if args.workers < 0:
+                raise DataError(f"--workers {args.workers}: give a number of processes >= 1 (0: one per core)")
+            prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force, args.workers, args.strict)
         else:
             cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir))
             cfg.model.vocab_size = args.vocab

@@ -396,24 +396,93 @@ def special_ids(tok) -> dict:
 
 
 def save_sentencepiece(tok, folder: str, max_len: int) -> None:
-    """A sentencepiece model (data.Tokenizer) as Llama 2's tokenizer files: tokenizer.model and a
-    tokenizer_config.json for LlamaTokenizer(Fast), which adds BOS and no EOS as training did for
-    each document's start. With transformers at hand, tokenizer.json too (its own conversion), so
-    AutoTokenizer then needs neither sentencepiece nor protobuf."""
+    """A sentencepiece model (data.Tokenizer) as Llama 2's tokenizer files: tokenizer.model (what
+    LlamaTokenizer and llama.cpp's converter read), tokenizer.json (sentencepiece_json: what
+    AutoTokenizer loads, needing neither sentencepiece nor protobuf) and a tokenizer_config.json
+    for LlamaTokenizer(Fast), which adds BOS and no EOS as training did for each document's start.
+    No `add_prefix_space` key: it would make LlamaTokenizerFast rebuild tokenizer.json with
+    transformers' own converter, which takes BPE and unigram models only and ignores the
+    normalizer (NFKC, extra whitespace) a model was trained with."""
     import shutil
     shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))
+    sentencepiece_json(tok.path).save(os.path.join(folder, "tokenizer.json"))
     piece = lambda i: tok.sp.id_to_piece(i) if i >= 0 else None     # noqa: E731
     conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
             "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id), "unk_token": piece(tok.sp.unk_id()),
-            "pad_token": piece(tok.eos_id), "legacy": True, "add_prefix_space": True,
-            "clean_up_tokenization_spaces": False, "model_max_length": max_len}
+            "pad_token": piece(tok.eos_id), "legacy": True, "clean_up_tokenization_spaces": False,
+            "model_max_length": max_len}
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(conf, f, indent=2)
-    try:
-        from transformers import LlamaTokenizerFast
-    except ImportError:
-        return
-    LlamaTokenizerFast.from_pretrained(folder).save_pretrained(folder)
+
+
+SPM_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
+# Text the export must encode as sentencepiece does (check_sentencepiece_export): words, code,
+# whitespace runs, accents, a ligature NFKC rewrites, CJK, an emoji (byte fallback or <unk>).
+PROBE = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a tab\n\nnew lines ",
+         "def f(x):\n    return x ** 2  # squared", "Grüße aus Köln: 12,345.67 € — “quoted” ﬁne",
+         "中文 日本語 한국어 😀 ok", "x", ""]
+
+
+def sentencepiece_json(path: str):
+    """The sentencepiece model at `path` as a `tokenizers` Tokenizer (tokenizer.json) that encodes
+    as sentencepiece does, for the three model types that allow it. The normalizer is the model's
+    own (its precompiled NFKC map, extra-whitespace removal, dummy prefix); the model: unigram ->
+    Unigram, bpe -> BPE with the merges its pieces imply (by score, as transformers' converter
+    derives them), char -> BPE without merges (each character its piece, unknown runs one <unk>, as
+    sentencepiece fuses them). Control pieces (<s>, </s>) are special tokens, as in every Llama 2
+    export. `word` is refused: sentencepiece merges a run of unknown WORDS into one <unk>, which no
+    tokenizers model does, so the export would read other ids than training did."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
+    m = pb.ModelProto()
+    with open(path, "rb") as f:
+        m.ParseFromString(f.read())
+    t, ns, kind = m.trainer_spec, m.normalizer_spec, SPM_TYPES.get(m.trainer_spec.model_type)
+    if kind not in ("unigram", "bpe", "char"):
+        raise HFError(f"{path} is a sentencepiece model of type {kind or m.trainer_spec.model_type}, which "
+                      f"cannot be exported for transformers with the ids training reads (sentencepiece merges a "
+                      f"run of unknown words into one <unk>; no Hugging Face tokenizer does): use a unigram, bpe "
+                      f"or char model (or leave --data.tokenizer empty to train one)")
+    pieces = [(p.piece, p.score) for p in m.pieces]
+    vocab = {p: i for i, (p, _) in enumerate(pieces)}
+    if kind == "unigram":
+        tk = Tokenizer(models.Unigram(pieces, unk_id=t.unk_id, byte_fallback=t.byte_fallback))
+    else:
+        merges = []
+        if kind == "bpe":            # every split of a normal piece into two pieces; higher score first
+            for i, (p, score) in enumerate(pieces):
+                if m.pieces[i].type == 1 and len(p) > 1:
+                    merges += [(-score, vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for k in range(1, len(p))
+                               if p[:k] in vocab and p[k:] in vocab]
+            merges = [(a, b) for *_, a, b in sorted(merges)]
+        tk = Tokenizer(models.BPE(vocab, merges, unk_token=pieces[t.unk_id][0], fuse_unk=True,
+                                  byte_fallback=t.byte_fallback))
+    norm = [normalizers.Precompiled(ns.precompiled_charsmap)] if ns.precompiled_charsmap else []
+    if ns.remove_extra_whitespaces:      # sentencepiece: spaces only (not tabs or newlines)
+        norm += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
+    norm += [normalizers.Prepend("▁")] if ns.add_dummy_prefix else []
+    tk.normalizer = normalizers.Sequence(norm + [normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + ([decoders.Strip(" ", 1, 0)] if ns.add_dummy_prefix else []))
+    tk.add_tokens([AddedToken(p.piece, normalized=False, special=p.type == 3) for p in m.pieces if p.type in (3, 4)])
+    if t.bos_id >= 0:                    # AutoTokenizer adds BOS, as training does at a document's start
+        bos = pieces[t.bos_id][0]
+        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                          special_tokens=[(bos, t.bos_id)])
+    return tk
+
+
+def check_sentencepiece_export(tok) -> None:
+    """Before the first step (corpus.build_tokenizer): the export of this sentencepiece model builds
+    and encodes PROBE as sentencepiece does, or the run is refused now, not after its last step.
+    Costs a fraction of a second (the vocabulary once); the same on every rank."""
+    fast = sentencepiece_json(tok.path)
+    for text in PROBE:
+        ours, theirs = tok.encode(text), fast.encode(text, add_special_tokens=False).ids
+        if ours != theirs:
+            raise HFError(f"{tok.path}: its Hugging Face export would encode {text!r} as {theirs[:12]}, but "
+                          f"training reads {ours[:12]}: a sentencepiece setting the export does not reproduce; "
+                          f"use a model trained with default normalization, or leave --data.tokenizer empty")
 
 
 # ----------------------------------------------------------------------------- 6. runs

@@ -267,7 +267,8 @@ def main(argv: list[str]) -> None:
     # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
     # The span index (one file per corpus, built once, memory-mapped) first: the size check needs
     # only bytes, so a corpus too small for one global batch is refused before a tokenizer is trained.
-    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split)
+    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split,
+                         cfg.data.cache_dir)
     index = data.SpanIndex(corpus, cfg.data.seq_len, cfg.data.cache_dir, cfg.data.val_fraction)
     data.check_size(cfg.data, index, grid.dp)
     tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)

@@ -336,8 +336,8 @@ def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys)
     """Ctrl-C while prepare writes: one word, no traceback, no partial file."""
     def interrupt(self, n=1):
         raise KeyboardInterrupt
-    import monitor
-    monkeypatch.setattr(monitor.Progress, "update", interrupt)
+    import tqdm
+    monkeypatch.setattr(tqdm.tqdm, "update", interrupt)
     code, text = run_entry("data", ["prepare", str(W / "corpus"), "--out", str(tmp_path / "x.arrow")], capsys)
     assert code == 1 and "interrupted" in text and "Traceback" not in text
     assert os.listdir(tmp_path) == []

@@ -365,3 +365,45 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
         hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)
+
+
+# The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
+# extra whitespace removed): what AutoTokenizer must reproduce, or what must be refused up front.
+SPM_TYPE_TEXTS = ["def f(x):\n    return x * 2  # über", "  two  spaces\tand a tab\n\nnew lines ", "ﬁne ①中文 😀 zzqq",
+                  "unseen ∮ symbols ⌘ and  more", *TEXTS[:5]]
+
+
+@pytest.mark.parametrize("kind", ["unigram", "bpe", "char", "word"])
+def test_every_sentencepiece_type_trains_and_exports_or_is_refused_before_step_1(kind, tmp_path, capsys):
+    """train.py with a sentencepiece model of each type: two steps, then its export loads in
+    AutoTokenizer with the very ids training read (unigram, bpe, char); or (word: sentencepiece fuses a
+    run of unknown words into one <unk>, which no Hugging Face model does) refused with one line
+    before the first step, nothing written."""
+    import sentencepiece as spm
+    import data
+    import train
+    (tmp_path / "corpus").mkdir()
+    for i, t in enumerate(TEXTS):
+        (tmp_path / "corpus" / f"{i:02d}.txt").write_text(t)
+    extra = {"unigram": {"vocab_size": 100}, "bpe": {"vocab_size": 200}}.get(kind, {"use_all_vocab": True})
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([x for t in TEXTS for x in t.split("\n") if x]),
+                                   model_prefix=str(tmp_path / "sp"), model_type=kind, minloglevel=2, **extra)
+    tok = data.load_tokenizer(str(tmp_path / "sp.model"))
+    argv = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+            "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2", "--micro_batch=2", "--steps=2",
+            f"--model.vocab_size={tok.vocab_size}", "--log.eval_interval=0", "--log.sample_tokens=0",
+            "--log.peak_tflops=1", "--log.tensorboard=", "--ckpt.async_save=false", "--optim.warmup_steps=1",
+            f"--data={tmp_path}/corpus", f"--data.tokenizer={tmp_path}/sp.model", f"--out_dir={tmp_path}/run",
+            f"--ckpt.dir={tmp_path}/run/ckpt", f"--data.cache_dir={tmp_path}/cache"]
+    if kind == "word":
+        with pytest.raises(SystemExit) as e:
+            train.cli(argv)
+        msg = str(e.value.code)
+        assert "type word" in msg and "unigram, bpe or char" in msg and "\n" not in msg, msg
+        assert "step" not in capsys.readouterr().out and not os.path.exists(tmp_path / "run" / "hf")
+        return
+    train.main(argv)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "hf")
+    assert type(auto).__name__ == "LlamaTokenizerFast"
+    for text in SPM_TYPE_TEXTS:
+        assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), (kind, text)

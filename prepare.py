@@ -1,0 +1,377 @@
+"""Raw shards -> Arrow, the blog's offline step: `python data.py prepare` (and training's cache of
+compressed shards). Streamed, many shards in parallel worker processes, a progress bar.
+
+    python data.py prepare shards/*.jsonl.zst --out corpus.arrow        # everything into one file
+    python data.py prepare shards/ --out prepared/ -j 16                 # one .arrow per shard
+
+Reads .jsonl / .json.gz / .jsonl.gz / .jsonl.zst (JSON lines, --text-field), .parquet, Arrow IPC
+(file or stream) and text (.txt/.md/.rst/.py, .txt.gz/.zst: a document per file, or per line with
+--doc-per-line). One worker process reads one shard at a time, streaming: a block of input and one
+record batch of output at a time, so a worker's memory is the same for a 1 MB and a 1 TB shard (a
+single document is held whole). The output is a `text` column of large_string in the Arrow IPC
+stream format, as `datasets.save_to_disk` writes it: training memory-maps it. A bad record (not
+JSON, no text field, text not a string) is named by file and line, skipped and counted; --strict
+makes the first one fatal. Invalid UTF-8 is replaced by U+FFFD and counted; empty documents are
+dropped and counted. Nothing is ever half-written: each output is written under a temporary name
+and renamed, and an error or Ctrl-C removes what was begun.
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from configs import check_dir, path_kind
+from corpus import COMPRESSED, JSON_LINES, DataError, resolve_paths, text_column
+
+BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
+BATCH_BYTES = 16 << 20          # text per output record batch
+MAX_EXAMPLES = 5                # bad records named in the summary; the rest are counted
+SCHEMA = pa.schema({"text": pa.large_string()})
+RECIPE = "prepare-v1"           # bump when what a shard converts to changes (invalidates caches)
+
+
+# ----------------------------------------------------------------------------- reading one shard
+
+def _open(path: str):
+    """(raw file, decompressed stream): progress is the raw file's position."""
+    raw = pa.OSFile(path, "rb")
+    codec = {".gz": "gzip", ".zst": "zstd"}.get(os.path.splitext(path)[1])
+    if codec and not pa.Codec.is_available(codec):
+        raise DataError(f"{path}: this pyarrow was built without {codec}; install pyarrow from PyPI")
+    return raw, (pa.CompressedInputStream(raw, codec) if codec else raw)
+
+
+def _lines(path: str):
+    """Yield (line number, bytes, raw bytes read so far) of a possibly compressed file, BLOCK at a time."""
+    raw, stream = _open(path)
+    with raw, stream:
+        tail, n = b"", 0
+        while True:
+            try:
+                block = stream.read(BLOCK)
+            except OSError as e:               # a truncated or corrupt gzip/zstd stream
+                raise DataError(f"{path}: cannot be decompressed after line {n} ({e}); re-download it "
+                                f"or leave it out") from None
+            if not block:
+                break
+            parts = (tail + block).split(b"\n")
+            tail = parts.pop()
+            pos = raw.tell()
+            for line in parts:
+                n += 1
+                yield n, line.rstrip(b"\r"), pos
+        if tail:
+            yield n + 1, tail.rstrip(b"\r"), raw.tell()
+
+
+def decode(raw: bytes) -> tuple[str, int]:
+    """(text, invalid UTF-8 sequences replaced by U+FFFD)."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")
+        return text, text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+
+
+def records(path: str, field: str, doc_per_line: bool):
+    """Yield (where, text or None, problem or None, utf8 replacements, input bytes read so far) for
+    every record of one shard, in order, streaming. `where` names the record (file:line or file[row])."""
+    if path.endswith(JSON_LINES):
+        for n, line, pos in _lines(path):
+            if not line.strip():
+                continue
+            text, repl = decode(line)
+            try:
+                rec = json.loads(text)
+                if not isinstance(rec, dict):
+                    raise TypeError(f"a JSON {type(rec).__name__}, not an object")
+                if field not in rec:
+                    raise KeyError(f"no field {field!r} (it has {sorted(rec)[:8]}; set --text-field)")
+                value = rec[field]
+                if value is not None and not isinstance(value, str):
+                    raise TypeError(f"field {field!r} holds a {type(value).__name__}, not a string")
+            except json.JSONDecodeError as e:
+                yield f"{path}:{n}", None, f"not JSON ({e.msg})", repl, pos
+                continue
+            except (KeyError, TypeError) as e:
+                yield f"{path}:{n}", None, str(e).strip('"'), repl, pos
+                continue
+            value = value or ""
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:              # a lone surrogate from a "\udc80" escape
+                fixed = value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+                repl, value = repl + fixed.count("\ufffd") - value.count("\ufffd"), fixed
+            yield f"{path}:{n}", value, None, repl, pos
+    elif path.endswith((".arrow", ".parquet")):
+        size = os.path.getsize(path)
+        try:
+            if path.endswith(".parquet"):
+                pf = pq.ParquetFile(path)
+                text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
+                total, batches = max(pf.metadata.num_rows, 1), pf.iter_batches(batch_size=1024, columns=[field])
+            else:
+                source = pa.memory_map(path, "r")
+                if source.read(6) == b"ARROW1":
+                    reader = pa.ipc.open_file(source)
+                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+                else:
+                    source.seek(0)
+                    batches = pa.ipc.open_stream(source)
+                total = None
+            row = 0
+            for batch in batches:
+                col = text_column(pa.Table.from_batches([batch]), field, path)
+                for raw in col.to_pylist():
+                    text, repl = decode(raw) if raw is not None else ("", 0)
+                    row += 1
+                    yield f"{path}[{row - 1}]", text, None, repl, size * min(row / total, 1) if total else source.tell()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
+                            f"leave it out") from None
+    elif doc_per_line:
+        for n, line, pos in _lines(path):
+            text, repl = decode(line)
+            yield f"{path}:{n}", text, None, repl, pos
+    else:                                           # the whole file is one document
+        raw, stream = _open(path)
+        with raw, stream:
+            text, repl = decode(stream.read())
+        yield path, text, None, repl, os.path.getsize(path)
+
+
+# ----------------------------------------------------------------------------- one shard -> one .arrow
+
+def convert(path: str, dst: str, field: str = "text", doc_per_line: bool = False, strict: bool = False,
+            report=lambda nbytes, ndocs: None) -> dict:
+    """Write the documents of shard `path` to the Arrow file `dst` (via a temporary name), streaming.
+    report(input bytes, documents) is called about twice a second. Returns the counts and the
+    first MAX_EXAMPLES bad records."""
+    counts, examples = collections.Counter(), []
+    tmp, texts, size, done, docs, last = f"{dst}.tmp{os.getpid()}", [], 0, 0, 0, time.monotonic()
+    try:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+            def flush():
+                writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=SCHEMA))
+                texts.clear()
+            for where, text, problem, repl, pos in records(path, field, doc_per_line):
+                counts["utf8_replacements"] += repl
+                if problem is not None:
+                    if strict:
+                        raise DataError(f"{where}: {problem} (--strict stops at the first bad record; without "
+                                        f"it bad records are skipped and counted)")
+                    counts["bad_records"] += 1
+                    if len(examples) < MAX_EXAMPLES:
+                        examples.append(f"{where}: {problem}")
+                elif not text or text.isspace():
+                    counts["empty_docs"] += 1
+                else:
+                    texts.append(text)
+                    size += len(text)
+                    counts["documents"] += 1
+                    counts["chars"] += len(text)
+                    docs += 1
+                    if size >= BATCH_BYTES:
+                        flush()
+                        size = 0
+                if time.monotonic() - last > 0.5:
+                    report(int(pos) - done, docs)
+                    done, docs, last = int(pos), 0, time.monotonic()
+            if texts:
+                flush()
+        report(os.path.getsize(path) - done, docs)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"counts": dict(counts), "examples": examples}
+
+
+# ----------------------------------------------------------------------------- many shards, in parallel
+
+_QUEUE = None
+
+
+def _init_worker(q):
+    global _QUEUE
+    _QUEUE = q
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)       # pool.terminate() must end a worker, whatever
+    # handler the parent had (a forked worker inherits train.py's stop-at-step-boundary one)
+
+
+def _work(args):
+    i, path, dst, field, doc_per_line, strict = args
+    return convert(path, dst, field, doc_per_line, strict, report=lambda b, d: _QUEUE.put((b, d)))
+
+
+def shard_name(i: int, path: str) -> str:
+    """00003-name.arrow for shard 3: sorted names keep the shards' order (dataset_files sorts)."""
+    base = os.path.basename(path)
+    for suffix in COMPRESSED + (".jsonl", ".json", ".txt", ".md", ".rst", ".py", ".arrow", ".parquet"):
+        base = base.removesuffix(suffix)
+    return f"{i:05d}-{base}.arrow"
+
+
+def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line: bool = False,
+            force: bool = False, workers: int = 0, strict: bool = False) -> dict:
+    """Convert every shard of `sources` (files, directories, globs; as --data reads them) to Arrow:
+    into the one file `out` (*.arrow), or one file per shard in the directory `out` (ending in / or
+    existing). `workers` processes (0: one per core, at most one per shard). Returns the counts."""
+    from tqdm import tqdm
+    one = out.endswith(".arrow")
+    if (kind := path_kind(out.rstrip("/") or "/")) not in ("nothing", "a file", "a directory") or \
+            (one and kind == "a directory") or (not one and kind == "a file"):
+        raise DataError(f"--out {out} is {kind}; give an .arrow file to write, or a directory (ending in /)")
+    if not one and not (out.endswith("/") or kind == "a directory"):
+        raise DataError(f"--out {out}: name the output file *.arrow (one file), or a directory ending in / "
+                        f"(one .arrow per shard), so that --data finds it")
+    if one and kind == "a file" and not force:
+        raise DataError(f"{out} exists; pass --force to replace it")
+    folder = os.path.dirname(os.path.abspath(out)) if one else os.path.abspath(out)
+    check_dir("out", folder)
+    paths = resolve_paths(",".join(sources))
+    if one and os.path.realpath(out) in {os.path.realpath(p) for p in paths}:
+        raise DataError(f"--out {out} is also one of the sources")
+    if not one and any(os.path.realpath(p).startswith(os.path.realpath(folder) + os.sep) for p in paths):
+        raise DataError(f"--out {out} holds some of the sources; write the shards to another directory")
+    empty = [p for p in paths if os.path.getsize(p) == 0]
+    paths = [p for p in paths if os.path.getsize(p) > 0]
+    os.makedirs(folder, exist_ok=True)
+    parts = f"{out}.parts{os.getpid()}" if one else folder
+    targets = [os.path.join(parts, shard_name(i, p)) for i, p in enumerate(paths)]
+    existed = {t for t in targets if os.path.exists(t)}
+    if existed and not force:
+        raise DataError(f"{sorted(existed)[0]} exists; pass --force to replace the shards already in {out}")
+    first = next((p for p in paths if p.endswith(JSON_LINES)), None)
+    for where, _, problem, _, _ in ([] if first is None else records(first, text_field, doc_per_line)):
+        if problem is not None and problem.startswith("no field"):      # a wrong --text-field: say so now
+            raise DataError(f"{where}: {problem}")
+        break
+    workers = max(1, min(workers or os.cpu_count() or 1, len(paths)))
+    counts = collections.Counter(empty_files=len(empty))
+    examples: list[str] = []
+    tmp = f"{out}.tmp{os.getpid()}"
+    bar = tqdm(total=sum(map(os.path.getsize, paths)), desc="[prepare]", unit="B", unit_scale=True,
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    t0, ndocs, pool = time.monotonic(), 0, None
+
+    def progress(nbytes, docs):
+        nonlocal ndocs
+        ndocs += docs
+        bar.set_postfix_str(f"{ndocs:,} docs, {ndocs / max(time.monotonic() - t0, 1e-9):,.0f} docs/s", refresh=False)
+        bar.update(nbytes)
+    try:
+        os.makedirs(parts, exist_ok=True)
+        tasks = [(i, p, t, text_field, doc_per_line, strict) for i, (p, t) in enumerate(zip(paths, targets))]
+        if workers == 1:
+            results = (convert(p, t, text_field, doc_per_line, strict, progress) for _, p, t, *_ in tasks)
+        else:       # fork: the parent has read nothing yet, so no pyarrow thread is copied mid-work
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+            q = ctx.Queue()
+            pool = ctx.Pool(workers, _init_worker, (q,))
+            pending = pool.imap(_work, tasks)       # in shard order, whatever order they finish in
+            results = _drain(pending, q, progress)
+        writer = sink = None
+        if one:
+            sink = pa.OSFile(tmp, "wb")
+            writer = pa.ipc.new_stream(sink, SCHEMA)
+        for (i, p, t, *_), r in zip(tasks, results):
+            counts.update(r["counts"])
+            examples += r["examples"][:MAX_EXAMPLES - len(examples)]
+            if one:                                 # append the shard, then free its disk space
+                with pa.memory_map(t) as src:
+                    for batch in pa.ipc.open_stream(src):
+                        writer.write_batch(batch)
+                os.remove(t)
+        if one:
+            writer.close()
+            sink.close()
+        bar.close()
+        if not counts["documents"]:
+            raise DataError(f"{', '.join(sources)}: no document has text ({counts['empty_docs']} empty, "
+                            f"{counts['bad_records']} bad records" + (f", the first: {examples[0]}" if examples else "")
+                            + f"): nothing written to {out}; check the sources and --text-field")
+        if one:
+            os.replace(tmp, out)
+    except BaseException:
+        bar.close()
+        if pool is not None:
+            pool.terminate()                        # ends and joins the workers
+            pool = None
+        for t in ([] if one else set(targets) - existed):    # the shards this run began, no others
+            if os.path.exists(t):
+                os.remove(t)
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        if one:
+            shutil.rmtree(parts, ignore_errors=True)
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    if counts["bad_records"]:
+        print(f"[prepare] {counts['bad_records']:,} bad records skipped (pass --strict to stop at the first): "
+              + "; ".join(examples), file=sys.stderr)
+    print(f"[prepare] wrote {out}" + (f" ({len(paths)} shards)" if not one else "") + ": "
+          + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())), file=sys.stderr, flush=True)
+    return dict(counts)
+
+
+def _drain(pending, q, progress):
+    """The pool's results in order, forwarding the workers' progress reports while waiting."""
+    import queue
+    while True:
+        try:
+            r = pending.next(timeout=0.2)
+        except multiprocessing.TimeoutError:
+            r = None
+        except StopIteration:
+            break
+        while True:
+            try:
+                progress(*q.get_nowait())
+            except queue.Empty:
+                break
+        if r is not None:
+            yield r
+
+
+# ----------------------------------------------------------------------------- training's cache
+
+def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> str:
+    """The Arrow file training reads for a compressed shard (gzip/zstd allow no random access):
+    converted once into cache_dir, keyed by the file's name, size and modification time and the
+    reading settings, by the first process to get the lock (the others wait for its file, as for
+    the tokenizer). Costs one streamed pass over the shard, once."""
+    st = os.stat(path)
+    key = hashlib.sha256(json.dumps([os.path.basename(path), st.st_size, st.st_mtime_ns, text_field,
+                                     doc_per_line, RECIPE]).encode()).hexdigest()[:12]
+    dst = os.path.join(cache_dir, f"{shard_name(0, path)[6:-6]}-{key}.arrow")
+    if os.path.exists(dst):
+        return dst
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(dst + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(dst):
+            from tqdm import tqdm
+            print(f"[data] {path} is compressed: converting it once to {dst} (python data.py prepare converts "
+                  f"many shards in parallel)", file=sys.stderr, flush=True)
+            with tqdm(total=st.st_size, desc="[data] converting", unit="B", unit_scale=True, file=sys.stderr) as bar:
+                r = convert(path, dst, text_field, doc_per_line, report=lambda b, d: bar.update(b))
+            if r["counts"].get("bad_records"):
+                print(f"[data] {path}: {r['counts']['bad_records']:,} bad records skipped: " + "; ".join(r["examples"]),
+                      file=sys.stderr, flush=True)
+    return dst

@@ -1,0 +1,120 @@
+"""prepare.py: every input format, in parallel workers, into one Arrow file or one per shard; bad
+records named and skipped (or fatal with --strict); constant memory whatever the shard size;
+training reading compressed shards through its Arrow cache."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import corpus  # noqa: E402
+import data  # noqa: E402
+import prepare  # noqa: E402
+
+DOCS = [f"document {i}: " + "word " * (i % 7 + 1) + "é中" * (i % 3) for i in range(60)]
+
+
+def jsonl(docs) -> bytes:
+    return "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """One shard of every format, ten documents each (the .jsonl with three bad records and an empty one)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    bad = b'not json\n{"body": "x"}\n{"text": 5}\n{"text": ""}\n'
+    (src / "a.jsonl").write_bytes(jsonl(DOCS[0:5]) + bad + jsonl(DOCS[5:10]))
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(jsonl(DOCS[10:20])))
+    with pa.CompressedOutputStream(str(src / "c.jsonl.zst"), "zstd") as f:
+        f.write(jsonl(DOCS[20:30]))
+    (src / "d.json.gz").write_bytes(gzip.compress(jsonl(DOCS[30:40])))
+    pq.write_table(pa.table({"text": DOCS[40:50]}), src / "e.parquet", row_group_size=3)
+    with pa.OSFile(str(src / "f.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema({"text": pa.string()})) as w:
+        w.write_table(pa.table({"text": DOCS[50:60]}))
+    (src / "g.txt").write_text("a whole file\nis one document\n")
+    return src
+
+
+def read(path) -> list[str]:
+    return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("text").to_pylist()
+
+
+def test_every_format_in_parallel_into_one_file_and_one_per_shard(shards, tmp_path, capsys):
+    out = tmp_path / "all.arrow"
+    counts = prepare.prepare([str(shards)], str(out), workers=2)
+    want = DOCS + ["a whole file\nis one document\n"]
+    assert read(out) == want                            # the shards' order, whatever finished first
+    assert counts["documents"] == 61 and counts["bad_records"] == 3 and counts["empty_docs"] == 1
+    err = capsys.readouterr().err
+    # Each bad record named by file and line, once, in the summary; and tqdm's bar with documents/s.
+    for where in ("a.jsonl:6: not JSON", "a.jsonl:7: no field 'text'", "a.jsonl:8: field 'text' holds a int"):
+        assert err.count(where) == 1, err
+    assert "docs/s" in err and "3 bad records skipped" in err
+    assert not [p for p in os.listdir(tmp_path) if p != "all.arrow" and p != "src"]   # no temporary left
+
+    counts2 = prepare.prepare([str(shards)], str(tmp_path / "shards") + "/", workers=2)
+    names = sorted(os.listdir(tmp_path / "shards"))
+    assert names == ["00000-a.arrow", "00001-b.arrow", "00002-c.arrow", "00003-d.arrow", "00004-e.arrow",
+                     "00005-f.arrow", "00006-g.arrow"] and counts2 == counts
+    assert [t for n in names for t in read(tmp_path / "shards" / n)] == want
+    # --data reads the folder of shards, and the raw folder itself (compressed shards via the cache).
+    prepared = corpus.Corpus(str(tmp_path / "shards"))
+    assert [t for t, _, _ in prepared.read(range(prepared.n_docs))] == want
+    raw = corpus.Corpus(str(shards), cache_dir=str(tmp_path / "cache"))
+    texts = [t for t, _, bad in raw.read(range(raw.n_docs), quiet=True) if not bad and t]
+    assert texts == want
+    assert len([p for p in os.listdir(tmp_path / "cache") if p.endswith(".arrow")]) == 3   # b, c, d: once each
+    with pytest.raises(data.DataError, match="exists; pass --force"):
+        prepare.prepare([str(shards)], str(tmp_path / "shards") + "/")
+
+
+def test_strict_stops_at_the_first_bad_record_and_writes_nothing(shards, tmp_path):
+    with pytest.raises(SystemExit, match=r"a.jsonl:6: not JSON .*--strict"):
+        data.main(["prepare", str(shards), "--out", str(tmp_path / "x.arrow"), "--strict", "-j", "2"])
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_wrong_text_field_and_broken_gzip_are_one_line_errors_before_any_output(shards, tmp_path):
+    with pytest.raises(SystemExit, match=r"a.jsonl:1: no field 'body'.*--text-field"):
+        data.main(["prepare", str(shards / "a.jsonl"), "--out", str(tmp_path / "x.arrow"), "--text-field", "body"])
+    (tmp_path / "cut.jsonl.gz").write_bytes((shards / "b.jsonl.gz").read_bytes()[:-30])
+    with pytest.raises(SystemExit, match=r"cut.jsonl.gz: cannot be decompressed"):
+        data.main(["prepare", str(tmp_path / "cut.jsonl.gz"), "--out", str(tmp_path / "x.arrow")])
+    assert sorted(os.listdir(tmp_path)) == ["cut.jsonl.gz", "src"]
+
+
+# The peak of this process's resident memory (VmHWM: ru_maxrss would start at the parent's, pytest's).
+MEMORY = """
+import gzip, json, re, sys
+sys.path.insert(0, {root!r})
+import prepare
+prepare.BLOCK, prepare.BATCH_BYTES = 1 << 16, 1 << 18
+doc = json.dumps({{"text": "x " * 500}}) + "\\n"
+with gzip.open(sys.argv[1], "wt", compresslevel=1) as f:
+    for _ in range(int(sys.argv[2])):
+        f.write(doc)
+peak = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1])
+before = peak()
+prepare.convert(sys.argv[1], sys.argv[1] + ".arrow")
+print((peak() - before) // 1024)
+"""
+
+
+def test_memory_is_the_same_for_a_small_and_an_8x_larger_shard(tmp_path):
+    """A 4 MB and a 32 MB shard (text, decompressed): the converter's peak memory grows by less than
+    4 MB (holding the shard would add 32 MB or more)."""
+    def peak_growth(n):
+        r = subprocess.run([sys.executable, "-c", MEMORY.format(root=ROOT), str(tmp_path / f"s{n}.jsonl.gz"), str(n)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout.split()[-1])
+    small, large = peak_growth(4_000), peak_growth(32_000)
+    assert large - small < 4, (small, large)
+    assert len(read(tmp_path / "s32000.jsonl.gz.arrow")) == 32_000
