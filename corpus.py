@@ -42,7 +42,6 @@ from order import by_hash, held_out, permute
 COMPRESSED = (".gz", ".zst")
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
-MAX_WARNINGS = 5            # per kind; the rest are only counted in stats()
 
 
 class DataError(ConfigError):
@@ -334,7 +333,7 @@ class Corpus:
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
                  split: str = "train", cache_dir: str = ".cache"):
-        self.spec, self.sources, self.warned = spec, [], collections.Counter()
+        self.spec, self.sources, self.warned, self.examples = spec, [], collections.Counter(), {}
         entries = parse_mixture(spec)
         seen, per_entry = set(), []             # a file named by two entries counts in the first
         for entry, _ in entries:
@@ -344,7 +343,7 @@ class Corpus:
         empty = [p for p in paths if os.path.getsize(p) == 0]
         self.empty_files = len(empty)
         if empty:
-            print(f"[data] {len(empty)} empty files skipped (the first: {empty[0]})", file=sys.stderr)
+            self.examples["empty_files"] = empty[0]
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             if os.path.getsize(p) == 0:
@@ -384,10 +383,20 @@ class Corpus:
                 raise DataError(f"mixture source {empty[0]!r} holds no documents")
 
     def warn(self, kind: str, msg: str):
+        """Count a data problem, keeping the first of each kind as its example. Nothing is printed
+        here: every rank reads, from its packing thread, and its line would cut into the step lines.
+        train.py says each kind once per run, on rank 0, with the count over every rank (warning())."""
         self.warned[kind] += 1
-        if self.warned[kind] <= MAX_WARNINGS:
-            more = " (further warnings of this kind are only counted)" if self.warned[kind] == MAX_WARNINGS else ""
-            print(f"[data] warning: {msg}{more}", file=sys.stderr, flush=True)
+        self.examples.setdefault(kind, msg)
+
+    def warning(self, kind: str, count: int) -> str:
+        """The line that says a kind of data problem: the run's count and this rank's first example."""
+        what = {"bad_records": "bad records skipped (not JSON, or no text field)",
+                "utf8_replacements": "invalid UTF-8 sequences replaced by U+FFFD",
+                "empty_files": "empty files skipped"}[kind]
+        first = self.examples.get({"bad_records": "bad_record", "utf8_replacements": "utf8"}.get(kind, kind))
+        return (f"data warning: {count:,} {what}" + (" so far" if kind != "empty_files" else "")
+                + (f" (the first here: {first})" if first else ""))
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
         ids = np.asarray(ids, np.int64)

@@ -57,7 +57,7 @@ from configs import Config, ConfigError, DataConfig, check_paths, check_values
 # The documents and the tokenizer live in corpus.py, the span index in spans.py, the order in
 # order.py; data.py is what train.py reads, so the names a caller needs from them come from here.
 from prepare import prepare  # noqa: F401  (python data.py prepare; bench.py calls data.prepare)
-from corpus import (MAX_WARNINGS, PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
+from corpus import (PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
                     iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
 from order import Deal, choose, held_out, lane_key, lanes_per_stream, permute, positions  # noqa: F401
 from spans import SpanIndex, cut_points, span_bytes  # noqa: F401

@@ -137,6 +137,22 @@ def log_mixture(log, corpus, loader, step: int) -> None:
         f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})" for (name, w, _, _), n in zip(corpus.groups, counts)))
 
 
+DATA_WARNINGS = ("bad_records", "utf8_replacements")
+
+
+def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
+    """The run's count of each data problem: each rank's own (its loader's stats, what it packed)
+    summed over every rank and divided by tp * pp (the ranks of one DP replica read the same data).
+    Call on every rank at the same steps: one all-reduce of two numbers, a few ms of gloo at 4096
+    ranks, at log steps only."""
+    counts = torch.tensor([float(stats.get(k, 0)) for k in DATA_WARNINGS], dtype=torch.float64,
+                          device="cuda" if grid.backend == "nccl" else "cpu")
+    if grid.world > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, group=grid.host_group)
+        counts /= grid.tp * grid.pp
+    return dict(zip(DATA_WARNINGS, counts.round().long().tolist()))
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -330,6 +346,9 @@ def main(argv: list[str]) -> None:
                           device=device, start_step=step, tokens_seen=tokens_seen)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     eval_batches = len(val_loader) if val_loader is not None else 0
+    said = []                                # the kinds of data warnings already said (data_warnings)
+    if corpus.empty_files:
+        log(corpus.warning("empty_files", corpus.empty_files))
     cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
     parallel.check_tied(model)               # a tied head is the embedding itself, on one storage
     if device.type == "xla":
@@ -361,6 +380,11 @@ def main(argv: list[str]) -> None:
             mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=lr, tokens=tokens_per_step,
                      data_wait=data_wait, skipped=out["skipped"], param_norm=pnorm,
                      param_spread=parallel.replica_spread(pnorm, grid) if log_now and grid.dp > 1 else None)
+            if log_now:     # each kind of data problem said once, by rank 0, between step lines (stdout)
+                for kind, n in data_warnings(batches.stats(), grid).items():
+                    if n and kind not in said:     # (every rank notes it: the totals below are a collective)
+                        said.append(kind)
+                        log(corpus.warning(kind, n))
             if pp and log_now:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
@@ -384,6 +408,9 @@ def main(argv: list[str]) -> None:
             if stopping:
                 break
         mon.flush()
+        if said:                             # the run's totals of what was said along the way
+            totals = data_warnings(batches.stats(), grid)
+            log("data: this run " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
         stop.close()
         ckpt.close()                                    # waits for the save in flight

@@ -118,3 +118,34 @@ def test_memory_is_the_same_for_a_small_and_an_8x_larger_shard(tmp_path):
     small, large = peak_growth(4_000), peak_growth(32_000)
     assert large - small < 4, (small, large)
     assert len(read(tmp_path / "s32000.jsonl.gz.arrow")) == 32_000
+
+
+def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_path):
+    """Two ranks (torchrun, gloo) read a corpus with bad records and invalid UTF-8: each kind is said
+    once per run, on stdout between the step lines, by rank 0 only, with the count over both ranks;
+    the run's totals at the end; nothing on stderr (where rank 1's copies used to cut into lines)."""
+    from gloo_spawn import run_train
+    src = tmp_path / "c"
+    src.mkdir()
+    import sysconfig
+    code = "".join(open(os.path.join(sysconfig.get_paths()["stdlib"], f)).read() for f in ("textwrap.py", "string.py", "shlex.py"))
+    good = [json.dumps({"text": code[i * 400:(i + 1) * 400]}) for i in range(12)]
+    bad = ["not json", json.dumps({"body": "no text"})]
+    (src / "a.jsonl").write_text("\n".join(good[:6] + bad + good[6:]) + "\n")
+    (src / "0.txt").write_bytes(b"caf\xe9 au lait \xff " * 5)
+    (src / "empty.txt").write_bytes(b"")
+    r = run_train(["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1",
+                   "--model.ffn_dim=64", "--seq_len=32", "--model.max_seq_len=32", "--global_batch=4",
+                   "--micro_batch=2", "--steps=40", "--log.interval=4", "--model.vocab_size=384",
+                   "--log.eval_interval=0", "--log.sample_tokens=0", "--log.peak_tflops=1", "--log.tensorboard=",
+                   "--ckpt.interval=0", "--data.shuffle=1", f"--data={src}", f"--out_dir={tmp_path}/o",
+                   f"--ckpt.dir={tmp_path}/o/ckpt", f"--data.cache_dir={tmp_path}/cache", "--dp=2"], nproc=2)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    for what in ("bad records skipped", "invalid UTF-8 sequences replaced", "empty files skipped"):
+        said = [x for x in lines if what in x]
+        assert len(said) == 1 and said[0].startswith("data warning: "), (what, said)
+    assert all(x.startswith(("step", "data warning", "data: this run")) or "data warning" not in x for x in lines)
+    assert "invalid UTF-8" not in r.stderr and "skipped" not in r.stderr, r.stderr[-2000:]
+    total = [x for x in lines if x.startswith("data: this run")]
+    assert len(total) == 1 and "bad records" in total[0] and "utf8 replacements" in total[0], total
