@@ -100,7 +100,7 @@ class PipelineStage(nn.Module):
         if self.first:
             x = self.embed(x)
         cos, sin = llama.rope_cos_sin(positions, self.cfg, x.dtype)
-        mask = llama.document_mask(doc_ids) if doc_ids is not None else None
+        mask = llama.attention_mask(doc_ids, self.cfg.attention == "explicit")
         for layer in self.layers.values():
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
                 x = self.checkpoint_fn(layer, x, cos, sin, mask)
