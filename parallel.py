@@ -143,10 +143,13 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
     else:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # A key prefix per torchrun restart: after --max-restarts relaunches the workers, the store
-        # still holds the dead attempt's addresses and gloo would connect to them.
+        # A key prefix per torchrun restart where the workers use the agent's store (torchrun's
+        # default): after --max-restarts relaunches them it still holds the dead attempt's addresses
+        # and gloo would connect to them. Without it (env.sh, multi-node) each rendezvous round has a
+        # fresh store, and a replaced node's agent (0 restarts) meets survivors that restarted: no prefix.
         store, _, _ = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "-"
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world)
     grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend, cfg.model.tie_embeddings)

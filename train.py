@@ -159,6 +159,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- preemption
 
+PEER_STOPPED = 75                   # EX_TEMPFAIL: stopped with a checkpoint because another node got the signal
+
+
 class StopSignal:
     """SIGTERM (what SLURM and Kubernetes send before they kill) and SIGINT (Ctrl-C) end the run at
     a step boundary: that step is saved, the save in flight waited for, and the run exits cleanly.
@@ -426,6 +429,14 @@ def main(argv: list[str]) -> None:
     if step < cfg.optim.max_steps:                      # stopped by a signal: no export, exit cleanly
         log(f"{stopping}: stopped after step {step}, saved in {cfg.ckpt.dir}; run the same command to continue")
         parallel.destroy(grid)
+        if not stop.got:
+            # The signal reached other nodes, not this one (Kubernetes drains one pod). Exit 0 would
+            # end this node's torchrun and tell the Job that this pod's part is done; this status
+            # makes torchrun restart the workers, which wait in the rendezvous for the stopped
+            # node's replacement and resume from the checkpoint just saved (README, Amazon EKS).
+            print(f"[rank {grid.rank}] {stopping} reached another node: exit {PEER_STOPPED}, so that "
+                  f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
+            sys.exit(PEER_STOPPED)
         return
 
     # The end: the full model exported in Hugging Face format, and a short sample. Gathering the

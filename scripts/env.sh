@@ -96,7 +96,12 @@ if [[ -n "${NEURON_LOGICAL_NC_CONFIG:-}" ]]; then NANOTRN_ENV_VARS+=(NEURON_LOGI
 
 # Multi-node: collectives between instances go over EFA with device RDMA; fork-safe because the
 # data loader forks worker processes.
+# And a rendezvous that takes a replaced node (Kubernetes restarts a failed pod; scripts/eks.py):
+# by default torchrun's c10d agents share one store with their workers, whose address the rank-0
+# agent publishes only in its first round, so a new agent waits for it forever (torch 2.9,
+# dynamic_rendezvous.py: _bootstrap_store_info is cached). Off, each round's rank 0 worker hosts a
+# fresh store. Static node ranks (SLURM) ignore it (static_tcp_rendezvous.py).
 if (( ${NNODES:-1} > 1 )); then
-    export FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1 FI_EFA_FORK_SAFE=1
-    NANOTRN_ENV_VARS+=(FI_PROVIDER FI_EFA_USE_DEVICE_RDMA FI_EFA_FORK_SAFE)
+    export FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1 FI_EFA_FORK_SAFE=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    NANOTRN_ENV_VARS+=(FI_PROVIDER FI_EFA_USE_DEVICE_RDMA FI_EFA_FORK_SAFE TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
 fi

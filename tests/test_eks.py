@@ -162,3 +162,167 @@ def test_dockerfile_is_the_release_env_sh_pins():
     assert tag.startswith(torch_neuronx.rsplit(".", 2)[0] + "-neuronx-") and f"-sdk{sdk}-" in tag, tag
     assert re.search(r"^WORKDIR (\S+)$", docker, re.M).group(1) == eks.WORKDIR     # the pods' workingDir
     assert "-r requirements.txt" in docker and "-r requirements-torch.txt" not in docker   # the image's torch stays
+
+
+# ----------------------------------------------------------------------------- the pod contract, for real
+
+TINY = ["--device=cpu", "--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_dim=64", "--data.seq_len=32", "--model.max_seq_len=32", "--data.micro_batch=1",
+        "--data.global_batch=64",     # valid for the manifest's 2 x 32 NeuronCores and for 2 CPU ranks here
+        "--optim.warmup_steps=2", "--optim.decay_steps=10", "--optim.precision=fp32", "--log.interval=1",
+        "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=", f"--data.cache_dir={ROOT}/.cache"]
+
+
+class Pod:
+    """One pod of the training Job: its container command, exactly as the manifest states it, as a
+    process tree of its own. What the cluster provides is provided locally: the Service name of pod
+    0 resolves to 127.0.0.1, the hostPath cache is a folder, and the Neuron parts are CPU ones (one
+    gloo rank per pod instead of a NeuronCore each; the health check on gloo)."""
+
+    def __init__(self, job: dict, index: int, local: dict):
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        self.job, self.index, self.local = job, index, local
+        self.env = {**os.environ, **container_env(job), **local, "JOB_COMPLETION_INDEX": str(index),
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHON": sys.executable,
+                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.lines: list[str] = []
+        self.p = subprocess.Popen(c["command"], cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True).start()
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def tree(self) -> list[int]:
+        """This pod's processes: its top process and every descendant (torchrun's workers run in
+        sessions of their own, so a process group would miss them; a container's cgroup does not)."""
+        parents = {}
+        for d in Path("/proc").iterdir():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (ValueError, OSError, IndexError):
+                continue
+        tree, frontier = [self.p.pid], [self.p.pid]
+        while frontier:
+            frontier = [pid for pid, ppid in parents.items() if ppid in frontier and pid not in tree]
+            tree += frontier
+        return tree
+
+    def kill(self):
+        """What a node failure or an OOM kill does to a pod: every process of it dies at once."""
+        for pid in self.tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.p.wait(timeout=30)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pod in (self,):
+                pod.kill()
+            pytest.fail(f"pod {self.index} did not finish in {timeout:.0f} s:\n{self.out[-4000:]}")
+
+
+def start_pods(job: dict, tmp: Path) -> list[Pod]:
+    """Pod 0, then pod 1 once pod 0's torchrun hosts the rendezvous (its port answers)."""
+    (port,) = free_ports(1)
+    local = lambda i: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NPROC_PER_NODE": "1",  # noqa: E731
+                       "NEURON_CACHE_DIR": str(tmp / f"node{i}-cache"),
+                       "HEALTHCHECK_ARGS": "--backend=gloo --mb=0.25 --warmup=1 --reps=2"}
+    pods = [Pod(job, 0, local(0))]
+    deadline = time.time() + 240
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if pods[0].p.poll() is not None or time.time() > deadline:
+            pods[0].kill()
+            pytest.fail(f"pod 0 never hosted the rendezvous:\n{pods[0].out[-4000:]}")
+        time.sleep(0.5)
+    pods.append(Pod(job, 1, local(1)))
+    return pods
+
+
+def wait_for_step(pods: list[Pod], step: int, timeout: float = 300):
+    deadline = time.time() + timeout
+    while not any(re.search(rf"step\s+{step} \|", p.out) for p in pods):
+        if time.time() > deadline or any(p.p.poll() is not None for p in pods):
+            for p in pods:
+                p.kill()
+            pytest.fail(f"no step {step}:\n" + "\n".join(p.out[-3000:] for p in pods))
+        time.sleep(0.2)
+
+
+def pod_job(tmp_path, name: str, *args) -> dict:
+    docs = generate(tmp_path, *TINY, *args, "--mount", str(tmp_path / name), nodes=2, name=name)
+    return docs["train"][1]
+
+
+def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_identical(tmp_path):
+    """Two pods of the generated training Job (DP=2, one gloo rank each), as Kubernetes runs them.
+    1. SIGTERM to pod 1's top process (what the kubelet sends on a drain): it is torchrun itself
+       (the command execs), which passes it to its worker; both ranks stop at the same step and
+       leave a complete checkpoint of it.
+    2. The Job runs again (both pods): they resume from it. Pod 1 is killed at step 6, every process
+       of it at once, and started again with the same command and environment, as the Job controller
+       replaces a failed pod. Pod 0's torchrun agent restarts its worker and waits in the rendezvous;
+       the new pod 1 joins after its health check; both resume from the newest checkpoint and finish.
+    The weights and optimizer state at step 8, and every logged loss, equal an uninterrupted run of
+    the same layout (torchrun, DP=2) bit for bit."""
+    from test_resume import full_optim, losses, stopped_step
+    import ckptdir
+    import reshard
+    t0 = time.time()
+    ref = {}
+    reference = threading.Thread(target=lambda: ref.update(r=run_train(
+        [*TINY, f"--out_dir={tmp_path}/ref", "--optim.max_steps=8", "--ckpt.interval=4"], nproc=2, timeout=600)))
+    reference.start()                                    # meanwhile: it mostly waits on the pods' start-up
+    job = pod_job(tmp_path, "pods", "--optim.max_steps=8", "--ckpt.interval=2")
+    ckpt = tmp_path / "pods" / "pods" / "ckpt"
+    log = lambda what: print(f"{time.time() - t0:5.1f} s: {what}")  # noqa: E731
+
+    pods = start_pods(job, tmp_path)
+    wait_for_step(pods, 1)
+    pods[1].p.send_signal(signal.SIGTERM)
+    log("SIGTERM to pod 1 at step 1")
+    pods[1].wait(timeout=120)
+    out = "".join(p.out for p in pods)
+    stop = stopped_step(out, "SIGTERM")
+    problem, files = ckptdir.check(ckpt / f"step_{stop:08d}")
+    assert problem is None and len(files) >= 2, out[-6000:]     # every rank's part of that step
+    # Pod 0 did not get the signal: its worker saved, exited 75, and its torchrun waits for the
+    # replacement instead of ending (exit 0 would mark its index complete).
+    assert "SIGTERM reached another node: exit 75" in pods[0].out and pods[0].p.poll() is None, out[-6000:]
+    log(f"pod 1 stopped, checkpoint of step {stop} complete")
+
+    attempts = [pods[1]]
+    pods[1] = Pod(job, 1, attempts[-1].local)            # the drained pod's replacement
+    wait_for_step(pods, 6)
+    pods[1].kill()
+    log("pod 1 killed at step 6")
+    attempts.append(pods[1])
+    time.sleep(1)                                        # the replacement comes a moment later
+    pods[1] = Pod(job, 1, attempts[-1].local)
+    codes = [p.wait(timeout=400) for p in pods]
+    attempts += pods
+    out = "\n".join(p.out for p in pods)
+    log("both pods done")
+    assert codes == [0, 0], out[-6000:]
+    assert out.count("resuming from") >= 2 and "healthy" in pods[1].out
+
+    reference.join()
+    assert ref["r"].returncode == 0, ref["r"].stderr[-3000:]
+    m = configs.from_args(TINY).model
+    want, got = tmp_path / "ref" / "ckpt" / "step_00000008", ckpt / "step_00000008"
+    a, b = reshard.full_model_state(want, m), reshard.full_model_state(got, m)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = full_optim(want), full_optim(got)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    run = {}
+    for p in attempts:
+        run.update(losses(p.out))
+    assert run == losses(ref["r"].stdout) and len(run) == 8
