@@ -48,7 +48,8 @@ try:
     world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
     validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
 except ConfigError as e:
-    sys.exit(f"config error: {e}")
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)                      # as a usage error: no retry can help (eks.py: podFailurePolicy FailJob)
 p = cfg.parallel
 print(cfg.optim.precision, p.tp, p.pp, resolve_dp(cfg, world), cfg.out_dir, p.instance, hw.name,
       world // int(sys.argv[1]), sep="\n")

@@ -144,6 +144,10 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
         assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stderr)
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not out.exists() and r.stdout == ""
+    # In a pod (an image older or newer than the generator), launch.sh refuses a bad configuration
+    # with the status that the Job's podFailurePolicy fails at once, instead of retrying it per pod.
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--tp=7"], NNODES="2", MASTER_ADDR="x", DRY_RUN="1")
+    assert r.returncode == eks.CONFIG_ERROR and "config error: " in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B, "--out",
                         str(tmp_path / "held")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "already exist" in r.stderr
