@@ -37,8 +37,9 @@ from configs import ConfigError, DataConfig, path_kind
 from order import by_hash, held_out, permute
 
 # JSON lines, also compressed as most public corpora ship (C4 and Dolma: .json.gz; the Pile: .jsonl.zst).
-# gzip and zstd allow no random access: training reads such a file through an Arrow copy made once
-# (prepare.cached); `python data.py prepare` converts many of them in parallel.
+# gzip, zstd and Parquet allow no cheap random access: training reads such a file through an Arrow
+# copy made once per node in the cache (prepare.cached), memory-mapped and shared by the node's ranks;
+# `python data.py prepare` converts many of them in parallel.
 COMPRESSED = (".gz", ".zst")
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
@@ -219,8 +220,8 @@ class LineDocs(Source):
 class ColumnDocs(Source):
     """A text column: documents are rows, read by index with Arrow's take().
     Arrow IPC (the stream format `datasets.save_to_disk` writes, or the file format) is memory-mapped:
-    opening a terabyte file costs nothing and only the rows read are paged in. Parquet must be
-    decompressed: its column is loaded at first read (convert big Parquet corpora with `prepare`)."""
+    opening a terabyte file costs nothing and only the rows read are paged in. (A Corpus reads Parquet
+    through its Arrow copy, prepare.cached; read here, its whole column would load at first read.)"""
 
     def __init__(self, path: str, field: str):
         self.path, self.field, self.col = path, field, None
@@ -348,7 +349,8 @@ class Corpus:
         for p in paths:
             if os.path.getsize(p) == 0:
                 continue
-            elif p.endswith(COMPRESSED):           # an Arrow copy, made once (see COMPRESSED)
+            elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (see COMPRESSED;
+                # Parquet is compressed too: read in place, every rank would hold its whole text column)
                 import prepare
                 self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text"))
                 self.sources[-1].path = p

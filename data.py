@@ -212,7 +212,7 @@ class PackedLoader:
         self.threads, self.prefetch = threads, prefetch
         k = self.n_streams // dp_size
         self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
-        self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split)
+        self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir)
         self.index = idx = index or SpanIndex(self.corpus, cfg.seq_len, cfg.cache_dir, cfg.val_fraction)
         if split == "train":
             ranges, keep = [idx.train_range(g) for g in range(len(idx.groups))], "train" if idx.hashed else ""

@@ -352,7 +352,7 @@ def _drain(pending, q, progress):
 # ----------------------------------------------------------------------------- training's cache
 
 def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> str:
-    """The Arrow file training reads for a compressed shard (gzip/zstd allow no random access):
+    """The Arrow file training reads for a compressed shard (gzip/zstd/Parquet: no cheap random access):
     converted once into cache_dir, keyed by the file's name, size and modification time and the
     reading settings, by the first process to get the lock (the others wait for its file, as for
     the tokenizer). Costs one streamed pass over the shard, once."""

@@ -393,7 +393,7 @@ def test_every_sentencepiece_type_trains_and_exports_or_is_refused_before_step_1
             "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2", "--micro_batch=2", "--steps=2",
             f"--model.vocab_size={tok.vocab_size}", "--log.eval_interval=0", "--log.sample_tokens=0",
             "--log.peak_tflops=1", "--log.tensorboard=", "--ckpt.async_save=false", "--optim.warmup_steps=1",
-            f"--data={tmp_path}/corpus", f"--data.tokenizer={tmp_path}/sp.model", f"--out_dir={tmp_path}/run",
+            "--device=cpu", f"--data={tmp_path}/corpus", f"--data.tokenizer={tmp_path}/sp.model", f"--out_dir={tmp_path}/run",
             f"--ckpt.dir={tmp_path}/run/ckpt", f"--data.cache_dir={tmp_path}/cache"]
     if kind == "word":
         with pytest.raises(SystemExit) as e:
