@@ -2,7 +2,8 @@
 
 1. Sources -> documents. `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
    with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and
-   `python data.py prepare` write it) and Parquet; "stdlib" = the .py files of this interpreter's
+   `python data.py prepare` write it), and through an Arrow copy made once (prepare.cached) Parquet,
+   .jsonl.gz/.zst, .json.gz and .txt.gz; "stdlib" = the .py files of this interpreter's
    standard library; `--data a:0.7,b:0.3` a weighted mixture of sources.
 2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or a
    Hugging Face tokenizer.json (Llama 3), or trains a byte-fallback BPE of exactly the model's vocab
@@ -239,7 +240,8 @@ class ColumnDocs(Source):
                 table = pa.ipc.open_stream(source).read_all()
         except (pa.ArrowException, OSError) as e:      # random bytes: ArrowInvalid; truncated: OSError
             raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
-                            f"rewrite it (python data.py prepare) or leave it out of --data") from None
+                            f"write it again from its sources (python data.py prepare SRC... --out {os.path.basename(path)}) "
+                            f"or leave it out of --data") from None
         self.col = text_column(table, field, path)
         self.chunk_starts = np.cumsum([0] + [len(c) for c in self.col.chunks])
         self.n = len(self.col)
