@@ -248,7 +248,7 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
         raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
                               f"\nresume with the checkpoint's --model.* settings, or start a new run "
                               f"in another --ckpt.dir")
-    saved_precision = meta["config"]["optim"]["precision"]
+    saved_precision = meta["config"].get("optim", {}).get("precision", cfg.optim.precision)
     if saved_precision != cfg.optim.precision:
         raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
                               f"for {cfg.optim.precision}: its optimizer state is kept in the other "

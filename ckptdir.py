@@ -206,12 +206,15 @@ def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, di
 def is_ours(d: Path) -> bool:
     """A step-named folder nanotrn could have made: empty (a save killed between its mkdirs) or
     holding at least one of the names nanotrn writes. One directory read, stopped at the first hit."""
-    with os.scandir(d) as it:
-        empty = True
-        for e in it:
-            empty = False
-            if OURS.match(e.name):
-                return True
+    try:
+        with os.scandir(d) as it:
+            empty = True
+            for e in it:
+                empty = False
+                if OURS.match(e.name):
+                    return True
+    except OSError:                  # unreadable: not a folder a run could write into anyway
+        return False
     return empty
 
 
@@ -380,4 +383,5 @@ class CkptDir:
             except (OSError, ValueError):
                 continue
         for d in ours[keep:]:
-            shutil.rmtree(d, ignore_errors=True)
+            (d / MANIFEST).unlink(missing_ok=True)     # first: a crash mid-delete leaves an interrupted
+            shutil.rmtree(d, ignore_errors=True)       # folder, never a "complete" one with files missing

@@ -224,6 +224,17 @@ CASES = [
                                                  "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false"]),
      ["--ckpt.resume=false", "run/ckpt"], 1, True),
     ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
+    ("start_fresh while resuming", T("--ckpt.start_fresh"), ["--ckpt.start_fresh", "--ckpt.resume=false"], 1, True),
+    # ---- train.py: a checkpoint directory holding what is not nanotrn's, or nothing valid (issue 25)
+    ("ckpt: foreign step folder", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                             "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+     ["ck/step_00000009", "not nanotrn's", "Move it out"], 1, True),
+    ("ckpt: foreign latest", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                        "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+     ["ck/latest is not nanotrn's `latest` pointer"], 1, True),
+    ("ckpt: only checkpoint damaged", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                                 "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+     ["holds no valid checkpoint", "step_00000002", "--ckpt.resume=false --ckpt.start_fresh"], 1, False),
     # ---- train.py: resuming as something else (a model exists by then: not early)
     ("resume other precision", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
                                           "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--precision=bf16", "--steps=3"]),
@@ -301,8 +312,16 @@ CASES = [
 def test_bad_input(W, tmp_path, monkeypatch, capsys, name, call, expect, code, early):
     entry, argv = call
     t = tmp_path
-    if name.startswith(("resume other", "new corpus")):
+    if name.startswith(("resume other", "new corpus", "ckpt: foreign", "ckpt: only")):
         shutil.copytree(W / "run" / "ckpt", t / "ck")          # the finished run's checkpoint, to continue
+    if name == "ckpt: foreign step folder":
+        (t / "ck" / "step_00000009").mkdir()
+        (t / "ck" / "step_00000009" / "notes.txt").write_text("a user's own files")
+    if name == "ckpt: foreign latest":
+        (t / "ck" / "latest").write_text("my own notes")
+    if name == "ckpt: only checkpoint damaged":
+        f = t / "ck" / "step_00000002" / "model_tp00_pp00.pt"
+        f.write_bytes(f.read_bytes()[:1000])
     if name == "data: --out a directory":
         (t / "d.arrow").mkdir()
     if name == "fault spec":
