@@ -400,17 +400,67 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full-shape initial value of one parameter, from its name and the seed only."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
+def _init_stream(name: str, cfg: ModelConfig, seed: int) -> tuple[torch.Generator, float]:
+    """The generator and scale of one parameter's initial value: from its name and the seed only."""
     if cfg.tie_embeddings and name == "lm_head.weight":
         name = "embed.weight"        # tied: a pipeline's last stage holds a copy of the embedding
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std = cfg.init_std / math.sqrt(2.0 * cfg.n_layers)      # scaled init (the blog, HLAT)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())), std
+
+
+def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full-shape initial value of one parameter, from its name and the seed only."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    g, std = _init_stream(name, cfg, seed)
     return torch.randn(shape, generator=g) * std
+
+
+def init_param_part(name: str, shape: tuple, cfg: ModelConfig, seed: int, rows: torch.Tensor | None = None,
+                    cols: slice | None = None, chunk: int = 1 << 22) -> torch.Tensor:
+    """init_param(name, shape, cfg, seed)[rows][:, cols], bit for bit, without building the full
+    tensor: a TP rank's shard of the 128256 x 4096 embedding (2 GiB in fp32) costs its own rows
+    plus one chunk of `chunk` elements (16 MiB), not the whole matrix on each of a node's 32 ranks.
+    rows: full-tensor row of each output row (-1: a zero row, the vocabulary padding); None: all.
+    How: the CPU generator's randn(n) for n >= 16 (ATen's normal_fill) draws n uniforms in order,
+    turns each block of 16 into normals (Box-Muller pairs i, i+8), and, when n % 16 != 0, draws 16
+    more for the last 16 elements (after the n % 16 left over). So the stream is walked in chunks of whole rows starting at
+    multiples of 16 elements: a chunk holding wanted rows is drawn with randn (the same blocks,
+    the same values), any other is drawn and dropped with uniform_ (one 32-bit draw per element,
+    as normal_fill's), and the tail is redrawn as normal_fill does. mt19937 cannot skip ahead, so
+    the time stays that of the whole tensor (about 1 s for the embedding); the memory does not."""
+    if len(shape) == 1 or name.endswith("norm.weight"):     # norm weights: replicated, never cut
+        return init_param(name, shape, cfg, seed)
+    (R, C), every = shape, slice(None)
+    cols = cols or every
+    if R * C <= chunk:
+        full = init_param(name, shape, cfg, seed)
+        return (full if rows is None else torch.where((rows >= 0)[:, None], full[rows.clamp(min=0)], 0.0))[:, cols]
+    g, std = _init_stream(name, cfg, seed)
+    n, step = R * C, 16 // math.gcd(16, C)               # rows per 16-element boundary
+    k = max(step, chunk // C // step * step)              # rows per chunk
+    body = n - n % 16                                     # the elements normal_fill makes in whole blocks
+    rows = torch.arange(R) if rows is None else rows
+    out = torch.zeros(len(rows), len(range(*cols.indices(C))))
+    r0 = 0
+    while r0 < R:
+        r1 = R if R - r0 < 2 * k else r0 + k              # the last chunk takes the rest (>= 16 elements)
+        lo, hi = r0 * C, min(r1 * C, body)
+        wanted = ((rows >= r0) & (rows < r1)).nonzero().flatten()
+        if len(wanted) == 0:
+            if r1 < R:
+                torch.empty(hi - lo).uniform_(generator=g)  # keep the stream's place
+        else:
+            vals = torch.empty((r1 - r0) * C)
+            vals[:hi - lo] = torch.randn(hi - lo, generator=g)
+            if r1 == R and n % 16:                    # normal_fill: the last n % 16 uniforms are drawn,
+                torch.empty(n % 16).uniform_(generator=g)  # then the last 16 values redrawn from 16 more
+                vals[-16:] = torch.randn(16, generator=g)
+            out[wanted] = (vals.view(r1 - r0, C)[rows[wanted] - r0] * std)[:, cols]
+        r0 = r1
+    return out
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ each one onto theirs):
 5. Sharding rules full <-> shard, by parameter name: the one place that knows that qkv_proj is laid
    out per KV group and gate_up_proj per rank as [gate shard | up shard].
 6. build_model: the Llama on the meta device, its layers swapped for parallel ones, then each local
-   shard materialized from the full-shape init of model.init_param: same seed, same full weights,
-   whatever the layout, and no rank ever holds the full 7B.
+   shard generated from the stream of model.init_param's full tensor (model.init_param_part):
+   same seed, same full weights, whatever the layout, and no rank ever holds a full tensor.
 7. Vocab-parallel cross entropy: the loss from sharded logits, with two small all-reduces.
 8. Gradients: TP-replicated sums (SP norms, replicated KV heads), the DP all-reduce in flat buckets
    scaled 1/DP, and clipping on the true global norm.
@@ -500,6 +500,20 @@ def shard_tensor(name: str, full: torch.Tensor, m: ModelConfig, tp: int, tp_rank
     return torch.cat((q, groups[g, rep:rep + 2])).reshape(-1, full.shape[1])
 
 
+def shard_index(name: str, shape: tuple, m: ModelConfig, tp: int, tp_rank: int):
+    """Where shard_tensor's piece lies in the full tensor, as model.init_param_part takes it:
+    (rows, cols): the full row of each shard row (-1: vocabulary padding), or None for all rows;
+    a slice of columns (row-parallel weights), or None. The rule itself is shard_tensor's, applied
+    to the row numbers (as hf.load_sharded does), so the two cannot disagree."""
+    kind = _kind(name)
+    if tp == 1 or kind == "replicated":
+        return None, None
+    if kind == "row":
+        width = -(-shape[1] // tp)
+        return None, slice(tp_rank * width, min((tp_rank + 1) * width, shape[1]))
+    return shard_tensor(name, (torch.arange(shape[0]) + 1).view(-1, 1), m, tp, tp_rank).view(-1) - 1, None
+
+
 def unshard_tensors(name: str, shards: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
     """Inverse of shard_tensor: the full-shape parameter from all TP ranks' pieces (in rank order)."""
     tp, kind = len(shards), _kind(name)
@@ -589,7 +603,14 @@ def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn
     device = torch.device(device)
     params = list(model.parameters())              # each tied matrix once
     host = [p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach() for p in params]
-    moved = {id(p): nn.Parameter(t.to(device), requires_grad=p.requires_grad) for p, t in zip(params, host)}
+    if device.type == "xla" and all(t.device.type == "cpu" for t in host):
+        # One batched host-to-device call for every tensor (torch-xla's data loader uses it), not
+        # one synchronous .to() per tensor.
+        import torch_xla.core.xla_model as xm
+        on_device = xm.send_cpu_data_to_device(host, device)
+    else:
+        on_device = [t.to(device) for t in host]
+    moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(params, on_device)}
     for mod in model.modules():
         for k, p in mod._parameters.items():
             if p is not None:
@@ -615,18 +636,20 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: t
     if grid.world > 1 and backend_for(device.type) != grid.backend:
         raise ConfigError(f"the model would live on {device} but the process groups use {grid.backend}: "
                           f"pass the device to parallel.init_distributed(cfg, device), or set --device")
-    with torch.device("meta"):
-        model = llama.Llama(cfg.model)
-    full_shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}     # tied: both names
     sp = cfg.parallel.sp and grid.tp > 1
-    if grid.tp > 1:
-        tensor_parallelize(model, grid, sp)
+    with torch.device("meta"):                # the parallel layers too: nothing is allocated yet
+        model = llama.Llama(cfg.model)
+        full_shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}     # tied: both names
+        if grid.tp > 1:
+            tensor_parallelize(model, grid, sp)
     if stage is not None:
         model = stage(model)
     # XLA: init (or load) on CPU, then move the model (the blog: "initialized on CPU and offloaded to
     # Trainium"); in-place copies into XLA tensors leave views that recompile graphs at each save and
     # after evals.
     build_on = torch.device("cpu") if device.type == "xla" else device
+    if dtype is not None:
+        model.to(dtype)                       # on meta: the host copy is built in the final dtype
     model.to_empty(device=build_on)
     tie_embeddings(model)                     # to_empty from meta made two Parameters of the tied one
     if load is not None and load(model):
@@ -634,10 +657,12 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: t
     elif cfg.init_from:        # continued pretraining: each rank reads only its shard from the files
         hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
     else:
+        # Each rank generates only its shard, from the stream that generates the full tensor (the
+        # same values as cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py).
         with torch.no_grad():
             for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
-                full = llama.init_param(name, full_shapes[name], cfg.model, cfg.seed)
-                p.copy_(shard_tensor(name, full, cfg.model, grid.tp, grid.tp_rank))
+                rows, cols = shard_index(name, full_shapes[name], cfg.model, grid.tp, grid.tp_rank)
+                p.copy_(llama.init_param_part(name, full_shapes[name], cfg.model, cfg.seed, rows, cols))
     model = move_model(model, device, dtype)
     check_tied(model)
     mark_parameters(model, grid, sp)          # after the moves: they make new Parameter objects

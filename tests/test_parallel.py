@@ -532,3 +532,24 @@ def test_world_one_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     grid = parallel.init_distributed(tiny_cfg())
     assert grid == parallel.Grid() and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("chunk", [32, 100, 1 << 22])
+def test_shard_init_is_todays_full_init_then_cut(chunk):
+    """build_model generates each TP rank's shard alone (model.init_param_part); it must equal, bit
+    for bit, cutting the shard out of the full init_param tensor (what every rank did before) for
+    every parameter at TP 1, 2, 4: vocabulary padding, replicated KV heads (n_kv_heads 2 and 1 <
+    tp 4), row-parallel columns, tails of numel % 16 != 0 (97 x 24), chunks of 32 and 100 elements
+    (the stream walked and skipped in pieces) and the default (small tensors made whole)."""
+    for m in (ModelConfig(vocab_size=97, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, max_seq_len=16),
+              ModelConfig(vocab_size=101, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=72, max_seq_len=16,
+                          tie_embeddings=True)):
+        with torch.device("meta"):
+            shapes = {n: tuple(p.shape) for n, p in llama.Llama(m).state_dict().items()}
+        for tp in (1, 2, 4):
+            for r in range(tp):
+                for name, shape in shapes.items():
+                    want = parallel.shard_tensor(name, llama.init_param(name, shape, m, 7), m, tp, r)
+                    rows, cols = parallel.shard_index(name, shape, m, tp, r)
+                    got = llama.init_param_part(name, shape, m, 7, rows, cols, chunk=chunk)
+                    assert torch.equal(got, want), f"{name} at tp {tp} rank {r}, chunk {chunk}"
