@@ -208,14 +208,19 @@ class AdamW:
             return f"embed.weight|{sharing}|pp0|{offset}"
         return f"{name}|{sharing}|pp{self.grid.pp_rank}|{offset}"
 
-    def _make_slots(self) -> list[_Slot]:
+    def _make_slots(self, fresh: bool = True) -> list[_Slot]:
+        """The slots, as views into the state; fresh: create the state first (zeros, the master)."""
         sdt = state_dtype(self.precision)
-        self.state, slots = {}, []
+        if fresh:
+            self.state = {}
+        slots = []
         for n, p in self.named:
-            st = {"exp_avg": torch.zeros_like(p, dtype=sdt), "exp_avg_sq": torch.zeros_like(p, dtype=sdt)}
-            if self.precision == "mixed":
-                st["master"] = p.detach().float().clone()
-            self.state[n] = st
+            if fresh:
+                st = {"exp_avg": torch.zeros_like(p, dtype=sdt), "exp_avg_sq": torch.zeros_like(p, dtype=sdt)}
+                if self.precision == "mixed":
+                    st["master"] = p.detach().float().clone()
+                self.state[n] = st
+            st = self.state[n]
             flat = {k: t.view(-1) for k, t in st.items()}
             for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
                 master = flat["master"][a:b] if "master" in flat else None
@@ -346,7 +351,13 @@ class AdamW:
             raise ConfigError(f"optimizer state layout {sd['layout']} does not match this run's "
                              f"{self._layout()}; load ZeRO-1 shards at another layout through "
                              f"reshard.py, which reshards them")
-        wanted = self._wanted() if full else AdamW._wanted(self)
+        # Filled on the host, then each state tensor goes to the device whole, replacing the old one
+        # (and the slots are views into the new ones). Copied into views of the device tensors, the
+        # loaded state reached the next step's graph as slices of them: a graph of its own, one
+        # more compile (minutes of neuronx-cc) after every resume (issue 26).
+        now = self._state_tensors()
+        host = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in now.items()}
+        wanted = self._wanted(host) if full else AdamW._wanted(self, host)
         missing = [k for k in wanted if k not in sd["state"]]
         if missing:
             raise ConfigError(f"optimizer state does not match the model: missing {missing[:3]}")
@@ -355,14 +366,23 @@ class AdamW:
             if src.numel() != n:
                 raise ConfigError(f"optimizer state {k} has shape {tuple(src.shape)}, expected {n} elements")
             dst.copy_(src.reshape(-1)[a:b])
+        device = next(iter(now.values())).device if now else torch.device("cpu")
+        self._set_state_tensors(dict(zip(host, parallel.to_device(list(host.values()), device))))
+        self.slots = self._make_slots(fresh=False)
         self.step_count, self.sr_seed = sd["step"], sd["sr_seed"]
         for g, lr in zip(self.param_groups, sd["lr"]):
             g["lr"] = lr
 
-    def _wanted(self) -> dict:
-        """What a per-parameter state fills: "<param>.<moment>" -> (flat destination, start and end
-        of its part in the parameter's flat elements, the parameter's numel)."""
-        return {k: (t.view(-1), 0, t.numel(), t.numel()) for k, t in self._state_tensors().items()}
+    def _wanted(self, tensors: dict) -> dict:
+        """What a per-parameter state fills in `tensors` (shaped as _state_tensors()): "<param>.<moment>"
+        -> (flat destination, start and end of its part in the parameter's flat elements, the
+        parameter's numel)."""
+        return {k: (t.view(-1), 0, t.numel(), t.numel()) for k, t in tensors.items()}
+
+    def _set_state_tensors(self, tensors: dict) -> None:
+        for key, t in tensors.items():
+            n, k = key.rsplit(".", 1)
+            self.state[n][k] = t
 
 
 # ----------------------------------------------------------------------------- ZeRO-1
@@ -407,7 +427,7 @@ class Zero1AdamW(AdamW):
         super().__init__(named_params, cfg, grid, seed, software_sr)
         self.buckets = self._plan_buckets(bucket_bytes)
 
-    def _make_slots(self) -> list[_Slot]:
+    def _make_slots(self, fresh: bool = True) -> list[_Slot]:
         dp, r = self.grid.dp, self.grid.dp_rank
         for n, p in self.named:
             if not p.is_contiguous():
@@ -421,10 +441,11 @@ class Zero1AdamW(AdamW):
         lo, hi = r * self.shard, (r + 1) * self.shard
         device = self.named[0][1].device
         sdt = state_dtype(self.precision)
-        self.flat = {"exp_avg": torch.zeros(self.shard, dtype=sdt, device=device),
-                     "exp_avg_sq": torch.zeros(self.shard, dtype=sdt, device=device)}
-        if self.precision == "mixed":
-            self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        if fresh:
+            self.flat = {"exp_avg": torch.zeros(self.shard, dtype=sdt, device=device),
+                         "exp_avg_sq": torch.zeros(self.shard, dtype=sdt, device=device)}
+            if self.precision == "mixed":
+                self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
         slots = []
         for (n, p), start in zip(self.named, self.offsets):
             for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
@@ -435,7 +456,8 @@ class Zero1AdamW(AdamW):
                 master = self.flat.get("master")
                 if master is not None:
                     master = master[a - lo:b - lo]
-                    master.copy_(value)
+                    if fresh:
+                        master.copy_(value)
                 slots.append(_Slot(n, p, value, self.flat["exp_avg"][a - lo:b - lo],
                                    self.flat["exp_avg_sq"][a - lo:b - lo], master, self._group_of[id(p)],
                                    self._sr_key(n, sharing, a - start, p), weight, a - lo, b - lo))
@@ -474,12 +496,15 @@ class Zero1AdamW(AdamW):
         return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel,
                 "params": [[n, list(p.shape)] for n, p in self.named]}
 
-    def _wanted(self) -> dict:
+    def _set_state_tensors(self, tensors: dict) -> None:
+        self.flat = dict(tensors)
+
+    def _wanted(self, tensors: dict) -> dict:
         lo, out = self.grid.dp_rank * self.shard, {}
         for (n, p), start in zip(self.named, self.offsets):
             a, b = max(start, lo), min(start + p.numel(), lo + self.shard)
             if a < b:                        # the part of this parameter that lies on this shard
-                out.update({f"{n}.{k}": (t[a - lo:b - lo], a - start, b - start, p.numel()) for k, t in self.flat.items()})
+                out.update({f"{n}.{k}": (t[a - lo:b - lo], a - start, b - start, p.numel()) for k, t in tensors.items()})
         return out
 
     @torch.no_grad()

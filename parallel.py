@@ -596,6 +596,16 @@ def check_tied(model: nn.Module) -> None:
                            "(a move made new Parameters; call parallel.tie_embeddings after it)")
 
 
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors onto device. XLA: one batched host-to-device call for all of them (the one
+    torch-xla's data loader uses), not one synchronous .to() per tensor."""
+    device = torch.device(device)
+    if device.type == "xla" and all(t.device.type == "cpu" for t in tensors):
+        import torch_xla.core.xla_model as xm
+        return xm.send_cpu_data_to_device(tensors, device)
+    return [t.to(device) for t in tensors]
+
+
 @torch.no_grad()
 def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn.Module:
     """Cast (on the host, before the move: half the bytes to copy) and move every parameter, each
@@ -603,14 +613,7 @@ def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn
     device = torch.device(device)
     params = list(model.parameters())              # each tied matrix once
     host = [p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach() for p in params]
-    if device.type == "xla" and all(t.device.type == "cpu" for t in host):
-        # One batched host-to-device call for every tensor (torch-xla's data loader uses it), not
-        # one synchronous .to() per tensor.
-        import torch_xla.core.xla_model as xm
-        on_device = xm.send_cpu_data_to_device(host, device)
-    else:
-        on_device = [t.to(device) for t in host]
-    moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(params, on_device)}
+    moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(params, to_device(host, device))}
     for mod in model.modules():
         for k, p in mod._parameters.items():
             if p is not None:
