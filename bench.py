@@ -888,7 +888,8 @@ def bench_xla(args):
                   "--log.tensorboard=", "--log.sample_tokens=0", "--precision=fp32"]
     shutil.rmtree(os.path.join(args.out, "xla-run"), ignore_errors=True)
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "xla_check.py"),
-           f"--eager-steps={steps}", f"--threads={args.threads}", f"--json={report}", "--", *train_args]
+           f"--eager-steps={steps}", f"--threads={args.threads}", f"--json={report}",
+           f"--graphs={args.out}/xla-graphs.txt", "--", *train_args]
     r = subprocess.run(cmd, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench.py xla: the run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -909,12 +910,17 @@ def bench_xla(args):
                                            if s["step"] not in (log, ev))}
     print(f"tiny preset, 2 layers, batch 8 x 256 tokens, {steps} steps, log every {log}, eval + save at {ev}")
     print("graphs compiled on XLA: " + ", ".join(f"{k}: {v}" for k, v in kinds.items()))
+    # The census by graph (scripts/xla_check.py names them: token count, first microbatch, later
+    # microbatch, reduce/clip/update inside a step; log, eval, save, resume, setup outside).
+    for label, c in rep["xla"]["census"].items():
+        print(f"  {label:20s} compiled {c['compiled']}, run {c['runs']}, HLO instructions "
+              + ", ".join(f"{n} (from step {k})" for n, k in c["sizes"].items()))
     t_x, t_e = pace(rep["xla"]), pace(rep["eager"])
     diff = max(abs(a - b) for a, b in zip(rep["xla"]["losses"][:5], rep["eager"]["losses"][:5]))
     print(f"steady step time: XLA:CPU {t_x * 1e3:.0f} ms, eager CPU {t_e * 1e3:.0f} ms: ratio {t_x / t_e:.2f}x; "
           f"first 5 losses differ by at most {diff:.1e}; load average {os.getloadavg()[0]:.1f}")
     with open(report, "w") as f:
-        json.dump({**rep, "graphs": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
+        json.dump({**rep, "compiles": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
 
 
 BENCHES = {"train": bench_train, "data": bench_data, "precision": bench_precision, "init": bench_init,

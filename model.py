@@ -240,8 +240,20 @@ class ExplicitAttention(torch.autograd.Function):
     the math path with bf16 upcast to fp32 matmuls; on CPU at 256 tokens the whole training step
     of bench.py train is 1.27x faster with this than with the flash kernel in bf16, and no slower
     in fp32. Its cost: the probabilities, about half of [B, H, T, T] per layer, which selective
-    checkpointing recomputes instead of keeping."""
+    checkpointing recomputes instead of keeping.
+    How many blocks (issue 26): each is unrolled into the graph, forward and backward. One head at
+    seq 4096 on XLA:CPU (attention forward + backward alone, bf16): 32 blocks of 128 queries are
+    4293 HLO instructions and 225 s of compile, 8 blocks of 512 are 1221 and 43 s, 1 block 288
+    and 6 s (one run, machine shared). Causality skips (n-1)/2n of the scores at n blocks: 48% at
+    32, 44% at 8, so 8 blocks cost 9% more attention matmul work than 32 (about 1% of a 7B step
+    at 4096) for a quarter of the graph. So: blocks of at least QUERY_BLOCK, at most MAX_BLOCKS."""
     QUERY_BLOCK = 128
+    MAX_BLOCKS = 8
+
+    @staticmethod
+    def block(T: int) -> int:
+        """Queries per block at sequence length T: 128 up to 1024 tokens, then T / 8."""
+        return max(ExplicitAttention.QUERY_BLOCK, -(-T // ExplicitAttention.MAX_BLOCKS))
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
@@ -250,8 +262,9 @@ class ExplicitAttention(torch.autograd.Function):
         # Masked after the matmul with a finite value, as NxD's CoreAttention (see MASK_VALUE).
         masked = ~(mask.expand(B, H, T, T).reshape(B * H, T, T) if mask.dim() == 4 else mask.expand(B * H, T, T))
         out, probs = torch.empty_like(q), []
-        for s in range(0, T, ExplicitAttention.QUERY_BLOCK):
-            e = min(T, s + ExplicitAttention.QUERY_BLOCK)          # queries [s, e) see keys [0, e)
+        qb = ExplicitAttention.block(T)
+        for s in range(0, T, qb):
+            e = min(T, s + qb)                                     # queries [s, e) see keys [0, e)
             scores = torch.bmm(q[:, s:e], k[:, :e].transpose(1, 2)).mul_(hd ** -0.5)
             p = softmax_fp32(scores.masked_fill_(masked[:, s:e, :e], MASK_VALUE))
             torch.bmm(p, v[:, :e], out=out[:, s:e])
@@ -268,7 +281,7 @@ class ExplicitAttention(torch.autograd.Function):
         # The last block sees every key: it starts dk and dv, the earlier blocks add to their prefix.
         for i in reversed(range(len(probs))):
             p = probs[i]
-            s = i * ExplicitAttention.QUERY_BLOCK
+            s = i * ExplicitAttention.block(q.shape[1])
             e = s + p.shape[1]
             do = dout[:, s:e]
             ds = softmax_fp32_backward(torch.bmm(do, v[:, :e].transpose(1, 2)), p)
