@@ -21,15 +21,20 @@ import numpy as np
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
+def _mix(z):
+    """splitmix64's step: a bijective scramble of uint64 values (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = z + _GOLD
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
 def hash64(*keys) -> np.ndarray:
     """splitmix64 chained over integer keys (arrays broadcast): uint64, a pure function of the keys."""
     h = np.uint64(0)
-    with np.errstate(over="ignore"):                    # wrapping uint64 arithmetic
-        for k in keys:
-            z = (h ^ np.asarray(k).astype(np.uint64)) + _GOLD
-            z = (z ^ (z >> np.uint64(30))) * _M1
-            z = (z ^ (z >> np.uint64(27))) * _M2
-            h = z ^ (z >> np.uint64(31))
+    for k in keys:
+        h = _mix(h ^ np.asarray(k).astype(np.uint64))
     return h
 
 
@@ -54,12 +59,12 @@ def permute(i, n: int, key: tuple) -> np.ndarray:
         return np.zeros_like(i)
     h = max(1, ((n - 1).bit_length() + 1) // 2)         # half width: 2h bits cover n - 1
     mask, hh = np.uint64((1 << h) - 1), np.uint64(h)
-    k = hash64(*key)
+    round_keys = [hash64(*key, r) for r in range(ROUNDS)]
 
     def network(x):
         left, right = x >> hh, x & mask
-        for r in range(ROUNDS):
-            left, right = right, left ^ (hash64(k, r, right) & mask)
+        for rk in round_keys:               # round function: splitmix of the right half and the round key
+            left, right = right, left ^ (_mix(right ^ rk) & mask)
         return (left << hh) | right
     x = network(i.astype(np.uint64))
     out = np.where(x < np.uint64(n), x, np.uint64(0))

@@ -32,7 +32,7 @@ from corpus import Corpus, DataError
 from order import by_hash, held_out, tail_spans
 
 INDEX_VERSION = 1
-BLOCK = 1 << 20             # documents per block while building: ~24 MB of rows in memory at once
+BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
 
 
 _SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
