@@ -126,6 +126,9 @@ class FaultInjector:
         NANOTRN_FAULT=p=0.05,seed=3,max=2   ... with a seed, and at most 2 deaths in this ckpt.dir
         NANOTRN_FAULT=nan:5         not a crash: step 5's gradients become NaN on every rank, to
                                     exercise --log.on_nonfinite (train.py applies it)
+        NANOTRN_FAULT=hang:1:5      not a crash: rank 1, as step 5 begins, waits in a collective no
+                                    other rank joins, and the others in their step's: the hang the
+                                    watchdog and the collective timeout must end (watchdog.py)
 
     Each death is first appended (fsynced) to <ckpt.dir>/faults.log. A fixed fault fires only if
     faults.log does not hold it yet, so the restarted run goes through the step that killed it
@@ -136,12 +139,15 @@ class FaultInjector:
     def __init__(self, spec: str, rank: int, root: Path):
         self.spec, self.rank, self.log = spec.strip(), rank, Path(root) / "faults.log"
         self.p, self.seed, self.max, self.at, self.in_save = 0.0, 0, None, None, False
-        self.nan_step = None
+        self.nan_step = self.hang_at = None
         if not self.spec:
             return
         try:
             if self.spec.startswith("nan:"):
                 self.nan_step = int(self.spec[4:])
+            elif self.spec.startswith("hang:"):
+                rank, step = self.spec[5:].split(":")
+                self.hang_at = (int(rank), int(step))
             elif self.spec.startswith("p="):
                 opts = dict(kv.split("=", 1) for kv in self.spec.split(","))
                 self.p, self.seed = float(opts["p"]), int(opts.get("seed", 0))
@@ -155,7 +161,7 @@ class FaultInjector:
                 self.at, self.in_save = (int(parts[0]), int(parts[1])), len(parts) == 3
         except (ValueError, KeyError):
             raise CheckpointError(f"NANOTRN_FAULT={spec!r} is not understood; use RANK:STEP, "
-                                  f"RANK:STEP:save, p=PROB[,seed=N][,max=N] or nan:STEP") from None
+                                  f"RANK:STEP:save, p=PROB[,seed=N][,max=N], nan:STEP or hang:RANK:STEP") from None
         self.fired = self.log.read_text().splitlines() if self.log.exists() else []
 
     @classmethod
@@ -184,6 +190,16 @@ class FaultInjector:
             draw = random.Random(f"{self.seed}|{self.rank}|{step}|{len(self.fired)}").random()
             if draw < self.p:
                 self.die(f"step {step} at random")
+
+    def maybe_hang(self, step: int):
+        """Call at the start of every training step: NANOTRN_FAULT=hang:RANK:STEP, once per ckpt.dir."""
+        if self.hang_at != (self.rank, step) or any(f"({self.spec})" in l for l in self.fired):
+            return
+        with open(self.log, "a") as f:
+            f.write(f"rank {self.rank} hangs at step {step} ({self.spec})\n")
+        print(f"NANOTRN_FAULT: rank {self.rank} hangs at step {step} in a barrier no other rank joins",
+              file=sys.stderr, flush=True)
+        dist.barrier()          # the world group: the others wait in their step's collectives
 
     def dies_in_save(self, step: int) -> bool:
         return self._fixed(step, in_save=True)
@@ -463,7 +479,8 @@ class Checkpointer:
         if d is not None:
             meta = json.loads((d / "meta.json").read_text())
             check_config(meta, d, self.cfg, self.say)
-            loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say)
+            loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say,
+                                  self.device)
         where = {}
         if set_aside and skipped:
             barrier(self.grid)                  # every rank is done looking at them

@@ -59,6 +59,7 @@ class ParallelConfig:
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
     instance: str = "trn1"       # trn1 | trn1n | trn2: the instance type (INSTANCES): the planner, the MFU peak, ranks per node
     cores: int = 0               # planner only: NeuronCores it lays out (0 = 128 instances, the blog's cluster)
+    timeout_s: float = 1800.0    # torch.distributed's collective timeout (gloo, nccl; on xla the gloo host group's)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class CheckpointConfig:
     resume: bool = True          # continue from the newest complete checkpoint if there is one
     reset_data: bool = False     # on resume, start the data stream afresh (needed after a change of global batch)
     start_fresh: bool = False    # with --ckpt.resume=false: move the directory's checkpoints aside (never deleted) and start over
+    grace_s: float = 30.0        # the launcher's grace period from SIGTERM/SIGUSR1 to SIGKILL (torchrun: 30, fixed)
 
 
 @dataclass
@@ -117,6 +119,9 @@ class LogConfig:
     sample_tokens: int = 64      # length of the sample printed at the end
     on_nonfinite: str = "stop"   # stop | skip
     peak_tflops: float = 0.0     # per-device peak for MFU; 0 = the --instance datasheet on Neuron, the model's matmuls measured elsewhere
+    hang_factor: float = 20.0    # watchdog: no step done in this many median step times = a hang (0 = off)
+    hang_min_s: float = 300.0    # ... but never less than this many seconds
+    hang_startup_s: float = 7200.0   # ... nor, before the first steps and around a save or an evaluation, less than this (compiles)
 
 
 @dataclass
@@ -393,6 +398,8 @@ DOMAINS = {
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps",
                      "optim.constant_steps", "optim.weight_decay", "optim.grad_clip", "ckpt.interval", "parallel.zero1_bucket_mb",
                      "ckpt.keep", "log.eval_interval", "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
+    **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _POSITIVE),
+    "log.hang_factor": (lambda v: v == 0 or v >= 2, ">= 2 (median step times), or 0 to turn the watchdog off"),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
     "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),
     "data.seed": (lambda v: v >= 0, ">= 0 (numpy's generators take no negative seed)"),

@@ -33,6 +33,7 @@ Megatron) one all-gather per column-parallel linear in backward, so it need not 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -137,9 +138,12 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
     if backend == "xla" and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
         raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
                           "collectives between processes; use --device=cpu to train with gloo")
+    # A collective that waits longer than --parallel.timeout_s raises (gloo, nccl) instead of
+    # hanging forever; the xla backend has no such timeout (train.py's watchdog covers it).
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if backend == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers "xla" and patches new_group
-        dist.init_process_group("xla", init_method="xla://")
+        dist.init_process_group("xla", init_method="xla://", timeout=timeout)
     else:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -151,14 +155,14 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
         shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "-"
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                                rank=rank, world_size=world)
+                                rank=rank, world_size=world, timeout=timeout)
     grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend, cfg.model.tie_embeddings)
     if backend == "xla":     # its barrier returns at once: barriers (checkpoint renames) need gloo
-        grid.host_group = new_host_group()
+        grid.host_group = new_host_group(timeout)
     return grid
 
 
-def new_host_group():
+def new_host_group(timeout: datetime.timedelta | None = None):
     """A gloo group over all ranks for host-side barriers and agreement on XLA (whose own barrier
     is a no-op). Built eagerly, gloo connects every pair: 4095 sockets per rank at 4096 ranks,
     131k per trn1 node. Built lazily (TORCH_GLOO_LAZY_INIT, read when a group is constructed), a
@@ -167,7 +171,7 @@ def new_host_group():
     2*log2(world) sockets: 24 at 4096 ranks. (NxD uses xm.rendezvous, a device all-gather, for
     its checkpoint barriers: trainer/checkpoint.py; this keeps one host-side path with gloo.)"""
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def group_options(backend: str, mesh: list[list[int]]):

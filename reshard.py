@@ -8,10 +8,17 @@ of a stage are read and re-split with parallel.unshard_tensors / shard_tensor, f
 for the optimizer moments (which, without ZeRO-1, have their parameters' layout). ZeRO-1 flat
 shards record their index (parameter names and shapes), so they are cut back into per-parameter
 tensors (SavedOptim), each read when the optimizer asks for it (LazyMap).
+
+What the DP replicas of one (TP, PP) position hold alike (the model, and the optimizer state
+without ZeRO-1) is read by ONE of them (reader_dp_rank, spread over the nodes as the writers are)
+and broadcast over the DP group (broadcast_state); a ZeRO-1 shard is read by its owner alone.
+At 7B on 128 trn1 nodes (TP=8, DP=512) that is 8 readers of the shared file system, not 4096
+(README: FSx bytes per restart). Every read goes through load_file (tests count them).
 """
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from configs import ModelConfig
 from parallel import Grid, shard_tensor, unshard_tensors
@@ -31,6 +39,12 @@ class CheckpointError(RuntimeError):
 def optim_name(dp_rank: int, tag: str, zero1: bool) -> str:
     """The optimizer file of (dp_rank, tag): one per DP rank with ZeRO-1, else one per (tp, pp)."""
     return f"optim_dp{dp_rank:03d}_{tag}.pt" if zero1 else f"optim_{tag}.pt"
+
+
+def load_file(path: Path, mmap: bool = False, weights_only: bool = True):
+    """Every read of a checkpoint file: torch.load onto the host. Our own checksummed files; the
+    optimizer's and the rank files' state holds Python objects (weights_only=False)."""
+    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
 
 
 # ----------------------------------------------------------------------------- what a load returns
@@ -74,18 +88,23 @@ class LazyList(Sequence):
 # ----------------------------------------------------------------------------- reading at any layout
 
 def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bool,
-         names=None, say=print) -> Loaded:
+         names=None, say=print, device=None) -> Loaded:
     """This rank's part of the complete, verified checkpoint d (meta: its meta.json), saved at
-    layout meta["layout"] and read back at layout `now` (Checkpointer.layout) on rank g."""
+    layout meta["layout"] and read back at layout `now` (Checkpointer.layout) on rank g. Call on
+    every rank of a process group alike: the shared parts are broadcast over the DP group (on
+    `device`, the backend's: gloo's CPU, xla's NeuronCore). Returns host tensors."""
     saved = meta["layout"]
-    load = lambda name: torch.load(d / name, map_location="cpu", mmap=True, weights_only=True)
+    load = lambda name: load_file(d / name, mmap=True)
     tag = lambda t, p: f"tp{t:02d}_pp{p:02d}"
+    # One DP replica reads what the replicas share, and broadcasts it (module docstring).
+    shared = g.dp > 1 and g.dp_group is not None and dist.is_initialized()
+    reads = not shared or g.dp_rank == reader_dp_rank(g)
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
     # at another TP degree, every TP shard of the stage, joined and re-split. After a change of
     # PP degree every saved stage is looked at (mmap: only the names this rank has are read).
     stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
     model = {}
-    for p in stages:
+    for p in stages if reads else ():
         if saved["tp"] == now["tp"]:
             model.update(load(f"model_{tag(g.tp_rank, p)}.pt"))
         else:
@@ -93,10 +112,17 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
                                  m, g.tp, g.tp_rank, keep=names))
     if names is not None and saved["pp"] != now["pp"]:
         model = {k: v for k, v in model.items() if k in names}
+    if shared:
+        model = broadcast_state(model if reads else None, g, device)
     optim = None
     if load_optim and (d / optim_name(0, tag(0, 0), saved["zero1"])).exists():   # was one saved?
-        optim = _read_optim(d, saved, now, g, m)
-    rank_file = lambda r: torch.load(d / f"rank{r:05d}.pt", map_location="cpu", weights_only=False)
+        if now["zero1"]:                       # this rank's own shard: read by its owner only
+            optim = _read_optim(d, saved, now, g, m)
+        else:                                  # the same on every replica: one reads, all receive
+            optim = _read_optim(d, saved, now, g, m) if reads else None
+            if shared:
+                optim = broadcast_state(optim, g, device)
+    rank_file = lambda r: load_file(d / f"rank{r:05d}.pt", weights_only=False)
     rng, data, data_states = None, None, None
     if saved == now:
         mine = rank_file(g.rank)
@@ -115,8 +141,7 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
 
 
 def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dict:
-    # Our own checksummed files; the optimizer's state may hold Python objects: weights_only=False.
-    load = lambda name: torch.load(d / name, map_location="cpu", weights_only=False)
+    load = lambda name: load_file(d / name, weights_only=False)
     tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
     same = all(saved[k] == now[k] for k in ("tp", "pp", "zero1")) and (not now["zero1"] or saved["dp"] == now["dp"])
     if same:
@@ -139,6 +164,107 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
     head = src[tps[0], stages[0]].head
     return {**{k: head[k] for k in ("precision", "step", "sr_seed", "lr")}, "layout": {"kind": "full"},
             "state": LazyMap(stage, get)}
+
+
+# ----------------------------------------------------------------------------- one read, broadcast over DP
+
+BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (a larger tensor: alone)
+
+
+def reader_dp_rank(g: Grid) -> int:
+    """The DP replica that reads the shared files of g's (TP, PP) position: position k of the n =
+    TP x PP reads on replica k * DP // n, so the readers spread over the nodes (replicas fill the
+    nodes in order), as checkpoint.writer_dp_rank spreads the writers. Every rank decides alone."""
+    n, k = g.tp * g.pp, g.pp_rank * g.tp + g.tp_rank
+    return k * g.dp // n
+
+
+def _plain(obj):
+    """obj with lazy mappings and sequences (LazyMap, LazyList) read into dicts and lists."""
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj) if not hasattr(obj, "_fields") else type(obj)(*map(_plain, obj))
+    return obj
+
+
+def broadcast_state(obj, g: Grid, device=None):
+    """obj (a state dict: nested dicts and lists of tensors and plain values) as the DP group's
+    reader (reader_dp_rank) holds it, on every rank of g's DP group; obj is None elsewhere.
+
+    Two broadcasts of plain tensors, nothing else (the xla backend's rules: tests/xla_rules.py):
+    the structure, pickled with each tensor replaced by (dtype, shape, bucket, offset), as int32
+    words; then the tensors' bytes, packed 16-byte aligned into int32 buckets of BUCKET_BYTES, so
+    that XLA compiles one broadcast graph for all the full buckets. Receivers start from zeros:
+    the xla backend broadcasts by an all-reduce of root x 1 + others x 0 (float garbage x 0 can be
+    NaN; integers cannot). Cost per rank: the state's bytes once, whatever the DP degree."""
+    device = torch.device(device or "cpu")
+    src = g.pp_rank * g.tp * g.dp + reader_dp_rank(g) * g.tp + g.tp_rank      # its global rank
+    mine = g.rank == src
+    tensors, buckets = [], []
+
+    def strip(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().contiguous().cpu()
+            n = t.numel() * t.element_size()
+            if not buckets or (buckets[-1] and buckets[-1] + n > BUCKET_BYTES):
+                buckets.append(0)
+            off = buckets[-1]
+            buckets[-1] = off + (n + 15) // 16 * 16
+            tensors.append((t, len(buckets) - 1, off, n))
+            return _TensorRef(t.dtype, tuple(t.shape), len(buckets) - 1, off)
+        if isinstance(o, dict):
+            return {k: strip(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(strip(v) for v in o) if not hasattr(o, "_fields") else type(o)(*map(strip, o))
+        return o
+
+    head = pickle.dumps((strip(_plain(obj)), buckets)) if mine else b""
+    head = _broadcast_bytes(head, src, g, device)
+    skeleton, buckets = pickle.loads(head)
+    data = []
+    for i, size in enumerate(buckets):
+        buf = torch.zeros(size // 4, dtype=torch.int32)
+        if mine:
+            raw = buf.view(torch.uint8)
+            for t, b, off, n in tensors:
+                if b == i:
+                    raw[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+        data.append(_broadcast(buf, src, g, device).view(torch.uint8))
+
+    def build(o):
+        if isinstance(o, _TensorRef):
+            n = int(np.prod(o.shape, dtype=np.int64)) * torch.empty((), dtype=o.dtype).element_size()
+            return data[o.bucket][o.offset:o.offset + n].view(o.dtype).view(o.shape)
+        if isinstance(o, dict):
+            return {k: build(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(build(v) for v in o) if not hasattr(o, "_fields") else type(o)(*map(build, o))
+        return o
+    return build(skeleton)
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    dtype: torch.dtype
+    shape: tuple
+    bucket: int
+    offset: int
+
+
+def _broadcast(t: torch.Tensor, src: int, g: Grid, device: torch.device) -> torch.Tensor:
+    """t (host, int32) from global rank src to g's DP group, back on the host."""
+    x = t.to(device)
+    dist.broadcast(x, src=src, group=g.dp_group)
+    return x.cpu() if device.type != "cpu" else x
+
+
+def _broadcast_bytes(b: bytes, src: int, g: Grid, device: torch.device) -> bytes:
+    n = _broadcast(torch.tensor([len(b)], dtype=torch.int32), src, g, device).item()
+    buf = torch.zeros((n + 3) // 4, dtype=torch.int32)
+    if b:
+        buf.view(torch.uint8)[:n].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+    return _broadcast(buf, src, g, device).view(torch.uint8)[:n].numpy().tobytes()
 
 
 class LazyMap(Mapping):
@@ -166,7 +292,7 @@ class SavedOptim(Mapping):
     only when a tensor lies on it."""
 
     def __init__(self, d: Path, tag: str, saved: dict, where: str):
-        self.load = lambda n: torch.load(d / n, map_location="cpu", weights_only=False, mmap=True)
+        self.load = lambda n: load_file(d / n, mmap=True, weights_only=False)
         self.shards, self.tag = {}, tag
         self.head = self.load(optim_name(0, tag, saved["zero1"]))
         lay = self.head.get("layout") if isinstance(self.head, dict) else None

@@ -33,6 +33,7 @@ import monitor
 import optim
 import parallel
 import pipeline
+import watchdog
 
 
 # ----------------------------------------------------------------------------- device
@@ -163,43 +164,79 @@ PEER_STOPPED = 75                   # EX_TEMPFAIL: stopped with a checkpoint bec
 
 
 class StopSignal:
-    """SIGTERM (what SLURM and Kubernetes send before they kill) and SIGINT (Ctrl-C) end the run at
-    a step boundary: that step is saved, the save in flight waited for, and the run exits cleanly.
-    The handler only notes the signal (a repeat is ignored: torchrun forwards the Ctrl-C the
-    terminal already sent). Ranks agree on the step through an all-reduce (MAX) of the signal
-    number over the host group, started without waiting at one step boundary and read at the next:
-    its latency (gloo's ring: 2 x (world - 1) hops, a fraction of a second at 4096 ranks) hides
-    behind a step, and every rank stops after the same step, one after the first rank heard it."""
+    """SIGTERM (what SLURM, Kubernetes and torchrun send before they kill), SIGUSR1 (the early
+    warning scripts/slurm_train.sbatch asks SLURM for) and SIGINT (Ctrl-C) end the run at the very
+    next step boundary with a checkpoint of that step, inside the launcher's grace period
+    (--ckpt.grace_s; see stop_budget). The handler only notes the signal and the step it came
+    during (a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent).
+
+    Ranks agree at every step boundary with one blocking all-reduce (MAX) of the signal number over
+    the host group: every rank stops after the same step, the first boundary that any rank reached
+    after hearing the signal. An agreement started at one boundary and read at the next would cost
+    nothing but stop one step late (10 s at 7B on 128 nodes, a third of a 30 s grace period). Cost
+    of the blocking one: a 4-byte gloo ring, 2 x (world - 1) hops: at 4096 ranks about 8,000 hops of
+    10-50 us (most stay inside a node), some 0.1-0.2 s per step on the host. On Trainium the host
+    runs ahead of the device (the step is a graph in flight), so it is hidden unless the host is
+    already the bottleneck; on CPU/gloo here it is 0.1-0.3 ms a step at 2-8 ranks."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, grid: parallel.Grid):
-        self.grid, self.got, self.work, self.sum = grid, 0, None, None
+        self.grid, self.got, self.heard_at, self.heard_during, self.during = grid, 0, None, 0, 1
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in self.SIGNALS:
                 signal.signal(sig, self._note)
 
     def _note(self, signum, frame):
         if not self.got:
-            self.got = signum
-            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name}: stopping at the next step boundary "
-                  f"with a checkpoint (SIGKILL aborts at once)", file=sys.stderr, flush=True)
+            # `during`: the step this signal counts for: the next boundary's agreement includes it
+            self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
+            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} during step {self.during}: stopping "
+                  f"after it with a checkpoint (SIGKILL aborts at once)", file=sys.stderr, flush=True)
 
-    def requested(self) -> str | None:
-        """Call at every step boundary on every rank: the signal's name once the ranks agree to stop."""
+    def requested(self, step: int) -> str | None:
+        """Call at every step boundary (after `step` steps) on every rank: the signal's name once
+        any rank heard one during a step up to this one, else None."""
+        self.during = step + 1              # a signal noted from here on counts for the next boundary
+        mine = self.got if self.got and self.heard_during <= step else 0
         if self.grid.world == 1 or not torch.distributed.is_initialized():
-            return signal.Signals(self.got).name if self.got else None
-        agreed = 0
-        if self.work is not None:
-            self.work.wait()
-            agreed = int(self.sum.item())
-        self.sum = torch.tensor([self.got], device="cuda" if self.grid.backend == "nccl" else "cpu")
-        self.work = torch.distributed.all_reduce(self.sum, op=torch.distributed.ReduceOp.MAX,
-                                                 group=self.grid.host_group, async_op=True)
+            return signal.Signals(mine).name if mine else None
+        t = torch.tensor([mine], device="cuda" if self.grid.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.grid.host_group)
+        agreed = int(t.item())
+        if agreed and self.heard_at is None:            # told by the others: the grace period runs from now
+            self.heard_at = time.monotonic()
         return signal.Signals(agreed).name if agreed else None
 
-    def close(self):
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+    def seconds_left(self, grace_s: float) -> float:
+        """What is left of the launcher's grace period, counted from when this rank heard the signal."""
+        return grace_s - (time.monotonic() - self.heard_at)
+
+
+def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.Grid, grace_s: float,
+                step: int) -> tuple[bool, str]:
+    """Whether the final save of `step` can finish inside the grace period, on every rank (they
+    agree: a checkpoint is all ranks' or none). The save in flight (the last periodic checkpoint)
+    is waited for first: it is what remains if this one cannot be written. Then this rank's time
+    is estimated from its previous save in this run: staging into the host buffers the async path
+    keeps (blocked_s) plus bytes over the write speed it measured. The budget per rank is therefore
+    grace - (time to the boundary: up to one step) - staging - bytes / write speed; README states
+    it in seconds per GB. Without an earlier save to measure, the save is tried: if the launcher
+    kills it, the half-written folder is incomplete and resume skips it."""
+    ckpt.wait()
+    s, left = ckpt.stats, stop.seconds_left(grace_s)
+    need = None
+    if s.get("write_s") and s.get("bytes"):
+        need = s["blocked_s"] + s["write_s"] + 1.0          # + 1 s: markers, `latest`, exit
+    ok = need is None or need < left
+    if grid.world > 1 and torch.distributed.is_initialized():
+        t = torch.tensor([int(ok)], device="cuda" if grid.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=grid.host_group)
+        ok = bool(t.item())
+    why = (f"{left:.1f} s of the {grace_s:g} s grace period are left and this rank's last save "
+           f"({s.get('bytes', 0) / 1e9:.2f} GB) took {need:.1f} s" if need is not None else
+           f"{left:.1f} s of the {grace_s:g} s grace period are left (no earlier save in this run to time)")
+    return ok, why
 
 
 # ----------------------------------------------------------------------------- the run
@@ -267,6 +304,17 @@ def main(argv: list[str]) -> None:
         for w in configs.warnings(cfg):
             print(f"warning: {w}", file=sys.stderr)
     grid = parallel.init_distributed(cfg, device)
+    # A hang ends the run with this rank's stacks (watchdog.py): start-up, a resume, the first
+    # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.
+    dog = watchdog.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
+    try:
+        run(cfg, grid, device, dog, out_dir)
+    finally:
+        dog.close()
+
+
+def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: watchdog.Watchdog, out_dir: str):
+    """The run on this rank, once the config is checked and the process groups exist."""
     stop = StopSignal(grid)
     # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before
     # any work; otherwise a second run on it would resume the first one's checkpoints.
@@ -356,9 +404,13 @@ def main(argv: list[str]) -> None:
     parallel.check_tied(model)               # a tied head is the embedding itself, on one storage
     if device.type == "xla":
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
+    stop.during = step + 1                               # the step a signal arriving now counts for
+    saved = loaded.step if loaded is not None else None  # the newest checkpoint of this run's lineage
+    stopping = None
     try:
         while step < cfg.optim.max_steps:
             ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
+            ckpt.fault.maybe_hang(step)
             lr = optim.lr_at(step, cfg.optim)
             optimizer.set_lr(lr)
             t_data = time.perf_counter()
@@ -375,6 +427,7 @@ def main(argv: list[str]) -> None:
                 h.remove()
             sync(device)                                # the reduce/clip/update graph
             step += 1
+            dog.step_done()
             tokens_seen += tokens_per_step
             log_now = step % cfg.log.interval == 0
             # The blog's parameter norm, and its spread over the DP replicas (which must stay
@@ -392,22 +445,34 @@ def main(argv: list[str]) -> None:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
-                mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid, device,
-                                                                       cut=cut))
+                with dog.phase(f"the evaluation at step {step}"):
+                    mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid,
+                                                                           device, cut=cut))
             if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
                                            else step == cfg.optim.max_steps):
                 log_mixture(log, corpus, train_loader, step)
-            stopping = stop.requested()                 # every rank agrees on the step
-            if (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps or stopping:
-                mon.flush()                             # raises on a poisoned state: it is never saved
-                ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
-                          extra={"tokens_seen": tokens_seen})
-                if compile_only and step == cfg.ckpt.interval:
-                    # Toward a resume's load graph without a checkpoint: the optimizer state copied
-                    # in from host memory. (Measured on XLA:CPU: a resume still compiles its own
-                    # load graph; the steps after a save are covered.)
-                    optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
-                    sync(device)
+            stopping = stop.requested(step)             # every rank agrees: stop after this step?
+            periodic = (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps
+            if periodic or stopping:
+                with dog.phase(f"the checkpoint save of step {step}"):
+                    mon.flush()                         # raises on a poisoned state: it is never saved
+                    fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s, step)
+                    if fits:
+                        ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
+                                  extra={"tokens_seen": tokens_seen})
+                        saved = step
+                    else:
+                        log(f"{stopping}: the checkpoint of step {step} cannot be written before the launcher's "
+                            f"SIGKILL: {why}. Not starting it: the newest complete checkpoint stays "
+                            + (f"step {saved} ({step - saved} steps lost)" if saved is not None else
+                               "none (the run starts afresh)") +
+                            ". Raise the grace period (--ckpt.grace_s and the launcher's: README) or save more often")
+                    if compile_only and step == cfg.ckpt.interval:
+                        # Toward a resume's load graph without a checkpoint: the optimizer state copied
+                        # in from host memory. (Measured on XLA:CPU: a resume still compiles its own
+                        # load graph; the steps after a save are covered.)
+                        optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
+                        sync(device)
             ckpt.check()                                # a failed save (full disk) stops the run now
             if stopping:
                 break
@@ -416,8 +481,9 @@ def main(argv: list[str]) -> None:
             totals = data_warnings(batches.stats(), grid)
             log("data: this run " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
-        stop.close()
-        ckpt.close()                                    # waits for the save in flight
+        with dog.phase("the last save"):
+            ckpt.close()                                # waits for the save in flight
+        dog.close()
         mon.close()
         train_loader.close()
         if val_loader is not None:
@@ -428,7 +494,9 @@ def main(argv: list[str]) -> None:
         parallel.destroy(grid)
         return
     if step < cfg.optim.max_steps:                      # stopped by a signal: no export, exit cleanly
-        log(f"{stopping}: stopped after step {step}, saved in {cfg.ckpt.dir}; run the same command to continue")
+        log(f"{stopping}: stopped after step {step}, " + (f"saved in {cfg.ckpt.dir}" if saved == step else
+            f"not saved (the newest checkpoint is {f'step {saved}' if saved is not None else 'none'})")
+            + "; run the same command to continue")
         parallel.destroy(grid)
         if not stop.got:
             # The signal reached other nodes, not this one (Kubernetes drains one pod). Exit 0 would
@@ -473,5 +541,30 @@ def cli(argv: list[str]) -> None:
         sys.exit(130)
 
 
+def exit_now(code) -> None:
+    """End the process without the interpreter's finalization. By now our threads are joined (the
+    checkpoint writer, the data loaders, the watchdog) and every collective has been waited for,
+    but gloo's C++ threads may still be dropping the last reference to a finished collective's
+    tensor, which takes the GIL. A thread that takes the GIL while the interpreter finalizes is
+    ended by pthread_exit, and its unwinding through a noexcept C++ frame is std::terminate:
+    "terminate called without an active exception", SIGABRT, one rank lost at random (issue 25:
+    one resume in eight; pytorch/pytorch #190489, #179291). Nothing is left to finalize: files are
+    closed, the process groups destroyed, and stdout and stderr are flushed here."""
+    if isinstance(code, str):                          # sys.exit("error: ...")
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    cli(sys.argv[1:])
+    try:
+        cli(sys.argv[1:])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    except BaseException:                              # a bug of ours: its traceback, as Python prints it
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    exit_now(status)

@@ -163,9 +163,10 @@ def service(args) -> dict:
 
 
 def command(mode: str, cfg, train_args: list[str]) -> list[str]:
-    """The container's command. It ends in `exec`: bash is replaced by launch.sh, which execs
-    torchrun, so torchrun is the container's main process and receives the pod's SIGTERM (it passes it
-    on to train.py, which stops at the next step boundary and saves; see --grace-period)."""
+    """The container's command. It ends in `exec`: bash is replaced by launch.sh, the container's
+    main process, which receives the pod's SIGTERM. In train mode it passes it on to the workers as
+    SIGUSR1, keeping torchrun (and its fixed 30 s) out of it: train.py stops at the next step
+    boundary and saves, within --grace-period (README: the budget). The other modes exec torchrun."""
     run = shlex.join(["scripts/launch.sh", mode, *train_args])
     if mode == "train":
         # Node-local health check on every (re)start: this instance's NeuronCores and its TP groups.

@@ -155,4 +155,35 @@ if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_port
     echo "warning: could not reserve ports ${missing[*]} (needs sudo): another process may take them" >&2
 fi
 mkdir -p "$NEURON_CACHE_DIR"
-exec "${cmd[@]}"
+if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
+
+# The run: a stop must reach the workers without torchrun's fixed 30 s. torchrun turns SIGTERM
+# (and INT, HUP, QUIT) into "signal every worker, SIGKILL them 30 s later" (torch's elastic agent:
+# PContext.close(timeout=30)), and SIGUSR1 would kill torchrun itself (it installs no handler).
+# So torchrun runs with USR1 ignored (inherited through exec; train.py installs its own handler)
+# and this shell stays as its parent: a USR1 or TERM to this shell (SLURM's early warning through
+# slurm_train.sbatch; Kubernetes' SIGTERM to the container's first process, this script) is sent
+# on as USR1 to torchrun's children, the workers, which stop at the next step boundary with a
+# checkpoint and exit 0. torchrun never sees it, so the launcher's own grace period applies
+# (terminationGracePeriodSeconds on Kubernetes; README). A USR1 sent to every process of the
+# job (scancel --signal=USR1) reaches the workers directly and torchrun ignores it.
+( trap '' USR1; exec "${cmd[@]}" ) &
+torchrun_pid=$!
+# shellcheck disable=SC2317  # called by the traps below
+stop_workers() {
+    echo "launch.sh: $1: asking the workers of torchrun (pid $torchrun_pid) to save and stop (SIGUSR1)" >&2
+    pkill -USR1 -P "$torchrun_pid" || true
+}
+trap 'stop_workers SIGUSR1' USR1
+trap 'stop_workers SIGTERM' TERM
+# wait returns early when a trapped signal arrives: wait again until torchrun has exited.
+rc=0
+while true; do
+    if wait "$torchrun_pid"; then rc=0; else rc=$?; fi
+    if ! kill -0 "$torchrun_pid" 2>/dev/null; then break; fi
+done
+if ((rc > 128)); then       # perhaps a trap's, with torchrun gone meanwhile: its own status then
+    if wait "$torchrun_pid" 2>/dev/null; then last=0; else last=$?; fi
+    if ((last != 127)); then rc=$last; fi
+fi
+exit "$rc"

@@ -97,7 +97,7 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
         # The grace period covers torchrun's 30 s between its SIGTERM to the workers and its SIGKILL.
         assert pod["terminationGracePeriodSeconds"] >= 35
-        # The command: a health check, then exec launch.sh, so that torchrun gets the pod's SIGTERM.
+        # The command: a health check, then exec launch.sh, so that launch.sh gets the pod's SIGTERM.
         assert c["command"][:2] == ["bash", "-c"]
         lines = c["command"][2].strip().splitlines()
         assert lines[0] == "set -e" and lines[-1].startswith(f"exec scripts/launch.sh {mode} ")

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -315,3 +316,91 @@ def test_healthcheck_names_the_slowed_rank(tmp_path):
     assert {"tp", "dp", "world", "node_pair_a", "node_pair_b"} <= kinds
     assert all(g["busbw_gbps"] > 0 for g in rep["groups"])
     assert "SLOW: rank 2" in r.stdout
+
+
+# ----------------------------------------------------------------------------- stopping inside the grace period
+
+TINY_RUN = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64",
+            "--data.seq_len=32", "--model.max_seq_len=32", "--data.global_batch=4", "--data.micro_batch=1",
+            "--optim.precision=fp32", "--optim.max_steps=100000", "--ckpt.interval=0", "--device=cpu", "--log.interval=1",
+            "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard="]
+
+
+def run_until_step(cmd, env, step: int, sig, target=None, timeout: int = 240):
+    """Start cmd (a session of its own), send `sig` to `target(p)` (default: the process) once a
+    line `step N |` appears, and return (exit status, stdout, stderr)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/tmp",
+                         start_new_session=True)
+    seen = []
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if line.startswith(f"step {step:6d} |"):
+                os.kill(target(p) if target else p.pid, sig)
+                break
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("the run did not stop after the signal")
+    return p.returncode, "".join(seen) + out, err
+
+
+def launch_env(tmp_path, **extra) -> dict:
+    venv_bin = Path(sys.executable).parent
+    return {"PATH": f"{tmp_path}/bin:{venv_bin}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/tmp"),
+            "PYTHON": sys.executable, "TORCHRUN": str(venv_bin / "torchrun"), "NPROC_PER_NODE": "2",
+            "NEURON_CACHE_DIR": str(tmp_path / "neuron-cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **extra}
+
+
+def assert_stopped_with_checkpoint(out: str, err: str, ckpt: Path, name: str):
+    import re
+    import ckptdir
+    m = re.search(rf"{name}: stopped after step (\d+), saved", out)
+    assert m, out[-2000:] + err[-3000:]
+    step = int(m.group(1))
+    heard = [int(s) for s in re.findall(rf"\[rank \d\] {name} during step (\d+):", err)]
+    assert len(heard) == 2 and min(heard) == step, err[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == [f"step_{step:08d}"]
+    verdict, problem, files = ckptdir.check(ckpt / f"step_{step:08d}")
+    assert verdict == ckptdir.OK and files, problem
+    # torchrun was never asked to stop: no "Sending process N closing signal", no 30 s SIGKILL timer
+    assert "closing signal" not in err and "forcefully exiting" not in err, err[-3000:]
+
+
+def test_sbatch_early_usr1_reaches_the_workers_not_torchrun(tmp_path):
+    """slurm_train.sbatch for real on one CPU "node", with stand-ins for srun (runs the step once,
+    in a process group of its own, as slurmstepd does) and scancel (signals that whole group, as
+    SLURM's proctrack does). SIGUSR1 to the batch script (what --signal=B:USR1@300 sends): its
+    trap signals the step; torchrun ignores USR1 (launch.sh), the workers stop after the step they
+    heard it during with a complete checkpoint, everything exits 0 and no step starts again."""
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin"
+    (fake / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                               f'exec setsid -w bash -c \'echo $$ > {tmp_path}/step.pgid; exec "$@"\' srun-step "$@"\n')
+    (fake / "scancel").write_text(f'#!/bin/bash\necho "scancel $*" >> {tmp_path}/scancel.log\n'
+                                  f'[[ "$1" == --signal=USR1 ]] && kill -USR1 -- -"$(cat {tmp_path}/step.pgid)"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = launch_env(tmp_path, SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="cpu1", SLURM_JOB_ID="42",
+                     SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), MASTER_ADDR="127.0.0.1",
+                     HEALTHCHECK="0", PRECOMPILE="0")
+    rc, out, err = run_until_step(["bash", str(SCRIPTS / "slurm_train.sbatch"), f"--out_dir={tmp_path}/run",
+                                   "--dp=2", *TINY_RUN], env, 3, signal.SIGUSR1)
+    assert rc == 0, err[-3000:]
+    assert (tmp_path / "scancel.log").read_text() == "scancel --signal=USR1 42\n"
+    assert "SIGUSR1 (the time limit is near)" in err and "training step failed" not in err
+    assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
+
+
+def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
+    """Kubernetes sends SIGTERM to the container's first process, launch.sh: it passes it on as
+    SIGUSR1 to torchrun's workers only, so the pod's terminationGracePeriodSeconds, not torchrun's
+    fixed 30 s, bounds the final save. The run stops with a checkpoint and exits 0."""
+    (tmp_path / "bin").mkdir()
+    env = launch_env(tmp_path)
+    rc, out, err = run_until_step(["bash", str(SCRIPTS / "launch.sh"), "train", f"--out_dir={tmp_path}/run",
+                                   "--dp=2", *TINY_RUN], env, 3, signal.SIGTERM)
+    assert rc == 0, err[-3000:]
+    assert "launch.sh: SIGTERM: asking the workers of torchrun" in err
+    assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")

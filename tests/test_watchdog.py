@@ -1,0 +1,79 @@
+"""A hang ends the run (issue 25, item 5): a rank stuck in a collective that no other rank joins
+(NANOTRN_FAULT=hang:RANK:STEP) under torchrun, with gloo. The watchdog prints every rank's stacks
+and exits non-zero; with the watchdog off, torch.distributed's collective timeout ends it."""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import watchdog  # noqa: E402
+from gloo_spawn import run_train  # noqa: E402
+from test_resume import ARGS  # noqa: E402
+
+
+def hung_run(tmp_path: Path, *extra) -> tuple[object, float]:
+    t0 = time.monotonic()
+    r = run_train([f"--out_dir={tmp_path}", *ARGS, "--optim.max_steps=50", "--ckpt.interval=0", "--dp=2", *extra],
+                  nproc=2, env={"NANOTRN_FAULT": "hang:1:4"}, timeout=240)
+    return r, time.monotonic() - t0
+
+
+def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_path):
+    """Rank 1 enters a barrier at step 4 that rank 0 never joins; rank 0 waits in its step's
+    all-reduce. Each rank's watchdog (no step for 8 s: 2 x the median step, at least 8 s) prints
+    why and its threads' stacks, and exits with EXIT_HUNG before the 120 s collective timeout."""
+    r, took = hung_run(tmp_path, "--log.hang_factor=2", "--log.hang_min_s=8", "--parallel.timeout_s=120")
+    assert r.returncode != 0 and "NANOTRN_FAULT: rank 1 hangs at step 4" in r.stderr, r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] watchdog: no training step finished in 8 s (2 x the median step time" in r.stderr, \
+            r.stderr[-4000:]
+    assert f"exitcode  : {watchdog.EXIT_HUNG}" in r.stderr
+    # The stacks: faulthandler's, every thread; the hung rank's main thread in its barrier, the
+    # other's in its step's all-reduce (train.py's train_step).
+    stacks = r.stderr.split("watchdog: no training step")[1:]
+    assert all("(most recent call first)" in s for s in stacks)
+    assert re.search(r"File \".*distributed_c10d.py\", line \d+ in barrier", r.stderr), r.stderr[-4000:]
+    assert re.search(r"line \d+ in train_step", r.stderr), r.stderr[-4000:]
+    assert took < 120, took                          # the watchdog, not the collective timeout
+    assert "step      4 |" in r.stdout and "step      5 |" not in r.stdout
+
+
+def test_without_the_watchdog_the_collective_timeout_ends_the_hang(tmp_path):
+    """--log.hang_factor=0 (no watchdog): gloo's timeout (--parallel.timeout_s=6) raises in the
+    waiting ranks, which exit non-zero with the stack of the collective that timed out."""
+    r, took = hung_run(tmp_path, "--log.hang_factor=0", "--parallel.timeout_s=6")
+    assert r.returncode != 0 and "watchdog:" not in r.stderr, r.stderr[-3000:]
+    assert re.search(r"[Tt]imed out", r.stderr), r.stderr[-3000:]
+    assert took < 120, took
+
+
+def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allowance(monkeypatch):
+    """The limit is startup_s until three steps are timed, then factor x median (at least
+    min_s); a phase (save, evaluation) gets startup_s and is not counted as a step."""
+    now = [0.0]
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: now[0])
+    armed = []
+    monkeypatch.setattr(watchdog.faulthandler, "dump_traceback_later", lambda s, **k: armed.append(s))
+    monkeypatch.setattr(watchdog.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    dog = watchdog.Watchdog(0, factor=10, min_s=5, startup_s=1000)
+    try:
+        assert dog.limit() == 1000 and dog.deadline == 1000
+        for t in (300.0, 301.0, 303.0, 304.0):       # a slow first step (compiling), then 1, 2, 1 s
+            now[0] = t
+            dog.step_done()
+        assert list(dog.times) == [1.0, 2.0, 1.0] and dog.limit() == 10 and dog.deadline == 314
+        with dog.phase("the checkpoint save of step 4"):
+            assert dog.deadline == 304 + 1000 and "save of step 4 did not finish" in dog.why
+            now[0] = 400.0
+        now[0] = 400.5
+        dog.step_done()
+        assert list(dog.times) == [1.0, 2.0, 1.0, 0.5] and dog.deadline == 400.5 + 10
+        assert armed[-1] == 20                       # the C-level backstop: twice the limit
+    finally:
+        dog.close()
