@@ -120,6 +120,32 @@ def test_precision_modes_dtypes_and_state_bytes(precision, bytes_per_param, pdty
         assert any(not torch.equal(s.master, s.value.float()) for s in opt.slots)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16", "bf16_sr"])
+def test_foreach_update_is_bit_equal_to_the_slot_by_slot_reference(precision, monkeypatch):
+    """AdamW.step runs _update_all (foreach kernels, batches of slots, stochastic rounding per
+    slot); the reference is _update, one slot at a time: 4 steps, weights and both moments
+    bit-equal. Batches of at most 3000 elements, so that each group is cut into several."""
+    cfg = tiny_config(precision, decay_norms=False, lr=1e-2)
+    models = [tiny_model(cfg), tiny_model(cfg)]
+    opts = [optim.build_optimizer(m, cfg) for m in models]
+
+    def slot_by_slot(self, runs, k):
+        for s, grad in runs:
+            self._update(s, grad, k[id(s.group)])
+    monkeypatch.setattr(opts[0], "_update_all", slot_by_slot.__get__(opts[0]))
+    monkeypatch.setattr(opts[1], "FOREACH_ELEMENTS", 3000)
+    for step in range(4):
+        tokens, targets = batch(step)
+        for m, opt in zip(models, opts):
+            backward(m, tokens, targets)
+            opt.step()
+            opt.zero_grad()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), n
+    sa, sb = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_wrong_param_dtype_and_precision_are_rejected():
     cfg = tiny_config("mixed")
     with pytest.raises(ValueError, match="param_dtype"):
