@@ -1,6 +1,7 @@
 """Benchmarks: every speed or memory figure nanotrn reports, measured as a ratio against a
 reference run side by side in the same process, on this machine.
 
+    python bench.py step        # our step vs transformers' at issue 27's shapes, trainer vs bare step
     python bench.py train       # our Llama vs transformers' LlamaForCausalLM, fp32 and bf16
     python bench.py data        # packed tokens/s vs the raw tokenizer; memory and start-up at 1M-16M documents
     python bench.py precision   # fp32 / mixed / bf16 / bf16_sr loss curves and throughput
@@ -164,6 +165,148 @@ def _docs_arrow(path: str, n: int) -> float:
             w.write_batch(pa.record_batch([pa.array(texts, pa.string())], schema=schema))
     os.replace(tmp, path)
     return time.perf_counter() - t0
+
+
+# The shapes of issue 27's GPU table, scaled to the 2-core CPU: the same vocabularies with a small
+# body (dim 256, 2 layers, 512 tokens a step: the 128k head then weighs on the step as it does on
+# Llama 3.2 1B), and Llama 2 7B's layer (MHA, ffn = 2.69 dim) at dim 512 and 512 tokens.
+STEP_SHAPES = {
+    "1B body, vocab 128256": dict(vocab_size=128256, dim=256, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=1024, batch=4, seq=128),
+    "1B body, vocab 32000": dict(vocab_size=32000, dim=256, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=1024, batch=4, seq=128),
+    "1B body, vocab 512": dict(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=1024, batch=4, seq=128),
+    "7B layers, vocab 32000": dict(vocab_size=32000, dim=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=1376, batch=1, seq=512),
+}
+
+
+def _step_fns(shape: dict, dtype, which: tuple):
+    """The training steps bench_step compares, on one shape, each with its own model and optimizer
+    (the same weights): ours and transformers' with torch's AdamW; the trainer (train.train_step:
+    our AdamW in bf16_sr, or fp32, with clipping) and the bare step (ours with torch's AdamW) on the
+    same packed batch (three documents a row)."""
+    import transformers
+    import hf as hf_io
+    import model as llama
+    import optim
+    import parallel
+    import train
+    from configs import Config, ModelConfig
+    shape = dict(shape)
+    batch, seq = shape.pop("batch"), shape.pop("seq")
+    cfg = ModelConfig(max_seq_len=seq, **shape)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    doc_ids = (torch.arange(seq) * 3 // seq).expand(batch, seq)
+    positions = torch.cat([torch.arange(n) for n in torch.bincount(doc_ids[0])]).expand(batch, seq)
+    fns = {}
+    for name in which:
+        ours = llama.Llama(cfg).init_weights(0).to(dtype)
+        if name == "ours":
+            opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+
+            def step(m=ours, opt=opt):
+                (m(x, targets=y) / y.numel()).backward()
+                opt.step(); opt.zero_grad(set_to_none=True)
+        elif name == "transformers":
+            hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_io.hf_config(cfg).items()
+                                                 if k not in ("architectures", "model_type", "torch_dtype")})
+            m = transformers.LlamaForCausalLM(hf_cfg)
+            m.load_state_dict(hf_io.to_hf_state_dict(ours.state_dict(), cfg))
+            m.to(dtype)
+            del ours
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
+            def step(m=m, opt=opt):
+                logits = m(input_ids=x).logits
+                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").div(y.numel()).backward()
+                opt.step(); opt.zero_grad(set_to_none=True)
+        elif name == "bare step":
+            opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+
+            def step(m=ours, opt=opt):
+                (m(x, positions, doc_ids, y) / y.numel()).backward()
+                opt.step(); opt.zero_grad(set_to_none=True)
+        else:                                                  # the trainer
+            run = Config()
+            run.model = cfg
+            run.optim.precision = "fp32" if dtype == torch.float32 else "bf16_sr"
+            opt = optim.build_optimizer(ours, run)
+            b = {"tokens": x, "positions": positions, "doc_ids": doc_ids, "targets": y}
+
+            def step(m=ours, opt=opt, run=run, b=b):
+                train.train_step(m, opt, [b], parallel.Grid(), run)
+        fns[name] = step
+    return fns, batch * seq
+
+
+def _peak_memory(shape_name: str, name: str, dtype_name: str, threads: int) -> float:
+    """Run in a fresh process: the peak resident bytes of two training steps of one model (its
+    weights, gradients, optimizer state and the step's buffers) above the process's memory before
+    the model was built; the building's own temporaries (the weights loaded into transformers)
+    are left out by resetting the peak (Linux's clear_refs) once the step is ready. glibc's
+    allocator maps every buffer above 64 KiB fresh and returns it on free, so that the resident
+    peak is the peak of live buffers."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 65536)              # M_MMAP_THRESHOLD, fixed (no adaptive threshold)
+    libc.mallopt(-1, 0)                  # M_TRIM_THRESHOLD
+    torch.set_num_threads(threads)
+    import transformers, train  # noqa: F401,E401   (imported before the baseline)
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    before = status("VmRSS:")
+    fns, _ = _step_fns(STEP_SHAPES[shape_name], getattr(torch, dtype_name), (name,))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                     # VmHWM := VmRSS
+    fns[name](); fns[name]()
+    return status("VmHWM:") - before
+
+
+def bench_step(args):
+    """Issue 27's comparison on this machine: our training step against transformers'
+    LlamaForCausalLM at each of STEP_SHAPES (same config, weights and batch; torch's AdamW on both;
+    SDPA on both; the causal batch transformers gets), and the trainer (train.train_step) against
+    the bare step. Rounds alternate over the steps compared, so that machine noise hits all alike;
+    the speed is the median over rounds of the per-round ratio. Peak memory: each step alone in a
+    fresh process (_peak_memory), the ratio of the two. Measure with --threads 1 on this 2-core
+    machine (with two, per-round ratios scatter from 0.8x to 2.3x)."""
+    import multiprocessing
+    import statistics
+    dtype = getattr(torch, args.dtype)
+    rounds = args.steps or 5
+    print(f"bench.py step: {args.dtype}, {torch.get_num_threads()} threads, {rounds} rounds, CPU")
+    pairs = [(s, ("ours", "transformers")) for s in STEP_SHAPES] + [("1B body, vocab 512", ("trainer", "bare step"))]
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for shape_name, which in pairs:
+        fns, tokens = _step_fns(STEP_SHAPES[shape_name], dtype, which)
+        for fn in fns.values():
+            fn()                                          # warm-up
+        times = {n: [] for n in which}
+        for _ in range(rounds):
+            for n in which:
+                t = time.perf_counter()
+                fns[n]()
+                times[n].append(time.perf_counter() - t)
+        del fns
+        mem = {}
+        for n in which:                                  # a fresh process each
+            with ctx.Pool(1) as pool:
+                mem[n] = pool.apply(_peak_memory, (shape_name, n, args.dtype, args.threads))
+        a, b = which
+        speed = statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+        rows.append((shape_name, a, b, tokens / statistics.median(times[a]), tokens / statistics.median(times[b]),
+                     speed, min(times[b]) / min(times[a]), mem[a] / mem[b], mem[a], mem[b]))
+        r = rows[-1]
+        print(f"{shape_name}: {a} {r[3]:,.0f} tok/s, {b} {r[4]:,.0f} tok/s: {speed:.2f}x (median of rounds; "
+              f"best rounds {r[6]:.2f}x); peak memory {mem[a] / 2**20:,.0f} vs {mem[b] / 2**20:,.0f} MiB: {r[7]:.2f}x", flush=True)
+    print(f"\n| shape (CPU, {args.dtype}, {torch.get_num_threads()} thread(s)) | compared | tok/s | speed | peak memory |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, a, b, ta, tb, speed, _, mem, ma, mb in rows:
+        print(f"| {name} | {a} vs {b} | {ta:,.0f} vs {tb:,.0f} | {speed:.2f}x | {mem:.2f}x ({ma / 2**20:,.0f} vs {mb / 2**20:,.0f} MiB) |")
+    return rows
 
 
 def bench_data(args):
@@ -931,7 +1074,7 @@ def bench_xla(args):
         json.dump({**rep, "compiles": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
 
 
-BENCHES = {"train": bench_train, "data": bench_data, "precision": bench_precision, "init": bench_init,
+BENCHES = {"step": bench_step, "train": bench_train, "data": bench_data, "precision": bench_precision, "init": bench_init,
            "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
 
 if __name__ == "__main__":
@@ -940,6 +1083,7 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
     parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")
     parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
     parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
     args = parser.parse_args()
