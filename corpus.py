@@ -254,7 +254,7 @@ class ColumnDocs(Source):
         out = [None] * len(ids)
         for c in np.unique(which):
             pick = np.flatnonzero(which == c)
-            got = col.chunks[c].take(pa.array(ids[pick] - self.chunk_starts[c], pa.int64())).to_pylist()
+            got = col.chunk(int(c)).take(pa.array(ids[pick] - self.chunk_starts[c], pa.int64())).to_pylist()
             for j, v in zip(pick, got):
                 out[j] = v
         return out
@@ -268,18 +268,18 @@ class ColumnDocs(Source):
 
     def lengths(self, lo, hi):                          # from the offsets, in chunks: no text is read
         col, out = self.column(), []
-        for c in range(np.searchsorted(self.chunk_starts, lo, "right") - 1, len(col.chunks)):
+        for c in range(np.searchsorted(self.chunk_starts, lo, "right") - 1, col.num_chunks):
             a, b = max(lo, self.chunk_starts[c]), min(hi, self.chunk_starts[c + 1])
             if a >= b:
                 break
-            part = col.chunks[c].slice(a - self.chunk_starts[c], b - a)
+            part = col.chunk(c).slice(a - self.chunk_starts[c], b - a)
             out.append(pc.binary_length(part).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def read_range(self, i, start, stop):               # a slice of the mapped bytes: the row is not copied
         col = self.column()
         c = int(np.searchsorted(self.chunk_starts, i, "right") - 1)
-        chunk, j = col.chunks[c], i - int(self.chunk_starts[c])
+        chunk, j = col.chunk(c), i - int(self.chunk_starts[c])
         if chunk.null_count and not chunk[j].is_valid:
             return None
         wide = pa.types.is_large_binary(chunk.type)
