@@ -533,7 +533,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             hc, t = h[i:i + rows], targets[i:i + rows]
             valid = t != -100
             t = t.masked_fill(~valid, 0)[:, None]
-            logp = torch.log_softmax(hc @ w.t(), dim=-1, dtype=torch.float32)      # = .float() first
+            logits = hc @ w.t()
+            if logits.dtype == torch.float32 and logits.device.type == "cpu":
+                # fp32 on CPU: the log-softmax overwrites the logits (its kernel reads a row whole
+                # before writing it; bit-equal, tests/test_model.py): one [rows, vocab] buffer, not two
+                logp = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
+            else:
+                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)   # = .float() first
+            del logits
             total -= (logp.gather(1, t).squeeze(1) * valid).sum()
             if want_grad:        # d(sum of losses)/d(logits) = softmax - one_hot(target)
                 g = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, device=t.device)).to(h.dtype)
