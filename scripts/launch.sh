@@ -169,16 +169,42 @@ if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
 # job (scancel --signal=USR1) reaches the workers directly and torchrun ignores it.
 ( trap '' USR1; exec "${cmd[@]}" ) &
 torchrun_pid=$!
+stopping=0
 # shellcheck disable=SC2317  # called by the traps below
 stop_workers() {
     echo "launch.sh: $1: asking the workers of torchrun (pid $torchrun_pid) to save and stop (SIGUSR1)" >&2
+    stopping=1
     pkill -USR1 -P "$torchrun_pid" || true
 }
 trap 'stop_workers SIGUSR1' USR1
 trap 'stop_workers SIGTERM' TERM
 # wait returns early when a trapped signal arrives: wait again until torchrun has exited.
+# After a stop, the workers exit once their checkpoint is written; a torchrun whose workers all
+# succeeded then waits in its exit barrier for the other nodes' agents (torch elastic's
+# _exit_barrier, 300 s). Where only this node was signalled (a Kubernetes pod drained alone), the
+# others restart their workers instead and never arrive, so this node would hang for 300 s: once
+# its workers have been gone for STOP_LINGER_S, torchrun is told to end (TERM, then KILL 5 s later:
+# blocked in the barrier's store wait it may not run its handler; its workers are gone already). Where every node was signalled (SLURM), the barrier
+# completes in well under STOP_LINGER_S and torchrun exits 0 by itself.
 rc=0
+gone=0
 while true; do
+    if ((stopping)); then
+        sleep 1 & wait $! 2>/dev/null || true
+        if ! kill -0 "$torchrun_pid" 2>/dev/null; then
+            if wait "$torchrun_pid"; then rc=0; else rc=$?; fi
+            break
+        fi
+        if pgrep -P "$torchrun_pid" >/dev/null; then gone=0; else gone=$((gone + 1)); fi
+        if ((gone == ${STOP_LINGER_S:-10})); then
+            echo "launch.sh: the workers stopped; ending torchrun's wait for the other nodes" >&2
+            kill -TERM "$torchrun_pid" 2>/dev/null || true
+        elif ((gone >= ${STOP_LINGER_S:-10} + 5)); then
+            # Blocked in the barrier's store wait (C++), torchrun runs no Python signal handler.
+            kill -KILL "$torchrun_pid" 2>/dev/null || true
+        fi
+        continue
+    fi
     if wait "$torchrun_pid"; then rc=0; else rc=$?; fi
     if ! kill -0 "$torchrun_pid" 2>/dev/null; then break; fi
 done

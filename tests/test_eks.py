@@ -294,13 +294,13 @@ def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_id
     log("SIGTERM to pod 1 at step 1")
     pods[1].wait(timeout=120)
     out = "".join(p.out for p in pods)
-    stop = stopped_step(out, "SIGTERM")
+    stop = stopped_step(out, "SIGUSR1")       # launch.sh (the pod's first process) sends TERM on as USR1
     ls = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "ls", str(ckpt)], capture_output=True,
                         text=True, timeout=120).stdout
     assert f"step_{stop:08d}  ok" in ls.splitlines(), (ls, out[-6000:])   # complete: every rank's files, verified
     # Pod 0 did not get the signal: its worker saved, exited 75, and its torchrun waits for the
     # replacement instead of ending (exit 0 would mark its index complete).
-    assert "SIGTERM reached another node: exit 75" in pods[0].out and pods[0].p.poll() is None, out[-6000:]
+    assert "SIGUSR1 reached another node: exit 75" in pods[0].out and pods[0].p.poll() is None, out[-6000:]
     log(f"pod 1 stopped, checkpoint of step {stop} complete")
 
     attempts = [pods[1]]
