@@ -36,8 +36,9 @@ def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_pat
     assert f"exitcode  : {watchdog.EXIT_HUNG}" in r.stderr
     # The stacks: faulthandler's, every thread; the hung rank's main thread in its barrier, the
     # other's in its step's all-reduce (train.py's train_step).
-    stacks = r.stderr.split("watchdog: no training step")[1:]
-    assert all("(most recent call first)" in s for s in stacks)
+    # The two ranks write to one stderr at the same moment, so their lines interleave: count the
+    # dumps (faulthandler heads the dumping thread's stack "Current thread ...") rather than split.
+    assert r.stderr.count("Current thread 0x") >= 2, r.stderr[-4000:]
     assert re.search(r"File \".*distributed_c10d.py\", line \d+ in barrier", r.stderr), r.stderr[-4000:]
     assert re.search(r"line \d+ in train_step", r.stderr), r.stderr[-4000:]
     assert took < 120, took                          # the watchdog, not the collective timeout
