@@ -39,8 +39,10 @@ def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_pat
     # The two ranks write to one stderr at the same moment, so their lines interleave: count the
     # dumps (faulthandler heads the dumping thread's stack "Current thread ...") rather than split.
     assert r.stderr.count("Current thread 0x") >= 2, r.stderr[-4000:]
-    assert re.search(r"File \".*distributed_c10d.py\", line \d+ in barrier", r.stderr), r.stderr[-4000:]
-    assert re.search(r"line \d+ in train_step", r.stderr), r.stderr[-4000:]
+    # faulthandler writes a frame in pieces (file, line, name), which the two ranks interleave:
+    # look for the function names, each one write, after the first watchdog line.
+    dumps = r.stderr.split("watchdog: no training step", 1)[1]
+    assert "barrier" in dumps and "train_step" in dumps, r.stderr[-4000:]
     assert took < 120, took                          # the watchdog, not the collective timeout
     assert "step      4 |" in r.stdout and "step      5 |" not in r.stdout
 
