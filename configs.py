@@ -21,25 +21,25 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
+    vocab_size: int = 4096       # token ids the embedding and the head cover (at least the tokenizer's)
+    dim: int = 256               # model width (hidden size)
+    n_layers: int = 4            # transformer blocks
+    n_heads: int = 8             # query heads
     n_kv_heads: int = 4          # GQA: n_kv_heads < n_heads shares each K/V head over a group of Q heads
     ffn_dim: int = 704           # SwiGLU hidden size
     max_seq_len: int = 256       # RoPE is computed from positions, this only bounds them
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base (Llama 2: 1e4, Llama 3: 5e5)
+    norm_eps: float = 1e-5       # RMSNorm epsilon
     init_std: float = 0.02       # Llama's initializer_range
     checkpointing: str = "none"  # activation checkpointing: none | selective (attention core) | full (whole block)
     attention: str = "sdpa"      # sdpa: F.scaled_dot_product_attention | explicit: NxD's core attention (model.py)
     tie_embeddings: bool = False # the head is the embedding matrix (Llama 3.2 1B and 3B)
     head_dim_override: int = 0   # 0 = dim // n_heads; a Hugging Face config may set head_dim otherwise
     rope_scaling: str = "none"   # none | llama3 (Llama 3.1+): slows RoPE's long wavelengths, see model.py
-    rope_factor: float = 8.0     # llama3 rope_scaling: factor, low/high_freq_factor, original context
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
+    rope_factor: float = 8.0     # llama3 rope_scaling: long wavelengths' frequencies are divided by this
+    rope_low_freq_factor: float = 1.0    # ... those longer than original_max_len / this
+    rope_high_freq_factor: float = 4.0   # ... those shorter than original_max_len / this are kept; blended between
+    rope_original_max_len: int = 8192    # ... the context the model was first trained at
 
     @property
     def head_dim(self) -> int:
@@ -64,18 +64,18 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
+    lr: float = 1e-3             # peak learning rate, reached after warmup
+    min_lr: float = 1e-4         # the cosine's floor, held after decay
+    warmup_steps: int = 20       # linear warmup to lr over these steps
     decay_steps: int = 280       # cosine from lr to min_lr over these steps after warmup
     constant_steps: int = 0      # the blog's "constant step": hold lr after warmup before decay
-    max_steps: int = 300
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-5
-    weight_decay: float = 0.1
+    max_steps: int = 300         # optimizer steps of the whole run
+    beta1: float = 0.9           # AdamW's first-moment decay
+    beta2: float = 0.95          # AdamW's second-moment decay
+    eps: float = 1e-5            # AdamW's epsilon
+    weight_decay: float = 0.1    # AdamW's decoupled weight decay
     decay_norms: bool = True     # the blog decayed all parameters, norm weights included
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0       # clip the global gradient norm to this (0 = no clipping)
     precision: str = "fp32"      # fp32 | mixed | bf16 | bf16_sr
     fp32_grad_acc: bool = True   # mixed: accumulate and reduce gradients in fp32 (NxD's use_fp32_grad_acc)
 
@@ -87,15 +87,15 @@ class DataConfig:
     text_field: str = "text"     # column / JSON key holding the text
     split: str = "train"         # the split read from a DatasetDict folder or a dataset repository
     doc_per_line: bool = False   # .txt: one document per line instead of one per file
-    seq_len: int = 256
+    seq_len: int = 256           # tokens per training sequence
     global_batch: int = 16       # sequences per optimizer step, over all DP ranks and microbatches
     micro_batch: int = 8         # sequences per rank per forward/backward
-    bos: bool = True
-    eos: bool = True
+    bos: bool = True             # start each document with the tokenizer's BOS
+    eos: bool = True             # end each document with the tokenizer's EOS
     val_fraction: float = 0.01   # held-out share of documents, never trained on
     shuffle: int = 8             # documents in flight per sequence of the batch, each window drawn from one at random (1: stream order)
-    seed: int = 1234
-    cache_dir: str = ".cache"
+    seed: int = 1234             # seeds the data order (which documents the windows come from)
+    cache_dir: str = ".cache"    # trained tokenizers, span indexes and converted files
 
 
 @dataclass
@@ -103,7 +103,7 @@ class CheckpointConfig:
     dir: str = "out/ckpt"        # follows --out_dir unless given: <out_dir>/ckpt
     interval: int = 0            # steps between saves; 0 = only at the end
     keep: int = 3                # keep the last K complete checkpoints
-    async_save: bool = True
+    async_save: bool = True      # write checkpoints from a background thread after staging them in host memory
     resume: bool = True          # continue from the newest complete checkpoint if there is one
     reset_data: bool = False     # on resume, start the data stream afresh (needed after a change of global batch)
     start_fresh: bool = False    # with --ckpt.resume=false: move the directory's checkpoints aside (never deleted) and start over
@@ -112,9 +112,9 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    interval: int = 10
-    eval_interval: int = 100
-    eval_windows: int = 8
+    interval: int = 10           # steps between log lines (each one reads the device)
+    eval_interval: int = 100     # steps between evaluations on held-out windows
+    eval_windows: int = 8        # held-out windows of seq_len tokens each evaluation reads
     tensorboard: str = "out/tb"  # empty = no event files; follows --out_dir unless given: <out_dir>/tb
     sample_tokens: int = 64      # length of the sample printed at the end
     on_nonfinite: str = "stop"   # stop | skip
@@ -132,10 +132,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    seed: int = 1337
+    seed: int = 1337             # the model's init and every other random stream
     device: str = "auto"         # auto | cpu | cuda | xla
-    out_dir: str = "out"
-    preset: str = "tiny"
+    out_dir: str = "out"         # the final Hugging Face export (<out_dir>/hf); ckpt.dir and log.tensorboard follow it
+    preset: str = "tiny"         # the named starting values (PRESETS), given as --preset NAME
     init_from: str = ""          # a Hugging Face Llama folder: start from its weights, config and tokenizer
     export_dtype: str = "auto"   # the final Hugging Face export: auto (bf16 above 1B parameters, else fp32) | fp32 | bf16
 
@@ -315,7 +315,7 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         if key not in keys:
             close = difflib.get_close_matches(key, list(keys) + list(ALIASES), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise ConfigError(f"unknown config key --{key}{hint} (python configs.py show lists them all)")
+            raise ConfigError(f"unknown config key --{key}{hint} (--help lists them all)")
         holder, f = keys[key]
         value = _parse_value(key, text, f.type)
         if key in CHOICES and value not in CHOICES[key]:
@@ -353,6 +353,49 @@ def from_args(argv: list[str]) -> Config:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
                           + (f" (did you mean {close[0]}?)" if close else ""))
     return apply_overrides(PRESETS[name](), argv)
+
+
+def wants_help(argv: list[str]) -> bool:
+    return "-h" in argv or "--help" in argv
+
+
+def field_comments() -> dict[tuple[str, str], str]:
+    """(dataclass name, field name) -> the field's end-of-line comment in this file: the help text
+    is written once, next to the field it explains."""
+    import ast
+    import io
+    import tokenize
+    with open(__file__, encoding="utf-8") as f:
+        src = f.read()
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    return {(c.name, s.target.id): comments.get(s.lineno, "")
+            for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+            for s in c.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+def help_text(intro: str, argv: list[str]) -> str:
+    """--help: intro (the entry point's docstring), then every key with its value under the chosen
+    preset and the other flags given, and its comment. A comment starting "..." continues the one above."""
+    argv = [a for a in argv if a not in ("-h", "--help")]
+    cfg, comments = from_args(argv), field_comments()
+    short = {key: alias for alias, key in ALIASES.items()}
+    lines = [intro.strip(), "", f"presets (--preset NAME): {', '.join(PRESETS)}. Below: every key, its value "
+             f"under --preset {cfg.preset} and the flags given, and what it sets.",
+             "Set a key with --section.key=VALUE or --section.key VALUE; a bare --flag sets a bool."]
+    section = None
+    for key, (holder, f) in _all_keys(cfg).items():
+        if (key.rpartition(".")[0] or "run") != section:
+            section = key.rpartition(".")[0] or "run"
+            lines += ["", f"{section}:"]
+        value = getattr(holder, f.name)
+        flag = f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+        flag += f" (--{short[key]})" if key in short else ""
+        text = comments.get((type(holder).__name__, f.name), "")
+        if key in CHOICES and not all(c in text for c in CHOICES[key]):
+            text += f"{'; ' if text else ''}one of {' | '.join(CHOICES[key])}"
+        lines.append(f"  {flag:36s} {text}".rstrip() if len(flag) < 37 else f"  {flag}\n  {'':36s} {text}".rstrip())
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -634,6 +677,9 @@ INSTANCES = {
 
 
 def main(argv: list[str]) -> None:
+    if wants_help(argv):
+        print(help_text(__doc__, [a for a in argv if a != "show"]))
+        return
     if not argv or argv[0] != "show":
         sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
                  "  (the planner: python plan.py [--preset NAME] ...)")

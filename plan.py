@@ -13,7 +13,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from configs import INSTANCES, Config, ConfigError, Instance, ModelConfig, check_layout, check_values, from_args
+from configs import (INSTANCES, Config, ConfigError, Instance, ModelConfig, check_layout, check_values, from_args,
+                     help_text, wants_help)
 from model import LinearCrossEntropy, flops_per_token, num_params
 
 # Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
@@ -470,6 +471,9 @@ def main(argv: list[str]) -> None:
     if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
         argv = ["--preset", "llama2_7b", *argv]    # the tiny CPU preset cannot be planned on 4096 cores
     try:
+        if wants_help(argv):              # every key, its value under the preset and its comment
+            print(help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
+            return
         cfg = from_args(argv)
         check_values(cfg)                   # the keys' domains and the model: what train.py refuses
         world = cfg.parallel.cores or 128 * INSTANCES[cfg.parallel.instance].cores

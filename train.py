@@ -289,6 +289,9 @@ def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> boo
 
 
 def main(argv: list[str]) -> None:
+    if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
+        print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
+        return
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     world = int(os.environ.get("WORLD_SIZE", "1"))

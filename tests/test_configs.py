@@ -102,3 +102,50 @@ def test_train_rejects_bad_config_before_any_work(tmp_path):
     assert r.returncode != 0
     assert "n_heads 8 is not divisible by tp 3" in r.stderr
     assert not os.listdir(tmp_path)
+
+
+def help_lines(out: str) -> dict[str, str]:
+    """--help's output -> {"--section.key=VALUE": comment}; a long flag's comment is on the next line."""
+    lines, table = out.splitlines(), {}
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            flag, _, text = line.strip().partition(" ")
+            text = text.strip()
+            if text.startswith("(--"):                      # the short alias
+                text = text.partition(")")[2].strip()
+            table[flag] = text or lines[i + 1].strip()
+    return table
+
+
+def test_help_prints_every_key_with_its_value_and_comment(capsys):
+    import plan
+    import train
+    comments = configs.field_comments()
+    train.main(["--help"])                          # no model, no process group: the table and return
+    shown = help_lines(capsys.readouterr().out)
+    keys = configs._all_keys(configs.tiny())
+    assert len(shown) == len(keys)
+    for key, (holder, f) in keys.items():
+        comment = comments[(type(holder).__name__, f.name)]
+        assert comment, f"--{key} has no end-of-line comment in configs.py, so --help explains nothing"
+        value = getattr(holder, f.name)
+        flag = f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+        assert shown[flag].startswith(comment), (flag, shown.get(flag))
+    # the planner's help: its own preset (llama2_7b unless given), the flags given applied
+    plan.main(["--preset", "llama2_70b", "--tp=8", "--help"])
+    shown = help_lines(capsys.readouterr().out)
+    assert "--parallel.tp=8" in shown and "--model.dim=8192" in shown and "--model.n_layers=80" in shown
+    with pytest.raises(ConfigError, match="unknown config key --nope.*--help lists them all"):
+        train.main(["--nope", "--help"])
+
+
+def test_every_short_alias_sets_its_key():
+    for alias, key in configs.ALIASES.items():
+        section, name = key.split(".")
+        default = getattr(getattr(configs.Config(), section), name)
+        value = (configs.CHOICES[key][-1] if key in configs.CHOICES else not default if isinstance(default, bool)
+                 else default + 3 if isinstance(default, (int, float)) else "x.txt")
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        for argv in ([f"--{alias}={text}"], [f"--{alias}", text]):
+            c = configs.from_args(argv)
+            assert getattr(getattr(c, section), name) == value, (argv, key)
