@@ -113,6 +113,15 @@ def _rope(hf: dict) -> dict:
             "rope_original_max_len": int(params["original_max_position_embeddings"])}
 
 
+# The transformers release whose LlamaConfig format hf_config writes, stamped as save_pretrained
+# stamps its own: the oldest that requirements-dev.txt allows (tests/test_hf.py keeps them equal;
+# Llama 3.2's own config.json says 4.45.0.dev0). Without the key, transformers 4.57.3 to 4.57.6 take
+# any tokenizer.json above 100k entries (Llama 3's) for a broken Mistral one and warn that it
+# tokenizes wrongly; they do too for a stamp in [4.57.3, 5) (transformers #44031), so not the
+# running version's.
+TRANSFORMERS_FORMAT = "4.45.0"
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
               eos_id: int | None = None, pad_id: int | None = None) -> dict:
     """config.json for transformers' LlamaForCausalLM (written in the transformers 4 format, which 5 reads)."""
@@ -123,7 +132,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
            "rope_theta": cfg.rope_theta, "rope_scaling": None, "initializer_range": cfg.init_std,
            "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
            "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-           "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+           "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+           "transformers_version": TRANSFORMERS_FORMAT}
     if cfg.rope_scaling == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
                                "low_freq_factor": cfg.rope_low_freq_factor,

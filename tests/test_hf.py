@@ -249,6 +249,49 @@ def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_export_stamps_its_transformers_format_and_a_llama3_vocabulary_loads_without_the_regex_warning(tmp_path):
+    """config.json carries transformers_version, the oldest release requirements-dev.txt allows. Without
+    it, transformers 4.57.3+ takes a tokenizer.json above 100k entries (Llama 3's 128256) for a broken
+    Mistral one and warns it tokenizes wrongly (the control below, on the versions that do)."""
+    import logging
+    from packaging.version import Version
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    import data
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"<|reserved_{i}|>": i for i in range(len(vocab), 128256)})
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    os.makedirs(tmp_path / "tok")
+    tk.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = data.load_tokenizer(str(tmp_path / "tok"))
+    cfg = ModelConfig(vocab_size=128256, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=64)
+    out = tmp_path / "out"
+    hf_io.save_hf(llama.Llama(cfg).state_dict(), cfg, str(out), tokenizer=tok)
+    conf = json.loads((out / "config.json").read_text())
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        oldest = re.search(r"^transformers>=([0-9.]+)", f.read(), re.M).group(1)
+    assert conf["transformers_version"] == hf_io.TRANSFORMERS_FORMAT and Version(oldest) == Version(hf_io.TRANSFORMERS_FORMAT)
+    assert transformers.AutoConfig.from_pretrained(out).transformers_version == hf_io.TRANSFORMERS_FORMAT
+
+    def regex_warning() -> bool:
+        seen, handler = [], logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logger = logging.getLogger("transformers.tokenization_utils_base")
+        logger.addHandler(handler)
+        try:
+            auto = transformers.AutoTokenizer.from_pretrained(out)
+        finally:
+            logger.removeHandler(handler)
+        assert auto.vocab_size == 128256 and auto("x y")["input_ids"] == tok.encode("x y")
+        return any("incorrect regex pattern" in m for m in seen)
+
+    assert not regex_warning()
+    if Version("4.57.3") <= Version(transformers.__version__) < Version("5"):    # the control
+        del conf["transformers_version"]
+        (out / "config.json").write_text(json.dumps(conf))
+        assert regex_warning()
+
+
 def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     """train.py --init_from=HF_FOLDER at TP=2 (Llama 3.x: tied embeddings, llama3 rope, tokenizer.json):
     its first loss is transformers' loss on the same batch. Its export then loads in AutoTokenizer and
