@@ -1,12 +1,13 @@
 # Two commands set everything up on a fresh Linux machine with Python 3.11:
 #   make train   installs into .venv and trains the tiny Llama on the embedded corpus (CPU)
 #   make test    installs into .venv and runs the test suite
+#   make test-fast   the tests that start no torch process (pytest -m "not slow"): under 2 minutes
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test bench install clean
+.PHONY: train test test-fast bench install clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-torch.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,9 @@ test: $(STAMP)
 	@command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null 2>&1; } || true
 	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench.py $(ARGS)

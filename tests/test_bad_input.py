@@ -345,7 +345,7 @@ def test_bad_input(W, tmp_path, monkeypatch, capsys, name, call, expect, code, e
     assert not changed, changed
 
 
-def test_case_count():
+def test_at_least_80_kinds_of_bad_input_are_checked():
     assert len(CASES) >= 80, len(CASES)
 
 
@@ -362,6 +362,7 @@ def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys)
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
     """A real process: SIGINT while sentencepiece trains ends it at once, quietly, with no model file."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "tokenizer", "--data", "stdlib",
@@ -380,6 +381,7 @@ def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".model")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after", [0.5, 2.5])
 def test_ctrl_c_while_train_py_starts(tmp_path, after):
     """SIGINT while torch loads, or while the config is checked and the corpus indexed: quiet. On a
@@ -396,6 +398,7 @@ def test_ctrl_c_while_train_py_starts(tmp_path, after):
     assert "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_train_py_process_prints_one_line(tmp_path):
     """The plain launch: exit code 1 and one line, through train.py's own __main__."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--optim.beta2=1.5",

@@ -182,6 +182,7 @@ def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
     assert Checkpointer(cfg).load_latest().step == 2
 
 
+@pytest.mark.slow
 def test_kill_during_write_keeps_previous(tmp_path, capsys):
     """A real SIGKILL in the middle of the writer thread's write of a large file (NANOTRN_FAULT
     =0:2:save): step 2 stays incomplete and is skipped, step 1 loads intact."""
@@ -419,6 +420,7 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     """1 process -> TP=2 x DP=2 -> 1 process, with the real model, parallel.py and optim.py:
     AdamW is elementwise, so the update is the same at any layout and the states are bit-equal."""
@@ -491,6 +493,7 @@ def final_state(out: Path, step: int = 6) -> dict:
     return state
 
 
+@pytest.mark.slow
 @needs_train
 def test_e2e_sigkill_at_random_step_resumes_bit_exact(tmp_path):
     """An uninterrupted run and a run SIGKILLed as a random step begins, then restarted, end with
@@ -521,6 +524,7 @@ def test_e2e_sigkill_at_random_step_resumes_bit_exact(tmp_path):
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 @needs_train
 def test_e2e_torchrun_restarts_by_itself_after_a_rank_dies_mid_save(tmp_path):
     """DP=2 under `torchrun --max-restarts=2`: rank 1 is SIGKILLed halfway through writing the
@@ -538,6 +542,7 @@ def test_e2e_torchrun_restarts_by_itself_after_a_rank_dies_mid_save(tmp_path):
     assert_same_final_state(tmp_path / "ref", tmp_path / "run", 6)
 
 
+@pytest.mark.slow
 def test_precompile_pass_writes_no_checkpoint_and_no_export(tmp_path):
     """neuron_parallel_compile's pass (NEURON_EXTRACT_GRAPHS_ONLY, values invalid): train.py goes
     through its saves (staged to host memory: the same transfers and graph cuts) and a resume's

@@ -95,6 +95,7 @@ def test_bad_layouts_fail_with_clear_errors(args, world, message):
             configs.validate(cfg, world)
 
 
+@pytest.mark.slow
 def test_train_rejects_bad_config_before_any_work(tmp_path):
     """A bad layout exits with the error, without tokenizing, building a model or writing output."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--tp=3", f"--out_dir={tmp_path}/out",

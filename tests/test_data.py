@@ -543,7 +543,7 @@ def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
         data.main(["prepare", files["jsonl"], "--out", out])
 
 
-def test_stdlib_corpus_smoke():
+def test_stdlib_corpus_reads_the_standard_library_not_site_packages():
     corpus = data.Corpus("stdlib")
     assert corpus.n_docs > 500
     assert not any("site-packages" in p for p in data.stdlib_files())
@@ -580,6 +580,7 @@ print("XLA_OK")
 """
 
 
+@pytest.mark.slow
 def test_device_loader_xla_uses_mpdeviceloader(files, tok):
     pytest.importorskip("torch_xla")
     env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}

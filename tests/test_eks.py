@@ -266,6 +266,7 @@ def pod_job(tmp_path, name: str, *args) -> dict:
     return docs["train"][1]
 
 
+@pytest.mark.slow
 def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_identical(tmp_path):
     """Two pods of the generated training Job (DP=2, one gloo rank each), as Kubernetes runs them.
     1. SIGTERM to pod 1's top process (what the kubelet sends on a drain): it is torchrun itself

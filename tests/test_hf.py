@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf as hf_io  # noqa: E402
+from conftest import max_rel_err  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_refused_config_keys_are_named(change, expected):
     assert "\n" not in str(e.value)
 
 
-def test_accepted_variants():
+def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load():
     """Mistral with no effective window, explicit head_dim, and both config formats' rope."""
     m = hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": None})
     assert m.rope_theta == 10000.0 and m.rope_scaling == "none"
@@ -78,10 +79,6 @@ def llama3_hf(**kw):
             "rope_scaling": LLAMA31_ROPE, "tie_word_embeddings": True, "attn_implementation": "eager"}
     args.update(kw)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args)).eval()
-
-
-def max_rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def test_llama3_both_ways_match_transformers(tmp_path):
@@ -292,6 +289,7 @@ def test_export_stamps_its_transformers_format_and_a_llama3_vocabulary_loads_wit
         assert regex_warning()
 
 
+@pytest.mark.slow
 def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     """train.py --init_from=HF_FOLDER at TP=2 (Llama 3.x: tied embeddings, llama3 rope, tokenizer.json):
     its first loss is transformers' loss on the same batch. Its export then loads in AutoTokenizer and

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf as hf_io  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
+from conftest import max_rel_err  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,10 +27,6 @@ def hf_model(cfg):
                                          if k not in ("architectures", "model_type", "torch_dtype")})
     hf_cfg._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(hf_cfg).eval()
-
-
-def max_rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 ATTENTION = ["sdpa", "explicit"]

@@ -100,6 +100,7 @@ def test_nonfinite_skip_and_stop(tmp_path):
         stop.check_finite(9, torch.tensor(float("nan")), torch.tensor(1.0))
 
 
+@pytest.mark.slow
 def test_metrics_are_lazy_on_xla_and_stop_is_caught_at_flush():
     # In a subprocess: PJRT_DEVICE must not leak into the other tests' device choice.
     code = textwrap.dedent(f"""
@@ -202,6 +203,7 @@ def _drift_worker(rank, ports, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_replica_drift_is_seen(tmp_path):
     """DP=2 over gloo: identical replicas show a spread of exactly 0 and no warning; after one
     replica's weights drift (planted at step 3), the flush at step 4 warns on every rank."""

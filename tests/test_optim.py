@@ -450,6 +450,7 @@ def _zero1_worker(rank: int, world: int, store_file: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero1_dp2_matches_unsharded(tmp_path):
     mp.spawn(_zero1_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
 
@@ -506,6 +507,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero1_tp2_dp2_matches_unsharded(tmp_path):
     mp.spawn(_tp_dp_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
 
@@ -570,5 +572,6 @@ def _zero1_bucket_worker(rank: int, world: int, store_file: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero1_buckets_match_one_process_bitwise(tmp_path):
     mp.spawn(_zero1_bucket_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

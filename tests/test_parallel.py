@@ -2,11 +2,11 @@
 
 One spawn of 4 gloo processes runs every layout (several layouts share one spawn to keep the file
 fast on 2 cores):
-  phase A, one world of 4:  TP=2 x DP=2 (SP off / on), TP=4 (SP off / on, the latter with full
+  first, one world of 4:    TP=2 x DP=2 (SP off / on), TP=4 (SP off / on, the latter with full
                             activation checkpointing; 2 KV heads, so each KV head is replicated on
                             2 ranks: the 70B situation), the communication count, and the
                             world-size normalization counter-example;
-  phase B, two worlds of 2: TP=2 (SP off / on) on ranks 0-1 while DP=2 runs on ranks 2-3; then
+  then, two worlds of 2:    TP=2 (SP off / on) on ranks 0-1 while DP=2 runs on ranks 2-3; then
                             ranks 0-1 measure what SP's column-parallel linears save for backward.
 Every layout uses 2 microbatches per DP rank (gradient accumulation 2) and trains 3 steps with
 train.train_step and torch's AdamW. Each rank writes what it gathered (full-shape logits,
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import assert_close, packed_batch  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -36,7 +37,6 @@ import train  # noqa: E402
 from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 
 GLOBAL_BATCH, SEQ, ACCUM, STEPS = 8, 16, 2, 3
-TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
 
 
 def tiny_cfg(tp: int = 1, dp: int = 1, sp: bool = False, tied: bool = False) -> configs.Config:
@@ -52,16 +52,7 @@ def tiny_cfg(tp: int = 1, dp: int = 1, sp: bool = False, tied: bool = False) -> 
 
 
 def global_batch(step: int) -> dict:
-    """The step's whole batch. Sequence i has its first 2*i targets ignored (-100), so DP ranks hold
-    different numbers of valid tokens, and two packed documents (mask and positions restart)."""
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
-    targets = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
-    cut = torch.tensor([4 + i % 8 for i in range(GLOBAL_BATCH)])[:, None]
-    ar = torch.arange(SEQ)[None]
-    targets[ar < 2 * torch.arange(GLOBAL_BATCH)[:, None]] = -100
-    doc_ids = (ar >= cut).long()
-    return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
+    return packed_batch(step, GLOBAL_BATCH, SEQ)
 
 
 def rank_batches(step: int, grid: parallel.Grid) -> list[dict]:
@@ -76,7 +67,8 @@ def forward_backward(model, batches, grid, normalize: str = "global"):
     """The first half of train.train_step, for the tests that look between backward and the update.
     Loss normalization as train.py does it (torchtitan's rule): back-propagate
     local_sum * dp / global_tokens, so reduce_gradients' SUM * 1/dp gives d(total / global_tokens).
-    normalize="local_mean" is the common mistake shown in test_world_size_normalization_is_wrong."""
+    normalize="local_mean" is the common mistake shown in
+    test_only_1_over_dp_with_the_global_token_count_gives_the_reference_gradients."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group)
     scale = grid.dp / global_tokens if normalize == "global" else 1.0 / local_tokens
@@ -246,7 +238,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     xla_rules.install()          # every group in its XLA form, every collective checked (xla_rules.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
                       WORLD_SIZE="4", LOCAL_RANK=str(rank))
-    # Phase A: one world of 4.
+    # First, one world of 4.
     cfg = tiny_cfg(tp=2, dp=2)
     grid = parallel.init_distributed(cfg)
     assert (grid.tp, grid.dp, grid.tp_rank, grid.dp_rank, grid.backend) == (2, 2, rank % 2, rank // 2, "gloo")
@@ -258,7 +250,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     comm["small_buckets"] = count_step_collectives(tiny_cfg(tp=2, dp=2), grid, bucket_bytes=1)
     norm = world_size_normalization(tiny_cfg(tp=2, dp=2), grid)
     if rank == 0:
-        torch.save({"comm": comm, "norm": norm}, os.path.join(out_dir, "phase_a.pt"))
+        torch.save({"comm": comm, "norm": norm}, os.path.join(out_dir, "tp2dp2_comm_and_norm.pt"))
     cfg4 = tiny_cfg(tp=4, dp=1)
     grid4 = parallel.new_grid(4, rank, 4, 1, parallel.kv_replicas(cfg4.model, 4), "gloo")
     run_layout("tp4_sp0", tiny_cfg(tp=4, dp=1), grid4, out_dir)
@@ -268,7 +260,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     run_layout("tp4_sp1_ckpt", cfg4, grid4, out_dir)
     dist.destroy_process_group()
 
-    # Phase B: two independent worlds of 2: TP=2 on ranks 0-1, DP=2 on ranks 2-3.
+    # Then two independent worlds of 2: TP=2 on ranks 0-1, DP=2 on ranks 2-3.
     os.environ.update(MASTER_PORT=str(ports[1 + rank // 2]), RANK=str(rank % 2), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank % 2))
     if rank < 2:
@@ -309,18 +301,13 @@ LAYOUTS = {  # name -> ranks that wrote a file
 }
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
-    assert err <= TOL * scale, f"{what}: max-abs error {err:.3e} > {TOL} x {scale:.3e}"
-
-
 def load(spawned, name):
     return [torch.load(os.path.join(spawned, f"{name}.rank{r}.pt")) for r in LAYOUTS[name]]
 
 
 # ----------------------------------------------------------------------------- layout tests
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(spawned, reference, reference_tied, name):
     reference = reference_tied if "tied" in name else reference
@@ -346,6 +333,7 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
             assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
 
 
+@pytest.mark.slow
 def test_tied_export_gives_the_trained_logits(spawned, tmp_path):
     """TP=2 x DP=2 with tied embeddings (issue 26): the export of the trained weights (the embedding
     only, as HF writes a tied model), read by transformers, gives the trained model's logits."""
@@ -360,6 +348,7 @@ def test_tied_export_gives_the_trained_logits(spawned, tmp_path):
     assert_close(logits, res["logits_trained"][..., :97], "tied TP=2: the export's logits in transformers")
 
 
+@pytest.mark.slow
 def test_layouts_issue_only_xla_collectives(spawned):
     """Every layout above ran under the xla backend's rules (xla_rules.py): groups in their XLA
     form, meshes the verifier accepts, only collectives the xla backend runs. The list is what
@@ -378,6 +367,7 @@ def test_clipping_was_active(reference):
     assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])
 
 
+@pytest.mark.slow
 def test_replicated_kv_heads_are_distinct_shards(spawned):
     """TP=4 with 2 KV heads: ranks 0,1 hold copies of KV head 0, ranks 2,3 of KV head 1."""
     res = load(spawned, "tp4_sp0")
@@ -389,11 +379,12 @@ def test_replicated_kv_heads_are_distinct_shards(spawned):
         assert torch.equal(local[0], groups[r // 2, r % 2]) and torch.equal(local[1:], groups[r // 2, 2:])
 
 
-def test_world_size_normalization_is_wrong(spawned, reference):
+@pytest.mark.slow
+def test_only_1_over_dp_with_the_global_token_count_gives_the_reference_gradients(spawned, reference):
     """TP=2 x DP=2 on 4 ranks. Dividing the DP sum by the world size (xm.reduce_gradients, HLAT's
     divergence) gives gradients TP=2 times too small; dividing each rank's loss by its own token
     count (not the global one) weights the two DP halves wrongly. Only 1/DP + global tokens matches."""
-    norm = torch.load(os.path.join(spawned, "phase_a.pt"))["norm"]
+    norm = torch.load(os.path.join(spawned, "tp2dp2_comm_and_norm.pt"))["norm"]
     ref = reference["grads_unclipped"]
     for k, g in ref.items():
         assert_close(norm["right"][k], g, f"right normalization: {k}")
@@ -404,6 +395,7 @@ def test_world_size_normalization_is_wrong(spawned, reference):
     assert worst > 0.05, f"per-rank mean loss should differ from the global mean (rel. error {worst:.3g})"
 
 
+@pytest.mark.slow
 def test_communication_matches_formulas(spawned):
     """One step of TP=2 x DP=2: M=2 microbatches of b=2 sequences, T=16, d=64, L=2, fp32.
     act = b*T*d*4 bytes (one [B, T, dim] activation), tok = b*T*4 (one float per token).
@@ -422,7 +414,7 @@ def test_communication_matches_formulas(spawned):
     Per step: TP all-reduce of the clip norm (4 bytes); DP: 1 all-reduce of the token count (8
     bytes, int64) and the gradient buckets: all local parameters, 1 bucket (64 MiB cap), or one
     per parameter with a 1-byte cap. Nothing else: no DP traffic per microbatch."""
-    comm = torch.load(os.path.join(spawned, "phase_a.pt"))["comm"]
+    comm = torch.load(os.path.join(spawned, "tp2dp2_comm_and_norm.pt"))["comm"]
     m = tiny_cfg().model
     M, b, T, d, L, tp = ACCUM, GLOBAL_BATCH // (2 * ACCUM), SEQ, m.dim, m.n_layers, 2
     act, tok = b * T * d * 4, b * T * 4
@@ -444,6 +436,7 @@ def sp_saved(spawned):
     return [torch.load(os.path.join(spawned, f"sp_saved.rank{r}.pt")) for r in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", ["column", "head"])
 def test_sp_column_linear_saves_only_the_sequence_shard(spawned, layer):
     """TP=2, SP: a column-parallel linear (and the vocab-parallel lm_head, its subclass) keeps for
@@ -458,6 +451,7 @@ def test_sp_column_linear_saves_only_the_sequence_shard(spawned, layer):
             assert_close(new[k], old[k], f"rank {rank}: {layer} {k}")
 
 
+@pytest.mark.slow
 def test_sp_model_saves_tp_times_less_per_column_linear(spawned):
     """Whole TP=2 SP model forward: the saved activations shrink by exactly the 2L+1 column-parallel
     inputs (qkv_proj, gate_up_proj per layer, lm_head) times half a [b, T, d] activation; nothing
@@ -523,6 +517,7 @@ def test_bad_layout_fails_before_process_groups(monkeypatch, world, change, mess
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_barrier_waits_for_every_rank(spawned):
     with open(os.path.join(spawned, "barrier.seen")) as f:
         assert f.read() == "True", "parallel.barrier returned before rank 1 reached it"

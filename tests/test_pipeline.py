@@ -1,14 +1,14 @@
 """Pipeline parallelism gives the same numbers as one process (issue 5).
 
-One spawn of 8 gloo processes runs every layout, in three phases (worlds are torn down and
-re-created between phases, so several small layouts share one spawn and the file stays fast):
-  A, one world of 8:    PP=2 x TP=2 x DP=2, 1F1B, with "send" (SP off) and "allgather" (SP on);
-  B, two worlds of 4:   ranks 0-3: PP=2 x TP=2 (send, SP off; allgather, SP on), then PP=4 1F1B
-                        (allgather, 8 microbatches); ranks 4-7: PP=2 x DP=2 (send; allgather),
-                        then PP=4 GPipe (send, 8 microbatches);
-  C, four worlds of 2:  PP=2 with 1F1B / GPipe x send / allgather (4 microbatches; GPipe + send
-                        with full activation checkpointing, GPipe + allgather with uneven stages,
-                        pp_cuts=1).
+One spawn of 8 gloo processes runs every layout, in three rounds (worlds are torn down and
+re-created between rounds, so several small layouts share one spawn and the file stays fast):
+  first, one world of 8:  PP=2 x TP=2 x DP=2, 1F1B, with "send" (SP off) and "allgather" (SP on);
+  then two worlds of 4:   ranks 0-3: PP=2 x TP=2 (send, SP off; allgather, SP on), then PP=4 1F1B
+                          (allgather, 8 microbatches); ranks 4-7: PP=2 x DP=2 (send; allgather),
+                          then PP=4 GPipe (send, 8 microbatches);
+  last, four worlds of 2: PP=2 with 1F1B / GPipe x send / allgather (4 microbatches; GPipe + send
+                          with full activation checkpointing, GPipe + allgather with uneven stages,
+                          pp_cuts=1).
 Each layout runs 3 AdamW steps (clipping active) and writes what it gathered to full shape
 (initial weights, step-0 gradients after reduction and clipping, final weights) plus its loss,
 grad norm, live-activation peak, message counts and one step's collectives. The tests compare
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import assert_close, packed_batch  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -36,7 +37,6 @@ import pipeline  # noqa: E402
 from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
-TOL = 1e-5          # max-abs error allowed, relative to the reference tensor's max-abs
 
 
 def tiny_cfg(pp=2, tp=1, dp=1, sp=False, schedule="1f1b", p2p="send", micro_batch=2, cuts="",
@@ -52,16 +52,7 @@ def tiny_cfg(pp=2, tp=1, dp=1, sp=False, schedule="1f1b", p2p="send", micro_batc
 
 
 def global_batch(step: int) -> dict:
-    """The step's whole batch: some targets ignored (-100), unevenly over sequences, and two packed
-    documents per sequence (positions restart, document mask)."""
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
-    targets = torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=g)
-    ar = torch.arange(SEQ)[None]
-    targets[ar < 2 * torch.arange(GLOBAL_BATCH)[:, None]] = -100
-    cut = torch.tensor([4 + i % 8 for i in range(GLOBAL_BATCH)])[:, None]
-    doc_ids = (ar >= cut).long()
-    return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
+    return packed_batch(step, GLOBAL_BATCH, SEQ)
 
 
 def rank_batches(step: int, grid: parallel.Grid, cfg) -> list[dict]:
@@ -174,14 +165,14 @@ def _init(ports, port_index, rank, world, cfg) -> parallel.Grid:
 def _worker(rank: int, ports: list[int], out_dir: str):
     torch.set_num_threads(1)
     xla_rules.install()          # every group in its XLA form, every collective checked (xla_rules.py)
-    # Phase A: one world of 8, PP=2 x TP=2 x DP=2.
+    # First, one world of 8, PP=2 x TP=2 x DP=2.
     grid = _init(ports, 0, rank, 8, tiny_cfg(pp=2, tp=2, dp=2))
     assert (grid.pp_rank, grid.dp_rank, grid.tp_rank) == (rank // 4, rank // 2 % 2, rank % 2)
     run_layout("pp2tp2dp2_send", tiny_cfg(pp=2, tp=2, dp=2, p2p="send"), grid, out_dir)
     run_layout("pp2tp2dp2_allgather_sp", tiny_cfg(pp=2, tp=2, dp=2, sp=True, p2p="allgather"), grid, out_dir)
     parallel.destroy(grid)
 
-    # Phase B: two worlds of 4.
+    # Then two worlds of 4.
     half, r = rank // 4, rank % 4
     if half == 0:
         grid = _init(ports, 1, r, 4, tiny_cfg(pp=2, tp=2))
@@ -202,7 +193,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     run_layout(f"pp2tp{p.tp}dp{4 // p.tp // p.pp}_allgather_tied", cfg_tied, grid_tied, out_dir)
     parallel.destroy(grid)
 
-    # Phase C: four worlds of 2, PP=2: each schedule with each point-to-point.
+    # Last, four worlds of 2, PP=2: each schedule with each point-to-point.
     schedule, p2p = [("1f1b", "send"), ("1f1b", "allgather"), ("gpipe", "send"), ("gpipe", "allgather")][rank // 2]
     cfg = tiny_cfg(pp=2, schedule=schedule, p2p=p2p, cuts="1" if rank // 2 == 3 else "")
     if rank // 2 == 2:
@@ -225,6 +216,7 @@ LAYOUTS = {  # name -> number of ranks that wrote a file
 }
 
 
+@pytest.mark.slow
 def test_layouts_issue_only_xla_collectives(spawned):
     """Every "allgather" layout above ran under the xla backend's rules (xla_rules.py): its groups
     in their XLA form with meshes the verifier accepts, no send/recv. Its point-to-point is the
@@ -249,14 +241,9 @@ def load(spawned, name):
     return [torch.load(os.path.join(spawned, f"{name}.rank{r}.pt")) for r in range(LAYOUTS[name])]
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
-    assert err <= TOL * scale, f"{what}: max-abs error {err:.3e} > {TOL} x {scale:.3e}"
-
-
 # ----------------------------------------------------------------------------- layout tests
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(spawned, reference, reference_tied, name):
     reference = reference_tied if "tied" in name else reference
@@ -280,6 +267,7 @@ def test_clipping_was_active(reference):
     assert all(n > tiny_cfg().optim.grad_clip for n in reference["norm"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "tied" in n])
 def test_tied_copies_stay_equal_and_export(spawned, name, tmp_path):
     """Tied embeddings over two stages (issue 26): the first stage's embedding and the last
@@ -301,8 +289,9 @@ def test_tied_copies_stay_equal_and_export(spawned, name, tmp_path):
     assert_close(loss, res["eval_plain"], f"{name}: the export's loss in transformers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2_1f1b_send", "pp2_gpipe_allgather", "pp4_1f1b", "pp4_gpipe"])
-def test_live_activations(spawned, name):
+def test_1f1b_keeps_at_most_pp_minus_stage_microbatches_alive_gpipe_all(spawned, name):
     """1F1B: stage s holds at most PP - s microbatches (<= PP) whatever m; GPipe holds all m."""
     for res in load(spawned, name):
         pp, s, m = res["pp"], res["pp_rank"], res["microbatches"]
@@ -311,6 +300,7 @@ def test_live_activations(spawned, name):
         assert res["max_live"] == [want] * STEPS, f"{name} stage {s}: live activations {res['max_live']}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_communication_per_step(spawned, name):
     """Per step, whatever the number of microbatches m: DP all-reduces the token count, the gradients
@@ -326,7 +316,8 @@ def test_communication_per_step(spawned, name):
         assert res["messages"] == (links * res["microbatches"],) * 2
 
 
-def test_bubble_and_idle_are_reported(spawned):
+@pytest.mark.slow
+def test_1f1b_bubble_is_pp_minus_1_over_m_plus_pp_minus_1_and_idle_is_measured(spawned):
     for res in load(spawned, "pp4_1f1b"):
         assert res["bubble"] == pytest.approx(3 / (8 + 3))
         assert 0.0 < res["idle"] < 1.0

@@ -54,6 +54,7 @@ def test_planner_counts_every_parameter():
     assert estimate(c, world=WORLD).grads == 2 * estimate(c, world=WORLD).params
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_tables():
     out = subprocess.run([sys.executable, "plan.py", "--preset", "llama2_70b"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
@@ -127,6 +128,7 @@ def test_trn2_is_one_row_of_the_instance_table():
     assert estimate(c70).fits
 
 
+@pytest.mark.slow
 def test_plan_command_on_trn2():
     out = subprocess.run([sys.executable, "plan.py", "--preset", "llama2_7b", "--instance", "trn2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -135,6 +137,7 @@ def test_plan_command_on_trn2():
     assert "166.75 TFLOPS per core" in out.stdout
 
 
+@pytest.mark.slow
 def test_plan_with_no_arguments_plans_the_blogs_run():
     out = subprocess.run([sys.executable, "plan.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -107,6 +107,7 @@ print((peak() - before) // 1024)
 """
 
 
+@pytest.mark.slow
 def test_memory_is_the_same_for_a_small_and_an_8x_larger_shard(tmp_path):
     """A 4 MB and a 32 MB shard (text, decompressed): the converter's peak memory grows by less than
     4 MB (holding the shard would add 32 MB or more)."""
@@ -120,6 +121,7 @@ def test_memory_is_the_same_for_a_small_and_an_8x_larger_shard(tmp_path):
     assert len(read(tmp_path / "s32000.jsonl.gz.arrow")) == 32_000
 
 
+@pytest.mark.slow
 def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_path):
     """Two ranks (torchrun, gloo) read a corpus with bad records and invalid UTF-8: each kind is said
     once per run, on stdout between the step lines, by rank 0 only, with the count over both ranks;

@@ -77,6 +77,7 @@ def global_batches(cfg: configs.Config, dp: int, n: int, states=None) -> list[to
     return [torch.cat([next(x)["tokens"] for x in loaders for _ in range(accum)]) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     """4 steps at TP=2 x DP=2, 4 at PP=2 x DP=2 with ZeRO-1, 4 in one process == 12 uninterrupted
     steps of one process: weights and optimizer state at each resume point and at the end (fp32,
@@ -156,6 +157,7 @@ def assert_only_checkpoint(ckpt: Path, step: int):
     assert verdict == ckptdir.OK and files                          # every rank's marker: all saved this step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp=2"], ["--tp=2", "--pp=2"]], ids=["dp2", "tp2xpp2"])
 def test_sigterm_to_torchrun_stops_after_the_step_it_came_during_within_30s(tmp_path, layout):
     """SIGTERM to a torchrun job (gloo) in the middle of its run: torchrun forwards it to every
@@ -175,6 +177,7 @@ def test_sigterm_to_torchrun_stops_after_the_step_it_came_during_within_30s(tmp_
         "torch.distributed.elastic.multiprocessing.api.SignalException") for t in tracebacks), err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigint_and_sigusr1_stop_a_single_process_with_a_checkpoint(tmp_path):
     """SIGINT (Ctrl-C) and SIGUSR1 (SLURM's early warning) to a single process: the same stop,
     exit status 0."""
@@ -189,6 +192,7 @@ def test_sigint_and_sigusr1_stop_a_single_process_with_a_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- shared directories, damage, disks
 
+@pytest.mark.slow
 def test_a_second_run_on_a_held_directory_is_refused_naming_the_holder(tmp_path):
     """This test process holds the directory (as a running job does); a second train.py, placed
     there by --out_dir alone, stops before any work with the holder named. Released, it is free."""
@@ -232,6 +236,7 @@ def test_damaged_marker_is_skipped_in_resume_and_ls(tmp_path, capsys, damage):
     assert "skipping step_00000002: rank 0's completion marker is damaged" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_full_disk_unwritable_dir_lost_latest_and_bad_dirs(tmp_path, capsys, monkeypatch):
     """A checkpoint directory on a 1 MiB tmpfs (simulated ENOSPC where mounting is not allowed): the
     run stops with "disk full" at the save that failed, not at the next interval. A file or a
@@ -330,6 +335,7 @@ def _count_reads_worker(rank: int, port: int, root: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_resume_reads_each_shared_file_once_per_dp_group_and_zero1_shards_by_their_owners(tmp_path):
     """A counting wrapper around every checkpoint read (reshard.load_file), at TP=2 x DP=2: each
     model file, and without ZeRO-1 each optimizer file, is read by ONE rank of its DP group and
@@ -357,6 +363,7 @@ def test_resume_reads_each_shared_file_once_per_dp_group_and_zero1_shards_by_the
 SOAK = int(os.environ.get("NANOTRN_SOAK", "0"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SOAK, reason="NANOTRN_SOAK=20 runs it: 20 resumes of an 8-rank run, about 25 s each on "
                                      "an idle 2-core machine (8 min)")
 def test_8_rank_resume_never_aborts(tmp_path):

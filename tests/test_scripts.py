@@ -226,6 +226,7 @@ def _host_group_worker(rank, ports, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_host_group_connects_lazily(tmp_path):
     """The gloo host group of an XLA run opens a socket only to the peers a barrier and an
     all-reduce talk to (r +- 1, 2, 4 of 8 ranks: 5 peers), not to every rank (7): at 4096 ranks
@@ -297,6 +298,7 @@ def test_analyze_locates_bad_link_and_bad_node():
     assert bw[("tp", "all_reduce")] == pytest.approx(2**20 / 1e-3 / 1e9, rel=0.1)  # 2(n-1)/n = 1
 
 
+@pytest.mark.slow
 def test_healthcheck_names_the_slowed_rank(tmp_path):
     """4 gloo ranks under torchrun, each its own 'node'; rank 2 arrives 60 ms late at every
     collective. It must be named, and nobody else."""
@@ -368,6 +370,7 @@ def assert_stopped_with_checkpoint(out: str, err: str, ckpt: Path, name: str):
     assert "closing signal" not in err and "forcefully exiting" not in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sbatch_early_usr1_reaches_the_workers_not_torchrun(tmp_path):
     """slurm_train.sbatch for real on one CPU "node", with stand-ins for srun (runs the step once,
     in a process group of its own, as slurmstepd does) and scancel (signals that whole group, as
@@ -393,6 +396,7 @@ def test_sbatch_early_usr1_reaches_the_workers_not_torchrun(tmp_path):
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
 
 
+@pytest.mark.slow
 def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
     """Kubernetes sends SIGTERM to the container's first process, launch.sh: it passes it on as
     SIGUSR1 to torchrun's workers only, so the pod's terminationGracePeriodSeconds, not torchrun's

@@ -97,6 +97,7 @@ def run_tied(where: str, out: str) -> None:
     torch.save({"tied": tied, "n_params": len(list(model.parameters())), "trained": trained, "logits": logits}, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["cpu", "xla"])
 def test_tied_model_stays_tied_trains_and_exports(where, reference, tmp_path):
     """The head IS the embedding after build_model and after 3 steps, the optimizer holds it once,

@@ -4,8 +4,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+pytestmark = pytest.mark.slow         # each test runs train.py in a subprocess
 
 
 def run_train(tmp_path, *args, timeout=1500, env=None):

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,6 +26,7 @@ def hung_run(tmp_path: Path, *extra) -> tuple[object, float]:
     return r, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_path):
     """Rank 1 enters a barrier at step 4 that rank 0 never joins; rank 0 waits in its step's
     all-reduce. Each rank's watchdog (no step for 8 s: 2 x the median step, at least 8 s) prints
@@ -47,6 +50,7 @@ def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_pat
     assert "step      4 |" in r.stdout and "step      5 |" not in r.stdout
 
 
+@pytest.mark.slow
 def test_without_the_watchdog_the_collective_timeout_ends_the_hang(tmp_path):
     """--log.hang_factor=0 (no watchdog): gloo's timeout (--parallel.timeout_s=6) raises in the
     waiting ranks, which exit non-zero with the stack of the collective that timed out."""

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow         # each test runs train.py on XLA:CPU in a subprocess
 STEPS, LOG, EVAL, SAVE, EAGER, RESUME = 24, 4, 10, 10, 3, 4
 TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.ffn_dim=176", "--data.seq_len=32", "--data.global_batch=4", "--data.micro_batch=2",

@@ -81,6 +81,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_rules_fail_what_the_xla_backend_cannot_run(tmp_path):
     spawn_and_wait(_worker, 1, 4, str(tmp_path), timeout_s=300)
     for rank in range(4):

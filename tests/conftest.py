@@ -1,0 +1,41 @@
+"""What the test files share: the repository on sys.path, and the helpers that two files each
+defined for themselves.
+
+Two tiers (the `slow` marker is registered in pytest.ini):
+    make test-fast    pytest -m "not slow": every module, in-process, under 2 minutes on 2 cores
+    make test         everything: also the tests marked @pytest.mark.slow, which start processes that
+                      load torch (train.py, torchrun, gloo worlds of 2-8 ranks, XLA) or soak
+"""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference, relative to b's largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-5):
+    """got equals ref up to tol x ref's max-abs (a layout against its single-process reference)."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= tol * scale, f"{what}: max-abs error {err:.3e} > {tol} x {scale:.3e}"
+
+
+def packed_batch(step: int, n: int, seq: int, vocab: int = 97) -> dict:
+    """A step's whole batch of n sequences: sequence i has its first 2*i targets ignored (-100), so
+    DP ranks hold different numbers of valid tokens, and two packed documents (positions restart,
+    document mask)."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, vocab, (n, seq), generator=g)
+    targets = torch.randint(0, vocab, (n, seq), generator=g)
+    cut = torch.tensor([4 + i % 8 for i in range(n)])[:, None]
+    ar = torch.arange(seq)[None]
+    targets[ar < 2 * torch.arange(n)[:, None]] = -100
+    doc_ids = (ar >= cut).long()
+    return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
