@@ -38,8 +38,8 @@ PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 
 # by scripts/fit_plan.py, whose output they are (tests/test_plan.py reruns it); everything else is
 # a datasheet or a measurement, cited. `python plan.py --validate` prints the published rows
 # against these estimates, the 70B and Llama 3.1 rows predicted, not fitted.
-MATMUL_EFFICIENCY = 0.471      # fitted: share of the bf16 peak a large matmul sustains on trn1
-MICROBATCH_OVERHEAD = 0.0118   # fitted: seconds per microbatch and stage (graph launches, syncs)
+MATMUL_EFFICIENCY = 0.484      # fitted: share of the bf16 peak a large matmul sustains on trn1
+MICROBATCH_OVERHEAD = 0.0135   # fitted: seconds per microbatch and stage (graph launches, syncs)
 # (and SCORE_PASSES below)
 # Per-core HBM bandwidth: trn1 and trn1n 820 GiB/s per chip of 2 cores ("Trainium Architecture";
 # 13,120 GiB/s per instance in "Amazon EC2 Trn1/Trn1n Architecture"); trn2.48xlarge 46.4 TB/s per
@@ -49,10 +49,21 @@ HBM_BW = {"trn1": 820 * 2**30 / 2, "trn1n": 820 * 2**30 / 2, "trn2": 46.4e12 / 6
 # all-reduce of 1 GiB on one instance sustains 52.83 GiB/s of bus bandwidth, a per-rank figure
 # that the guide defines independent of the rank count, so a ring of r ranks moves (r-1)/r of a
 # buffer per rank at that rate: 27.5% of the NeuronLink share in configs.INSTANCES (the same share
-# is assumed on trn2, which has no published measurement). A 32-rank all-gather of 1 KiB takes
-# 6.16 us (same guide, 2.29): the latency of one collective.
+# is assumed on trn2, which has no published measurement). Latency, from the same trn1 examples
+# (the guide of Neuron 2.15-2.23, e.g. aws-neuron-sdk@8907253c tools/neuron-sys-tools/nccom-test.rst):
+# a 2-rank all-reduce of 1-64 KiB takes 58 us, a 32-rank all-gather of 1-64 KiB 149-151 us. As a
+# ring, a fixed start plus one hop per step (an all-gather or reduce-scatter of r ranks is r - 1
+# steps, an all-reduce 2(r - 1)): 51.6 us + 3.2 us per step, 74 us at TP=8 and 151 us at TP=32.
+# (The 6.16 us 32-rank all-gather the guide shows from Neuron 2.24 names no instance and came with
+# trn2 and a newer runtime; the published trn1 rows ran on the runtimes of 2.16-2.24. trn2 reuses
+# the trn1 figures.)
 LINK_EFFICIENCY = 52.83 / 192
-COLLECTIVE_LATENCY = 6.16e-6
+LATENCY_START, LATENCY_STEP = 51.6e-6, 3.2e-6
+
+
+def _latency(steps: int) -> float:
+    """Seconds a collective of `steps` ring steps costs beyond its bytes."""
+    return LATENCY_START + steps * LATENCY_STEP
 TILE = 128                     # NeuronCore-v2's TensorEngine is a 128 x 128 systolic array: a matmul
                                # dimension that is not a multiple of 128 leaves part of it idle
 # Attention without a fused kernel writes the [heads, T, T] scores and probabilities to HBM and
@@ -280,7 +291,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     # reduce-scatter while the weight gradient is; only what outlasts the matmul shows. Without SP,
     # all-reduces (twice the bytes): 2 forward, and 2 backward beside the weight gradients.
     # Recomputed projections gather and scatter again; embedding and head add 5 (3 on a last stage).
-    one = M * m.dim * ab * (tp - 1) / tp / (hw.link_bw * LINK_EFFICIENCY) + COLLECTIVE_LATENCY
+    one = M * m.dim * ab * (tp - 1) / tp / (hw.link_bw * LINK_EFFICIENCY) + _latency(tp - 1)
     n_coll, tp_mb = 0, 0.0
     if tp > 1:
         recomputed = {"full": 4, "selective+mlp": 2}.get(ck, 0)
@@ -296,7 +307,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     # PP: each microbatch sends its activation forward and its gradient back (a sequence shard under SP).
     pp_bytes = 0 if L.pp == 1 else 2 * mbs * M * m.dim * ab / (tp if L.sp else 1)
     pp_s, pp_link = _comm_seconds(hw, pp_bytes, tp * L.dp, L.pp, world, ring=False)
-    pp_s += 0 if L.pp == 1 else 2 * mbs * COLLECTIVE_LATENCY
+    pp_s += 0 if L.pp == 1 else 2 * mbs * _latency(1)     # NxD sends as a 2-rank all-gather (pipeline/comm.py)
     # One microbatch on the stage; 1F1B and GPipe both idle (pp - 1) of them per step.
     per = compute + tp_mb + pp_s / mbs + per_mb
     # DP after the last microbatch, in the update's graph as in NxD and optim.py (not overlapped):
@@ -442,23 +453,39 @@ def validation(calibration: tuple[float, float, float] | None = None) -> list[tu
     return out
 
 
+def matching_efficiency(row: dict, e: Estimate) -> float | None:
+    """The MATMUL_EFFICIENCY at which this row's estimate would equal its published figure, all else
+    as modelled: a diagnostic, never fitted. To first order the matmuls and attention (the bubble's
+    share included) scale as 1 / efficiency; None where the rest alone outlasts the published step."""
+    t = int(row["global_batch"]) / float(row["seq_per_s"])
+    compute = e.compute_s * (e.microbatches + e.layout.pp - 1) / e.microbatches
+    rest = e.step_s - compute
+    return MATMUL_EFFICIENCY * compute / (t - rest) if t > rest else None
+
+
 def validation_table() -> str:
     lines = [f"Neuron's published trn1 throughput (NxD, {os.path.relpath(PUBLISHED)}) against this planner",
              f"(MATMUL_EFFICIENCY {MATMUL_EFFICIENCY}, MICROBATCH_OVERHEAD {MICROBATCH_OVERHEAD * 1e3:g} ms, "
              f"SCORE_PASSES {SCORE_PASSES:g}, "
-             f"fitted on the 'fit' rows by scripts/fit_plan.py; the 'predict' rows are not fitted)", "",
+             f"fitted on the 'fit' rows by scripts/fit_plan.py; the 'predict' rows are not fitted;",
+             " 'eff.': the matmul efficiency at which the estimate would match the row, all else as modelled)", "",
              "  model          release  cores  TP PP  DP   seq  ckpt           attention  role     "
-             "published  estimated   error"]
-    worst = {}
-    for row, est, err in validation():
+             "published  estimated   error   MFU  eff."]
+    worst, notes = {}, []
+    for row in published_rows():
         e = row_estimate(row)
+        est = int(row["global_batch"]) / e.step_s
+        err = est / float(row["seq_per_s"]) - 1
+        need = matching_efficiency(row, e)
+        if row.get("note"):
+            notes.append(f"  [{len(notes) + 1}] {row['model']} {row['release']}: {row['note']}")
         lines.append(f"  {row['model']:14s} {row['release'].split()[0]:8s} {int(row['nodes']) * 32:5d} {row['tp']:>3s}"
                      f" {row['pp']:>2s} {row['dp']:>3s} {row['seq_len']:>5s}  {row['checkpointing']:14s} "
                      f"{row['attention']:9s}  {row['role']:7s} {float(row['seq_per_s']):9.2f} {est:10.2f} {err:+7.1%}"
-                     f"   (MFU {e.mfu:.0%})")
+                     f"  {e.mfu:4.0%}  {f'{need:.2f}' if need else '-':>4s}" + (f"  [{len(notes)}]" if row.get("note") else ""))
         worst[row["role"]] = max(worst.get(row["role"], 0.0), abs(err))
     lines += ["", "  largest error: " + ", ".join(f"{k} rows {v:.1%}" for k, v in worst.items())]
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main(argv: list[str]) -> None:

@@ -186,6 +186,31 @@ def test_validation_against_neuron_published_trn1_throughput():
     assert -0.35 <= mean["Llama-3.1-70B"] <= 0.0, mean
 
 
+def test_every_miss_is_explained_and_the_efficiency_diagnostic_says_why():
+    # A predicted row outside 15% must carry a `note` in the CSV (printed by --validate); the notes
+    # do not change any estimate. The rows without a note are matched by a matmul efficiency near
+    # the fitted one; Llama 3.1 70B (same layout and releases as Llama 2 70B) only far above it.
+    for r, _, err in plan.validation():
+        if r["role"] == "predict" and abs(err) > 0.15:
+            assert r["note"], r
+    needed = {}
+    for r in plan.published_rows():
+        needed.setdefault("3.1-70B" if r["model"] == "Llama-3.1-70B" else "noted" if r["note"] else "other",
+                          []).append(plan.matching_efficiency(r, plan.row_estimate(r)))
+    assert 0.4 <= min(needed["other"]) and max(needed["other"]) <= 0.65, needed
+    assert min(needed["3.1-70B"]) >= 0.75, needed
+    e = plan.row_estimate(plan.published_rows()[0])          # the diagnostic inverts the estimate:
+    r = dict(plan.published_rows()[0], seq_per_s=str(1024 / e.step_s))
+    assert plan.matching_efficiency(r, e) == pytest.approx(plan.MATMUL_EFFICIENCY)
+
+
+def test_collective_latency_is_the_trn1_measurement():
+    # nccom-test guide (trn1 examples): 2-rank all-reduce (2 ring steps) 58 us, 32-rank all-gather
+    # (31 steps) 151 us, both at 1-64 KiB.
+    assert plan._latency(2) == pytest.approx(58e-6, rel=0.01)
+    assert plan._latency(31) == pytest.approx(151e-6, rel=0.01)
+
+
 def test_refitting_other_rows_changes_the_constants():
     # The fit reads its rows: fitting the 13B rows alone gives other constants than 7B + 13B.
     rows = [r for r in plan.published_rows() if r["model"] == "Llama2-13B"]
