@@ -9,7 +9,7 @@ reference run side by side in the same process, on this machine.
     python bench.py parallel    # TP=2 and DP=2 against one process (gloo, CPU)
     python bench.py pp          # PP=2 1F1B vs GPipe vs one process
     python bench.py ckpt        # async vs synchronous checkpoint save, recovery time
-    python bench.py xla         # the trn1 path on XLA:CPU: graphs per step type, step time vs eager
+    python bench.py xla         # the trn1 path on XLA:CPU: graphs per step type (and per pipeline task), step time vs eager
 """
 from __future__ import annotations
 
@@ -1023,7 +1023,8 @@ def bench_ckpt(args):
 def bench_xla(args):
     """The trn1 code path on XLA:CPU against the eager CPU, same config, same process: train.py runs
     twice under scripts/xla_check.py (eager CPU, then torch-xla with PJRT_DEVICE=CPU), the tiny preset
-    shrunk to 2 layers. Reports the graphs compiled per step type and the steady step time ratio.
+    shrunk to 2 layers. Reports the graphs compiled per step type and the steady step time ratio,
+    then the pipeline step's census (scripts/pp_graphs.py: PP=2 at 2, 4 and 8 microbatches).
     XLA:CPU is not Trainium: the ratio says what lazy tracing costs on a CPU, not trn1 speed."""
     import json
     import os
@@ -1070,6 +1071,16 @@ def bench_xla(args):
     diff = max(abs(a - b) for a, b in zip(rep["xla"]["losses"][:5], rep["eager"]["losses"][:5]))
     print(f"steady step time: XLA:CPU {t_x * 1e3:.0f} ms, eager CPU {t_e * 1e3:.0f} ms: ratio {t_x / t_e:.2f}x; "
           f"first 5 losses differ by at most {diff:.1e}; load average {os.getloadavg()[0]:.1f}")
+    # The pipeline step's graphs (scripts/pp_graphs.py: PP=2, both stages in this one process, the
+    # point-to-point's pair all-gather stood in for; XLA:CPU has no multi-process collectives).
+    pp_report = os.path.join(args.out, "pp_graphs.json")
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "pp_graphs.py"),
+                        f"--json={pp_report}", f"--graphs={args.out}/pp-graphs.txt", "--microbatches=2,4,8"],
+                       env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench.py xla: the pipeline census failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    print("pipeline step graphs, PP=2 1F1B all-gather point-to-point, tiny model 4 layers (scripts/pp_graphs.py):")
+    print("\n".join("  " + line for line in r.stdout.strip().splitlines()))
     with open(report, "w") as f:
         json.dump({**rep, "compiles": kinds, "xla_step_s": t_x, "eager_step_s": t_e}, f, indent=1)
 

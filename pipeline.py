@@ -231,6 +231,8 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
         group, peer_index = comm.pairs[peer]
         mine = send if send is not None else torch.zeros(comm.shape, dtype=comm.dtype, device=comm.device)
         both = torch.empty(2 * mine.numel(), dtype=mine.dtype, device=mine.device)
+        # The one call that crosses processes here (with the pair groups' new_group): the seam where
+        # scripts/pp_graphs.py stands in for the neighbour, to trace every stage's graphs in one process.
         dist.all_gather_into_tensor(both, mine.contiguous().view(-1), group=group)
         buf = both.view(2, *comm.shape)[peer_index].clone() if recv else None   # only the peer's half stays alive
     # Each exchange is its own graph, as NxD's NxDPPModel does (pipeline/model.py: _mark_step()

@@ -18,6 +18,7 @@ with their HLO instruction counts.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -44,7 +45,8 @@ def snapshot() -> dict:
 
 class GraphLog:
     """Reads the graphs torch-xla has run since the last call: for each, its size (HLO
-    instructions, every computation counted) and the functions on its Python stack."""
+    instructions, every computation counted), a hash of its HLO text and the functions on its
+    Python stack."""
 
     def __init__(self, path: str | None):
         self.path, self.offset, self.buf = path, 0, ""
@@ -62,6 +64,7 @@ class GraphLog:
             head, _, hlo = record.partition("## BEGIN_GRAPH")
             body = hlo.strip().split("\n", 1)[1]            # without the module's numbered name
             out.append({"instructions": len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", body, re.M)),
+                        "hash": hashlib.sha1(body.encode()).hexdigest()[:12],     # the same graph, the same text
                         "frames": re.findall(r"^\s+(\w+) \(([^:)]+)", head, re.M)})
         return out
 
