@@ -245,6 +245,20 @@ def test_rope_function_matches_rotate_half():
     assert max_rel_err(torch.autograd.grad(got, x, dy)[0], torch.autograd.grad(ref, x, dy)[0]) < 1e-6
 
 
+def test_swiglu_function_is_autograd_through_chunk_silu_mul():
+    """Forward and both halves of the gradient bit-equal to autograd through the plain ops (fp32 and
+    bf16)."""
+    torch.manual_seed(13)
+    for dtype in (torch.float32, torch.bfloat16):
+        gu = torch.randn(3, 7, 2 * 40).to(dtype).requires_grad_()
+        dy = torch.randn(3, 7, 40).to(dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        got = llama.SwiGLU.apply(gu)
+        assert torch.equal(got, ref), dtype
+        assert torch.equal(torch.autograd.grad(got, gu, dy)[0], torch.autograd.grad(ref, gu, dy)[0]), dtype
+
+
 def test_cpu_bf16_softmax_is_fp32_softmax_rounded_once():
     """softmax_fp32 relies on it: on CPU, torch's bf16 softmax equals the fp32 softmax of the same
     numbers rounded once to bf16, so the explicit upcast (which XLA needs) would only cost time."""
@@ -334,28 +348,33 @@ def test_fused_loss_equals_log_softmax_nll(vocab, dtype):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("kind", ["causal", "document", "document-block-mask"])
-def test_attention_equals_explicit_reference(kind):
+@pytest.mark.parametrize("kv_heads", [3, 1])
+@pytest.mark.parametrize("kind", ["causal", "document", "document-block-mask", "explicit"])
+def test_attention_equals_explicit_reference(kind, kv_heads):
     """attention_core as the model calls it (SDPA's causal kernel without a mask, SDPA with the
-    boolean document mask, FlexAttention with the BlockMask CUDA uses) against softmax(QK^T/sqrt(d),
-    masked) V written out in fp64: output and the three gradients to 1e-5 (fp32). 300 tokens and
-    documents of 7 to 140 tokens, so that the block mask has full, partial and empty 128-blocks."""
+    boolean document mask, FlexAttention with the BlockMask CUDA uses, the explicit Function)
+    against softmax(QK^T/sqrt(d), masked) V written out in fp64: output and the three gradients to
+    1e-5 (fp32). 300 tokens and documents of 7 to 140 tokens, so that the block mask has full,
+    partial and empty 128-blocks. GQA (3 query heads over 1 KV head): the reference repeats the KV
+    head; the kernels read it in place (enable_gqa), the explicit path repeats it."""
     torch.manual_seed(16)
     B, H, T, hd = 2, 3, 300, 16
-    q, k, v = (torch.randn(B, H, T, hd, requires_grad=True) for _ in range(3))
+    q = torch.randn(B, H, T, hd, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, T, hd, requires_grad=True) for _ in range(2))
     dy = torch.randn(B, H, T, hd)
     starts = torch.zeros(B, T, dtype=torch.long)
     starts[0, [7, 60, 200]] = 1
     starts[1, [140, 141, 290]] = 1
     doc = starts.cumsum(1)
-    mask = {"causal": None, "document": llama.document_mask(doc),
+    mask = {"causal": None, "document": llama.document_mask(doc), "explicit": llama.document_mask(doc),
             "document-block-mask": llama.document_block_mask(doc)}[kind]
     allowed = llama.document_mask(doc if kind != "causal" else torch.zeros_like(doc))
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    scores = (exact[0] @ exact[1].transpose(-1, -2) / hd ** 0.5).masked_fill(~allowed, float("-inf"))
-    ref = torch.softmax(scores, -1) @ exact[2]
+    ek, ev = (t.repeat_interleave(H // kv_heads, dim=1) for t in exact[1:])
+    scores = (exact[0] @ ek.transpose(-1, -2) / hd ** 0.5).masked_fill(~allowed, float("-inf"))
+    ref = torch.softmax(scores, -1) @ ev
     ref_grads = torch.autograd.grad(ref, exact, dy.double())
-    got = llama.attention_core(q, k, v, mask)
+    got = llama.attention_core(q, k, v, mask, kind == "explicit")
     grads = torch.autograd.grad(got, (q, k, v), dy)
     assert max_rel_err(got.double(), ref) < 1e-5
     for g, r in zip(grads, ref_grads):
