@@ -309,7 +309,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,call,expect,code,early", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(W, tmp_path, monkeypatch, capsys, name, call, expect, code, early):
+def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_changed(
+        W, tmp_path, monkeypatch, capsys, name, call, expect, code, early):
     entry, argv = call
     t = tmp_path
     if name.startswith(("resume other", "new corpus", "ckpt: foreign", "ckpt: only")):
