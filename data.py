@@ -66,6 +66,7 @@ from spans import SpanIndex, cut_points, span_bytes  # noqa: F401
 
 STAT_KEYS = ("spans", "documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
 COUNTERS = STAT_KEYS + ("windows", "boundary_targets")
+AHEAD = 256     # reads / windows whose order a lane / stream computes at once (pure functions: any batching)
 FORMAT = 2      # of the data state: 2 = lanes of spans (reads, offset); none = documents (before spans)
 
 
@@ -94,45 +95,56 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1) -> None:
 
 
 def pack(blocks, L1: int, position: dict):
-    """Cut one lane's tokens into windows of L1 tokens, forever. `blocks` yields (tokens, read index
-    per token, offset in its span per token, [(read index, counts)] of the reads in the block,
-    position after the block); `position` ({"i", "offset", "stats"}) is where it starts. Yields
-    (window, starts, position after the window), starts True at the first token of each span.
-    Holds less than one window plus one block: bounded, however long the documents."""
-    stats, pending = dict(position["stats"]), collections.deque()
-    tok, tpos, toff = np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    pos, after = 0, (position["i"], position["offset"])
+    """Cut one lane's tokens into windows of L1 tokens, forever. `blocks` yields (tokens, i, lens,
+    counts, skip): the tokens of reads i, i + 1, ... joined (read i's from its token `skip` on), the
+    tokens of each read and its counts (STAT_KEYS); `position` ({"i", "offset", "stats"}) is where it
+    starts. Yields (window, starts, position after the window), starts True at the first token of
+    each span. Holds less than one window plus one block, and per read, not per token, where it
+    came from: bounded, however long the documents; no Python work per token."""
+    stats = np.array([position["stats"][k] for k in COUNTERS], np.int64)
+    tok, pos, after = np.zeros(0, np.int32), 0, (position["i"], position["offset"])
+    # The reads that reach into tok[pos:]: read index, where its token 0 is (or would be) in tok,
+    # where it ends; and the reads not yet counted (all counted once the position is past them).
+    ks = origin = ends = pending = np.zeros(0, np.int64)
+    counts = np.zeros((0, len(STAT_KEYS)), np.int64)
     while True:
         while len(tok) - pos < L1:
-            new, npos, noff, entries, after = next(blocks)
-            pending.extend(entries)
-            tok, tpos, toff = (np.concatenate((a[pos:], b)) for a, b in ((tok, new), (tpos, npos), (toff, noff)))
-            pos = 0
-        window, starts = tok[pos:pos + L1], toff[pos:pos + L1] == 0
+            new, i0, lens, cs, skip = next(blocks)
+            at = len(tok) - pos + np.cumsum(lens) - skip            # ends of the new reads in the new tok
+            live, read_ids = ends > pos, i0 + np.arange(len(lens))
+            ks, origin, ends = (np.concatenate((ks[live], read_ids)), np.concatenate((origin[live] - pos, at - lens)),
+                                np.concatenate((ends[live] - pos, at)))
+            pending, counts = np.concatenate((pending, read_ids)), np.concatenate((counts, cs))
+            tok, pos, after = np.concatenate((tok[pos:], new)), 0, (i0 + len(lens), 0)
+        window, starts = tok[pos:pos + L1], np.zeros(L1, bool)
+        first = origin[(origin >= pos) & (origin < pos + L1) & (ends > origin)] - pos
+        starts[first] = True
         pos += L1
-        i, off = (int(tpos[pos]), int(toff[pos])) if pos < len(tok) else after
-        while pending and pending[0][0] < i:                # counts of the reads now fully behind
-            for k, v in zip(STAT_KEYS, pending.popleft()[1]):
-                stats[k] += v
-        stats["windows"] += 1
-        stats["boundary_targets"] += int(starts[1:].sum())  # targets masked in this window
-        yield window, starts, {"i": i, "offset": off, "stats": dict(stats)}
+        if pos < len(tok):                                  # the read holding the next token
+            r = int(np.searchsorted(ends, pos, "right"))
+            i, off = int(ks[r]), pos - int(origin[r])
+        else:
+            i, off = after
+        done = int(np.searchsorted(pending, i))             # counts of the reads now fully behind
+        if done:
+            stats[:len(STAT_KEYS)] += counts[:done].sum(0)
+            pending, counts = pending[done:], counts[done:]
+        stats[-2:] += (1, len(first) - int(len(first) > 0 and first[0] == 0))   # windows, targets masked
+        yield window, starts, {"i": i, "offset": off, "stats": dict(zip(COUNTERS, stats.tolist()))}
 
 
 def make_batch(wins) -> dict[str, torch.Tensor]:
     """Windows (tokens [L1], starts [L1]) -> the batch: tokens, targets (-100 where the next token
     opens another segment), positions and segment ids within each row."""
-    w = np.stack([t for t, _ in wins]).astype(np.int64)          # [B, seq_len + 1]
-    start = np.stack([s for _, s in wins])
-    ar = np.arange(w.shape[1])
-    doc = np.cumsum(start, axis=1) - start[:, :1]                 # 0 for the window's first segment
-    positions = ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)
-    targets = w[:, 1:].copy()
+    w, start = np.stack([t for t, _ in wins]), np.stack([s for _, s in wins])     # [B, seq_len + 1]
+    targets = w[:, 1:].astype(np.int64)
     targets[start[:, 1:]] = -100
+    start = start[:, :-1]
+    ar = np.arange(start.shape[1])
     as_t = torch.from_numpy
-    return {"tokens": as_t(np.ascontiguousarray(w[:, :-1])), "targets": as_t(targets),
-            "positions": as_t(np.ascontiguousarray(positions[:, :-1])),
-            "doc_ids": as_t(np.ascontiguousarray(doc[:, :-1]))}
+    return {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets),
+            "positions": as_t(ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)),
+            "doc_ids": as_t(np.cumsum(start, axis=1) - start[:, :1])}    # 0 for the window's first segment
 
 
 class Prefetch:
@@ -255,7 +267,7 @@ class PackedLoader:
         lo, n = deal.lo, 16
         while lo < deal.lo + deal.n:
             spans = np.arange(lo, min(lo + n, deal.lo + deal.n))
-            if sum(len(a) for a in self._read(spans, deal.keep, quiet=True)[0]):
+            if len(self._read(spans, deal.keep, quiet=True)[0]):
                 return
             lo, n = lo + n, n * 4
         raise DataError(f"the {self.split} split of {name!r} has 0 tokens ({deal.n:,} spans of empty documents "
@@ -288,50 +300,57 @@ class PackedLoader:
 
     # ---------------------------------------------------------------- producer
     def _read(self, spans: np.ndarray, keep: str, quiet: bool = False):
-        """Tokens and counts of the spans at some reads of a lane (a span of the other split: none)."""
+        """Tokens of the spans at some reads of a lane, joined (int32), the tokens of each and its
+        counts (STAT_KEYS, an array [reads, 6]); a span of the other split reads as nothing.
+        One tokenizer call for all of them; BOS/EOS and the counts are numpy, not per span."""
         mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
         rows = np.asarray(self.index.rows[spans[mine]])
-        texts, c, bos, eos = self.corpus.read_spans(rows, quiet), self.cfg, self.tok.bos_id, self.tok.eos_id
-        todo = []
-        for j, ((text, _, bad), (_, start, stop)) in enumerate(zip(texts, rows)):
-            if text and start > 0 and self.drop_space and text[0] == " ":
-                text = text[1:]
-            if text and not (start == 0 and stop < 0 and text.isspace()):
-                todo.append((j, text))
-        enc = self.tok.encode_batch([t for _, t in todo], False, False, self.threads)
-        arrays = [np.zeros(0, np.int32)] * len(rows)
-        for (j, _), a in zip(todo, enc):
-            start, stop = rows[j, 1], rows[j, 2]
-            parts = ([[bos]] if c.bos and start == 0 else []) + [a] + ([[eos]] if c.eos and stop < 0 else [])
-            arrays[j] = np.concatenate(parts).astype(np.int32) if len(parts) > 1 else np.asarray(a, np.int32)
-        out, counts, it = [], [], iter(range(len(rows)))
-        for m in mine:
-            if not m:
-                out.append(np.zeros(0, np.int32))
-                counts.append((0, 0, 0, 0, 0, 0))
-                continue
-            j = next(it)
-            (_, repl, bad), n, last = texts[j], len(arrays[j]), rows[j, 2] < 0
-            counts.append((1, int(last and n > 0), int(last and rows[j, 1] == 0 and n == 0 and not bad), int(bad), repl, n))
-            out.append(arrays[j])
-        return out, counts
+        texts = self.corpus.read_spans(rows, quiet)
+        first, last = rows[:, 1] == 0, rows[:, 2] < 0
+        # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
+        # document of only whitespace makes no token, not even BOS/EOS.
+        text = [t[1:] if t and s > 0 and self.drop_space and t[0] == " " else t
+                for (t, _, _), s in zip(texts, rows[:, 1].tolist())]
+        ok = np.array([bool(t) and not (f and l and t.isspace()) for t, f, l in zip(text, first.tolist(), last.tolist())], bool)
+        enc = self.tok.encode_batch([t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
+        bos, eos = ok & first & self.cfg.bos, ok & last & self.cfg.eos
+        n = np.zeros(len(rows), np.int64)
+        n[ok] = np.fromiter(map(len, enc), np.int64, len(enc))
+        n += bos.astype(np.int64) + eos
+        end = np.cumsum(n)
+        tokens = np.empty(int(end[-1]) if len(end) else 0, np.int32)
+        body = np.ones(len(tokens), bool)
+        body[(end - n)[bos]] = body[(end - 1)[eos]] = False
+        tokens[(end - n)[bos]], tokens[(end - 1)[eos]] = self.tok.bos_id, self.tok.eos_id
+        if enc:
+            tokens[body] = np.concatenate(enc)
+        reps, bad = (np.fromiter((x[k] for x in texts), np.int64, len(texts)) for k in (1, 2))
+        counts = np.zeros((len(spans), len(STAT_KEYS)), np.int64)
+        counts[mine] = np.stack([np.ones(len(rows), np.int64), last & (n > 0), last & first & (n == 0) & (bad == 0),
+                                 bad, reps, n], 1)
+        lens = np.zeros(len(spans), np.int64)
+        lens[mine] = n
+        return tokens, lens, counts
 
     def _blocks(self, lane: int, i: int, skip: int, quiet: bool = False):
         """Yield the tokens of a lane's reads i, i+1, ... (from token `skip` of read i) in blocks of
         about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes of text)."""
         deal, j = self._deal_of(lane)
         # One read first: a lane's share starts small (many lanes x 16 spans would be epochs of a
-        # small corpus read ahead), then grows to ~`want` tokens a block.
-        chunk, want, idle = 1, max(2 * (self.cfg.seq_len + 1), 65536 // len(self.lane_ids)), 0
-        while True:
-            spans, _ = positions(deal, j, i, chunk)
-            arrays, counts = self._read(spans, deal.keep, quiet)
-            lens = np.array([len(a) for a in arrays], np.int64)
-            new = np.concatenate(arrays)
-            ks = np.arange(i, i + chunk, dtype=np.int64)
-            off = (np.arange(len(new)) - np.repeat(np.cumsum(lens) - lens, lens)).astype(np.int32)
+        # small corpus read ahead), then grows to ~`want` tokens a block: 8 windows, so that the work
+        # per block (a corpus read, a tokenizer call, the order) is paid over many tokens (at ~70
+        # tokens a document, 2 windows a block packed at 0.74x the raw tokenizer, 8 at 0.85x); a
+        # lane holds < one window + one block of int32 tokens: 16 lanes at seq 4096 (the blog's
+        # rank) ~1 MB, whatever the corpus.
+        chunk, want, idle = 1, max(8 * (self.cfg.seq_len + 1), 262144 // len(self.lane_ids)), 0
+        ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
+        while True:                                     # AHEAD reads at a time (a permutation call each)
+            if i + chunk > at + len(ahead):
+                at, ahead = i, positions(deal, j, i, max(AHEAD, min(4 * chunk, 4096)))[0]
+            spans = ahead[i - at:i - at + chunk]
+            new, lens, counts = self._read(spans, deal.keep, quiet)
             d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
-            yield new[d:], np.repeat(ks, lens)[d:], off[d:], list(zip(ks.tolist(), counts)), (i + chunk, 0)
+            yield new[d:], i, lens, counts, d
             idle = 0 if len(new) else idle + chunk
             if idle > 100 * deal.n + chunk:                 # 100 epochs' share without a token: a corpus of
                 # (almost) only empty documents, which _check_tokens lets through when one span has tokens
@@ -350,9 +369,13 @@ class PackedLoader:
         done = [sum(positions_[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])
                 for k in range(len(self.streams))]          # windows each stream has handed out
         i, wins = sum(n > min(done) for n in done), []      # mid-round: the streams ahead come first
+        ahead = [(0, [], [])] * len(self.streams)          # (first window, sources, lanes) per stream
         while True:
-            g, c = self.choose(self.streams[i], done[i])
-            lane = self.lane_id(self.streams[i], int(g), int(c))
+            b0, gs, cs = ahead[i]
+            if not b0 <= done[i] < b0 + len(gs):          # the next AHEAD choices of stream i, in one call
+                b0, gs, cs = ahead[i] = (done[i], *(a.tolist() for a in self.choose(
+                    self.streams[i], np.arange(done[i], done[i] + AHEAD))))
+            lane = self.lane_id(self.streams[i], gs[done[i] - b0], cs[done[i] - b0])
             tokens, starts, positions_[lane] = next(packers[lane])
             wins.append((tokens, starts))
             done[i] += 1

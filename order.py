@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def permute(i, n: int, key: tuple) -> np.ndarray:
         return np.zeros_like(i)
     h = max(1, ((n - 1).bit_length() + 1) // 2)         # half width: 2h bits cover n - 1
     mask, hh = np.uint64((1 << h) - 1), np.uint64(h)
-    round_keys = [hash64(*key, r) for r in range(ROUNDS)]
+    round_keys = _round_keys(tuple(int(k) for k in key))
 
     def network(x):
         left, right = x >> hh, x & mask
@@ -75,6 +76,12 @@ def permute(i, n: int, key: tuple) -> np.ndarray:
         out[todo[done]] = x[done]
         todo = todo[~done]
     return out.astype(np.int64)
+
+
+@lru_cache(maxsize=64)
+def _round_keys(key: tuple) -> tuple:
+    """The Feistel round keys of a permutation key (hashed once per key: an epoch's reads share them)."""
+    return tuple(hash64(*key, r) for r in range(ROUNDS))
 
 
 @dataclass(frozen=True)
