@@ -4,7 +4,8 @@
    with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and
    `python data.py prepare` write it), and through an Arrow copy made once (prepare.cached) Parquet,
    .jsonl.gz/.zst, .json.gz and .txt.gz; "stdlib" = the .py files of this interpreter's
-   standard library; `--data a:0.7,b:0.3` a weighted mixture of sources.
+   standard library; `--data a:0.7,b:0.3` a weighted mixture of sources. The readers of one
+   file, and the offsets indexes that keep a rank's memory flat, are in sources.py.
 2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or a
    Hugging Face tokenizer.json (Llama 3), or trains a byte-fallback BPE of exactly the model's vocab
    size on the corpus and caches it.
@@ -20,7 +21,6 @@ import glob
 import hashlib
 import json
 import os
-import pathlib
 import re
 import signal
 import sys
@@ -29,13 +29,11 @@ import threading
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import sentencepiece as spm
 
-from configs import ConfigError, DataConfig, path_kind
+from configs import DataConfig, path_kind
 from order import by_hash, held_out, permute
+from sources import ColumnDocs, DataError, FileDocs, LineDocs
 
 # JSON lines, also compressed as most public corpora ship (C4 and Dolma: .json.gz; the Pile: .jsonl.zst).
 # gzip, zstd and Parquet allow no cheap random access: training reads such a file through an Arrow
@@ -45,9 +43,6 @@ COMPRESSED = (".gz", ".zst")
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
 
-
-class DataError(ConfigError):
-    """Data that cannot be used as given. Raised before training starts, naming the fix."""
 
 # ----------------------------------------------------------------------------- 1. sources
 
@@ -142,165 +137,6 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
 
-class Source:
-    """n documents; read(local ids) -> raw bytes (or None) per document; where(i) names one."""
-    jsonl, n = False, 0
-
-    def where(self, i):
-        return f"{self.path}[{i}]"
-
-
-class FileDocs(Source):
-    """One document per file (.txt, .md, .py): the stdlib corpus is 1,800 of these."""
-
-    def __init__(self, paths: list[str]):
-        self.paths, self.n = paths, len(paths)
-
-    def read(self, ids):
-        return [pathlib.Path(self.paths[i]).read_bytes() for i in ids]
-
-    def lengths(self, lo, hi):
-        return np.array([os.path.getsize(p) for p in self.paths[lo:hi]], np.int64)
-
-    def read_range(self, i, start, stop):
-        with open(self.paths[i], "rb") as f:
-            f.seek(start)
-            return f.read(stop - start if stop >= 0 else -1)
-
-    def where(self, i):
-        return self.paths[i]
-
-
-class LineDocs(Source):
-    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus).
-    Opening finds every newline with numpy, 64 MiB at a time; lines are then read with pread."""
-
-    def __init__(self, path: str, jsonl: bool, field: str, block: int = 1 << 26):
-        self.path, self.jsonl, self.field, size = path, jsonl, field, os.path.getsize(path)
-        with open(path, "rb") as f:
-            ends = [np.flatnonzero(np.frombuffer(f.read(block), np.uint8) == 10) + s for s in range(0, size, block)]
-        self.ends = np.concatenate(ends + [np.zeros(0, np.int64)]).astype(np.int64)
-        if size and (not len(self.ends) or self.ends[-1] != size - 1):
-            self.ends = np.append(self.ends, size)        # a last line without a newline
-        self.starts, self.n = np.concatenate(([0], self.ends[:-1] + 1)).astype(np.int64), len(self.ends)
-        self.fd = os.open(path, os.O_RDONLY)              # os.pread: safe from several threads
-        if jsonl:
-            self._check_first_record()
-
-    def _check_first_record(self):
-        """A wrong file or field shows on the first record: refuse it now, not mid-training."""
-        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
-        if i is None:
-            return
-        try:
-            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
-                            f"must be one JSON object") from None
-        if not isinstance(rec, dict) or self.field not in rec:
-            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
-                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
-                            f"--data.text_field to the one holding the text")
-
-    def read(self, ids):
-        return [os.pread(self.fd, int(self.ends[i] - self.starts[i]), int(self.starts[i])).rstrip(b"\r")
-                for i in ids]
-
-    def lengths(self, lo, hi):                          # of the line (.jsonl: the record, not its text)
-        return (self.ends[lo:hi] - self.starts[lo:hi]).astype(np.int64)
-
-    def read_range(self, i, start, stop):               # .txt lines only (a .jsonl record is parsed whole)
-        end = int(self.ends[i]) if stop < 0 else int(self.starts[i]) + stop
-        raw = os.pread(self.fd, end - int(self.starts[i]) - start, int(self.starts[i]) + start)
-        return raw.rstrip(b"\r") if stop < 0 else raw
-
-    def where(self, i):
-        return f"{self.path}:{i + 1}"
-
-
-class ColumnDocs(Source):
-    """A text column: documents are rows, read by index with Arrow's take().
-    Arrow IPC (the stream format `datasets.save_to_disk` writes, or the file format) is memory-mapped:
-    opening a terabyte file costs nothing and only the rows read are paged in. (A Corpus reads Parquet
-    through its Arrow copy, prepare.cached; read here, its whole column would load at first read.)"""
-
-    def __init__(self, path: str, field: str):
-        self.path, self.field, self.col = path, field, None
-        try:
-            if path.endswith(".parquet"):
-                meta = pq.ParquetFile(path).metadata
-                self.n = meta.num_rows
-                text_column(meta.schema.to_arrow_schema().empty_table(), field, path)    # checks only
-                return
-            source = pa.memory_map(path, "r")
-            if source.read(6) == b"ARROW1":
-                table = pa.ipc.open_file(source).read_all()   # zero-copy views into the map
-            else:
-                source.seek(0)
-                table = pa.ipc.open_stream(source).read_all()
-        except (pa.ArrowException, OSError) as e:      # random bytes: ArrowInvalid; truncated: OSError
-            raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
-                            f"write it again from its sources (python data.py prepare SRC... --out {os.path.basename(path)}) "
-                            f"or leave it out of --data") from None
-        self.col = text_column(table, field, path)
-        self.chunk_starts = np.cumsum([0] + [len(c) for c in self.col.chunks])
-        self.n = len(self.col)
-
-    def read(self, ids):
-        # Chunk by chunk: a take() on the whole ChunkedArray concatenates its chunks first, a copy of
-        # the column (the corpus) in private memory.
-        col, ids = self.column(), np.asarray(ids, np.int64)
-        which = np.searchsorted(self.chunk_starts, ids, "right") - 1
-        out = [None] * len(ids)
-        for c in np.unique(which):
-            pick = np.flatnonzero(which == c)
-            got = col.chunk(int(c)).take(pa.array(ids[pick] - self.chunk_starts[c], pa.int64())).to_pylist()
-            for j, v in zip(pick, got):
-                out[j] = v
-        return out
-
-    def column(self) -> pa.ChunkedArray:
-        if self.col is None:
-            self.col = text_column(pq.read_table(self.path, columns=[self.field], memory_map=True),
-                                   self.field, self.path)
-            self.chunk_starts = np.cumsum([0] + [len(c) for c in self.col.chunks])
-        return self.col
-
-    def lengths(self, lo, hi):                          # from the offsets, in chunks: no text is read
-        col, out = self.column(), []
-        for c in range(np.searchsorted(self.chunk_starts, lo, "right") - 1, col.num_chunks):
-            a, b = max(lo, self.chunk_starts[c]), min(hi, self.chunk_starts[c + 1])
-            if a >= b:
-                break
-            part = col.chunk(c).slice(a - self.chunk_starts[c], b - a)
-            out.append(pc.binary_length(part).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-    def read_range(self, i, start, stop):               # a slice of the mapped bytes: the row is not copied
-        col = self.column()
-        c = int(np.searchsorted(self.chunk_starts, i, "right") - 1)
-        chunk, j = col.chunk(c), i - int(self.chunk_starts[c])
-        if chunk.null_count and not chunk[j].is_valid:
-            return None
-        wide = pa.types.is_large_binary(chunk.type)
-        offs = np.frombuffer(chunk.buffers()[1], np.int64 if wide else np.int32)[chunk.offset + j:chunk.offset + j + 2]
-        end = int(offs[1]) if stop < 0 else int(offs[0]) + stop
-        return chunk.buffers()[2][int(offs[0]) + start:end].to_pybytes()
-
-
-def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
-    """The text column viewed as bytes, so the Corpus decodes (and counts bad UTF-8) in one place."""
-    if field not in table.column_names:
-        raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
-                        f"--data.text_field to the one holding the text")
-    col = table.column(field)
-    if pa.types.is_string(col.type) or pa.types.is_binary(col.type):
-        return col.cast(pa.binary())                    # same offsets layout: a view, no copy
-    if pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type):
-        return col.cast(pa.large_binary())
-    raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
-
-
 class _Plain:
     """A source's name for warnings, its bytes already text (a slice of a parsed .jsonl record)."""
     jsonl = False
@@ -354,14 +190,14 @@ class Corpus:
             elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (see COMPRESSED;
                 # Parquet is compressed too: read in place, every rank would hold its whole text column)
                 import prepare
-                self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text"))
+                self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text", cache_dir))
                 self.sources[-1].path = p
             elif p.endswith(".jsonl"):
-                self.sources.append(LineDocs(p, True, text_field))
-            elif p.endswith((".arrow", ".parquet")):
-                self.sources.append(ColumnDocs(p, text_field))
+                self.sources.append(LineDocs(p, True, text_field, cache_dir))
+            elif p.endswith(".arrow"):
+                self.sources.append(ColumnDocs(p, text_field, cache_dir))
             elif doc_per_line and p.endswith(".txt"):
-                self.sources.append(LineDocs(p, False, text_field))
+                self.sources.append(LineDocs(p, False, text_field, cache_dir))
             elif self.sources and isinstance(self.sources[-1], FileDocs):
                 self.sources[-1].paths.append(p)        # consecutive whole files share one source
                 self.sources[-1].n += 1

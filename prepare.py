@@ -32,7 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from corpus import COMPRESSED, JSON_LINES, DataError, resolve_paths, text_column
+from corpus import COMPRESSED, JSON_LINES, DataError, resolve_paths
+from sources import text_column
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch

@@ -30,6 +30,7 @@ import numpy as np
 
 from corpus import Corpus, DataError
 from order import by_hash, held_out, tail_spans
+from sources import give_back_heap
 
 INDEX_VERSION = 1
 BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
@@ -83,6 +84,7 @@ class SpanIndex:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(self.path):
                 self._build()
+                give_back_heap()
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
         self.n_spans, self.bytes = self.meta["spans"], self.meta["bytes"]
