@@ -123,7 +123,7 @@ base, shm0, t_import = status(), shm_used(), time.perf_counter() - t0
 path, tok_path, cache, dp = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 cfg = DataConfig(data=path, tokenizer=tok_path, cache_dir=cache, seq_len=2048, global_batch=512, micro_batch=4)
 t1 = time.perf_counter()
-corpus = data.Corpus(cfg.data)
+corpus = data.Corpus(cfg.data, cache_dir=cfg.cache_dir)
 built = not os.path.exists(data.SpanIndex.path_for(corpus, cfg.seq_len, cache))
 index = data.SpanIndex(corpus, cfg.seq_len, cfg.cache_dir, cfg.val_fraction)
 t_index = time.perf_counter() - t1
@@ -142,13 +142,16 @@ loader.close()
 print(json.dumps({"docs": corpus.n_docs, "spans": index.n_spans, "built": built, "index_s": t_index,
                   "startup_s": t_start, "import_s": t_import, "base": base, "after": after,
                   "shm_kb": shm_used() - shm0, "children": children, "threads": threads,
-                  "index_mb": os.path.getsize(index.path) / 2**20}))
+                  "index_mb": (os.path.getsize(index.path) + sum(a.nbytes for s in corpus.sources for a in  # + offsets
+                               (getattr(s, k, None) for k in ("bounds", "starts", "offsets")) if a is not None)) / 2**20}))
 """
 
 
-def _docs_arrow(path: str, n: int) -> float:
-    """An Arrow corpus of n short documents (~60 bytes: a few words and the document's number),
-    written in record batches (bounded memory). Returns the seconds it took."""
+def _docs_arrow(path: str, n: int, rows: int = 1 << 17) -> float:
+    """A corpus of n short documents (~60 bytes: a few words and the document's number), written in
+    record batches of `rows` rows (bounded memory), or as JSON lines (path ending in .jsonl).
+    Returns the seconds it took."""
+    import json
     import os
     import numpy as np
     import pyarrow as pa
@@ -159,10 +162,15 @@ def _docs_arrow(path: str, n: int) -> float:
     pool = [" ".join(rng.choice(words, k)) for k in rng.integers(4, 12, 1024)]
     schema = pa.schema({"text": pa.string()})
     tmp = f"{path}.tmp"
-    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
-        for lo in range(0, n, 1 << 17):
-            texts = [f"{pool[i % 1024]} {i}." for i in range(lo, min(n, lo + (1 << 17)))]
-            w.write_batch(pa.record_batch([pa.array(texts, pa.string())], schema=schema))
+    if path.endswith(".jsonl"):
+        with open(tmp, "w") as f:
+            for lo in range(0, n, 1 << 16):
+                f.write("".join(json.dumps({"text": f"{pool[i % 1024]} {i}."}) + "\n" for i in range(lo, min(n, lo + (1 << 16)))))
+    else:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+            for lo in range(0, n, rows):
+                texts = [f"{pool[i % 1024]} {i}." for i in range(lo, min(n, lo + rows))]
+                w.write_batch(pa.record_batch([pa.array(texts, pa.string())], schema=schema))
     os.replace(tmp, path)
     return time.perf_counter() - t0
 
@@ -322,7 +330,6 @@ def bench_data(args):
     import json
     import os
     import statistics
-    import subprocess
     import numpy as np
     import pyarrow as pa
     import data
@@ -342,6 +349,10 @@ def bench_data(args):
             w.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
     cfg = DataConfig(data=subset, seq_len=2048, micro_batch=4, global_batch=8, val_fraction=0.0,
                      cache_dir=os.path.join(args.out, "cache"))
+
+    if args.data_part == "memory":
+        json.dump(_data_memory(args, tok.path), open(os.path.join(args.out, "data_memory.json"), "w"), indent=1)
+        return
 
     def raw():                              # the tokenizer alone: 64-document batches, BOS/EOS, numpy out
         t0, c0, n = time.perf_counter(), time.process_time(), 0
@@ -378,51 +389,70 @@ def bench_data(args):
     print(f"  a 1B model on one H100 eats ~50,000 tokens/s: one packing thread here is "
           f"{speed['wall']['packed'] / 5e4:,.0f}x that")
 
-    # (2) memory and start-up against the number of documents
-    t_mem, root = time.perf_counter(), os.path.dirname(os.path.abspath(__file__))
-    cache, rows = os.path.join(args.out, "cache"), []
-    for n in (1 << 20, 1 << 22, 1 << 24):
-        path = os.path.join(args.out, f"docs_{n >> 20}M.arrow")
-        made, build_s = _docs_arrow(path, n) if not os.path.exists(path) else None, None
-        for _ in range(2):                  # a first run builds the index (once per corpus); then a plain start
-            r = subprocess.run([sys.executable, "-c", MEM_CHILD, root, path, tok.path, cache, "32"],
-                               capture_output=True, text=True, timeout=900)
-            if r.returncode:
-                raise SystemExit(f"bench data: the {n:,}-document child failed:\n{r.stderr[-3000:]}")
-            got = json.loads(r.stdout.strip().splitlines()[-1])
-            if not got["built"]:
-                break
-            build_s, first = got["index_s"], got
-        got.update(generate_s=made, build_s=build_s, first_run=first if build_s else None)
-        rows.append(got)
-    mb = lambda kb: kb / 1024               # noqa: E731
-    print("\n| documents | RssAnon after imports | RssAnon at step 1 | the data's share | same, index built in "
-          "that run | /dev/shm | processes started | start-up | index build (once per corpus) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for g in rows:
-        f = g["first_run"]
-        print(f"| {g['docs'] / 2**20:.0f}M | {mb(g['base']['RssAnon']):.0f} MB | {mb(g['after']['RssAnon']):.0f} MB | "
-              f"{mb(g['after']['RssAnon'] - g['base']['RssAnon']):.0f} MB | "
-              + (f"{mb(f['after']['RssAnon'] - f['base']['RssAnon']):.0f} MB" if f else "-") +
-              f" | {g['shm_kb'] / 1024:.0f} MB | {g['children']} | {g['startup_s']:.1f} s | "
-              f"{'%.1f s' % g['build_s'] if g['build_s'] else 'cached'} |")
-    lo, hi = rows[0], rows[-1]
-    growth = mb(hi["after"]["RssAnon"] - lo["after"]["RssAnon"])
-    per_doc = max(0.0, (hi["after"]["RssAnon"] - lo["after"]["RssAnon"]) * 1024 / (hi["docs"] - lo["docs"]))
-    at_1e9 = hi["after"]["RssAnon"] * 1024 + per_doc * (1e9 - hi["docs"])
-    index_1e9 = hi["index_mb"] / hi["spans"] * 1e9 * 2**20
-    if lo["first_run"] and hi["first_run"]:
-        print(f"\ngrowth 1M -> 16M documents, the index built in the same run: "
-              f"{mb(hi['first_run']['after']['RssAnon'] - lo['first_run']['after']['RssAnon']):+.1f} MB per rank")
-    print(f"growth 1M -> 16M documents: {growth:+.1f} MB per rank ({per_doc:.2f} bytes per document); "
-          f"at 1e9 documents: {at_1e9 / 2**30:.2f} GiB per rank, x 32 ranks = {32 * at_1e9 / 2**30:.0f} GiB "
-          f"of a 512 GiB host, plus the span index in the page cache once per node ({index_1e9 / 2**30:.0f} GiB, "
-          f"file-backed: reclaimable)")
-    print(f"(the memory part took {time.perf_counter() - t_mem:.0f} s, corpora "
-          + ("generated" if rows[0]["generate_s"] else "reused") + ")")
+    memory = _data_memory(args, tok.path)
     with open(os.path.join(args.out, "data.json"), "w") as f:
-        json.dump({"speed": speed, "rounds": rounds, "memory": rows, "growth_mb": growth,
-                   "per_doc_bytes": per_doc, "rank_at_1e9_bytes": at_1e9}, f, indent=1)
+        json.dump({"speed": speed, "rounds": rounds, **memory}, f, indent=1)
+
+
+# Corpus shapes of the memory part (--data_shapes): the file, by its number of documents, and how it is written.
+DATA_SHAPES = {"arrow": ("docs_{}M.arrow", 1 << 17, "Arrow, 131k-row record batches"),
+               "arrow_1000": ("docs_{}M_b1000.arrow", 1000, "Arrow, 1,000-row record batches (as prepare and datasets write)"),
+               "jsonl": ("docs_{}M.jsonl", 0, "JSON lines")}
+
+
+def _data_memory(args, tok_path: str) -> dict:
+    """(2) of bench_data: memory and start-up against the number of documents, per corpus shape."""
+    import json
+    import os
+    import subprocess
+    t_mem, root = time.perf_counter(), os.path.dirname(os.path.abspath(__file__))
+    cache, out, made_any = os.path.join(args.out, "cache"), {"memory": {}, "growth_mb": {}, "rank_at_1e9_bytes": {}}, False
+    mb = lambda kb: kb / 1024               # noqa: E731
+    for shape in args.data_shapes.split(","):
+        name, batch_rows, what = DATA_SHAPES[shape]
+        rows = []
+        for n in (1 << 20, 1 << 22, 1 << 24):
+            path = os.path.join(args.out, name.format(n >> 20))
+            made, build_s = _docs_arrow(path, n, batch_rows) if not os.path.exists(path) else None, None
+            made_any = made_any or made is not None
+            for _ in range(2):              # a first run builds the indexes (once per corpus); then a plain start
+                r = subprocess.run([sys.executable, "-c", MEM_CHILD, root, path, tok_path, cache, "32"],
+                                   capture_output=True, text=True, timeout=900)
+                if r.returncode:
+                    raise SystemExit(f"bench data: the {n:,}-document {shape} child failed:\n{r.stderr[-3000:]}")
+                got = json.loads(r.stdout.strip().splitlines()[-1])
+                if not got["built"]:
+                    break
+                build_s, first = got["index_s"], got
+            got.update(generate_s=made, build_s=build_s, first_run=first if build_s else None)
+            rows.append(got)
+        print(f"\n{what}, short documents ({shape}):")
+        print("| documents | RssAnon after imports | RssAnon at step 1 | the data's share | same, indexes built in "
+              "that run | /dev/shm | processes started | start-up | index build (once per corpus) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for g in rows:
+            f = g["first_run"]
+            print(f"| {g['docs'] / 2**20:.0f}M | {mb(g['base']['RssAnon']):.0f} MB | {mb(g['after']['RssAnon']):.0f} MB | "
+                  f"{mb(g['after']['RssAnon'] - g['base']['RssAnon']):.0f} MB | "
+                  + (f"{mb(f['after']['RssAnon'] - f['base']['RssAnon']):.0f} MB" if f else "-") +
+                  f" | {g['shm_kb'] / 1024:.0f} MB | {g['children']} | {g['startup_s']:.1f} s | "
+                  f"{'%.1f s' % g['build_s'] if g['build_s'] else 'cached'} |")
+        lo, hi = rows[0], rows[-1]
+        growth = mb(hi["after"]["RssAnon"] - lo["after"]["RssAnon"])
+        per_doc = max(0.0, (hi["after"]["RssAnon"] - lo["after"]["RssAnon"]) * 1024 / (hi["docs"] - lo["docs"]))
+        at_1e9 = hi["after"]["RssAnon"] * 1024 + per_doc * (1e9 - hi["docs"])
+        index_1e9 = hi["index_mb"] / hi["docs"] * 1e9 * 2**20
+        if lo["first_run"] and hi["first_run"]:
+            print(f"growth 1M -> 16M documents, the indexes built in the same run: "
+                  f"{mb(hi['first_run']['after']['RssAnon'] - lo['first_run']['after']['RssAnon']):+.1f} MB per rank")
+        print(f"growth 1M -> 16M documents: {growth:+.1f} MB per rank ({per_doc:.2f} bytes per document); "
+              f"at 1e9 documents: {at_1e9 / 2**30:.2f} GiB per rank, x 32 ranks = {32 * at_1e9 / 2**30:.0f} GiB "
+              f"of a 512 GiB host, plus the indexes in the page cache once per node ({index_1e9 / 2**30:.0f} GiB, "
+              f"file-backed: reclaimable)")
+        out["memory"][shape], out["growth_mb"][shape], out["rank_at_1e9_bytes"][shape] = rows, growth, at_1e9
+    print(f"(the memory part took {time.perf_counter() - t_mem:.0f} s, corpora "
+          + ("generated" if made_any else "reused") + ")")
+    return out
 
 
 def _tiny_study_config(steps: int, *extra: str):
@@ -1097,6 +1127,9 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")
     parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
     parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
+    parser.add_argument("--data_shapes", default="arrow", help="data: the memory part's corpus shapes, of "
+                        "arrow (131k-row record batches), arrow_1000 (1,000-row batches), jsonl")
+    parser.add_argument("--data_part", default="all", choices=["all", "memory"], help="data: memory = the memory part only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     BENCHES[args.which](args)
