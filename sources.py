@@ -6,10 +6,13 @@ of ranks, and nothing it holds grows with the number of documents: where a file'
 (a .jsonl file's line ends, an Arrow file's record batches) is in an offsets index written once
 per file and node next to the cache (offsets_file: streamed, bounded memory, under a lock, renamed
 into place) and memory-mapped by every rank of the node, so the page cache holds it once and a rank
-touches only the pages of the documents it reads. At 1e9 documents a rank holds, per source, an
-open file and a memory map (private memory: a few KB, plus the last BATCHES Arrow batches opened,
-views into the map); the node's page cache holds the indexes: 8 bytes a line of a .jsonl corpus
-(8 GB), 16 bytes a record batch of an Arrow corpus (16 MB in 1,000-row batches).
+touches only the pages of the documents it reads. At 1e9 documents a rank holds, per source file,
+an open file or a memory map and an index map (a few KB, with the last BATCHES Arrow batches
+opened): nothing per document or per batch (measured: rank 0 of 32's data share after one step is
+the same at 1M and 16M documents, `python bench.py data --data_part memory --data_shapes
+arrow,arrow_1000,jsonl`). The node's page cache holds the indexes: 8 bytes a line of a .jsonl
+corpus (8 GB at 1e9 lines), 16 bytes a record batch of an Arrow corpus (16 MB in 1,000-row
+batches), besides the span index (spans.py, 24 bytes a span).
 """
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ import pyarrow.compute as pc
 from configs import ConfigError
 
 INDEX_VERSION = 1
-BATCHES = 64                # Arrow record batches a reader keeps open (views into the map: ~0 private bytes)
+# Arrow record batches a reader keeps open (views into the map, ~1 KB of objects each). Reads come
+# grouped by batch (read), in order (lengths, a long document's spans): a few suffice, and a
+# folder of 4,000 shards then holds ~16 MB of them per rank.
+BATCHES = 4
 
 
 class DataError(ConfigError):
