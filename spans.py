@@ -34,6 +34,7 @@ from sources import give_back_heap
 
 INDEX_VERSION = 1
 BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
+READ_BYTES = 1 << 26        # bytes of long documents read at once while building (a longer one alone)
 
 
 _SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
@@ -115,8 +116,11 @@ class SpanIndex:
                     rows = np.stack([np.arange(lo, hi), np.zeros(hi - lo, np.int64), np.full(hi - lo, -1)], 1)
                     big = np.flatnonzero(lengths > self.span_bytes)
                     parts, prev = [], 0
-                    for k in range(0, len(big), 64):            # long documents: read and cut, 64 at a time
-                        for j, raw in zip(big[k:k + 64], c.raw(lo + big[k:k + 64])):
+                    # long documents: read and cut a group at a time, at most 64 of them and ~READ_BYTES
+                    group = np.cumsum(lengths[big]) // READ_BYTES
+                    firsts = np.flatnonzero((np.arange(len(big)) % 64 == 0) | (np.diff(group, prepend=group[:1]) > 0))
+                    for a, b in zip(firsts, [*firsts[1:], len(big)]):
+                        for j, raw in zip(big[a:b], c.raw(lo + big[a:b])):
                             starts = np.asarray([0] + cut_points(raw, self.span_bytes), np.int64)
                             ends = np.append(starts[1:], -1)
                             parts += [rows[prev:j], np.stack([np.full(len(starts), lo + j), starts, ends], 1)]

@@ -1,7 +1,7 @@
 """sources.py: the readers of one file and their offsets indexes. Arrow files of many record batches
 (both IPC formats, nulls, empty batches, large_string, a dictionary column) read row for row as
 Arrow reads them whole; a .jsonl / per-line .txt line index round trip (no final newline, CRLF,
-blank lines, the 16 MiB scan blocks' edges, a changed file); and per-reader private memory that does
+blank lines, the scan blocks' edges, a changed file); and per-reader private memory that does
 not grow with the number of record batches or lines (a child process, RssAnon)."""
 import json
 import os
@@ -126,3 +126,21 @@ def test_reader_memory_does_not_grow_with_record_batches_or_lines(tmp_path):
     (tmp_path / "big.jsonl").write_text('{"text": "a"}\n' * 1_000_000)
     lines_kb = _growth_kb(tmp_path, "lines", str(tmp_path / "small.jsonl"), str(tmp_path / "big.jsonl"))
     assert arrow_kb < 8192 and lines_kb < 8192, (arrow_kb, lines_kb)
+
+
+def test_span_index_reads_long_documents_in_bounded_groups(tmp_path, monkeypatch):
+    """The span index build reads its long documents at most ~READ_BYTES at a time (a longer one
+    alone), and the rows do not depend on the grouping."""
+    import corpus
+    import spans
+    rng = np.random.default_rng(0)
+    docs = [" ".join(["word"] * int(n)) for n in rng.integers(10, 3000, 40)]      # 50 B .. 15 KB
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = corpus.Corpus(str(tmp_path / "d.jsonl"), cache_dir=str(tmp_path / "c0"))
+    whole = spans.SpanIndex(c, 256, str(tmp_path / "c0")).rows.copy()
+    reads, raw = [], c.raw
+    monkeypatch.setattr(c, "raw", lambda ids: reads.append([len(docs[i]) for i in ids]) or raw(ids))
+    monkeypatch.setattr(spans, "READ_BYTES", 20_000)
+    grouped = spans.SpanIndex(c, 256, str(tmp_path / "c1")).rows
+    assert np.array_equal(whole, grouped) and len(reads) > 3
+    assert all(sum(r) <= 20_000 + 16_000 and len(r) <= 64 for r in reads)
