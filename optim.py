@@ -93,11 +93,34 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
     is symmetric for negative numbers). Truncating the low 16 bits then gives the bf16 value.
     """
     x = x.float()
-    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = sr_noise(x.numel(), x.device, generator).view(x.shape)
     bits += x.view(torch.int32)                    # in place: one temporary for the whole rounding
     bits &= -65536                                 # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
     # NaN stays NaN: a quiet NaN has the top mantissa bit set, which the truncation keeps.
     return bits.view(torch.float32).to(torch.bfloat16)   # exact: the low 16 bits are already zero
+
+
+def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
+    """n uniform integers in [0, 2^16), int32: torch.randint(0, 2^16, (n,)). On CPU the same numbers
+    from the same draws another way (tests/test_optim.py): randint's kernel reduces each 32-bit
+    draw modulo the range, a division by a value known only at run time; random_() reduces modulo
+    2^31, a constant the compiler turns into a mask, and the low 16 bits of either are the draw's.
+    The draws stay serial (one Mersenne Twister per generator): the floor of software SR on CPU."""
+    if torch.device(device).type != "cpu":
+        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=generator)
+    bits = torch.empty(n, dtype=torch.int32).random_(generator=generator)
+    return bits.bitwise_and_(0xFFFF)
+
+
+def stochastic_round_(dsts: list, values: list, generator: torch.Generator) -> None:
+    """dst.copy_(stochastic_round(value, generator)) for each pair in turn, bit for bit, with one
+    draw for all of them (the draws are consumed in the same order) and no bf16 temporary: the
+    rounded fp32 pattern, its low 16 bits zero, converts to bf16 exactly inside copy_."""
+    bits = sr_noise(sum(v.numel() for v in values), values[0].device, generator)
+    for dst, value, b in zip(dsts, values, bits.split([v.numel() for v in values])):
+        b += value.reshape(-1).view(torch.int32)
+        b &= -65536
+        dst.copy_(b.view(torch.float32).view(dst.shape))
 
 
 def _write(dst: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None):
@@ -317,6 +340,9 @@ class AdamW:
                 del denom
                 for s, mi, vi, wi in zip(slots, m, v, w):             # 4. write back
                     gen = self._generator_for(s)
+                    if gen is not None and s.value.dtype == torch.bfloat16 and s.exp_avg.dtype == torch.bfloat16:
+                        stochastic_round_([s.exp_avg, s.exp_avg_sq, s.value], [mi, vi, wi], gen)
+                        continue
                     _write(s.exp_avg, mi, gen)
                     _write(s.exp_avg_sq, vi, gen)
                     _write(s.value, wi, gen)

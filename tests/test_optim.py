@@ -208,6 +208,32 @@ def test_sr_result_is_always_a_bf16_neighbour():
     assert special[:2].isnan().all() and special[2] == math.inf and special[3] == -math.inf
 
 
+def test_sr_draws_are_randint_draws():
+    """optim.sr_noise (random_() masked to 16 bits, CPU) gives torch.randint(0, 2^16)'s numbers from
+    the same generator state, so stochastic rounding rounds as it did with randint; and
+    stochastic_round_ (one draw for several tensors, no bf16 temporary) rounds each tensor as
+    stochastic_round called on them in turn. Seeds as _generator_for makes them (up to 2^63)."""
+    def randint_round(x, g):            # stochastic_round as it was written with randint
+        bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
+        bits += x.view(torch.int32)
+        bits &= -65536
+        return bits.view(torch.float32).to(torch.bfloat16)
+    for seed in (0, 1, 2**31 + 5, 2**63 - 25):
+        for n in (1, 17, 624, 100_003):
+            a = optim.sr_noise(n, "cpu", torch.Generator().manual_seed(seed))
+            b = torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
+            assert a.dtype == torch.int32 and torch.equal(a, b), (seed, n)
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(n, generator=g) * 10 ** torch.randint(-20, 20, (n,), generator=g) for n in (5000, 7, 3000)]
+        g1 = torch.Generator().manual_seed(seed)
+        ref = [randint_round(x, g1) for x in xs]
+        got = [torch.empty(x.shape, dtype=torch.bfloat16) for x in xs]
+        optim.stochastic_round_(got, xs, torch.Generator().manual_seed(seed))
+        assert all(torch.equal(r, t) for r, t in zip(ref, got))
+        g2 = torch.Generator().manual_seed(seed)
+        assert all(torch.equal(r, optim.stochastic_round(x, g2)) for r, x in zip(ref, xs))
+
+
 def test_sr_is_unbiased_within_statistical_bound():
     """Mean of N roundings of x: each rounding is lo or hi with p = (x - lo) / (hi - lo), so the mean
     has std (hi - lo) * sqrt(p (1 - p) / N) <= gap / (2 sqrt N). Bound used: 5 of those stds.
