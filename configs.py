@@ -92,6 +92,7 @@ class DataConfig:
     micro_batch: int = 8         # sequences per rank per forward/backward
     bos: bool = True             # start each document with the tokenizer's BOS
     eos: bool = True             # end each document with the tokenizer's EOS
+    document_mask: bool = True   # attend within each packed document, positions restarting (Llama 3); false: causal over the whole window, positions 0..seq_len-1 (NxD's Llama 2), the causal kernel
     val_fraction: float = 0.01   # held-out share of documents, never trained on
     shuffle: int = 8             # documents in flight per sequence of the batch, each window drawn from one at random (1: stream order)
     seed: int = 1234             # seeds the data order (which documents the windows come from)

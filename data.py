@@ -133,15 +133,20 @@ def pack(blocks, L1: int, position: dict):
         yield window, starts, {"i": i, "offset": off, "stats": dict(zip(COUNTERS, stats.tolist()))}
 
 
-def make_batch(wins) -> dict[str, torch.Tensor]:
+def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
     """Windows (tokens [L1], starts [L1]) -> the batch: tokens, targets (-100 where the next token
-    opens another segment), positions and segment ids within each row."""
+    opens another segment), positions and segment ids within each row. document_mask=False: no
+    segment ids and positions 0..seq_len-1, so the model runs plain causal attention (its causal
+    kernel, no mask) over the whole window."""
     w, start = np.stack([t for t, _ in wins]), np.stack([s for _, s in wins])     # [B, seq_len + 1]
     targets = w[:, 1:].astype(np.int64)
     targets[start[:, 1:]] = -100
     start = start[:, :-1]
     ar = np.arange(start.shape[1])
     as_t = torch.from_numpy
+    if not document_mask:
+        return {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets),
+                "positions": as_t(np.tile(ar, (len(w), 1)))}
     return {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets),
             "positions": as_t(ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)),
             "doc_ids": as_t(np.cumsum(start, axis=1) - start[:, :1])}    # 0 for the window's first segment
@@ -381,7 +386,7 @@ class PackedLoader:
             done[i] += 1
             i = (i + 1) % len(self.streams)
             if len(wins) == self.cfg.micro_batch:
-                yield make_batch(wins), {**state, "streams": {str(k): v for k, v in positions_.items()}}
+                yield make_batch(wins, self.cfg.document_mask), {**state, "streams": {str(k): v for k, v in positions_.items()}}
                 wins = []
 
     # ---------------------------------------------------------------- consumer
@@ -485,6 +490,8 @@ class EvalWindows:
         mb, T = cfg.micro_batch, cfg.seq_len
         blank = {"tokens": torch.zeros(1, T, dtype=torch.long), "targets": torch.full((1, T), -100),
                  "positions": torch.arange(T)[None], "doc_ids": torch.zeros(1, T, dtype=torch.long)}
+        if not cfg.document_mask:
+            del blank["doc_ids"]
         rows += [blank] * (-(-per // mb) * mb - len(rows))      # the same number of batches on every rank
         self.batches = [{k: torch.cat([r[k] for r in rows[i:i + mb]]) for k in blank}
                         for i in range(0, len(rows), mb)]

@@ -95,7 +95,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     cut()       # the token count is a graph of its own: the only one that reads every microbatch
     loss_sum = 0.0
     for b in batches:
-        loss = model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])    # summed over tokens
+        loss = model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])    # summed over tokens
         (loss * scale).backward()
         loss_sum = loss_sum + loss.detach()
         cut()                                   # one graph per microbatch (see sync)
@@ -123,7 +123,7 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     total, count = 0.0, 0
     for _ in range(n_batches):
         b = to_device(next(loader), device)
-        total = total + model(b["tokens"], b["positions"], b["doc_ids"], b["targets"])
+        total = total + model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])
         count = count + (b["targets"] != -100).sum()
         cut()
     model.train()

@@ -392,6 +392,46 @@ def test_packed_batch_matches_separate_documents_in_the_model(files, tok):
             torch.testing.assert_close(packed[sel], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_document_mask_off_trains_with_the_causal_kernel(files, tok, monkeypatch):
+    """--data.document_mask=false: the same windows and targets, no doc_ids and positions
+    0..seq_len-1 (train and eval batches), so train_step runs SDPA's causal kernel without a mask.
+    Against the masked path with a mask that is only causal (doc_ids all 0, same positions): the
+    same loss, gradient norm and weights after the step (1e-6)."""
+    from model import Llama
+    import configs
+    import optim
+    import parallel
+    import train
+    loaders = [data.PackedLoader(cfg(files["txt"], micro_batch=4, document_mask=d), tok, prefetch=0) for d in (True, False)]
+    for masked, causal in zip(*loaders):          # the first batch holding a document boundary
+        if (masked["doc_ids"] > 0).any():
+            break
+    assert "doc_ids" not in causal and (masked["doc_ids"] > 0).any()
+    assert all(torch.equal(masked[k], causal[k]) for k in ("tokens", "targets"))
+    assert torch.equal(causal["positions"], torch.arange(SEQ).expand(4, SEQ))
+    assert "doc_ids" not in data.EvalWindows(cfg(files["txt"], val_fraction=0.3, document_mask=False), tok, 3).batches[0]
+    trivial = {**causal, "doc_ids": torch.zeros(4, SEQ, dtype=torch.long)}
+    run = configs.Config()
+    run.model = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        seen.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out, models = [], []
+    for b in (causal, trivial):
+        seen.clear()
+        m = Llama(run.model).init_weights(0)
+        out.append(train.train_step(m, optim.build_optimizer(m, run), [b], parallel.Grid(), run))
+        models.append(m)
+        assert seen == ([(True, True)] * 2 if b is causal else [(False, False)] * 2)
+    for k in ("loss", "grad_norm"):
+        torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-6, atol=0)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def behind(loader):
