@@ -37,6 +37,50 @@ import torch.utils.checkpoint
 from configs import ModelConfig
 
 
+class LinearFunction(torch.autograd.Function):
+    """y = x @ W^T saving x and W itself for backward, where F.linear's autograd saves the view W^T.
+    On XLA a saved tensor is an output of the graph that made it, so where forward and backward
+    are separate graphs (the pipeline: pipeline.py cuts after every forward, as NxD does) each
+    forward graph wrote a transposed copy of every weight of the stage, kept until that
+    microbatch's backward: up to PP copies of the stage's weights on the first stage under 1F1B
+    (70B at TP=32 PP=8 in bf16: 0.55 GB a copy, 4.4 GB of a 16 GB NeuronCore). The copies also
+    made the second step's forward and backward graphs differ from the first step's (one more
+    compile of each; scripts/pp_graphs.py). W is on the device already: saving it costs nothing.
+    NxD's layers save the weight the same way (LinearWithAsyncCommunication in
+    neuronx_distributed/parallel_layers/layers.py, through layers_utils.py's
+    _linear_autograd_base_setup_fwd: ctx.save_for_backward(input, weight)). The same products as
+    F.linear's autograd; eager devices keep F.linear (W^T is a free view there): see `linear`."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_x = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        grad_w = (grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+                  if ctx.needs_input_grad[1] else None)
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for every projection of the model (and parallel.py's TP layers): LinearFunction on
+    XLA (lazy tensors: see there), F.linear elsewhere."""
+    return LinearFunction.apply(x, w) if w.device.type == "xla" else F.linear(x, w)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias, through `linear`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        return linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -308,8 +352,8 @@ class Attention(nn.Module):
         # Head counts are those held by this module: tensor parallelism lowers them to the
         # rank's share when it swaps the projections for their parallel versions.
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.qkv_proj = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         self.selective_checkpoint = cfg.checkpointing == "selective"
         self.explicit = cfg.attention == "explicit"
         self.checkpoint_fn = checkpoint
@@ -334,8 +378,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up_proj = Linear(cfg.dim, 2 * cfg.ffn_dim)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim)
 
     def forward(self, x):
         return self.down_proj(SwiGLU.apply(self.gate_up_proj(x)))

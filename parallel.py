@@ -397,7 +397,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.sequence_parallel:
             return linear_with_sequence_parallel(x, self.weight, self.group)
-        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
+        return llama.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -410,7 +410,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = llama.linear(x, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.group)
         return reduce_from_tensor_parallel_region(y, self.group)

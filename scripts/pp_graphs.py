@@ -34,7 +34,9 @@ and a receive at the same moment are one exchange, one graph), and train.py afte
 
 Graphs are named by the task whose cut ended them: token count, forward, backward, the exchange
 (what it moves: send activation, recv gradient, ...), reduce/clip/update, resume; each with its
-stage, its HLO size and a hash of its HLO (distinct graphs = distinct hashes).
+stage, its HLO size, a hash of its HLO (distinct graphs = distinct hashes) and its weight copies
+(outputs that are an input transposed: what F.linear's saved W^T made of every forward graph here,
+before model.LinearFunction).
 
     PJRT_DEVICE=CPU python scripts/pp_graphs.py --microbatches=2,4,8 --json=out/pp_graphs.json
 
@@ -145,7 +147,8 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
         state["compiles"] += compiles
         for g in log.new():
             graphs.append({"stage": stage, "step": step, "label": label, "instructions": g["instructions"],
-                           "hash": g["hash"], "compiled": compiles, "microbatches": microbatches})
+                           "hash": g["hash"], "weight_copies": g["weight_copies"], "compiled": compiles,
+                           "microbatches": microbatches})
             compiles = 0
 
     def batches(step):
@@ -199,7 +202,9 @@ def census(graphs: list[dict]) -> dict:
     """{"stage S: label": {"distinct": HLO hashes, "sizes": [instructions], "runs": n, "compiled": n}}."""
     out: dict = {}
     for g in graphs:
-        d = out.setdefault(f"stage {g['stage']}: {g['label']}", {"distinct": [], "sizes": [], "runs": 0, "compiled": 0})
+        d = out.setdefault(f"stage {g['stage']}: {g['label']}",
+                           {"distinct": [], "sizes": [], "runs": 0, "compiled": 0, "weight_copies": 0})
+        d["weight_copies"] = max(d["weight_copies"], g["weight_copies"])
         if g["hash"] not in d["distinct"]:
             d["distinct"].append(g["hash"])
             d["sizes"].append(g["instructions"])

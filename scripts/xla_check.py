@@ -65,8 +65,23 @@ class GraphLog:
             body = hlo.strip().split("\n", 1)[1]            # without the module's numbered name
             out.append({"instructions": len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", body, re.M)),
                         "hash": hashlib.sha1(body.encode()).hexdigest()[:12],     # the same graph, the same text
+                        "weight_copies": weight_copies(body),
                         "frames": re.findall(r"^\s+(\w+) \(([^:)]+)", head, re.M)})
         return out
+
+
+def weight_copies(body: str) -> int:
+    """How many outputs of a graph are a transpose of one of its inputs (a weight written out
+    transposed: a saved W^T, model.LinearFunction's reason)."""
+    entry = body[body.find("ENTRY"):]
+    defs = dict(re.findall(r"^\s*(?:ROOT )?(%\S+) = (.*)$", entry, re.M))
+    root = next((line for line in entry.splitlines() if line.lstrip().startswith("ROOT")), "")
+    outs = re.findall(r"%[\w.\-]+", root.split(" tuple(", 1)[1]) if " tuple(" in root else []
+    def is_transposed_input(name):
+        d = defs.get(name, "")
+        src = re.findall(r"%[\w.\-]+", d)
+        return " transpose(" in d and bool(src) and " parameter(" in defs.get(src[0], "")
+    return sum(map(is_transposed_input, outs))
 
 
 def label_by_frames(frames) -> str:

@@ -259,6 +259,27 @@ def test_swiglu_function_is_autograd_through_chunk_silu_mul():
         assert torch.equal(torch.autograd.grad(got, gu, dy)[0], torch.autograd.grad(ref, gu, dy)[0]), dtype
 
 
+def test_linear_function_saves_the_weight_itself():
+    """model.LinearFunction (the projections on XLA): forward bit-equal to F.linear, gradients those
+    of F.linear's autograd (fp32 and bf16), and what it keeps for backward is the input and the
+    weight itself (same storage, same strides), not a transposed view: on XLA a saved tensor is an
+    output of the forward graph, and W^T was a copy of each weight per pipeline microbatch."""
+    torch.manual_seed(14)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = torch.randn(3, 7, 24).to(dtype).requires_grad_()
+        w = torch.randn(40, 24).to(dtype).requires_grad_()
+        dy = torch.randn(3, 7, 40).to(dtype)
+        got, ref = llama.LinearFunction.apply(x, w), torch.nn.functional.linear(x, w)
+        assert torch.equal(got, ref), dtype
+        saved_x, saved_w = got.grad_fn.saved_tensors
+        assert saved_w.data_ptr() == w.data_ptr() and saved_w.stride() == w.stride(), dtype
+        assert saved_x.data_ptr() == x.data_ptr()
+        for a, b in zip(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)):
+            assert max_rel_err(a.float(), b.float()) < tol, dtype
+    layer = llama.Linear(24, 40)
+    assert layer.bias is None and layer(x.float().detach()).grad_fn.name() != "LinearFunctionBackward"   # CPU: F.linear
+
+
 def test_cpu_bf16_softmax_is_fp32_softmax_rounded_once():
     """softmax_fp32 relies on it: on CPU, torch's bf16 softmax equals the fp32 softmax of the same
     numbers rounded once to bf16, so the explicit upcast (which XLA needs) would only cost time."""

@@ -16,8 +16,8 @@ never leak into other tests:
     log, eval and checkpoint steps;
   - the pipeline step's census (scripts/pp_graphs.py: PP=2 1F1B, both stages in this one process,
     the pair all-gather of the point-to-point stood in for): a graph per forward, backward and
-    exchange, the same graphs at 2, 4 and 8 microbatches, no compile after the second step or
-    after a resume, no host read;
+    exchange, the same graphs at 2, 4 and 8 microbatches, no compile after the first step or
+    after a resume, no host read, no weight written out transposed;
   - the first losses equal eager CPU's within 1e-4 (fp32) with functionalization on (what
     scripts/env.sh sets, as NxD's 70B scripts); off (Neuron's default) the first loss differs;
   - the HLO of a bf16 step: every matmul in bf16 on the explicit attention path, and no infinity
@@ -446,10 +446,10 @@ def test_pipeline_graph_census(tmp_path):
     exchange, and the reduce/clip/update, as NxD's pipeline engine cuts them. At 2, 4 and 8
     microbatches the same graphs (by HLO hash) run; only their number of runs grows (one per task),
     and a run at 4 or 8 microbatches after one at 2 compiles only its token count. Graphs compile in
-    the first two steps only (the second step's forward and backward are the first's with the
-    parameters in another order: they come from the update graph, no longer from the host; a
-    resumed step reuses the first step's), none after, none after a resume, and no step reads
-    anything back to the host (TransferFromDevice)."""
+    the first step only, none after it, none after a resume, and no step reads anything back to
+    the host (TransferFromDevice). No graph writes a transposed weight (model.LinearFunction: with
+    F.linear each forward graph wrote all 8 of a stage's weights transposed, for its backward, and
+    the second step compiled every forward and backward again: [9, 4, 0, 0, 0] / [7, 3, 0, 0, 0])."""
     out = tmp_path / "pp.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "pp_graphs.py"), f"--json={out}", f"--graphs={tmp_path}/g",
            f"--steps={PP_STEPS}", f"--resume-steps={PP_RESUMED}", "--microbatches=" + ",".join(map(str, PP_MICROBATCHES))]
@@ -463,17 +463,18 @@ def test_pipeline_graph_census(tmp_path):
         for s, labels in PP_GRAPHS.items():
             assert {k.split(": ", 1)[1] for k in census if k.startswith(f"stage {s}:")} == labels, (m, s, census.keys())
             compiles = run_["compiles_per_step"][str(s)]
-            assert len(compiles) == PP_STEPS + PP_RESUMED and not any(compiles[2:]), (m, s, compiles)
+            assert len(compiles) == PP_STEPS + PP_RESUMED and not any(compiles[1:]), (m, s, compiles)
             assert not any(run_["host_reads_per_step"][str(s)]), (m, s, run_["host_reads_per_step"])
             steps = PP_STEPS + PP_RESUMED
             assert census[f"stage {s}: forward"]["runs"] == census[f"stage {s}: backward"]["runs"] == m * steps
             steady = "p2p send activation + recv gradient" if s == 0 else "p2p send gradient + recv activation"
             assert census[f"stage {s}: {steady}"]["runs"] == (m - 1) * steps, (m, s)
         for label, c in census.items():
+            assert c["weight_copies"] == 0, (m, label, c)
             if not label.endswith("token count"):
                 distinct.setdefault(label, []).append(sorted(c["distinct"]))
         if m != PP_MICROBATCHES[0]:       # every graph but the token count is in the cache already
             assert {k: c["compiled"] for k, c in census.items() if c["compiled"]} == {"stage 0: token count": 1}, census
     for label, per_m in distinct.items():
-        assert all(d == per_m[0] for d in per_m) and len(per_m[0]) <= 4, (label, per_m)
+        assert all(d == per_m[0] for d in per_m) and len(per_m[0]) <= 2, (label, per_m)   # backward: first, later
     assert runs[0]["compiles_per_step"]["0"][0] >= 9         # the counters do see compiles
