@@ -7,8 +7,8 @@ of ranks, and nothing it holds grows with the number of documents: where a file'
 per file and node next to the cache (offsets_file: streamed, bounded memory, under a lock, renamed
 into place) and memory-mapped by every rank of the node, so the page cache holds it once and a rank
 touches only the pages of the documents it reads. At 1e9 documents a rank holds, per source file,
-an open file or a memory map and an index map (a few KB, with the last BATCHES Arrow batches
-opened): nothing per document or per batch (measured: rank 0 of 32's data share after one step is
+two memory maps, the file's and its index's (no open file; a few KB, with the last BATCHES Arrow
+batches opened): nothing per document or per batch (measured: rank 0 of 32's data share after one step is
 the same at 1M and 16M documents, `python bench.py data --data_part memory --data_shapes
 arrow,arrow_1000,jsonl`). The node's page cache holds the indexes: 8 bytes a line of a .jsonl
 corpus (8 GB at 1e9 lines), 16 bytes a record batch of an Arrow corpus (16 MB in 1,000-row
@@ -64,7 +64,15 @@ def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             give_back_heap()
-    return np.memmap(out, np.int64, "r") if os.path.getsize(out) else np.zeros(0, np.int64)
+    return mapped(out, np.int64)
+
+
+def mapped(path: str, dtype=np.uint8) -> np.ndarray:
+    """A file as a read-only array over Arrow's memory map. No file descriptor stays open (an
+    np.memmap keeps one: a folder of thousands of shards would pass the usual limit of 1,024)."""
+    if not os.path.getsize(path):
+        return np.zeros(0, dtype)
+    return np.frombuffer(pa.memory_map(path, "r").read_buffer(), dtype)
 
 
 def give_back_heap() -> None:
@@ -110,13 +118,13 @@ class FileDocs(Source):
 class LineDocs(Source):
     """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The line
     index holds -1 and then where each line ends (its newline, or the file's size for a last line
-    without one): line i is bytes bounds[i] + 1 .. bounds[i + 1], read with pread."""
+    without one): line i is bytes bounds[i] + 1 .. bounds[i + 1] of the memory-mapped file."""
 
     def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache"):
         self.path, self.jsonl, self.field = path, jsonl, field
         self.bounds = offsets_file(path, "lines", cache_dir, self.scan)
         self.n = len(self.bounds) - 1
-        self.fd = os.open(path, os.O_RDONLY)              # os.pread: safe from several threads
+        self.text = mapped(path)                           # the file's bytes, memory-mapped
         if jsonl:
             self._check_first_record()
 
@@ -150,7 +158,7 @@ class LineDocs(Source):
 
     def read(self, ids):
         b = self.bounds
-        return [os.pread(self.fd, int(b[i + 1] - b[i] - 1), int(b[i] + 1)).rstrip(b"\r") for i in ids]
+        return [self.text[int(b[i]) + 1:int(b[i + 1])].tobytes().rstrip(b"\r") for i in ids]
 
     def lengths(self, lo, hi):                          # of the line (.jsonl: the record, not its text)
         return np.asarray(np.diff(self.bounds[lo:hi + 1]) - 1)
@@ -158,7 +166,7 @@ class LineDocs(Source):
     def read_range(self, i, start, stop):               # .txt lines only (a .jsonl record is parsed whole)
         first = int(self.bounds[i]) + 1
         end = int(self.bounds[i + 1]) if stop < 0 else first + stop
-        raw = os.pread(self.fd, end - first - start, first + start)
+        raw = self.text[first + start:end].tobytes()
         return raw.rstrip(b"\r") if stop < 0 else raw
 
     def where(self, i):
