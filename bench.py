@@ -837,9 +837,9 @@ def bench_pp(args):
 
 def bench_ckpt(args):
     """Checkpointing a 134M-parameter Llama with its AdamW state (fp32 params + 2 moments, 1.6 GB):
-    the time a step is blocked by an async save vs a synchronous save (same state, same run), the
-    step slowdown while a save is in flight, restart-to-first-step after a SIGKILL, and what these
-    give at the blog's scale (Young/Daly interval, effective utilization)."""
+    a synchronous save vs the disk's own speed, the time a step is blocked by an async save vs a
+    synchronous one, the step slowdown while a save is written, restart-to-first-step after a
+    SIGKILL, and what these give at the blog's scale (Young/Daly interval, effective utilization)."""
     import json
     import math
     import os
@@ -872,85 +872,84 @@ def bench_ckpt(args):
 
         def checkpointer(name, async_save):
             c = configs.Config(model=cfg.model)
-            c.ckpt.dir, c.ckpt.async_save, c.ckpt.keep = os.path.join(root, name), async_save, 1
+            c.ckpt.dir, c.ckpt.async_save, c.ckpt.keep = os.path.join(root, name), async_save, 100
             return Checkpointer(c, log=quiet)
 
-        # 1. The disk's own speed beside synchronous saves, in alternating rounds (the machine is
-        #    shared and noisy): the same number of bytes written in 16 MiB writes and fsynced once,
-        #    as `dd bs=16M conv=fsync` does, against a synchronous save (serialization, crc32, write,
-        #    one fsync per file).
+        def clean(name):          # outside the timed parts: deleting 1.6 GB (ext4 discard) is slow too
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.sync()
+        # A fixed matmul workload stands in for a training step (its forward and backward, then the
+        # update); every core of the host is busy with it, the worst case for a background writer.
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+
+        def timed_step():
+            t = time.perf_counter()
+            [a @ b for _ in range(8)]
+            return time.perf_counter() - t
+        timed_steps = lambda n: [timed_step() for _ in range(n)]             # noqa: E731
+
+        # Alternating rounds (the machine is shared and noisy), each a ratio within the round:
+        # 1. the disk's own speed (16 MiB writes, one fsync: `dd bs=16M conv=fsync`) against a
+        #    synchronous save of the same bytes (serialization, crc32, write, one fsync per file);
+        # 2. an async save as train.py makes it: save(), then the next step's forward and backward
+        #    while the writer thread copies the weights and moments into its host buffers, then
+        #    before_update() (blocked = both waits); against that round's synchronous save;
+        # 3. the step time while that save is written (up to 25 steps) against 10 steps before and
+        #    10 after it.
         nbytes = int(res["state_gb"] * 1e9)
         chunk = memoryview(bytearray(os.urandom(1 << 20)) * 16)
-
-        def disk_write():
+        sync_ck, async_ck = checkpointer("sync", False), checkpointer("async", True)
+        rounds = []
+        timed_steps(3)
+        for r in range(1, 5):
             path, t = os.path.join(root, "dd.bin"), time.perf_counter()
             with open(path, "wb", buffering=0) as f:
                 for _ in range(0, nbytes, len(chunk)):
                     f.write(chunk)
                 os.fsync(f.fileno())
-            dt = time.perf_counter() - t
+            disk = nbytes / (time.perf_counter() - t)
             os.unlink(path)
-            return dt
-        ck = checkpointer("sync", False)
-        sync, disk = [], []
-        for step in (1, 2, 3):
-            disk.append(disk_write())
-            ck.save(step, *state())
-            sync.append(ck.stats["blocked_s"])
-            saved = ck.stats["bytes"]
-        disk.append(disk_write())
-        shutil.rmtree(os.path.join(root, "sync"))
-        res.update(disk_mb_s=nbytes / statistics.median(disk) / 1e6, save_mb_s=saved / statistics.median(sync) / 1e6)
-        res["save_over_disk"] = res["save_mb_s"] / res["disk_mb_s"]
-        print(f"disk, 16 MiB writes + fsync  {res['disk_mb_s']:7.0f} MB/s  (median of 4: "
-              f"{', '.join(f'{nbytes / x / 1e6:.0f}' for x in disk)})")
-        print(f"synchronous save             {res['save_mb_s']:7.0f} MB/s  = {100 * res['save_over_disk']:.0f}% of the "
-              f"disk (target >= 70%: {'PASS' if res['save_over_disk'] >= 0.70 else 'FAIL'})")
-        # 2. Async saves: the step waits only for the copy into host buffers. The first save allocates
-        #    them (every page faults once); later saves reuse them.
-        ck = checkpointer("async", True)
-        blocked, write = [], []
-        for step in (1, 2, 3, 4):
-            ck.save(step, *state())
-            blocked.append(ck.stats["blocked_s"])
-            ck.wait()
-            write.append(ck.stats["write_s"])
-        res.update(sync_s=statistics.median(sync), async_first_s=blocked[0],
-                   async_blocked_s=statistics.median(blocked[1:]), async_write_s=statistics.median(write[1:]))
-        res["blocked_over_sync"] = res["async_blocked_s"] / res["sync_s"]
-        print(f"synchronous save      {res['sync_s']:7.3f} s blocked  (median of 3: {', '.join(f'{x:.2f}' for x in sync)})")
-        print(f"async save, first     {blocked[0]:7.3f} s blocked  (allocates the host buffers)")
-        print(f"async save, steady    {res['async_blocked_s']:7.3f} s blocked  = {100 * res['blocked_over_sync']:.1f}% "
-              f"of synchronous (target < 5%: {'PASS' if res['blocked_over_sync'] < 0.05 else 'FAIL'}); "
-              f"background write {res['async_write_s']:.2f} s")
-
-        # 3. Step time while a save is in flight: a fixed matmul workload stands in for a step.
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        work = lambda: [a @ b for _ in range(8)]
-
-        def timed_steps(n):
-            out = []
-            for _ in range(n):
-                t = time.perf_counter()
-                work()
-                out.append(time.perf_counter() - t)
-            return out
-        timed_steps(3)
-        base = timed_steps(15)
-        ck.save(5, *state())
-        during = []
-        while ck.in_flight:
-            during += timed_steps(1)
-        ck.wait()
-        base += timed_steps(15)
-        res.update(step_s=statistics.median(base), step_in_flight_s=statistics.median(during),
-                   steps_in_flight=len(during), write_under_load_s=ck.stats["write_s"])
-        res["in_flight_overhead"] = res["step_in_flight_s"] / res["step_s"] - 1
-        print(f"step (8 matmuls 1024^2) {1e3 * res['step_s']:.1f} ms alone, {1e3 * res['step_in_flight_s']:.1f} ms "
-              f"while a save is written ({len(during)} steps): {100 * res['in_flight_overhead']:+.1f}% (target < 5%: "
-              f"{'PASS' if res['in_flight_overhead'] < 0.05 else 'FAIL'}); the niced writer took "
-              f"{ck.stats['write_s']:.1f} s beside the steps")
-        del ck, model, opt
+            os.sync()
+            sync_ck.save(r, *state())
+            sync, saved = sync_ck.stats["blocked_s"], sync_ck.stats["bytes"]
+            clean("sync")
+            before = timed_steps(10)
+            async_ck.save(r, *state(), defer_copy=True)
+            timed_steps(1)                              # the next step's forward and backward
+            async_ck.before_update()
+            during = []
+            while async_ck.in_flight and len(during) < 25:
+                during += timed_steps(1)
+            t = time.perf_counter()
+            async_ck.wait()                             # the rest of the write, at normal priority
+            st, rest = async_ck.stats, time.perf_counter() - t
+            base = statistics.median(before + timed_steps(10))
+            rounds.append(x := dict(disk_mb_s=disk / 1e6, save_mb_s=saved / sync / 1e6, sync_s=sync,
+                                    blocked_s=st["blocked_s"], write_s=st["write_s"], rest_s=rest, step_s=base,
+                                    step_in_flight_s=statistics.median(during) if during else base,
+                                    steps_in_flight=len(during)))
+            clean("async")
+            print(f"round {r}: disk {x['disk_mb_s']:.0f} MB/s, sync save {x['save_mb_s']:.0f} MB/s ({x['sync_s']:.2f} s), "
+                  f"async blocked {x['blocked_s']:.3f} s{' (allocates its buffers)' if r == 1 else ''}, step "
+                  f"{1e3 * base:.0f} -> {1e3 * x['step_in_flight_s']:.0f} ms over {len(during)} steps of the write "
+                  f"({x['write_s']:.1f} s, {x['rest_s']:.1f} s of it after them)")
+        med = lambda f, rs=rounds: statistics.median(f(x) for x in rs)        # noqa: E731
+        steady = rounds[1:]                             # the first async save allocates its buffers
+        res.update(rounds=rounds, disk_mb_s=med(lambda x: x["disk_mb_s"]), save_mb_s=med(lambda x: x["save_mb_s"]),
+                   save_over_disk=med(lambda x: x["save_mb_s"] / x["disk_mb_s"]), sync_s=med(lambda x: x["sync_s"]),
+                   async_blocked_s=med(lambda x: x["blocked_s"], steady), async_first_s=rounds[0]["blocked_s"],
+                   blocked_over_sync=med(lambda x: x["blocked_s"] / x["sync_s"], steady),
+                   in_flight_overhead=med(lambda x: x["step_in_flight_s"] / x["step_s"] - 1, steady))
+        verdict = lambda ok: "PASS" if ok else "FAIL"                         # noqa: E731
+        print(f"medians of the rounds' ratios (load average {os.getloadavg()[0]:.1f}):\n"
+              f"  synchronous save / disk     {100 * res['save_over_disk']:5.0f}%  (target >= 70%: "
+              f"{verdict(res['save_over_disk'] >= 0.7)}; {res['save_mb_s']:.0f} vs {res['disk_mb_s']:.0f} MB/s)\n"
+              f"  async blocked / synchronous {100 * res['blocked_over_sync']:5.1f}%  (target < 5%: "
+              f"{verdict(res['blocked_over_sync'] < 0.05)}; rounds 2-4; {res['async_blocked_s']:.3f} vs "
+              f"{res['sync_s']:.2f} s)\n"
+              f"  step slowdown while writing {100 * res['in_flight_overhead']:+5.1f}%  (target < 5%: "
+              f"{verdict(res['in_flight_overhead'] < 0.05)}; rounds 2-4)")
+        del sync_ck, async_ck, model, opt
 
         # 4. Restart after a kill: a run saves step 1, then is SIGKILLed halfway through writing step 2
         #    (NANOTRN_FAULT). The restart imports, rebuilds model and optimizer, finds step 2

@@ -392,7 +392,7 @@ class Checkpointer:
 
     # --------------------------------------------------------------- save
     def save(self, step: int, model: dict | None, optim: dict | None = None, data=None,
-             extra: dict | None = None):
+             extra: dict | None = None, defer_copy: bool = False):
         """Save this rank's part of the state after `step` optimizer steps.
 
         model: this rank's model.state_dict() (its TP shard of its pipeline stage).
@@ -400,7 +400,10 @@ class Checkpointer:
         data:  this rank's data-loader state (any picklable object).
         extra: JSON-able run state kept in meta.json by rank 0 (tokens seen, ...).
         The RNG streams of this rank are captured here. With async_save, returns once everything
-        is copied to host memory; the previous save in flight is waited for first."""
+        is copied to host memory; the previous save in flight is waited for first.
+        defer_copy (async_save on a CPU host; train.py): the weights and moments are copied in the
+        writer thread while the next step's forward and backward run; the caller must call
+        before_update() before the optimizer changes them. On XLA the copy is always made here."""
         t0 = time.perf_counter()
         self.wait()
         if step <= self._newest:
@@ -409,7 +412,13 @@ class Checkpointer:
         files = rank_files(step, self.grid, self.layout, self.cfg, model, optim, data, extra, self.device)
         self.writer.stats = {"step": step, "wait_s": time.perf_counter() - t0}
         self._newest = step
-        self.writer.write(step, files, t0, to_disk=not self.compile_only)
+        defer = tuple(n for n, o in files.items() if defer_copy and o is not None and (o is model or o is optim))
+        self.writer.write(step, files, t0, to_disk=not self.compile_only, defer=defer)
+
+    def before_update(self):
+        """Before every optimizer update: a save(defer_copy=True) in flight has its copy of the
+        weights and moments in host memory (waits for it if not)."""
+        self.writer.before_update()
 
     def _finish(self, step: int):
         """Rank 0, in the writer thread: once every rank's marker is there, the manifest (complete),

@@ -227,7 +227,9 @@ def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.
     s, left = ckpt.stats, stop.seconds_left(grace_s)
     need = None
     if s.get("write_s") and s.get("bytes"):
-        need = s["blocked_s"] + s["write_s"] + 1.0          # + 1 s: markers, `latest`, exit
+        # staging (in the writer thread too on a CPU host) and the write less what it waited for a
+        # CPU at background priority (a stop's save runs at normal priority); + 1 s: markers, exit
+        need = s["blocked_s"] + s.get("deferred_copy_s", 0) + s["write_s"] - s.get("starved_s", 0) + 1.0
     ok = need is None or need < left
     if grid.world > 1 and torch.distributed.is_initialized():
         t = torch.tensor([int(ok)], device="cuda" if grid.backend == "nccl" else "cpu")
@@ -409,7 +411,11 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
     stop.during = step + 1                               # the step a signal arriving now counts for
     saved = loaded.step if loaded is not None else None  # the newest checkpoint of this run's lineage
-    stopping = None
+    stopping, reloaded = None, False
+
+    def guard(loss, grad_norm):       # between clipping and the update (train_step)
+        ckpt.before_update()          # the last save's copy of the weights and moments is complete
+        return mon.check_finite(step + 1, loss, grad_norm)
     try:
         while step < cfg.optim.max_steps:
             ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
@@ -423,9 +429,7 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
             # numerical blow-up, to exercise --log.on_nonfinite on purpose.
             poison = [p.register_hook(lambda g: g * float("nan")) for p in model.parameters()
                       ] if step == ckpt.fault.nan_step else []
-            out = (pipeline.train_step if pp else train_step)(
-                model, optimizer, micro, grid, cfg, guard=lambda loss, gnorm: mon.check_finite(step + 1, loss, gnorm),
-                cut=cut)
+            out = (pipeline.train_step if pp else train_step)(model, optimizer, micro, grid, cfg, guard=guard, cut=cut)
             for h in poison:
                 h.remove()
             sync(device)                                # the reduce/clip/update graph
@@ -461,8 +465,10 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
                     mon.flush()                         # raises on a poisoned state: it is never saved
                     fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s, step)
                     if fits:
+                        # On a CPU host the weights and moments are copied while the next step's
+                        # forward and backward run (guard waits before its update): bench.py ckpt.
                         ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
-                                  extra={"tokens_seen": tokens_seen})
+                                  extra={"tokens_seen": tokens_seen}, defer_copy=True)
                         saved = step
                     else:
                         log(f"{stopping}: the checkpoint of step {step} cannot be written before the launcher's "
@@ -470,12 +476,15 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
                             + (f"step {saved} ({step - saved} steps lost)" if saved is not None else
                                "none (the run starts afresh)") +
                             ". Raise the grace period (--ckpt.grace_s and the launcher's: README) or save more often")
-                    if compile_only and step == cfg.ckpt.interval:
-                        # Toward a resume's load graph without a checkpoint: the optimizer state copied
-                        # in from host memory. (Measured on XLA:CPU: a resume still compiles its own
-                        # load graph; the steps after a save are covered.)
+                    if compile_only and not reloaded:
+                        # A resume's load graph, without a checkpoint: the optimizer state loaded
+                        # back from host copies, as load_latest's is, after the pass's first save.
+                        # Measured on XLA:CPU (tests/test_xla.py): after this pass a resume compiles
+                        # nothing; without this reload it compiles its load graph. (NxD's examples
+                        # skip the load in this mode and leave that graph to the real run.)
                         optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
                         sync(device)
+                        reloaded = True
             ckpt.check()                                # a failed save (full disk) stops the run now
             if stopping:
                 break

@@ -183,6 +183,9 @@ def main() -> None:
     ap.add_argument("--graphs", default="", help="record every graph run (HLO) in this file: the census")
     ap.add_argument("--resume-steps", type=int, default=0,
                     help="then run train.py again, resuming from the XLA run's last checkpoint, this many more steps")
+    ap.add_argument("--precompile-steps", type=int, default=0,
+                    help="first run scripts/launch.sh compile's pass (NEURON_EXTRACT_GRAPHS_ONLY, eval every 4 "
+                         "steps, a save every 5) this many steps, in this process: its graphs are in the cache")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
     args = ap.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -204,6 +207,17 @@ def main() -> None:
         report["eager"] = watched_run(train_args + ["--device=cpu", f"--optim.max_steps={args.eager_steps}",
                                                     f"--out_dir={side}", f"--ckpt.dir={side}/ckpt",
                                                     "--log.tensorboard="])
+    if args.precompile_steps:
+        import configs
+        side = os.path.join(configs.from_args(train_args).out_dir, "precompile")
+        os.environ["NEURON_EXTRACT_GRAPHS_ONLY"] = "1"
+        try:
+            report["precompile"] = watched_run(train_args + [
+                "--device=xla", f"--optim.max_steps={args.precompile_steps}", "--log.eval_interval=4",
+                "--ckpt.interval=5", f"--ckpt.dir={side}/ckpt", f"--out_dir={side}", "--log.tensorboard="])
+        finally:
+            del os.environ["NEURON_EXTRACT_GRAPHS_ONLY"]
+        report["precompile"]["wrote"] = os.path.exists(side)
     report["xla"] = watched_run(train_args + ["--device=xla"])
     if args.resume_steps:
         # the same process: its graph cache holds the first run's graphs, which the resumed steps
@@ -211,13 +225,13 @@ def main() -> None:
         import configs
         total = configs.from_args(train_args).optim.max_steps + args.resume_steps
         report["resume"] = watched_run(train_args + ["--device=xla", f"--optim.max_steps={total}"])
-    for name in ("xla", "resume"):
+    for name in ("precompile", "xla", "resume"):
         if name in report and report[name]["graphs"]:
             report[name]["census"] = census(report[name]["graphs"])
             for label, c in report[name]["census"].items():
                 print(f"xla_check {name} graphs: {label}: {c['compiled']} compiled, {c['runs']} run; HLO "
                       f"instructions " + ", ".join(f"{n} (from step {k})" for n, k in c["sizes"].items()))
-    for name in ("eager", "xla", "resume"):
+    for name in ("eager", "precompile", "xla", "resume"):
         if name in report:
             steps = report[name]["steps"]
             compiles = [s["in_step"]["UncachedCompile"] + s["after"]["UncachedCompile"] for s in steps]

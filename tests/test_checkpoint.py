@@ -96,7 +96,10 @@ def clone(sd):
 
 # ----------------------------------------------------------------------------- save / load
 
-def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch, defer):
+    """defer: train.py's save, whose copy of the weights and moments runs in the writer thread until
+    before_update(), which training calls before the optimizer changes them."""
     cfg = tiny_cfg(tmp_path / "ckpt")
     model, opt = trained(cfg)
     ck = Checkpointer(cfg)
@@ -109,8 +112,9 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch):
     # The writer thread waits at a gate until training has changed everything it was given.
     gate, write_file = threading.Event(), ckptsave.write_file
     monkeypatch.setattr(ckptsave, "write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
-    ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128})
+    ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128}, defer_copy=defer)
     assert ck.in_flight and not (tmp_path / "ckpt" / "step_00000002" / "rank00000.done").exists()
+    ck.before_update()
     random_step(model, opt, seed=99)
     data["buffer"].append(9)
     draws = (random.random(), np.random.rand(), torch.rand(3))

@@ -122,6 +122,26 @@ def test_no_graph_compiled_after_warmup(run):
     assert run["resume"]["census"]["resume"]["runs"] == 1, run["resume"]["census"]
 
 
+def test_precompile_pass_covers_a_resume(run, tmp_path):
+    """Issue 25, item 4: scripts/launch.sh compile's pass (NEURON_EXTRACT_GRAPHS_ONLY, 10 steps, eval
+    every 4, a save every 5) writes nothing, yet leaves in the graph cache every graph that a run
+    resuming from a real checkpoint then runs: the load graph, the resumed steps, an eval, a save.
+    Same process (its graph cache stands in for neuronx-cc's persistent one); the
+    checkpoint is the module run's, made in another process."""
+    import shutil
+    shutil.copytree(run["ckpt_dir"], tmp_path / "out" / "ckpt")
+    last = STEPS + RESUME
+    rep = xla_check(tmp_path, [*TINY, f"--optim.max_steps={last + 2}", f"--log.interval={LOG}",
+                               f"--log.eval_interval={EVAL}", f"--ckpt.interval={SAVE}", "--log.sample_tokens=0"],
+                    precompile_steps=10)
+    assert not rep["precompile"]["wrote"] and len(rep["precompile"]["steps"]) == 10
+    assert sum(c["compiled"] for c in rep["precompile"]["census"].values()) > 0     # the counters see compiles
+    assert f"resuming from {tmp_path}/out/ckpt/step_{last:08d}" in rep["stdout"]
+    census = rep["xla"]["census"]
+    assert census["resume"]["runs"] == 1 and "eval" in census, census
+    assert {k: c["compiled"] for k, c in census.items() if c["compiled"]} == {}, census
+
+
 STEP_GRAPHS = ("token count", "first microbatch", "later microbatch", "reduce/clip/update")
 
 
