@@ -326,14 +326,20 @@ def bench_step(args):
 
 def bench_data(args):
     """The data stream, in one run: (1) packing speed per rank: tokens/s of data.PackedLoader (read
-    Arrow + tokenize + pack + batch) against the raw tokenizer encoding the same documents with the
-    same thread count, alternating rounds, median of the per-round ratios; tokenizer: a 32000-piece
-    BPE (Llama 2's vocab size) on 1/8 of the stdlib written to its own Arrow file. (2) Per-rank
-    memory and start-up at 1M, 4M and 16M documents: one process per corpus (Arrow, short documents)
-    builds the span index if needed, then starts rank 0 of 32 (global batch 512 x seq 2048, shuffle
-    8: 16 streams x 8 lanes) with its evaluation windows and takes one step's micro-batches;
-    RssAnon (private memory) and /dev/shm before and after, child processes, start-up seconds.
-    Projected to 1e9 documents x 32 ranks against a 512 GiB host."""
+    Arrow + tokenize + pack + batch) against the raw tokenizer encoding the same documents in
+    64-document calls, alternating rounds, median of the per-round ratios. Per rank = one thread
+    (the loader's default), tokens per CPU-second of the whole process (time.process_time: every
+    thread counted, so a tokenizer running threads of its own could not inflate it); wall clock
+    beside it. Tokenizer: a 32000-piece BPE (Llama 2's vocab size) trained on the stdlib; two
+    corpora of the same text (1/8 of the stdlib, ~1.1M tokens): its files as documents (long ones,
+    cut into spans), and the same files cut at blank lines (~15k short documents, ~70 tokens each:
+    per-document work shows there). (2) Per-rank memory and start-up at 1M, 4M and 16M documents:
+    one process per corpus (Arrow, short documents) builds the span index if needed, then starts
+    rank 0 of 32 (global batch 512 x seq 2048, shuffle 8: 16 streams x 8 lanes) with its evaluation
+    windows and takes one step's micro-batches; RssAnon (private memory) and /dev/shm before and
+    after, child processes, start-up seconds. Projected to 1e9 documents x 32 ranks against a
+    512 GiB host. Everything it makes (corpora, tokenizer, indexes) goes under --out: a first run
+    from an empty --out builds them, a later run reuses them."""
     import json
     import os
     import statistics
@@ -341,64 +347,81 @@ def bench_data(args):
     import pyarrow as pa
     import data
     from configs import DataConfig
-    os.makedirs(args.out, exist_ok=True)
+    t_all = time.perf_counter()
+    cache = os.path.join(args.out, "cache")
+    os.makedirs(cache, exist_ok=True)
     arrow = os.path.join(args.out, "stdlib.arrow")
     if not os.path.exists(arrow):
         data.prepare(["stdlib"], arrow)
-    tok = data.build_tokenizer(DataConfig(data=arrow, cache_dir=".cache"), vocab_size=32000)
+    tok = data.build_tokenizer(DataConfig(data=arrow, cache_dir=cache), vocab_size=32000)
     corpus = data.Corpus(arrow)
     ids = np.random.default_rng(0).permutation(corpus.n_docs)[: corpus.n_docs // 8]
-    texts = [t for t, _, _ in corpus.read(ids, quiet=True)]
-    subset = os.path.join(args.out, "stdlib_eighth.arrow")
-    if not os.path.exists(subset):
-        schema = pa.schema({"text": pa.large_string()})
-        with pa.OSFile(subset, "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
-            w.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
-    cfg = DataConfig(data=subset, seq_len=2048, micro_batch=4, global_batch=8, val_fraction=0.0,
-                     cache_dir=os.path.join(args.out, "cache"))
-
+    files = [t for t, _, _ in corpus.read(ids, quiet=True)]
+    paragraphs = [p for t in files for p in t.split("\n\n") if p.strip()]
     if args.data_part == "memory":
         json.dump(_data_memory(args, tok.path), open(os.path.join(args.out, "data_memory.json"), "w"), indent=1)
         return
 
-    def raw():                              # the tokenizer alone: 64-document batches, BOS/EOS, numpy out
+    def write(name, texts):
+        path = os.path.join(args.out, name)
+        if not os.path.exists(path):
+            schema = pa.schema({"text": pa.large_string()})
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+                w.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
+        return path
+
+    def raw(texts, passes):                 # the tokenizer alone: 64-document calls, BOS/EOS, numpy out
         t0, c0, n = time.perf_counter(), time.process_time(), 0
-        for i in [i for _ in range(3) for i in range(0, len(texts), 64)]:     # the text 3 times: the
-            n += sum(map(len, tok.encode_batch(texts[i:i + 64], True, True, 1)))  # loader's lanes hold
-            # up to ~0.5M tokens read ahead (64 lanes x a span), so it needs a longer stretch to measure
+        for i in [i for _ in range(passes) for i in range(0, len(texts), 64)]:
+            n += sum(map(len, tok.encode_batch(texts[i:i + 64], True, True, 1)))
         return n, (n / (time.perf_counter() - t0), n / (time.process_time() - c0))
 
-    def packed(n_tokens, prefetch):         # as many tokens through the loader, in its steady state:
-        loader = data.PackedLoader(cfg, tok, prefetch=prefetch)    # after a warm-up of a quarter as many
-        for _ in range(n_tokens // 4 // (cfg.micro_batch * (cfg.seq_len + 1))):
-            next(loader)                    # (the lanes fill their first blocks; the thread starts)
+    def packed(cfg, n_tokens, prefetch):    # as many tokens through the loader, in its steady state:
+        loader = data.PackedLoader(cfg, tok, prefetch=prefetch)    # after a warm-up of half as many
+        for _ in range(n_tokens // 2 // (cfg.micro_batch * (cfg.seq_len + 1))):
+            next(loader)                    # (the lanes' first blocks; the thread starts)
         t0, c0, n = time.perf_counter(), time.process_time(), 0
         while n < n_tokens:
             n += next(loader)["tokens"].numel() + cfg.micro_batch     # + the last token of each window
         r = (n / (time.perf_counter() - t0), n / (time.process_time() - c0))
         loader.close()
         return r
-    packed(1, 0)                            # builds the span index once, outside the timing
-    rounds = []
-    for _ in range(5):                      # alternate; the machine is shared and noisy
-        n, r_raw = raw()
-        rounds.append((r_raw, packed(n, 0), packed(n, 4)))
-    speed = {}
-    for i, clock in enumerate(("wall", "cpu")):
-        speed[clock] = {"raw": statistics.median(r[0][i] for r in rounds),
-                        "packed": statistics.median(r[1][i] for r in rounds),
-                        "ratio": statistics.median(r[1][i] / r[0][i] for r in rounds),
-                        "ratio_thread": statistics.median(r[2][i] / r[0][i] for r in rounds)}
-        s = speed[clock]
-        print(f"packing ({clock} clock, 1 thread, {n / 1e6:.2f}M tokens a round, median of {len(rounds)} rounds): raw "
-              f"tokenizer {s['raw'] / 1e6:.2f}M tok/s, packed {s['packed'] / 1e6:.2f}M tok/s = {s['ratio']:.2f}x "
-              f"(with the prefetch thread {s['ratio_thread']:.2f}x)")
-    print(f"  a 1B model on one H100 eats ~50,000 tokens/s: one packing thread here is "
-          f"{speed['wall']['packed'] / 5e4:,.0f}x that")
+
+    speed, load0 = {}, os.getloadavg()[0]
+    # The text once a round, after a warm-up of half as much: the lanes' first blocks are small (one
+    # span, then growing to ~8 windows), so that they reach their steady state in the warm-up.
+    for name, texts in (("files", files), ("paragraphs", paragraphs)):
+        cfg = DataConfig(data=write(f"stdlib_eighth_{name}.arrow", texts), seq_len=2048, micro_batch=4,
+                         global_batch=8, val_fraction=0.0, cache_dir=cache)
+        packed(cfg, 1, 0)                   # builds the span index once, outside the timing
+        rounds = []
+        for _ in range(5):                  # alternate; the machine is shared and noisy
+            n, r_raw = raw(texts, 1)
+            rounds.append((r_raw, packed(cfg, n, 0), packed(cfg, n, 4)))
+        speed[name] = {"documents": len(texts), "tokens_per_round": n, "rounds": rounds}
+        for i, clock in enumerate(("wall", "cpu")):
+            speed[name][clock] = s = {"raw": statistics.median(r[0][i] for r in rounds),
+                                      "packed": statistics.median(r[1][i] for r in rounds),
+                                      "ratio": statistics.median(r[1][i] / r[0][i] for r in rounds),
+                                      "ratio_thread": statistics.median(r[2][i] / r[0][i] for r in rounds)}
+    print(f"\npacking, 32000-piece BPE, seq 2048, one thread per rank, median of 5 alternating rounds "
+          f"(load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
+    print("\n| corpus | clock | raw tokenizer | packed | ratio | with the prefetch thread |\n|---|---|---|---|---|---|")
+    for name, sp in speed.items():
+        for clock in ("cpu", "wall"):
+            s = sp[clock]
+            print(f"| {name}: {sp['documents']:,} documents, {sp['tokens_per_round'] / 1e6:.2f}M tokens a round | "
+                  f"{'CPU time' if clock == 'cpu' else 'wall'} | {s['raw'] / 1e6:.2f}M tok/s | "
+                  f"{s['packed'] / 1e6:.2f}M tok/s | {s['ratio']:.2f}x | {s['ratio_thread']:.2f}x |")
+    print(f"\na 1B model on one H100 eats ~50,000 tokens/s: one packing thread here is "
+          f"{speed['files']['cpu']['packed'] / 5e4:,.0f}x that per CPU-second")
+    t_speed = time.perf_counter() - t_all
 
     memory = _data_memory(args, tok.path)
+    print(f"\nbench data: {time.perf_counter() - t_all:.0f} s in all (packing {t_speed:.0f} s); load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
     with open(os.path.join(args.out, "data.json"), "w") as f:
-        json.dump({"speed": speed, "rounds": rounds, **memory}, f, indent=1)
+        json.dump({"speed": speed, **memory, "wall_s": time.perf_counter() - t_all}, f, indent=1)
 
 
 # Corpus shapes of the memory part (--data_shapes): the file, by its number of documents, and how it is written.

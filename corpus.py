@@ -246,8 +246,8 @@ class Corpus:
             pick = np.flatnonzero(which == s)
             src = self.sources[s]
             local = ids[pick] - self.offsets[s]
-            for j, i, raw in zip(pick, local, src.read(local)):
-                out[j] = self._decode(raw, src, int(i), quiet)
+            for j, i, raw in zip(pick.tolist(), local.tolist(), src.read(local)):    # lists: no numpy
+                out[j] = self._decode(raw, src, i, quiet)                           # scalar per document
         return out
 
     def _where(self, docs):
@@ -284,8 +284,10 @@ class Corpus:
         long one is a slice of its bytes (a file or Arrow row: only the slice is read)."""
         rows = np.asarray(rows, np.int64).reshape(-1, 3)
         whole = (rows[:, 1] == 0) & (rows[:, 2] < 0)
+        if whole.all():
+            return self.read(rows[:, 0], quiet)
         out = [None] * len(rows)
-        for j, r in zip(np.flatnonzero(whole), self.read(rows[whole, 0], quiet)):
+        for j, r in zip(np.flatnonzero(whole).tolist(), self.read(rows[whole, 0], quiet)):
             out[j] = r
         for j in np.flatnonzero(~whole):
             d, start, stop = (int(x) for x in rows[j])

@@ -100,37 +100,39 @@ def pack(blocks, L1: int, position: dict):
     tokens of each read and its counts (STAT_KEYS); `position` ({"i", "offset", "stats"}) is where it
     starts. Yields (window, starts, position after the window), starts True at the first token of
     each span. Holds less than one window plus one block, and per read, not per token, where it
-    came from: bounded, however long the documents; no Python work per token."""
+    came from; the windows a block completes are cut at once (numpy, no Python work per token)."""
     stats = np.array([position["stats"][k] for k in COUNTERS], np.int64)
-    tok, pos, after = np.zeros(0, np.int32), 0, (position["i"], position["offset"])
-    # The reads that reach into tok[pos:]: read index, where its token 0 is (or would be) in tok,
-    # where it ends; and the reads not yet counted (all counted once the position is past them).
+    tok, after = np.zeros(0, np.int32), (position["i"], position["offset"])
+    # The non-empty reads in tok: read index, where its token 0 is (or would be) in tok, where it
+    # ends; and the reads not yet counted (a read is counted once the position is past it).
     ks = origin = ends = pending = np.zeros(0, np.int64)
     counts = np.zeros((0, len(STAT_KEYS)), np.int64)
     while True:
-        while len(tok) - pos < L1:
+        while len(tok) < L1:
             new, i0, lens, cs, skip = next(blocks)
-            at = len(tok) - pos + np.cumsum(lens) - skip            # ends of the new reads in the new tok
-            live, read_ids = ends > pos, i0 + np.arange(len(lens))
-            ks, origin, ends = (np.concatenate((ks[live], read_ids)), np.concatenate((origin[live] - pos, at - lens)),
-                                np.concatenate((ends[live] - pos, at)))
+            e, read_ids = len(tok) + np.cumsum(lens) - skip, i0 + np.arange(len(lens))
+            some = e > np.maximum(e - lens, len(tok))                   # has tokens in tok
+            ks, origin, ends = (np.concatenate((a, b[some])) for a, b in ((ks, read_ids), (origin, e - lens), (ends, e)))
             pending, counts = np.concatenate((pending, read_ids)), np.concatenate((counts, cs))
-            tok, pos, after = np.concatenate((tok[pos:], new)), 0, (i0 + len(lens), 0)
-        window, starts = tok[pos:pos + L1], np.zeros(L1, bool)
-        first = origin[(origin >= pos) & (origin < pos + L1) & (ends > origin)] - pos
-        starts[first] = True
-        pos += L1
-        if pos < len(tok):                                  # the read holding the next token
-            r = int(np.searchsorted(ends, pos, "right"))
-            i, off = int(ks[r]), pos - int(origin[r])
-        else:
-            i, off = after
-        done = int(np.searchsorted(pending, i))             # counts of the reads now fully behind
-        if done:
-            stats[:len(STAT_KEYS)] += counts[:done].sum(0)
-            pending, counts = pending[done:], counts[done:]
-        stats[-2:] += (1, len(first) - int(len(first) > 0 and first[0] == 0))   # windows, targets masked
-        yield window, starts, {"i": i, "offset": off, "stats": dict(zip(COUNTERS, stats.tolist()))}
+            tok, after = np.concatenate((tok, new)), (i0 + len(lens), 0)
+        m = len(tok) // L1                                  # windows complete in tok
+        cut = L1 * np.arange(1, m + 1)                      # the position after each
+        starts = np.zeros(m * L1, bool)
+        starts[origin[(origin >= 0) & (origin < m * L1)]] = True
+        starts = starts.reshape(m, L1)
+        r = np.minimum(np.searchsorted(ends, cut, "right"), len(ks) - 1)    # the read holding the next token
+        i, off = ks[r], cut - origin[r]
+        if cut[-1] == len(tok):
+            i[-1], off[-1] = after
+        done = np.searchsorted(pending, i)                  # reads fully behind each position
+        total = np.concatenate((np.zeros((1, len(STAT_KEYS)), np.int64), np.cumsum(counts, 0)))[done]
+        rows = np.concatenate((stats[:len(STAT_KEYS)] + total, stats[-2:] + np.stack(
+            [np.arange(1, m + 1), np.cumsum(starts[:, 1:].sum(1))], 1)), 1)     # + windows, targets masked
+        for k, (ik, ok, row) in enumerate(zip(i.tolist(), off.tolist(), rows.tolist())):
+            yield tok[k * L1:(k + 1) * L1], starts[k], {"i": ik, "offset": ok, "stats": dict(zip(COUNTERS, row))}
+        stats, live = rows[-1], ends > cut[-1]
+        tok, ks, origin, ends = tok[cut[-1]:], ks[live], origin[live] - cut[-1], ends[live] - cut[-1]
+        pending, counts = pending[done[-1]:], counts[done[-1]:]
 
 
 def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
@@ -141,14 +143,11 @@ def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
     w, start = np.stack([t for t, _ in wins]), np.stack([s for _, s in wins])     # [B, seq_len + 1]
     targets = w[:, 1:].astype(np.int64)
     targets[start[:, 1:]] = -100
-    start = start[:, :-1]
-    ar = np.arange(start.shape[1])
-    as_t = torch.from_numpy
+    start, ar, as_t = start[:, :-1], np.arange(w.shape[1] - 1), torch.from_numpy
+    batch = {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets)}
     if not document_mask:
-        return {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets),
-                "positions": as_t(np.tile(ar, (len(w), 1)))}
-    return {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets),
-            "positions": as_t(ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)),
+        return {**batch, "positions": as_t(np.tile(ar, (len(w), 1)))}
+    return {**batch, "positions": as_t(ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)),
             "doc_ids": as_t(np.cumsum(start, axis=1) - start[:, :1])}    # 0 for the window's first segment
 
 
@@ -196,12 +195,74 @@ class Prefetch:
             self.thread = None
 
 
+class SpanReader:
+    """Spans -> tokens: the spans' text (corpus + span index), tokenized in one call per read, with
+    BOS at a document's start and EOS at its end. Holds nothing between calls."""
+
+    def __init__(self, corpus: Corpus, index: SpanIndex, tok: Tokenizer, bos: bool, eos: bool, threads: int = 1):
+        self.corpus, self.index, self.tok, self.bos, self.eos, self.threads = corpus, index, tok, bos, eos, threads
+        # A tokenizer that adds a dummy prefix (sentencepiece) reads a span's opening space as its own
+        # prefix; a byte-level one (tokenizer.json) keeps it (spans.cut_points).
+        self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")
+
+    def __call__(self, spans: np.ndarray, keep: str = "", quiet: bool = False):
+        """Tokens of some reads' spans joined (int32), tokens per read and counts (STAT_KEYS, [reads, 6]);
+        a span of the other split reads as nothing. One tokenizer call; BOS/EOS and counts in numpy."""
+        mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
+        rows = np.asarray(self.index.rows[spans[mine]])
+        texts = self.corpus.read_spans(rows, quiet)
+        first, last = rows[:, 1] == 0, rows[:, 2] < 0
+        # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
+        # document of only whitespace makes no token, not even BOS/EOS.
+        text = [t[1:] if t and s > 0 and self.drop_space and t[0] == " " else t
+                for (t, _, _), s in zip(texts, rows[:, 1].tolist())]
+        ok = np.array([bool(t) and not (f and l and t.isspace()) for t, f, l in zip(text, first.tolist(), last.tolist())], bool)
+        enc = self.tok.encode_batch([t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
+        bos, eos = ok & first & self.bos, ok & last & self.eos
+        n = np.zeros(len(rows), np.int64)
+        n[ok] = np.fromiter(map(len, enc), np.int64, len(enc))
+        n += bos.astype(np.int64) + eos
+        end = np.cumsum(n)
+        heads, tails = (end - n)[bos], (end - 1)[eos]
+        tokens, body = np.empty(int(n.sum()), np.int32), np.ones(int(n.sum()), bool)
+        body[heads] = body[tails] = False
+        tokens[heads], tokens[tails] = self.tok.bos_id, self.tok.eos_id
+        tokens[body] = np.concatenate(enc or [np.zeros(0, np.int32)])
+        reps, bad = (np.fromiter((x[k] for x in texts), np.int64, len(texts)) for k in (1, 2))
+        counts = np.zeros((len(spans), len(STAT_KEYS)), np.int64)
+        counts[mine] = np.stack([np.ones(len(rows), np.int64), last & (n > 0), last & first & (n == 0) & (bad == 0),
+                                 bad, reps, n], 1)
+        return tokens, counts[:, -1], counts        # counts[:, -1]: tokens per read (0: the other split)
+
+
+def read_lane(read: SpanReader, deal: Deal, j: int, i: int, skip: int, want: int, what: str):
+    """Yield the tokens of lane j's reads i, i+1, ... of `deal` (from token `skip` of read i) in
+    blocks of about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes
+    of text); `what` names the split in an error. The first block is one read: a lane's share
+    starts small (many lanes x 16 spans would be epochs of a small corpus read ahead)."""
+    chunk, idle = 1, 0
+    ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
+    while True:                                     # AHEAD reads at a time (a permutation call each)
+        if i + chunk > at + len(ahead):
+            at, ahead = i, positions(deal, j, i, max(AHEAD, min(4 * chunk, 4096)))[0]
+        new, lens, counts = read(ahead[i - at:i - at + chunk], deal.keep)
+        d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
+        yield new[d:], i, lens, counts, d
+        idle = 0 if len(new) else idle + chunk
+        if idle > 100 * deal.n + chunk:                 # 100 epochs' share without a token: a corpus of
+            # (almost) only empty documents, which _check_tokens lets through when one span has tokens
+            raise DataError(f"the {what}: its spans {deal.lo}..{deal.lo + deal.n - 1} hold no tokens (empty "
+                            f"documents or unreadable records); check --data")
+        i += chunk                          # next: ~want tokens, growing at most 4x a block (an empty
+        chunk = max(1, min(4096, 4 * chunk, chunk * want // max(len(new), 1)))    # span must not ask for 4096)
+
+
 class PackedLoader:
     """Infinite iterator of packed batches for one DP rank: dicts of int64 tensors [micro_batch,
     seq_len] with tokens, targets (-100 across segment boundaries), positions, doc_ids.
     It composes the parts above: the span index, the deal of spans to lanes (order.positions), the
-    reading and tokenizing of a lane's spans (_blocks), packing (pack), the pick of a lane per
-    window (order.choose), the batch (make_batch) and the thread (Prefetch).
+    reading and tokenizing of a lane's spans (SpanReader, read_lane), packing (pack), the pick of a
+    lane per window (order.choose), the batch (make_batch) and the thread (Prefetch).
 
     train: S = global_batch streams; each has `shuffle` lanes per source (fewer for a small source),
            and window b of stream s is the next window of the lane drawn by a hash of (seed, s, b).
@@ -226,7 +287,7 @@ class PackedLoader:
             raise DataError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} "
                             f"x dp {dp_size}; pick a multiple of {cfg.micro_batch * dp_size}")
         self.cfg, self.tok, self.rank, self.dp, self.split = cfg, tok, dp_rank, dp_size, split
-        self.threads, self.prefetch = threads, prefetch
+        self.prefetch = prefetch
         k = self.n_streams // dp_size
         self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
         self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir)
@@ -252,9 +313,11 @@ class PackedLoader:
         self.lane_ids = [self.lane_id(s, g, c) for s in self.streams
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
-        # A tokenizer that adds a dummy prefix (sentencepiece) reads a span's opening space as its own
-        # prefix; a byte-level one (tokenizer.json) keeps it (spans.cut_points).
-        self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")
+        self.read = SpanReader(self.corpus, idx, tok, cfg.bos, cfg.eos, threads)
+        # Read blocks of ~8 windows: a block's work (corpus read, tokenizer call, order) is paid over
+        # many tokens (~70-token documents: 2 windows a block packed at 0.74x the raw tokenizer, 8 at
+        # 0.85x); a lane holds < a window + a block of int32: the blog's rank (16 lanes, seq 4096) ~2 MB.
+        self.want = max(8 * (cfg.seq_len + 1), 262144 // len(self.lane_ids))
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,
                             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
@@ -272,7 +335,7 @@ class PackedLoader:
         lo, n = deal.lo, 16
         while lo < deal.lo + deal.n:
             spans = np.arange(lo, min(lo + n, deal.lo + deal.n))
-            if len(self._read(spans, deal.keep, quiet=True)[0]):
+            if len(self.read(spans, deal.keep, quiet=True)[0]):
                 return
             lo, n = lo + n, n * 4
         raise DataError(f"the {self.split} split of {name!r} has 0 tokens ({deal.n:,} spans of empty documents "
@@ -304,71 +367,12 @@ class PackedLoader:
         return counts
 
     # ---------------------------------------------------------------- producer
-    def _read(self, spans: np.ndarray, keep: str, quiet: bool = False):
-        """Tokens of the spans at some reads of a lane, joined (int32), the tokens of each and its
-        counts (STAT_KEYS, an array [reads, 6]); a span of the other split reads as nothing.
-        One tokenizer call for all of them; BOS/EOS and the counts are numpy, not per span."""
-        mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
-        rows = np.asarray(self.index.rows[spans[mine]])
-        texts = self.corpus.read_spans(rows, quiet)
-        first, last = rows[:, 1] == 0, rows[:, 2] < 0
-        # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
-        # document of only whitespace makes no token, not even BOS/EOS.
-        text = [t[1:] if t and s > 0 and self.drop_space and t[0] == " " else t
-                for (t, _, _), s in zip(texts, rows[:, 1].tolist())]
-        ok = np.array([bool(t) and not (f and l and t.isspace()) for t, f, l in zip(text, first.tolist(), last.tolist())], bool)
-        enc = self.tok.encode_batch([t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
-        bos, eos = ok & first & self.cfg.bos, ok & last & self.cfg.eos
-        n = np.zeros(len(rows), np.int64)
-        n[ok] = np.fromiter(map(len, enc), np.int64, len(enc))
-        n += bos.astype(np.int64) + eos
-        end = np.cumsum(n)
-        tokens = np.empty(int(end[-1]) if len(end) else 0, np.int32)
-        body = np.ones(len(tokens), bool)
-        body[(end - n)[bos]] = body[(end - 1)[eos]] = False
-        tokens[(end - n)[bos]], tokens[(end - 1)[eos]] = self.tok.bos_id, self.tok.eos_id
-        if enc:
-            tokens[body] = np.concatenate(enc)
-        reps, bad = (np.fromiter((x[k] for x in texts), np.int64, len(texts)) for k in (1, 2))
-        counts = np.zeros((len(spans), len(STAT_KEYS)), np.int64)
-        counts[mine] = np.stack([np.ones(len(rows), np.int64), last & (n > 0), last & first & (n == 0) & (bad == 0),
-                                 bad, reps, n], 1)
-        lens = np.zeros(len(spans), np.int64)
-        lens[mine] = n
-        return tokens, lens, counts
-
-    def _blocks(self, lane: int, i: int, skip: int, quiet: bool = False):
-        """Yield the tokens of a lane's reads i, i+1, ... (from token `skip` of read i) in blocks of
-        about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes of text)."""
-        deal, j = self._deal_of(lane)
-        # One read first: a lane's share starts small (many lanes x 16 spans would be epochs of a
-        # small corpus read ahead), then grows to ~`want` tokens a block: 8 windows, so that the work
-        # per block (a corpus read, a tokenizer call, the order) is paid over many tokens (at ~70
-        # tokens a document, 2 windows a block packed at 0.74x the raw tokenizer, 8 at 0.85x); a
-        # lane holds < one window + one block of int32 tokens: 16 lanes at seq 4096 (the blog's
-        # rank) ~1 MB, whatever the corpus.
-        chunk, want, idle = 1, max(8 * (self.cfg.seq_len + 1), 262144 // len(self.lane_ids)), 0
-        ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
-        while True:                                     # AHEAD reads at a time (a permutation call each)
-            if i + chunk > at + len(ahead):
-                at, ahead = i, positions(deal, j, i, max(AHEAD, min(4 * chunk, 4096)))[0]
-            spans = ahead[i - at:i - at + chunk]
-            new, lens, counts = self._read(spans, deal.keep, quiet)
-            d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
-            yield new[d:], i, lens, counts, d
-            idle = 0 if len(new) else idle + chunk
-            if idle > 100 * deal.n + chunk:                 # 100 epochs' share without a token: a corpus of
-                # (almost) only empty documents, which _check_tokens lets through when one span has tokens
-                raise DataError(f"the {self.split} spans {deal.lo}..{deal.lo + deal.n - 1} of {self.cfg.data!r} "
-                                f"hold no tokens (empty documents or unreadable records); check --data")
-            i += chunk                          # next: ~want tokens, growing at most 4x a block (an empty
-            chunk = max(1, min(4096, 4 * chunk, chunk * want // max(len(new), 1)))    # span must not ask for 4096)
-
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
         round-robin, micro_batch windows per batch."""
         positions_ = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
-        packers = {lane: pack(self._blocks(lane, p["i"], p["offset"]), self.cfg.seq_len + 1, p)
+        what, L1 = f"{self.split} split of {self.cfg.data!r}", self.cfg.seq_len + 1
+        packers = {lane: pack(read_lane(self.read, *self._deal_of(lane), p["i"], p["offset"], self.want, what), L1, p)
                    for lane, p in positions_.items()}
         per = len(self.lane_ids) // len(self.streams)       # lanes per stream, contiguous
         done = [sum(positions_[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])

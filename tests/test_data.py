@@ -296,7 +296,7 @@ def test_three_epochs_of_two_global_batches_reshuffled_and_resumed_anywhere(tok,
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     c = cfg(str(tmp_path / "d.jsonl"), seq_len=64, global_batch=4, shuffle=2, val_fraction=0.0)
     probe = data.PackedLoader(c, tok, prefetch=0)
-    tokens = len(probe._read(np.arange(probe.index.n_spans), "")[0])
+    tokens = len(probe.read(np.arange(probe.index.n_spans), "")[0])
     steps = 3 * tokens // (4 * 65) + 2              # global batches in 3 epochs
     assert 1.5 < tokens / (4 * 65) < 3
     ref, _, _ = global_batches(c, tok, 1, steps)
@@ -673,7 +673,7 @@ def test_one_document_spans_joined_equal_the_whole_and_it_trains(tok, tmp_path):
     idx = a.index
     assert idx.n_spans > 20 and idx.tail == int(np.ceil(0.01 * idx.n_spans))
     whole = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
-    joined = a._read(np.arange(idx.n_spans), "")[0]
+    joined = a.read(np.arange(idx.n_spans), "")[0]
     assert joined.tolist() == whole
     sizes = np.diff(np.append(np.asarray(idx.rows[:, 1]), len(text.encode())))
     assert sizes.max() <= data.span_bytes(64) and (sizes > data.span_bytes(64) // 2).mean() > 0.9
@@ -706,8 +706,8 @@ def test_byte_level_tokenizer_keeps_the_span_opening_space(tmp_path):
     (tmp_path / "input.txt").write_text(text)
     c = DataConfig(data=str(tmp_path / "input.txt"), seq_len=16, cache_dir=CACHE[0], val_fraction=0.0)
     a = data.PackedLoader(c, hf_tok, prefetch=0)
-    assert not a.drop_space and a.index.n_spans > 5
-    joined = a._read(np.arange(a.index.n_spans), "")[0]
+    assert not a.read.drop_space and a.index.n_spans > 5
+    joined = a.read(np.arange(a.index.n_spans), "")[0]
     assert joined.tolist() == [hf_tok.bos_id] + hf_tok.encode(text) + [hf_tok.eos_id]
 
 
