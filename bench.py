@@ -136,7 +136,12 @@ for _ in range(accum):                          # one optimizer step's micro-bat
     next(loader)
 t_start = time.perf_counter() - t1
 after = status()
-children = sum(len(open(f"/proc/self/task/{t}/children").read().split()) for t in os.listdir("/proc/self/task"))
+def children_of(task):                          # a thread (a tokenizer's) may end between listdir and open
+    try:
+        return len(open(f"/proc/self/task/{task}/children").read().split())
+    except FileNotFoundError:
+        return 0
+children = sum(children_of(t) for t in os.listdir("/proc/self/task"))
 threads = len(os.listdir("/proc/self/task"))
 loader.close()
 print(json.dumps({"docs": corpus.n_docs, "spans": index.n_spans, "built": built, "index_s": t_index,
