@@ -331,8 +331,8 @@ def bench_step(args):
 
 def bench_data(args):
     """The data stream, in one run: (1) packing speed per rank: tokens/s of data.PackedLoader (read
-    Arrow + tokenize + pack + batch) against the raw tokenizer encoding the same documents in
-    64-document calls, alternating rounds, median of the per-round ratios. Per rank = one thread
+    Arrow + tokenize + pack + batch; the tokens it tokenized) against the raw tokenizer encoding the
+    same documents in 64-document calls, alternating rounds, median of the per-round ratios. Per rank = one thread
     (the loader's default), tokens per CPU-second of the whole process (time.process_time: every
     thread counted, so a tokenizer running threads of its own could not inflate it); wall clock
     beside it. Tokenizer: a 32000-piece BPE (Llama 2's vocab size) trained on the stdlib; two
@@ -375,19 +375,37 @@ def bench_data(args):
                 w.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
         return path
 
-    def raw(texts, passes):                 # the tokenizer alone: 64-document calls, BOS/EOS, numpy out
+    class Counting:                         # the tokenizer, counting the tokens it makes
+        def __init__(self, tok):
+            self.tok, self.n = tok, 0
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def encode_batch(self, texts, bos, eos, threads=1):
+            out = self.tok.encode_batch(texts, bos, eos, threads)
+            self.n += sum(map(len, out))
+            return out
+    counting = Counting(tok)
+
+    def raw(texts, passes):                 # the tokenizer alone: 64-document calls, numpy out
         t0, c0, n = time.perf_counter(), time.process_time(), 0
         for i in [i for _ in range(passes) for i in range(0, len(texts), 64)]:
-            n += sum(map(len, tok.encode_batch(texts[i:i + 64], True, True, 1)))
+            n += sum(map(len, tok.encode_batch(texts[i:i + 64], False, False, 1)))
         return n, (n / (time.perf_counter() - t0), n / (time.process_time() - c0))
 
-    def packed(cfg, n_tokens, prefetch):    # as many tokens through the loader, in its steady state:
-        loader = data.PackedLoader(cfg, tok, prefetch=prefetch)    # after a warm-up of half as many
+    # Packed tokens/s: the tokens the loader tokenized in the timed stretch (what the tokenizer made,
+    # BOS/EOS aside, as in raw()) over its time, all its work counted (read, tokenize, pack, batch,
+    # and the thread's). Not the tokens handed out: the lanes hold up to ~1M tokens read ahead (64
+    # lanes x a block of ~8 windows), so a stretch of 1M handed-out tokens could be half buffered.
+    def packed(cfg, n_tokens, prefetch):    # as many tokens, in the loader's steady state: after a
+        loader = data.PackedLoader(cfg, counting, prefetch=prefetch)   # warm-up of half as many
         for _ in range(n_tokens // 2 // (cfg.micro_batch * (cfg.seq_len + 1))):
             next(loader)                    # (the lanes' first blocks; the thread starts)
-        t0, c0, n = time.perf_counter(), time.process_time(), 0
-        while n < n_tokens:
-            n += next(loader)["tokens"].numel() + cfg.micro_batch     # + the last token of each window
+        t0, c0, n0 = time.perf_counter(), time.process_time(), counting.n
+        while counting.n - n0 < n_tokens:
+            next(loader)
+        n = counting.n - n0
         r = (n / (time.perf_counter() - t0), n / (time.process_time() - c0))
         loader.close()
         return r
@@ -399,25 +417,32 @@ def bench_data(args):
         cfg = DataConfig(data=write(f"stdlib_eighth_{name}.arrow", texts), seq_len=2048, micro_batch=4,
                          global_batch=8, val_fraction=0.0, cache_dir=cache)
         packed(cfg, 1, 0)                   # builds the span index once, outside the timing
+        # The loader reads the documents shuffled, and the tokenizer alone is slower on shuffled
+        # text than on a file's consecutive paragraphs (its caches): raw() reads them in a fixed
+        # shuffled order; the corpus order's raw speed is measured beside it.
+        shuffled = [texts[i] for i in np.random.default_rng(1).permutation(len(texts))]
         rounds = []
         for _ in range(5):                  # alternate; the machine is shared and noisy
-            n, r_raw = raw(texts, 1)
-            rounds.append((r_raw, packed(cfg, n, 0), packed(cfg, n, 4)))
+            n, r_raw = raw(shuffled, 1)
+            rounds.append((r_raw, packed(cfg, n, 0), packed(cfg, n, 4), raw(texts, 1)[1]))
         speed[name] = {"documents": len(texts), "tokens_per_round": n, "rounds": rounds}
         for i, clock in enumerate(("wall", "cpu")):
             speed[name][clock] = s = {"raw": statistics.median(r[0][i] for r in rounds),
                                       "packed": statistics.median(r[1][i] for r in rounds),
                                       "ratio": statistics.median(r[1][i] / r[0][i] for r in rounds),
-                                      "ratio_thread": statistics.median(r[2][i] / r[0][i] for r in rounds)}
+                                      "ratio_thread": statistics.median(r[2][i] / r[0][i] for r in rounds),
+                                      "raw_corpus_order": statistics.median(r[3][i] / r[0][i] for r in rounds)}
     print(f"\npacking, 32000-piece BPE, seq 2048, one thread per rank, median of 5 alternating rounds "
           f"(load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
-    print("\n| corpus | clock | raw tokenizer | packed | ratio | with the prefetch thread |\n|---|---|---|---|---|---|")
+    print("\n| corpus | clock | raw tokenizer | packed | ratio | with the prefetch thread | raw in corpus order |"
+          "\n|---|---|---|---|---|---|---|")
     for name, sp in speed.items():
         for clock in ("cpu", "wall"):
             s = sp[clock]
             print(f"| {name}: {sp['documents']:,} documents, {sp['tokens_per_round'] / 1e6:.2f}M tokens a round | "
                   f"{'CPU time' if clock == 'cpu' else 'wall'} | {s['raw'] / 1e6:.2f}M tok/s | "
-                  f"{s['packed'] / 1e6:.2f}M tok/s | {s['ratio']:.2f}x | {s['ratio_thread']:.2f}x |")
+                  f"{s['packed'] / 1e6:.2f}M tok/s | {s['ratio']:.2f}x | {s['ratio_thread']:.2f}x | "
+                  f"{s['raw_corpus_order']:.2f}x |")
     print(f"\na 1B model on one H100 eats ~50,000 tokens/s: one packing thread here is "
           f"{speed['files']['cpu']['packed'] / 5e4:,.0f}x that per CPU-second")
     t_speed = time.perf_counter() - t_all
