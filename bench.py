@@ -252,7 +252,7 @@ def _step_fns(shape: dict, dtype, which: tuple):
     return fns, batch * seq
 
 
-def _peak_memory(shape_name: str, name: str, dtype_name: str, threads: int) -> float:
+def _peak_memory(shape: dict, name: str, dtype_name: str, threads: int) -> float:
     """Run in a fresh process: the peak resident bytes of two training steps of one model (its
     weights, gradients, optimizer state and the step's buffers) above the process's memory before
     the model was built; the building's own temporaries (the weights loaded into transformers)
@@ -270,7 +270,7 @@ def _peak_memory(shape_name: str, name: str, dtype_name: str, threads: int) -> f
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
     before = status("VmRSS:")
-    fns, _ = _step_fns(STEP_SHAPES[shape_name], getattr(torch, dtype_name), (name,))
+    fns, _ = _step_fns(shape, getattr(torch, dtype_name), (name,))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                     # VmHWM := VmRSS
     fns[name](); fns[name]()
@@ -284,19 +284,29 @@ def bench_step(args):
     the bare step. Rounds alternate over the steps compared, so that machine noise hits all alike;
     the speed is the median over rounds of the per-round ratio. Peak memory: each step alone in a
     fresh process (_peak_memory), the ratio of the two. Measure with --threads 1 on this 2-core
-    machine (with two, per-round ratios scatter from 0.8x to 2.3x)."""
+    machine (with two, per-round ratios scatter from 0.8x to 2.3x). The trainer pair runs twice:
+    at the body's 512 tokens and at --step_tokens (batch 4 x step_tokens / 4, default 4096). Our
+    AdamW costs the same per step whatever the batch (it is per parameter: 2.2M), the forward and
+    backward grow with the tokens, so the optimizer's share of the step -- where the trainer and
+    the bare step differ -- falls as the batch grows (issue 27's GPU run had 16384 tokens a step)."""
     import multiprocessing
     import statistics
     rounds = args.steps or 5
+    small = STEP_SHAPES["1B body, vocab 512"]
+    if args.step_tokens < 0 or args.step_tokens % small["batch"]:
+        raise SystemExit(f"--step_tokens={args.step_tokens}: give a multiple of {small['batch']} "
+                         f"(the batch; e.g. 4096 = 4 x 1024), or 0 for the 512-token trainer rows only")
+    big = dict(small, seq=args.step_tokens // small["batch"])
     print(f"bench.py step: {args.dtype}, {torch.get_num_threads()} threads, {rounds} rounds, CPU")
     # The trainer in both precisions whatever --dtype: fp32 (our AdamW in fp32) and bf16 weights
     # (bf16_sr: software stochastic rounding; the bare step's fused AdamW rounds to nearest).
-    pairs = ([(s, ("ours", "transformers"), args.dtype) for s in STEP_SHAPES]
-             + [("1B body, vocab 512", ("trainer", "bare step"), d) for d in ("float32", "bfloat16")])
+    pairs = ([(s, STEP_SHAPES[s], ("ours", "transformers"), args.dtype) for s in STEP_SHAPES]
+             + [(f"1B body, vocab 512, {sh['batch']} x {sh['seq']} tokens", sh, ("trainer", "bare step"), d)
+                for d in ("float32", "bfloat16") for sh in ([small, big] if args.step_tokens else [small])])
     rows = []
     ctx = multiprocessing.get_context("spawn")
-    for shape_name, which, dtype_name in pairs:
-        fns, tokens = _step_fns(STEP_SHAPES[shape_name], getattr(torch, dtype_name), which)
+    for shape_name, shape, which, dtype_name in pairs:
+        fns, tokens = _step_fns(shape, getattr(torch, dtype_name), which)
         for fn in fns.values():
             fn()                                          # warm-up
         times = {n: [] for n in which}
@@ -309,7 +319,7 @@ def bench_step(args):
         mem = {}
         for n in which:                                  # a fresh process each
             with ctx.Pool(1) as pool:
-                mem[n] = pool.apply(_peak_memory, (shape_name, n, dtype_name, args.threads))
+                mem[n] = pool.apply(_peak_memory, (shape, n, dtype_name, args.threads))
         a, b = which
         if which[0] == "trainer":
             name, a = f"{shape_name}, packed documents, {dtype_name}", "trainer (bf16_sr)" if dtype_name == "bfloat16" else a
@@ -1183,6 +1193,8 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
     parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--step_tokens", type=int, default=4096, help="step: tokens per step of the second "
+                        "trainer-vs-bare rows (batch 4 x step_tokens/4; 0 = only the 512-token rows)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")
     parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
     parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
