@@ -99,8 +99,8 @@ def pack(blocks, L1: int, position: dict):
     counts, skip): the tokens of reads i, i + 1, ... joined (read i's from its token `skip` on), the
     tokens of each read and its counts (STAT_KEYS); `position` ({"i", "offset", "stats"}) is where it
     starts. Yields (window, starts, position after the window), starts True at the first token of
-    each span. Holds less than one window plus one block, and per read, not per token, where it
-    came from; the windows a block completes are cut at once (numpy, no Python work per token)."""
+    each span. Holds < a window + a block, and where tokens came from per read, not per token; the
+    windows a block completes are cut at once (numpy)."""
     stats = np.array([position["stats"][k] for k in COUNTERS], np.int64)
     tok, after = np.zeros(0, np.int32), (position["i"], position["offset"])
     # The non-empty reads in tok: read index, where its token 0 is (or would be) in tok, where it
@@ -138,17 +138,20 @@ def pack(blocks, L1: int, position: dict):
 def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
     """Windows (tokens [L1], starts [L1]) -> the batch: tokens, targets (-100 where the next token
     opens another segment), positions and segment ids within each row. document_mask=False: no
-    segment ids and positions 0..seq_len-1, so the model runs plain causal attention (its causal
-    kernel, no mask) over the whole window."""
+    segment ids, positions 0..seq_len-1: plain causal attention (no mask) over the whole window."""
     w, start = np.stack([t for t, _ in wins]), np.stack([s for _, s in wins])     # [B, seq_len + 1]
     targets = w[:, 1:].astype(np.int64)
     targets[start[:, 1:]] = -100
-    start, ar, as_t = start[:, :-1], np.arange(w.shape[1] - 1), torch.from_numpy
+    (B, T), as_t = targets.shape, torch.from_numpy
     batch = {"tokens": as_t(w[:, :-1].astype(np.int64)), "targets": as_t(targets)}
     if not document_mask:
-        return {**batch, "positions": as_t(np.tile(ar, (len(w), 1)))}
-    return {**batch, "positions": as_t(ar - np.maximum.accumulate(np.where(start, ar, 0), axis=1)),
-            "doc_ids": as_t(np.cumsum(start, axis=1) - start[:, :1])}    # 0 for the window's first segment
+        return {**batch, "positions": as_t(np.tile(np.arange(T), (B, 1)))}
+    start[:, 0] = True                                  # segments, row-major: every row opens one
+    seg = np.flatnonzero(start[:, :-1])                 # where each starts in the flat [B * T]
+    size, row = np.diff(np.append(seg, B * T)), np.searchsorted(seg, np.arange(B) * T)
+    doc = np.arange(len(seg)) - np.repeat(row, np.diff(np.append(row, len(seg))))   # 0 for a row's first
+    return {**batch, "positions": as_t((np.arange(B * T) - np.repeat(seg, size)).reshape(B, T)),
+            "doc_ids": as_t(np.repeat(doc, size).reshape(B, T))}
 
 
 class Prefetch:
@@ -196,8 +199,7 @@ class Prefetch:
 
 
 class SpanReader:
-    """Spans -> tokens: the spans' text (corpus + span index), tokenized in one call per read, with
-    BOS at a document's start and EOS at its end. Holds nothing between calls."""
+    """Spans -> tokens: their text (corpus + span index), one tokenizer call a read, BOS/EOS at a document's ends."""
 
     def __init__(self, corpus: Corpus, index: SpanIndex, tok: Tokenizer, bos: bool, eos: bool, threads: int = 1):
         self.corpus, self.index, self.tok, self.bos, self.eos, self.threads = corpus, index, tok, bos, eos, threads
@@ -210,12 +212,12 @@ class SpanReader:
         a span of the other split reads as nothing. One tokenizer call; BOS/EOS and counts in numpy."""
         mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
         rows = np.asarray(self.index.rows[spans[mine]])
-        texts = self.corpus.read_spans(rows, quiet)
+        text, reps, bad = (list(x) for x in zip(*self.corpus.read_spans(rows, quiet))) if len(rows) else ([], [], [])
         first, last = rows[:, 1] == 0, rows[:, 2] < 0
         # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
         # document of only whitespace makes no token, not even BOS/EOS.
-        text = [t[1:] if t and s > 0 and self.drop_space and t[0] == " " else t
-                for (t, _, _), s in zip(texts, rows[:, 1].tolist())]
+        if self.drop_space and not first.all():
+            text = [t[1:] if t and s > 0 and t[0] == " " else t for t, s in zip(text, rows[:, 1].tolist())]
         ok = np.array([bool(t) and not (f and l and t.isspace()) for t, f, l in zip(text, first.tolist(), last.tolist())], bool)
         enc = self.tok.encode_batch([t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
         bos, eos = ok & first & self.bos, ok & last & self.eos
@@ -228,7 +230,7 @@ class SpanReader:
         body[heads] = body[tails] = False
         tokens[heads], tokens[tails] = self.tok.bos_id, self.tok.eos_id
         tokens[body] = np.concatenate(enc or [np.zeros(0, np.int32)])
-        reps, bad = (np.fromiter((x[k] for x in texts), np.int64, len(texts)) for k in (1, 2))
+        reps, bad = np.array(reps, np.int64), np.array(bad, np.int64)
         counts = np.zeros((len(spans), len(STAT_KEYS)), np.int64)
         counts[mine] = np.stack([np.ones(len(rows), np.int64), last & (n > 0), last & first & (n == 0) & (bad == 0),
                                  bad, reps, n], 1)
@@ -236,10 +238,9 @@ class SpanReader:
 
 
 def read_lane(read: SpanReader, deal: Deal, j: int, i: int, skip: int, want: int, what: str):
-    """Yield the tokens of lane j's reads i, i+1, ... of `deal` (from token `skip` of read i) in
-    blocks of about `want` tokens, in the form pack() takes. A read is one span (at most span_bytes
-    of text); `what` names the split in an error. The first block is one read: a lane's share
-    starts small (many lanes x 16 spans would be epochs of a small corpus read ahead)."""
+    """Yield the tokens of lane j's reads i, i+1, ... of `deal` (from token `skip` of read i; a read is
+    one span) in blocks of ~`want` tokens, as pack() takes them; `what` names the split in an error.
+    The first block is one read (many lanes x 16 spans would be epochs of a small corpus read ahead)."""
     chunk, idle = 1, 0
     ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
     while True:                                     # AHEAD reads at a time (a permutation call each)
@@ -330,8 +331,7 @@ class PackedLoader:
             self._check_tokens(self.deals[g], name)
 
     def _check_tokens(self, deal: Deal, name: str) -> None:
-        """Refuse a split without a single token (every document empty or unreadable) now, not at the
-        first batch. Reads spans in corpus order up to the first token: one read, but for such a corpus."""
+        """Refuse a split without a single token (all documents empty or unreadable) now, not at the first batch."""
         lo, n = deal.lo, 16
         while lo < deal.lo + deal.n:
             spans = np.arange(lo, min(lo + n, deal.lo + deal.n))
