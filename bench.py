@@ -345,10 +345,11 @@ def bench_data(args):
     same documents in 64-document calls, alternating rounds, median of the per-round ratios. Per rank = one thread
     (the loader's default), tokens per CPU-second of the whole process (time.process_time: every
     thread counted, so a tokenizer running threads of its own could not inflate it); wall clock
-    beside it. Tokenizer: a 32000-piece BPE (Llama 2's vocab size) trained on the stdlib; two
-    corpora of the same text (1/8 of the stdlib, ~1.1M tokens): its files as documents (long ones,
-    cut into spans), and the same files cut at blank lines (~15k short documents, ~70 tokens each:
-    per-document work shows there). (2) Per-rank memory and start-up at 1M, 4M and 16M documents:
+    beside it. Tokenizer: a 32000-piece BPE (Llama 2's vocab size) trained on the stdlib; corpora
+    of the same text (1/8 of the stdlib, ~1.1M tokens): its files as documents (long ones, cut into
+    spans), and the same files cut at blank lines (~15k short documents, ~70 tokens each:
+    per-document work shows there), those also in 1,000-row and 8-row record batches (8: a read's
+    documents each in a batch of its own, as at 1e9 documents in 1,000-row batches). (2) Per-rank memory and start-up at 1M, 4M and 16M documents:
     one process per corpus (Arrow, short documents) builds the span index if needed, then starts
     rank 0 of 32 (global batch 512 x seq 2048, shuffle 8: 16 streams x 8 lanes) with its evaluation
     windows and takes one step's micro-batches; RssAnon (private memory) and /dev/shm before and
@@ -377,12 +378,13 @@ def bench_data(args):
         json.dump(_data_memory(args, tok.path), open(os.path.join(args.out, "data_memory.json"), "w"), indent=1)
         return
 
-    def write(name, texts):
+    def write(name, texts, rows):           # in record batches of `rows` rows
         path = os.path.join(args.out, name)
         if not os.path.exists(path):
             schema = pa.schema({"text": pa.large_string()})
             with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
-                w.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=schema))
+                for lo in range(0, len(texts), rows):
+                    w.write_batch(pa.record_batch([pa.array(texts[lo:lo + rows], pa.large_string())], schema=schema))
         return path
 
     class Counting:                         # the tokenizer, counting the tokens it makes
@@ -423,8 +425,15 @@ def bench_data(args):
     speed, load0 = {}, os.getloadavg()[0]
     # The text once a round, after a warm-up of half as much: the lanes' first blocks are small (one
     # span, then growing to ~8 windows), so that they reach their steady state in the warm-up.
-    for name, texts in (("files", files), ("paragraphs", paragraphs)):
-        cfg = DataConfig(data=write(f"stdlib_eighth_{name}.arrow", texts), seq_len=2048, micro_batch=4,
+    # The paragraphs also in 1,000-row record batches (as prepare and datasets write), and in 8-row
+    # ones: there nearly every document of a read lies in a record batch of its own, as at 1e9
+    # documents in 1,000-row batches (a read's ~230 documents among a million batches).
+    corpora = {"files": (files, 1 << 30), "paragraphs": (paragraphs, 1 << 30),
+               "paragraphs_b1000": (paragraphs, 1000), "paragraphs_b8": (paragraphs, 8)}
+    for name in args.data_corpora.split(","):
+        texts, rows = corpora[name]
+        file = f"stdlib_eighth_{name.split('_')[0]}{'' if rows > len(texts) else f'_b{rows}'}.arrow"
+        cfg = DataConfig(data=write(file, texts, rows), seq_len=2048, micro_batch=4,
                          global_batch=8, val_fraction=0.0, cache_dir=cache)
         packed(cfg, 1, 0)                   # builds the span index once, outside the timing
         # The loader reads the documents shuffled, and the tokenizer alone is slower on shuffled
@@ -454,8 +463,11 @@ def bench_data(args):
                   f"{s['packed'] / 1e6:.2f}M tok/s | {s['ratio']:.2f}x | {s['ratio_thread']:.2f}x | "
                   f"{s['raw_corpus_order']:.2f}x |")
     print(f"\na 1B model on one H100 eats ~50,000 tokens/s: one packing thread here is "
-          f"{speed['files']['cpu']['packed'] / 5e4:,.0f}x that per CPU-second")
+          f"{min(sp['cpu']['packed'] for sp in speed.values()) / 5e4:,.0f}x that per CPU-second (slowest corpus)")
     t_speed = time.perf_counter() - t_all
+    if args.data_part == "packing":
+        json.dump({"speed": speed}, open(os.path.join(args.out, "data_packing.json"), "w"), indent=1)
+        return
 
     memory = _data_memory(args, tok.path)
     print(f"\nbench data: {time.perf_counter() - t_all:.0f} s in all (packing {t_speed:.0f} s); load average "
@@ -1200,7 +1212,9 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
     parser.add_argument("--data_shapes", default="arrow", help="data: the memory part's corpus shapes, of "
                         "arrow (131k-row record batches), arrow_1000 (1,000-row batches), jsonl")
-    parser.add_argument("--data_part", default="all", choices=["all", "memory"], help="data: memory = the memory part only")
+    parser.add_argument("--data_part", default="all", choices=["all", "memory", "packing"], help="data: one part only")
+    parser.add_argument("--data_corpora", default="files,paragraphs,paragraphs_b1000,paragraphs_b8", help="data: the "
+                        "packing part's corpora (paragraphs_bN: the paragraphs in N-row record batches)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     BENCHES[args.which](args)

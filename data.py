@@ -23,15 +23,13 @@ re-tokenizing offline costs days each time an experiment changes its data or tok
    one sequence cut into windows of seq_len + 1 tokens, no padding, nothing dropped. Windows carry
    per-segment positions and ids; a target never crosses a span boundary.
 
-A lane's position is (reads done, token offset in the span being read), so a stream's state is a
-few integers, and a restored loader, at any DP degree, re-tokenizes at most one span per lane and
-yields the very same windows. A thread packs ahead of training (`Prefetch`).
+A lane's position is (reads done, token offset in its span): a stream's state is a few integers, and a
+restored loader (any DP degree) re-reads at most one span a lane: the same windows. A thread packs ahead.
 
 What one rank holds, whatever the number of documents (the blog's 1.8T tokens: ~1e9 documents): its
 lanes (global_batch / dp x shuffle x sources, each under one window plus one read block of tokens)
 and the pages of the span index it touches (page cache, shared by the node's ranks). Nothing per
-document is materialized: no permutation, no split membership, no id list. (The readers of .jsonl
-and per-line .txt keep 16 bytes per line: `prepare` big ones into Arrow.)
+document is materialized: no permutation, no split membership, no id list, no offsets (sources.py: mapped).
 
     python data.py prepare SRC... --out corpus.arrow             # many shards -> one Arrow file (prepare.py)
     python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
@@ -203,6 +201,8 @@ class SpanReader:
 
     def __init__(self, corpus: Corpus, index: SpanIndex, tok: Tokenizer, bos: bool, eos: bool, threads: int = 1):
         self.corpus, self.index, self.tok, self.bos, self.eos, self.threads = corpus, index, tok, bos, eos, threads
+        if hasattr(tok, "use_threads"):         # a tokenizer.json: the tokenizers library's own pool (hf.py)
+            tok.use_threads(threads)
         # A tokenizer that adds a dummy prefix (sentencepiece) reads a span's opening space as its own
         # prefix; a byte-level one (tokenizer.json) keeps it (spans.cut_points).
         self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")

@@ -377,6 +377,19 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tk.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def use_threads(self, threads: int) -> None:
+        """Tokenize on `threads` cores (the loader's, 1 by default), set once where the data pipeline
+        is built. encode_batch runs on the tokenizers library's Rust (rayon) pool, which starts at its
+        first use with RAYON_NUM_THREADS threads, else one per core of the host: 32 ranks of a trn1
+        node (128 vCPUs) would run 32 x 128 tokenizer threads, 32x oversubscribed. The pool reads the
+        variable once, when it starts (loading a tokenizer.json and encode() do not start it), so it
+        is set before the first encode_batch; TOKENIZERS_PARALLELISM is read at every call, and
+        "false" runs encode_batch in the calling thread (1 thread: no pool at all, even if something
+        started one before). Values the user set are kept. (tokenizers/src/utils/parallelism.rs)"""
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        if threads == 1:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
     def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1):
         import numpy as np
         head, tail = [self.bos_id] if bos else [], [self.eos_id] if eos else []

@@ -11,7 +11,7 @@ two memory maps, the file's and its index's (no open file; a few KB, with the la
 batches opened): nothing per document or per batch (measured: rank 0 of 32's data share after one step is
 the same at 1M and 16M documents, `python bench.py data --data_part memory --data_shapes
 arrow,arrow_1000,jsonl`). The node's page cache holds the indexes: 8 bytes a line of a .jsonl
-corpus (8 GB at 1e9 lines), 16 bytes a record batch of an Arrow corpus (16 MB in 1,000-row
+corpus (8 GB at 1e9 lines), 40 bytes a record batch of an Arrow corpus (40 MB in 1,000-row
 batches), besides the span index (spans.py, 24 bytes a span).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import pyarrow.compute as pc
 
 from configs import ConfigError
 
-INDEX_VERSION = 1
+# The format of each kind of offsets index: a change rebuilds that kind's indexes only.
+INDEX_VERSION = {"lines": 1, "batches": 2}
 # Arrow record batches a reader keeps open (views into the map, ~1 KB of objects each). Reads come
 # grouped by batch (read), in order (lengths, a long document's spans): a few suffice, and a
 # folder of 4,000 shards then holds ~16 MB of them per rank.
@@ -49,7 +50,7 @@ def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
     gets a new index."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, kind,
-                                     INDEX_VERSION]).encode()).hexdigest()[:16]
+                                     INDEX_VERSION[kind]]).encode()).hexdigest()[:16]
     out = os.path.join(cache_dir, f"{kind}-{key}.idx")
     os.makedirs(cache_dir, exist_ok=True)
     with open(out + ".lock", "w") as lock:
@@ -176,12 +177,16 @@ class LineDocs(Source):
 class ColumnDocs(Source):
     """A text column of an Arrow IPC file (the stream format `datasets.save_to_disk` writes, or the
     file format), memory-mapped: opening a terabyte file costs nothing and only the rows read are
-    paged in. Its record batches are opened on demand from the batch index (the first row of every
-    batch, then every batch's message offset in the file; built once by reading the messages'
-    headers): a rank holds nothing per batch. (A table read whole held ~0.7 KB of private memory per
-    batch: 0.7 GB per rank at 1e9 documents in 1,000-row batches, as prepare and datasets write.)
-    A schema with dictionary-encoded columns needs the dictionaries to open a batch: such a file
-    (rare; never written by prepare or datasets) is read whole, as before."""
+    paged in. The batch index (built once per file and node from the messages' headers) holds the
+    first row of every batch, then per batch where its message and its text column's offsets, bytes
+    and validity bitmap lie in the file: a document is read with two lookups into the map, no Arrow
+    call, and a rank holds nothing per batch. (Opening a record batch costs ~18 us: with shuffled
+    reads at 1e9 documents nearly every short document would need one; a table read whole held
+    ~0.7 KB of private memory per batch, 0.7 GB per rank at 1e9 documents in 1,000-row batches, as
+    prepare and datasets write.) A compressed body's buffers are not in the file as read: such a
+    batch is opened by Arrow (the last BATCHES kept), as is a lengths() range. A schema with
+    dictionary-encoded columns needs the dictionaries to open a batch: such a file (rare; never
+    written by prepare or datasets) is read whole."""
 
     def __init__(self, path: str, field: str, cache_dir: str = ".cache"):
         self.path, self.field, self.table = path, field, None
@@ -190,25 +195,27 @@ class ColumnDocs(Source):
             self.first = 8 if self.map.size >= 8 and self.map[:6].to_pybytes() == b"ARROW1" else 0
             self.schema = pa.ipc.read_schema(pa.ipc.read_message(self.map.slice(self.first)))
             text_column(self.schema.empty_table(), field, path)             # checks name and type
+            self.column, self.bytes = self.schema.get_field_index(field), np.frombuffer(self.map, np.uint8)
+            self.wide = pa.types.is_large_string(self.schema.field(field).type) or pa.types.is_large_binary(self.schema.field(field).type)
             if any(pa.types.is_dictionary(f.type) for f in self.schema):
                 reader = pa.ipc.open_file if self.first else pa.ipc.open_stream
                 self.table = text_column(reader(pa.memory_map(path, "r")).read_all(), field, path)
                 self.starts = np.cumsum([0] + [len(c) for c in self.table.chunks])
             else:
                 index = offsets_file(path, "batches", cache_dir, self.scan)
-                self.starts, self.offsets = index[:len(index) // 2 + 1], index[len(index) // 2 + 1:]
+                nb = (len(index) - 1) // 5
+                self.starts, self.layout = index[:nb + 1], index[nb + 1:].reshape(nb, 4)
         except (pa.ArrowException, OSError, EOFError) as e:   # random bytes: ArrowInvalid; truncated: OSError
             raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
                             f"write it again from its sources (python data.py prepare SRC... --out {os.path.basename(path)}) "
                             f"or leave it out of --data") from None
-        self.n, self.column = int(self.starts[-1]), self.schema.get_field_index(field)
-        self.wide = pa.types.is_large_string(self.schema.field(field).type) or pa.types.is_large_binary(self.schema.field(field).type)
+        self.n = int(self.starts[-1])
         self.batch = functools.lru_cache(BATCHES)(self._batch)
 
     def scan(self, path, f):
-        """The batch index: the first row of every batch and the total (n + 1 numbers), then the
-        offset of every batch's message. Only headers are read; rows are counted 65,536 batches at a
-        time, and the offsets go through a temporary file (bounded memory)."""
+        """The batch index: the first row of every batch and the total (n + 1 numbers), then per batch
+        its layout (4 numbers). Only headers are read (the buffers are views into the map); 65,536
+        batches at a time, the layouts through a temporary file (bounded memory)."""
         reader, rows, firsts, offs = pa.BufferReader(self.map), 0, [0], []
         reader.seek(self.first)
         with tempfile.TemporaryFile(dir=os.path.dirname(f.name)) as tail:
@@ -219,9 +226,10 @@ class ColumnDocs(Source):
                 except EOFError:                                  # the end-of-stream marker, or the end
                     break
                 if msg.type == "record batch":
-                    rows += pa.ipc.read_record_batch(msg, self.schema).num_rows
+                    batch = pa.ipc.read_record_batch(msg, self.schema)
+                    rows += batch.num_rows
                     firsts.append(rows)
-                    offs.append(pos)
+                    offs += [pos, *self.where_column(batch.column(self.column))]
                 if len(offs) >= 1 << 16:
                     f.write(np.asarray(firsts, np.int64).tobytes())
                     tail.write(np.asarray(offs, np.int64).tobytes())
@@ -232,11 +240,24 @@ class ColumnDocs(Source):
             while chunk := tail.read(1 << 24):
                 f.write(chunk)
 
+    def where_column(self, col: pa.Array) -> tuple[int, int, int]:
+        """Where a batch's text column lies in the file: its offsets, its bytes (0 for an empty
+        buffer: nothing is read there) and its validity bitmap (-1: no nulls). (-1, 0, 0) where
+        it is not a view of the file (a compressed body, decompressed elsewhere) or starts mid-buffer."""
+        base, size = self.map.address, self.map.size
+        def at(buf):
+            if buf is None or buf.size == 0:
+                return 0
+            return buf.address - base if base <= buf.address and buf.address + buf.size <= base + size else None
+        valid, offsets, data = col.buffers()
+        spots = (at(offsets), at(data), at(valid) if col.null_count else -1)
+        return (-1, 0, 0) if None in spots or col.offset or (len(col) and offsets is None) else spots
+
     def _batch(self, c: int) -> pa.Array:
         """The text of record batch c as bytes (a view into the map: Arrow copies nothing)."""
         if self.table is not None:
             return self.table.chunk(c)
-        msg = pa.ipc.read_message(self.map.slice(int(self.offsets[c])))
+        msg = pa.ipc.read_message(self.map.slice(int(self.layout[c, 0])))
         col = pa.ipc.read_record_batch(msg, self.schema).column(self.column)
         return col.view(pa.large_binary() if self.wide else pa.binary())
 
@@ -244,10 +265,25 @@ class ColumnDocs(Source):
         c = int(np.searchsorted(self.starts, np.int64(i), "right") - 1)
         return c, int(i - self.starts[c])
 
+    def spots(self, ids, c):
+        """Documents ids (in batches c) in the map: first byte, end byte, not null. Two lookups each."""
+        lay, j = self.layout[c], ids - self.starts[c]
+        w = 8 if self.wide else 4
+        at = (lay[:, 1] + j * w)[:, None] + np.arange(2 * w)                 # offsets j and j + 1
+        offs = self.bytes[at.ravel()].view("<i8" if self.wide else "<i4").reshape(-1, 2)
+        bits = self.bytes[np.where(lay[:, 3] >= 0, lay[:, 3] + j // 8, 0)] >> (j % 8) & 1
+        return lay[:, 2] + offs[:, 0], lay[:, 2] + offs[:, 1], (lay[:, 3] < 0) | (bits == 1)
+
+    def direct(self, c) -> bool:                        # batches c read from the map (not compressed)
+        return self.table is None and len(c) > 0 and bool((self.layout[c, 1] >= 0).all())
+
     def read(self, ids):
-        # Batch by batch, Arrow's take() on each (a take() on a ChunkedArray copies the whole column).
         ids = np.asarray(ids, np.int64)
         which = np.searchsorted(self.starts, ids, "right") - 1
+        if self.direct(which):
+            m = self.bytes
+            return [m[a:b].tobytes() if ok else None for a, b, ok in zip(*(x.tolist() for x in self.spots(ids, which)))]
+        # Batch by batch, Arrow's take() on each (a take() on a ChunkedArray copies the whole column).
         out = [None] * len(ids)
         for c in np.unique(which):
             pick = np.flatnonzero(which == c)
@@ -267,6 +303,9 @@ class ColumnDocs(Source):
 
     def read_range(self, i, start, stop):               # a slice of the mapped bytes: the row is not copied
         c, j = self._find(i)
+        if self.direct(np.array([c])):
+            (a,), (b,), (ok,) = self.spots(np.array([i], np.int64), np.array([c]))
+            return self.bytes[a + start:b if stop < 0 else a + stop].tobytes() if ok else None
         chunk = self.batch(c)
         if chunk.null_count and not chunk[j].is_valid:
             return None

@@ -3,12 +3,14 @@ head_dim) against transformers both ways; transformers 5 configs."""
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import hf as hf_io  # noqa: E402
 from conftest import max_rel_err  # noqa: E402
 import model as llama  # noqa: E402
@@ -187,6 +189,40 @@ def llama3_tokenizer(folder, config=True):
             json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
                        "tokenizer_class": "PreTrainedTokenizerFast"}, f)
     return tk.get_vocab_size()
+
+
+THREADS = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import data
+from configs import DataConfig
+tok = data.load_tokenizer(sys.argv[2])
+before = len(os.listdir("/proc/self/task"))
+cfg = DataConfig(data=sys.argv[3], seq_len=16, cache_dir=sys.argv[4], val_fraction=0.0)
+loader = data.PackedLoader(cfg, tok, prefetch=0, threads=int(sys.argv[5]))   # tokenizes its first reads
+for _ in range(50):
+    next(loader)
+tok.encode_batch(["a few words of text"] * 4000, False, False, int(sys.argv[5]))
+print(len(os.listdir("/proc/self/task")) - before)      # the pool's threads stay after the calls
+"""
+
+
+def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path):
+    """A rank's tokenizer.json runs on the loader's threads (1 by default), not on a thread per core
+    of the host (32 ranks of a trn1 node: 32x oversubscribed): the threads the process starts to
+    tokenize, counted in /proc/self/task, in a fresh process (the pool starts once per process)."""
+    llama3_tokenizer(str(tmp_path / "tok"))
+    (tmp_path / "input.txt").write_text(" ".join(TEXTS * 20))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    def started(threads):
+        out = subprocess.run([sys.executable, "-c", THREADS, ROOT, str(tmp_path / "tok"), str(tmp_path / "input.txt"),
+                              str(tmp_path / "cache"), str(threads)], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+    many = (os.cpu_count() or 1) + 1                 # not what the pool would take by itself (a thread a core)
+    assert started(1) == 0 and started(many) == many
+    env["RAYON_NUM_THREADS"] = "2"                   # a value the user set is kept
+    assert started(many) == 2
 
 
 def test_hf_tokenizer_json_ids_and_specials(tmp_path):

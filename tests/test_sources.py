@@ -48,11 +48,41 @@ def test_arrow_of_many_record_batches_reads_every_row_as_arrow_does(tmp_path):
         assert list(docs.lengths(30, 2990)) == [len(w or b"") for w in want[30:2990]]
         assert docs.read_range(1000, 3, 9) == want[1000][3:9] and docs.read_range(1000, 4, -1) == want[1000][4:]
         assert docs.read_range(7, 0, -1) is None
-        if extra is None:              # opened from the batch index: every batch's first row, then its offset
+        if extra is None:              # from the batch index: every batch's first row, then its layout
             assert len(docs.starts) == 3001 // 37 + 3 and not docs.starts.flags.owndata
-            assert len(docs.offsets) == len(docs.starts) - 1
+            assert docs.layout.shape == (len(docs.starts) - 1, 4) and (docs.layout[:, 1] >= 0).all()
         assert ColumnDocs(path, "text", str(tmp_path / "cache")).read([3000]) == [want[3000]]   # index reused
     assert len([f for f in os.listdir(tmp_path / "cache") if f.endswith(".idx")]) == 2
+
+
+def test_arrow_rows_read_from_the_map_as_arrow_reads_them(tmp_path):
+    """A document is two lookups into the memory-mapped file (the batch index holds where each batch's
+    offsets, bytes and validity bitmap lie): the same bytes as Arrow's own reading, no batch opened.
+    A compressed body's buffers are not in the file as read: opened by Arrow, same bytes."""
+    rng = np.random.default_rng(0)
+    parts = [["x" * int(k) + "é" for k in rng.integers(0, 30, 50)],              # no nulls
+             [None if i % 3 else f"d{i}" for i in range(40)],                     # nulls
+             [None] * 9, [""] * 7, [], ["", None, "last"]]                       # all null, all empty, empty batch
+    for typ in (pa.string(), pa.large_string()):
+        for fmt, compression in (("stream", None), ("file", None), ("stream", "zstd"), ("file", "lz4")):
+            schema = pa.schema({"id": pa.int64(), "text": typ})
+            path = str(tmp_path / f"{typ}-{fmt}-{compression}.arrow")
+            new = pa.ipc.new_file if fmt == "file" else pa.ipc.new_stream
+            with pa.OSFile(path, "wb") as sink, new(sink, schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as w:
+                for part in parts:
+                    w.write_batch(pa.record_batch([pa.array(range(len(part)), pa.int64()), pa.array(part, typ)], schema=schema))
+            reader = pa.ipc.open_file if fmt == "file" else pa.ipc.open_stream
+            want = [None if t is None else t.encode() for t in reader(path).read_all().column("text").to_pylist()]
+            docs = ColumnDocs(path, "text", str(tmp_path / "cache"))
+            assert docs.n == len(want) == sum(map(len, parts))
+            assert (docs.layout[:, 1] >= 0).all() == (compression is None)
+            ids = rng.permutation(docs.n)
+            assert docs.read(ids) == [want[i] for i in ids] and docs.read([]) == []
+            half = [len(w or b"") // 2 for w in want]                          # a cut inside the document
+            got = [docs.read_range(i, 1, -1) for i in range(docs.n)] + [docs.read_range(i, h // 2, h) for i, h in enumerate(half)]
+            assert got == [w if w is None else w[1:] for w in want] + [w if w is None else w[h // 2:h] for w, h in zip(want, half)]
+            assert (docs.batch.cache_info().misses == 0) == (compression is None)      # batches opened
+            assert list(docs.lengths(0, docs.n)) == [len(w or b"") for w in want]
 
 
 def test_line_index_round_trip(tmp_path):
