@@ -207,7 +207,7 @@ print(len(os.listdir("/proc/self/task")) - before)      # the pool's threads sta
 """
 
 
-def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path):
+def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path, monkeypatch):
     """A rank's tokenizer.json runs on the loader's threads (1 by default), not on a thread per core
     of the host (32 ranks of a trn1 node: 32x oversubscribed): the threads the process starts to
     tokenize, counted in /proc/self/task, in a fresh process (the pool starts once per process)."""
@@ -221,8 +221,10 @@ def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path):
         return int(out.stdout.split()[-1])
     many = (os.cpu_count() or 1) + 1                 # not what the pool would take by itself (a thread a core)
     assert started(1) == 0 and started(many) == many
-    env["RAYON_NUM_THREADS"] = "2"                   # a value the user set is kept
-    assert started(many) == 2
+    monkeypatch.setenv("RAYON_NUM_THREADS", "2")     # values the user set are kept
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    hf_io.HFTokenizer(str(tmp_path / "tok")).use_threads(1)
+    assert (os.environ["RAYON_NUM_THREADS"], os.environ["TOKENIZERS_PARALLELISM"]) == ("2", "true")
 
 
 def test_hf_tokenizer_json_ids_and_specials(tmp_path):
