@@ -246,8 +246,17 @@ class Corpus:
             pick = np.flatnonzero(which == s)
             src = self.sources[s]
             local = ids[pick] - self.offsets[s]
-            for j, i, raw in zip(pick.tolist(), local.tolist(), src.read(local)):    # lists: no numpy
-                out[j] = self._decode(raw, src, i, quiet)                           # scalar per document
+            raws, got = src.read(local), None
+            try:        # bytes of valid UTF-8 (strict: no surrogate) as _decode gives them, no call a document
+                got = None if src.jsonl else [(r.decode(), 0, False) for r in raws]
+            except (AttributeError, UnicodeDecodeError):    # a null, a bad byte: _decode (warns, counts)
+                pass
+            if got is None:
+                got = [self._decode(raw, src, i, quiet) for i, raw in zip(local.tolist(), raws)]
+            if len(pick) == len(ids):
+                return got
+            for j, r in zip(pick.tolist(), got):            # lists: no numpy scalar per document
+                out[j] = r
         return out
 
     def _where(self, docs):
@@ -361,7 +370,7 @@ class Tokenizer:
         A document longer than PIECE_CHARS is encoded in pieces (see split_long)."""
         if not texts:
             return []
-        if any(len(t) > PIECE_CHARS for t in texts):
+        if max(map(len, texts)) > PIECE_CHARS:
             out = []
             for t in texts:
                 if len(t) <= PIECE_CHARS:

@@ -211,15 +211,16 @@ class SpanReader:
         """Tokens of some reads' spans joined (int32), tokens per read and counts (STAT_KEYS, [reads, 6]);
         a span of the other split reads as nothing. One tokenizer call; BOS/EOS and counts in numpy."""
         mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
-        rows = np.asarray(self.index.rows[spans[mine]])
-        text, reps, bad = (list(x) for x in zip(*self.corpus.read_spans(rows, quiet))) if len(rows) else ([], [], [])
+        rows = np.asarray(self.index.rows)[spans[mine]]     # asarray: no np.memmap per read (its __getitem__)
+        text, reps, bad = zip(*self.corpus.read_spans(rows, quiet)) if len(rows) else ((), (), ())
+        text = [t or "" for t in text] if None in text else list(text)     # None: a bad record
         first, last = rows[:, 1] == 0, rows[:, 2] < 0
         # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
-        # document of only whitespace makes no token, not even BOS/EOS.
+        # document of only whitespace makes no token, not even BOS/EOS. Per span only C-level maps.
         if self.drop_space and not first.all():
             text = [t[1:] if t and s > 0 and t[0] == " " else t for t, s in zip(text, rows[:, 1].tolist())]
-        ok = np.array([bool(t) and not (f and l and t.isspace()) for t, f, l in zip(text, first.tolist(), last.tolist())], bool)
-        enc = self.tok.encode_batch([t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
+        ok = (np.fromiter(map(len, text), np.int64, len(text)) > 0) & ~(first & last & np.fromiter(map(str.isspace, text), bool, len(text)))
+        enc = self.tok.encode_batch(text if ok.all() else [t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
         bos, eos = ok & first & self.bos, ok & last & self.eos
         n = np.zeros(len(rows), np.int64)
         n[ok] = np.fromiter(map(len, enc), np.int64, len(enc))

@@ -281,7 +281,7 @@ class ColumnDocs(Source):
         ids = np.asarray(ids, np.int64)
         which = np.searchsorted(self.starts, ids, "right") - 1
         if self.direct(which):
-            m = self.bytes
+            m = memoryview(self.bytes)                  # a memoryview's slice: ~3x cheaper than an array's
             return [m[a:b].tobytes() if ok else None for a, b, ok in zip(*(x.tolist() for x in self.spots(ids, which)))]
         # Batch by batch, Arrow's take() on each (a take() on a ChunkedArray copies the whole column).
         out = [None] * len(ids)
