@@ -239,13 +239,8 @@ class Corpus:
                 + (f" (the first here: {first})" if first else ""))
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
-        ids = np.asarray(ids, np.int64)
-        which = np.searchsorted(self.offsets, ids, side="right") - 1
         out = [None] * len(ids)
-        for s in np.unique(which):
-            pick = np.flatnonzero(which == s)
-            src = self.sources[s]
-            local = ids[pick] - self.offsets[s]
+        for src, local, pick in self._where(ids):
             raws, got = src.read(local), None
             try:        # bytes of valid UTF-8 (strict: no surrogate) as _decode gives them, no call a document
                 got = None if src.jsonl else [(r.decode(), 0, False) for r in raws]
@@ -274,9 +269,7 @@ class Corpus:
             a, b = max(lo, self.offsets[s]), min(hi, self.offsets[s + 1])
             if a >= b:
                 break
-            src = self.sources[s]
-            out.append(src.lengths(a - self.offsets[s], b - self.offsets[s]) if hasattr(src, "lengths")
-                       else np.array([len(r or b"") for r in src.read(range(a - self.offsets[s], b - self.offsets[s]))]))
+            out.append(self.sources[s].lengths(a - self.offsets[s], b - self.offsets[s]))
         return np.concatenate(out).astype(np.int64)
 
     def raw(self, docs) -> list[bytes]:
@@ -301,7 +294,7 @@ class Corpus:
         for j in np.flatnonzero(~whole):
             d, start, stop = (int(x) for x in rows[j])
             (src, local, _), = self._where([d])
-            if src.jsonl or not hasattr(src, "read_range"):
+            if src.jsonl:
                 b = self.raw([d])[0]
                 raw = b[start:stop if stop >= 0 else len(b)]
             else:

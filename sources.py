@@ -88,7 +88,8 @@ def give_back_heap() -> None:
 
 
 class Source:
-    """n documents; read(local ids) -> raw bytes (or None) per document; where(i) names one."""
+    """n documents; read(local ids) -> raw bytes (or None) per document; lengths(lo, hi) -> their
+    byte lengths without reading them; read_range(i, start, stop) -> a slice of one; where(i) names one."""
     jsonl, n = False, 0
 
     def where(self, i):
