@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import json
 import os
 import shutil
@@ -73,32 +74,44 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(v) for v in items)
 
 
-def to_host(obj):
-    """obj with every tensor copied to host memory (on XLA: the device-to-host transfer)."""
+def map_tensors(obj, fn, key: tuple = ()):
+    """obj with fn(tensor, key) in place of each tensor in its dicts, lists, tuples and named
+    tuples (key: the path to it), every other value deep-copied: the one walk of a state dict that
+    to_host, the deferred copy's structure and Writer._stage share."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return fn(obj, key)
     if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(to_host(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _structure(obj):
-    """obj's containers and non-tensor values copied now, its tensors still by reference."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        return {k: _structure(v) for k, v in obj.items()}
+        return {k: map_tensors(v, fn, key + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_structure(v) for v in obj]
+        items = [map_tensors(v, fn, key + (i,)) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return copy.deepcopy(obj)
 
 
+def to_host(obj):
+    """obj with every tensor copied to host memory (on XLA: the device-to-host transfer)."""
+    return map_tensors(obj, lambda t, _: t.detach().to("cpu", copy=True))
+
+
 # ----------------------------------------------------------------------------- the writer
 
-_CAN_RAISE: list[bool] = []
+@functools.cache
+def _can_raise() -> bool:
+    """Whether this process may set a thread back from SCHED_IDLE (probed once, on a thread of its
+    own: the probe changes the calling thread's policy)."""
+    ok = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+    t = threading.Thread(target=probe, name="ckpt-priority-probe")
+    t.start()
+    t.join()
+    return ok[0]
 
 
 def background_priority() -> int | None:
@@ -111,20 +124,9 @@ def background_priority() -> int | None:
     the thread's id when it is at SCHED_IDLE."""
     if not hasattr(os, "sched_setscheduler"):
         return None
-    if not _CAN_RAISE:
-        def probe():
-            try:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-                _CAN_RAISE.append(True)
-            except OSError:
-                _CAN_RAISE.append(False)
-        t = threading.Thread(target=probe, name="ckpt-priority-probe")
-        t.start()
-        t.join()
     tid = threading.get_native_id()
     try:
-        if _CAN_RAISE[0]:
+        if _can_raise():
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             return tid
         os.setpriority(os.PRIO_PROCESS, tid, max(10, os.getpriority(os.PRIO_PROCESS, tid)))
@@ -174,7 +176,8 @@ class Writer:
         # (neuronx_distributed/trainer/checkpoint.py, _xser_save_data: t.cpu() per tensor in the
         # training process; only the writes go to CheckpointIOState's process pool).
         if self.async_save or not to_disk or not host:
-            files = {n: _structure(o) if n in defer else o for n, o in files.items()}   # tensors still training's
+            files = {n: map_tensors(o, lambda t, _: t) if n in defer else o   # tensors still training's
+                     for n, o in files.items()}
             files = {**files, **self._stage_all({n: o for n, o in files.items()
                                                   if not isinstance(o, bytes) and n not in defer})}
             if self.device is not None and torch.device(self.device).type == "cuda":
@@ -205,27 +208,23 @@ class Writer:
         """A host copy of obj that training can no longer change: tensors are copied into buffers
         kept from the previous save (a fresh allocation would page-fault every byte: ~10x slower),
         other objects deep-copied. On XLA/CUDA the copy_ is the device-to-host transfer."""
-        if isinstance(obj, torch.Tensor):
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
-                self._buffers[key] = buf
-            if threading.current_thread() is self._thread:
-                # In the writer thread (deferred files, CPU): numpy's copy runs in this thread alone
-                # with the GIL released; torch's copy_ would start an OpenMP team of its own here.
-                src = obj.detach()
-                if src.dtype in (torch.bfloat16, torch.float16):
-                    src, buf = src.view(torch.int16), buf.view(torch.int16)
-                np.copyto(buf.numpy(), src.numpy())
-                return self._buffers[key]
-            buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._stage(v, key + (k,)) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            items = [self._stage(v, key + (i,)) for i, v in enumerate(obj)]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return copy.deepcopy(obj)
+        return map_tensors(obj, self._copy, key)
+
+    def _copy(self, obj: torch.Tensor, key: tuple) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+            self._buffers[key] = buf
+        if threading.current_thread() is self._thread:
+            # In the writer thread (deferred files, CPU): numpy's copy runs in this thread alone
+            # with the GIL released; torch's copy_ would start an OpenMP team of its own here.
+            src = obj.detach()
+            if src.dtype in (torch.bfloat16, torch.float16):
+                src, buf = src.view(torch.int16), buf.view(torch.int16)
+            np.copyto(buf.numpy(), src.numpy())
+            return self._buffers[key]
+        buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
+        return buf
 
     def _write_in_background(self, step: int, files: dict, defer: tuple, staged: threading.Event):
         try:
