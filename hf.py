@@ -11,8 +11,10 @@ Weights are converted by row bookkeeping only. Each of our parameters is a stack
 more Hugging Face tensors (qkv_proj = q, k and v rows interleaved per KV group, gate_up_proj =
 [gate | up]); `_layout` names them. The same table drives the in-memory conversion both ways and
 `load_sharded`, where each rank reads from the safetensors files only the rows (and, for row-parallel
-weights, the columns) of its own TP shard and pipeline stage. At 4096 ranks of a 70B model each rank
-reads about 1/(TP*PP) of the weights; nothing is gathered and no rank holds the full model.
+weights, the columns) of its own TP shard and pipeline stage (where a shard lies is parallel.py's
+rule, parallel.shard_index, handed in by parallel.build_model: parallel imports hf, never the other
+way). At 4096 ranks of a 70B model each rank reads about 1/(TP*PP) of the weights; nothing is
+gathered and no rank holds the full model.
 
 The export (`save_hf`) writes config.json (with bos/eos/pad ids), model.safetensors in the dtype
 asked for, generation_config.json and the run's tokenizer, so AutoTokenizer, AutoModelForCausalLM,
@@ -264,28 +266,31 @@ class SafetensorsFolder:
 
 
 @torch.no_grad()
-def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0) -> None:
+def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, part=None) -> None:
     """Copy the Hugging Face weights of `folder` into this rank's model (a Llama, its TP shard, or
-    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns."""
-    import parallel
+    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns.
+    part(name, full_shape) -> (rows, cols): where this rank's piece of a parameter lies in our full
+    tensor (parallel.shard_index bound to the rank; None: the whole tensor). The TP cut is
+    parallel.py's knowledge, passed in, so that hf.py does not import parallel (no import circle)."""
+    from model import Llama
     st = SafetensorsFolder(folder)
     check_tensor_names(set(st.where), cfg, folder)
+    with torch.device("meta"):              # our full shapes, nothing allocated
+        full = {n: tuple(p.shape) for n, p in Llama(cfg).state_dict().items()}
     for name, p in model.state_dict(keep_vars=True).items():
         srcs, table = _layout(name, cfg)
         for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
             n_rows = int((table[:, 0] == i).sum())
-            want = [n_rows, p.shape[1] * (tp if parallel._kind(name) == "row" else 1)] if p.dim() == 2 else [n_rows]
+            want = [n_rows, full[name][1]] if p.dim() == 2 else [n_rows]
             if st.shape(s) != want:
                 raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
                               f"and config.json do not belong together")
-        # This rank's rows of our full tensor: the TP sharding rule applied to the table itself, as
-        # (source + 1, row + 1) so that vocabulary padding rows come out as -1. Row-parallel weights
-        # keep every row and take this rank's columns.
-        cols = slice(None)
-        if parallel._kind(name) == "row":
-            mine, cols = table, slice(tp_rank * p.shape[1], (tp_rank + 1) * p.shape[1])
-        else:
-            mine = parallel.shard_tensor(name, table + 1, cfg, tp, tp_rank) - 1
+        # This rank's rows of our full tensor: the (source, row) table indexed by the TP rule's row
+        # numbers; vocabulary padding rows (-1) come out as (-1, -1) and stay zero. Row-parallel
+        # weights keep every row and take this rank's columns.
+        rows, cols = part(name, full[name]) if part is not None else (None, None)
+        mine = table if rows is None else torch.where((rows >= 0).view(-1, 1), table[rows.clamp(min=0)], -1)
+        cols = slice(None) if cols is None else cols
         out = torch.zeros(p.shape, dtype=p.dtype)
         for i, s in enumerate(srcs):
             sel = mine[:, 0] == i

@@ -508,7 +508,7 @@ def shard_index(name: str, shape: tuple, m: ModelConfig, tp: int, tp_rank: int):
     """Where shard_tensor's piece lies in the full tensor, as model.init_param_part takes it:
     (rows, cols): the full row of each shard row (-1: vocabulary padding), or None for all rows;
     a slice of columns (row-parallel weights), or None. The rule itself is shard_tensor's, applied
-    to the row numbers (as hf.load_sharded does), so the two cannot disagree."""
+    to the row numbers (hf.load_sharded reads these rows), so the two cannot disagree."""
     kind = _kind(name)
     if tp == 1 or kind == "replicated":
         return None, None
@@ -662,7 +662,8 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: t
     if load is not None and load(model):
         pass
     elif cfg.init_from:        # continued pretraining: each rank reads only its shard from the files
-        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
+        hf.load_sharded(model, cfg.init_from, cfg.model,
+                        lambda name, shape: shard_index(name, shape, cfg.model, grid.tp, grid.tp_rank))
     else:
         # Each rank generates only its shard, from the stream that generates the full tensor (the
         # same values as cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py).
