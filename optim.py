@@ -115,7 +115,13 @@ def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
 def stochastic_round_(dsts: list, values: list, generator: torch.Generator) -> None:
     """dst.copy_(stochastic_round(value, generator)) for each pair in turn, bit for bit, with one
     draw for all of them (the draws are consumed in the same order) and no bf16 temporary: the
-    rounded fp32 pattern, its low 16 bits zero, converts to bf16 exactly inside copy_."""
+    rounded fp32 pattern, its low 16 bits zero, converts to bf16 exactly inside copy_. One draw
+    equals the tensors' draws in turn only for CPU's serial Mersenne Twister; CUDA's and XLA's
+    generators advance per call, so there each tensor keeps its own draw, as stochastic_round's."""
+    if values[0].device.type != "cpu":
+        for dst, value in zip(dsts, values):
+            dst.copy_(stochastic_round(value, generator))
+        return
     bits = sr_noise(sum(v.numel() for v in values), values[0].device, generator)
     for dst, value, b in zip(dsts, values, bits.split([v.numel() for v in values])):
         b += value.reshape(-1).view(torch.int32)
