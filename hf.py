@@ -11,9 +11,8 @@ Weights are converted by row bookkeeping only. Each of our parameters is a stack
 more Hugging Face tensors (qkv_proj = q, k and v rows interleaved per KV group, gate_up_proj =
 [gate | up]); `_layout` names them. The same table drives the in-memory conversion both ways and
 `load_sharded`, where each rank reads from the safetensors files only the rows (and, for row-parallel
-weights, the columns) of its own TP shard and pipeline stage (where a shard lies is parallel.py's
-rule, parallel.shard_index, handed in by parallel.build_model: parallel imports hf, never the other
-way). At 4096 ranks of a 70B model each rank reads about 1/(TP*PP) of the weights; nothing is
+weights, the columns) of its own TP shard and pipeline stage (where a shard lies: sharding.index).
+At 4096 ranks of a 70B model each rank reads about 1/(TP*PP) of the weights; nothing is
 gathered and no rank holds the full model.
 
 The export (`save_hf`) writes config.json (with bos/eos/pad ids), model.safetensors in the dtype
@@ -28,6 +27,7 @@ import os
 
 import torch
 
+import sharding
 from configs import ConfigError, ModelConfig
 
 
@@ -266,12 +266,10 @@ class SafetensorsFolder:
 
 
 @torch.no_grad()
-def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, part=None) -> None:
+def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0) -> None:
     """Copy the Hugging Face weights of `folder` into this rank's model (a Llama, its TP shard, or
-    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns.
-    part(name, full_shape) -> (rows, cols): where this rank's piece of a parameter lies in our full
-    tensor (parallel.shard_index bound to the rank; None: the whole tensor). The TP cut is
-    parallel.py's knowledge, passed in, so that hf.py does not import parallel (no import circle)."""
+    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns
+    (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
     from model import Llama
     st = SafetensorsFolder(folder)
     check_tensor_names(set(st.where), cfg, folder)
@@ -288,7 +286,7 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, part=Non
         # This rank's rows of our full tensor: the (source, row) table indexed by the TP rule's row
         # numbers; vocabulary padding rows (-1) come out as (-1, -1) and stay zero. Row-parallel
         # weights keep every row and take this rank's columns.
-        rows, cols = part(name, full[name]) if part is not None else (None, None)
+        rows, cols = sharding.index(name, full[name], cfg, tp, tp_rank)
         mine = table if rows is None else torch.where((rows >= 0).view(-1, 1), table[rows.clamp(min=0)], -1)
         cols = slice(None) if cols is None else cols
         out = torch.zeros(p.shape, dtype=p.dtype)

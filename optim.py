@@ -42,6 +42,7 @@ import torch.distributed as dist
 from configs import Config, ConfigError, OptimConfig
 import parallel
 from parallel import Grid
+import sharding
 
 PRECISIONS = ("fp32", "mixed", "bf16", "bf16_sr")
 BUCKET_BYTES = 130 * 2**20      # ZeRO-1's collective bucket cap (NxD's; --parallel.zero1_bucket_mb)
@@ -251,7 +252,7 @@ class AdamW:
                 self.state[n] = st
             st = self.state[n]
             flat = {k: t.view(-1) for k, t in st.items()}
-            for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
+            for a, b, sharing, weight in sharding.tp_pieces(p, self.grid.tp_rank):
                 master = flat["master"][a:b] if "master" in flat else None
                 slots.append(_Slot(n, p, p.data.view(-1)[a:b], flat["exp_avg"][a:b], flat["exp_avg_sq"][a:b],
                                    master, self._group_of[id(p)], self._sr_key(n, sharing, a, p), weight, a, b))
@@ -528,7 +529,7 @@ class Zero1AdamW(AdamW):
                 self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
         slots = []
         for (n, p), start in zip(self.named, self.offsets):
-            for a, b, sharing, weight in parallel.tp_pieces(p, self.grid):
+            for a, b, sharing, weight in sharding.tp_pieces(p, self.grid.tp_rank):
                 a, b = max(start + a, lo), min(start + b, hi)      # the part of the run on this shard
                 if a >= b:
                     continue                                       # it lies on other ranks' shards

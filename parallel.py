@@ -14,8 +14,7 @@ each one onto theirs):
    column-parallel linear that saves only its input's sequence shard).
 4. Parallel layers: ColumnParallelLinear (output features split), RowParallelLinear (input features
    split), VocabParallelEmbedding and VocabParallelHead (vocabulary split, padded to a TP multiple).
-5. Sharding rules full <-> shard, by parameter name: the one place that knows that qkv_proj is laid
-   out per KV group and gate_up_proj per rank as [gate shard | up shard].
+5. (How each parameter is split over TP ranks, by name: sharding.py.)
 6. build_model: the Llama on the meta device, its layers swapped for parallel ones, then each local
    shard generated from the stream of model.init_param's full tensor (model.init_param_part):
    same seed, same full weights, whatever the layout, and no rank ever holds a full tensor.
@@ -46,6 +45,7 @@ import configs
 from configs import Config, ConfigError, ModelConfig
 import hf
 import model as llama
+import sharding
 
 BUCKET_BYTES = 64 * 2**20   # DP all-reduce bucket: big enough to amortize latency, small enough in memory
 
@@ -97,11 +97,6 @@ class Grid:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def kv_replicas(m: ModelConfig, tp: int) -> int:
-    """How many TP ranks hold a copy of each KV head: 1 unless tp > n_kv_heads."""
-    return max(1, tp // m.n_kv_heads)
 
 
 def check_layout(cfg: Config, world: int, backend: str = "") -> None:
@@ -156,7 +151,7 @@ def init_distributed(cfg: Config, device: torch.device | str | None = None) -> G
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "-"
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world, timeout=timeout)
-    grid = new_grid(world, rank, tp, pp, kv_replicas(cfg.model, tp), backend, cfg.model.tie_embeddings)
+    grid = new_grid(world, rank, tp, pp, sharding.kv_replicas(cfg.model, tp), backend, cfg.model.tie_embeddings)
     if backend == "xla":     # its barrier returns at once: barriers (checkpoint renames) need gloo
         grid.host_group = new_host_group(timeout)
     return grid
@@ -456,98 +451,13 @@ class VocabParallelHead(ColumnParallelLinear):
         return _VocabParallelCrossEntropy.apply(self(h), targets, self.group, self.vocab_start)
 
 
-# ----------------------------------------------------------------------------- 5. sharding rules
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    return -(-vocab_size // tp) * tp
-
-
-def _kind(name: str) -> str:
-    """How a parameter is split over TP, from its name in model.Llama."""
-    if name.endswith(("embed.weight", "lm_head.weight")):
-        return "vocab"
-    for suffix, kind in (("qkv_proj.weight", "qkv"), ("gate_up_proj.weight", "gate_up"),
-                         ("o_proj.weight", "row"), ("down_proj.weight", "row")):
-        if name.endswith(suffix):
-            return kind
-    return "replicated"              # norm weights
-
-
-def _qkv_view(w: torch.Tensor, n_kv: int, rep: int, m: ModelConfig) -> torch.Tensor:
-    """Rows of qkv_proj as [KV group, q heads of the group + k + v, head_dim, dim]."""
-    return w.view(n_kv, rep + 2, m.head_dim, w.shape[-1])
-
-
-def shard_tensor(name: str, full: torch.Tensor, m: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
-    """This TP rank's piece of the full-shape parameter `name`."""
-    kind = _kind(name)
-    if tp == 1 or kind == "replicated":
-        return full
-    if kind == "vocab":                  # pad rows with zeros to a TP multiple, then split rows
-        padded = full.new_zeros((padded_vocab(full.shape[0], tp),) + tuple(full.shape[1:]))
-        padded[:full.shape[0]] = full
-        return padded.chunk(tp)[tp_rank]
-    if kind == "row":
-        return full.chunk(tp, dim=1)[tp_rank]
-    if kind == "gate_up":                # gate_up = [gate | up] -> [gate shard | up shard]
-        gate, up = full.chunk(2)
-        return torch.cat((gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]))
-    # qkv: rows are [q heads of group g | k_g | v_g] per KV group g.
-    groups = _qkv_view(full, m.n_kv_heads, m.n_heads // m.n_kv_heads, m)
-    r = kv_replicas(m, tp)
-    if r == 1:                           # n_kv_heads % tp == 0: whole KV groups per rank
-        return groups.chunk(tp)[tp_rank].reshape(-1, full.shape[1])
-    # tp > n_kv_heads: rank holds n_heads/tp q heads of group g = tp_rank // r and a copy of k_g, v_g
-    g, j, q_local = tp_rank // r, tp_rank % r, m.n_heads // tp
-    rep = m.n_heads // m.n_kv_heads
-    q = groups[g, j * q_local:(j + 1) * q_local]
-    return torch.cat((q, groups[g, rep:rep + 2])).reshape(-1, full.shape[1])
-
-
-def shard_index(name: str, shape: tuple, m: ModelConfig, tp: int, tp_rank: int):
-    """Where shard_tensor's piece lies in the full tensor, as model.init_param_part takes it:
-    (rows, cols): the full row of each shard row (-1: vocabulary padding), or None for all rows;
-    a slice of columns (row-parallel weights), or None. The rule itself is shard_tensor's, applied
-    to the row numbers (hf.load_sharded reads these rows), so the two cannot disagree."""
-    kind = _kind(name)
-    if tp == 1 or kind == "replicated":
-        return None, None
-    if kind == "row":
-        width = -(-shape[1] // tp)
-        return None, slice(tp_rank * width, min((tp_rank + 1) * width, shape[1]))
-    return shard_tensor(name, (torch.arange(shape[0]) + 1).view(-1, 1), m, tp, tp_rank).view(-1) - 1, None
-
-
-def unshard_tensors(name: str, shards: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
-    """Inverse of shard_tensor: the full-shape parameter from all TP ranks' pieces (in rank order)."""
-    tp, kind = len(shards), _kind(name)
-    if tp == 1 or kind == "replicated":
-        return shards[0]
-    if kind == "vocab":
-        return torch.cat(shards)[:m.vocab_size]
-    if kind == "row":
-        return torch.cat(shards, dim=1)
-    if kind == "gate_up":
-        halves = [s.chunk(2) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    r, d = kv_replicas(m, tp), shards[0].shape[1]
-    if r == 1:
-        return torch.cat(shards)
-    q_local = m.n_heads // tp
-    full = []
-    for g in range(m.n_kv_heads):        # q heads from each replica, k and v from the first
-        views = [_qkv_view(s, 1, q_local, m)[0] for s in shards[g * r:(g + 1) * r]]
-        full += [v[:q_local] for v in views] + [views[0][q_local:]]
-    return torch.cat(full).reshape(-1, d)
-
-
-# ----------------------------------------------------------------------------- 6. building the model
+# ----------------------------------------------------------------------------- 6. building the model (5: sharding.py)
 
 def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> llama.Llama:
     """Swap the Llama's layers for their TP (and SP) versions, holding this rank's share."""
     m, tp, group = model.cfg, grid.tp, grid.tp_group
-    hd, n_kv_local = m.head_dim, max(1, m.n_kv_heads // tp)
-    v_local = padded_vocab(m.vocab_size, tp) // tp
+    hd, n_kv_local = m.head_dim, sharding.kv_heads_per_rank(m, tp)
+    v_local = sharding.padded_vocab(m.vocab_size, tp) // tp
     n_real = min(v_local, max(0, m.vocab_size - grid.tp_rank * v_local))
     model.embed = VocabParallelEmbedding(v_local, m.dim, grid.tp_rank, group, sequence_parallel)
     for block in model.layers:
@@ -561,23 +471,6 @@ def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) 
     if m.tie_embeddings:        # the same vocabulary rows on each rank: the shards tie as the whole does
         model.lm_head.weight = model.embed.weight
     return model
-
-
-def mark_parameters(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> None:
-    """Tag parameters the way NxD does, for clipping, ZeRO-1 and the TP gradient sums:
-    p.tensor_model_parallel: split over TP (each rank's piece is distinct);
-    p.sequence_parallel: replicated over TP but fed by sequence shards (grads summed over TP);
-    p.kv_replicas, p.q_rows: qkv rows past q_rows are a KV head copied on kv_replicas ranks."""
-    if grid.tp == 1:
-        return
-    r = kv_replicas(model.cfg, grid.tp)
-    for name, p in model.named_parameters():
-        kind = _kind(name)
-        p.tensor_model_parallel = kind != "replicated"
-        if kind == "replicated" and sequence_parallel:
-            p.sequence_parallel = True
-        if kind == "qkv" and r > 1:
-            p.kv_replicas, p.q_rows = r, model.cfg.n_heads // grid.tp * model.cfg.head_dim
 
 
 def tie_embeddings(model: nn.Module) -> None:
@@ -662,18 +555,17 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: t
     if load is not None and load(model):
         pass
     elif cfg.init_from:        # continued pretraining: each rank reads only its shard from the files
-        hf.load_sharded(model, cfg.init_from, cfg.model,
-                        lambda name, shape: shard_index(name, shape, cfg.model, grid.tp, grid.tp_rank))
+        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
     else:
         # Each rank generates only its shard, from the stream that generates the full tensor (the
         # same values as cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py).
         with torch.no_grad():
             for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
-                rows, cols = shard_index(name, full_shapes[name], cfg.model, grid.tp, grid.tp_rank)
+                rows, cols = sharding.index(name, full_shapes[name], cfg.model, grid.tp, grid.tp_rank)
                 p.copy_(llama.init_param_part(name, full_shapes[name], cfg.model, cfg.seed, rows, cols))
     model = move_model(model, device, dtype)
     check_tied(model)
-    mark_parameters(model, grid, sp)          # after the moves: they make new Parameter objects
+    sharding.mark(model, grid.tp, sp)         # after the moves: they make new Parameter objects
     return model
 
 
@@ -775,26 +667,6 @@ def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BY
         _all_reduce_flat(bucket, grid.dp_group, scale=1.0 / grid.dp)
 
 
-def tp_pieces(p: torch.nn.Parameter, grid: Grid) -> list[tuple[int, int, str, float]]:
-    """The one rule for counting each weight once over TP (clipping, param norm, ZeRO-1): a
-    parameter's flat elements as runs (start, end, sharing, norm weight). `sharing` names the ranks
-    holding identical copies (optim.py rounds those identically). Norm weights: TP-replicated
-    (norms) count on TP rank 0 only; TP-split pieces count fully; a KV head copied on kv_replicas
-    ranks (rows past p.q_rows) counts 1/kv_replicas on each copy. The last pipeline stage's copy
-    of a tied embedding (p.tied_copy) counts zero: the first stage counts it."""
-    n, tp_rank = p.numel(), grid.tp_rank
-    if not getattr(p, "tensor_model_parallel", False):
-        pieces = [(0, n, "tp*", 1.0 if tp_rank == 0 else 0.0)]
-    elif getattr(p, "kv_replicas", 1) == 1:
-        pieces = [(0, n, f"tp{tp_rank}", 1.0)]
-    else:
-        r, cut = p.kv_replicas, p.q_rows * (n // p.shape[0])
-        pieces = [(0, cut, f"tp{tp_rank}", 1.0), (cut, n, f"kv{tp_rank // r}", 1.0 / r)]
-    if getattr(p, "tied_copy", False):     # the head's copy of a tied embedding: counted on the first stage
-        pieces = [(a, b, sharing, 0.0) for a, b, sharing, _ in pieces]
-    return pieces
-
-
 def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
     """L2 norm of a whole-model quantity from this rank's pieces [(tensor, weight), ...] (weights
     from tp_pieces: each element counts once over TP). Partial sums of squares are added over TP
@@ -810,7 +682,7 @@ def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
 
 def _norm_of(params, tensors, grid: Grid) -> torch.Tensor:
     return global_norm([(t.reshape(-1)[a:b], w) for p, t in zip(params, tensors)
-                        for a, b, _, w in tp_pieces(p, grid)], grid)
+                        for a, b, _, w in sharding.tp_pieces(p, grid.tp_rank)], grid)
 
 
 @torch.no_grad()
@@ -861,8 +733,8 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
         if t is None:
             continue
         t = t.detach()
-        if grid.tp > 1 and _kind(name) != "replicated":
-            t = unshard_tensors(name, list(_all_gather(t, grid.tp_group, dim=0).chunk(grid.tp)), model.cfg)
+        if grid.tp > 1 and sharding.kind(name) != "replicated":
+            t = sharding.join(name, list(_all_gather(t, grid.tp_group, dim=0).chunk(grid.tp)), model.cfg)
         out[name] = t.clone()
     return out
 
@@ -875,4 +747,4 @@ def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], gri
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     for name, p in params.items():
-        p.copy_(shard_tensor(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))
+        p.copy_(sharding.cut(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from configs import (INSTANCES, Config, ConfigError, Instance, ModelConfig, check_layout, check_values, from_args,
                      help_text, wants_help)
 from model import LinearCrossEntropy, flops_per_token, num_params
+import sharding
 
 # Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
 
@@ -152,7 +153,7 @@ class Estimate:
 
 
 def _layer_params(m: ModelConfig, tp: int) -> int:
-    kv_heads = max(m.n_kv_heads // tp, 1)           # tp > n_kv_heads: each rank keeps one KV head copy
+    kv_heads = sharding.kv_heads_per_rank(m, tp)
     attn = 2 * (m.n_heads // tp) * m.head_dim * m.dim + 2 * kv_heads * m.head_dim * m.dim
     return attn + 3 * m.dim * m.ffn_dim // tp + 2 * m.dim
 
@@ -220,7 +221,7 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
         gb = 2                                       # --optim.fp32_grad_acc=false: bf16 gradients
     mbs = max(1, d.global_batch // (L.micro_batch * L.dp))   # < 1 only in what-if tables
     layers = -(-m.n_layers // L.pp)
-    embed = -(-m.vocab_size // L.tp) * m.dim       # vocabulary padded to a TP multiple
+    embed = sharding.padded_vocab(m.vocab_size, L.tp) // L.tp * m.dim
     in_flight = 1 if L.pp == 1 else (min(L.pp, mbs) if p.pp_schedule == "1f1b" else mbs)
     rows = d.seq_len * L.micro_batch
     # Pipeline: the first stage holds the embedding and (1F1B) up to PP microbatches in flight;
@@ -263,7 +264,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     peak, hbm = (hw.fp32_flops if ab == 4 else hw.bf16_flops), HBM_BW[cfg.parallel.instance]
     T, tp, ck = d.seq_len, L.tp, L.checkpointing
     M, h, hd = T * L.micro_batch, m.n_heads // tp, m.head_dim
-    kv = max(m.n_kv_heads // tp, 1)                  # tp > n_kv_heads: one KV head copy per rank
+    kv = sharding.kv_heads_per_rank(m, tp)
     # Per layer and microbatch. The four projections at their per-core shapes (SP gathers the whole
     # sequence before the column-parallel ones): forward, backward, and what checkpointing recomputes
     # ("selective+mlp": NxD at seq 8192 also checkpoints the MLP, run_llama_nxd.py).
@@ -279,7 +280,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     passes = 0 if attention == "flash" else score_passes * (1 if recompute else WRITTEN_PASSES["none"] / WRITTEN_PASSES["recompute"])
     attn = attn_flops / (peak * eff * _tile(hd)) + passes * square * h * L.micro_batch * ab / hbm
     # The head (last stage): logits [M, V/tp], their fp32 softmax and gradient (three passes).
-    vocab = -(-m.vocab_size // tp)
+    vocab = sharding.padded_vocab(m.vocab_size, tp) // tp
     head = sum(_linear_s(M, m.dim, vocab, peak, hbm, ab, gb, eff)) + 3 * 4 * M * vocab / hbm
     compute = layers * (linear + attn) + head
     # TP, per layer. With SP: forward, an all-gather of [M, dim] before each column-parallel

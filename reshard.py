@@ -4,7 +4,7 @@ valid checkpoint, and the full weights `python checkpoint.py export` writes out.
 writes the files (its docstring draws them on disk); this module only reads them.
 
 At the same layout each rank reads back only its own files. At another TP degree, all TP shards
-of a stage are read and re-split with parallel.unshard_tensors / shard_tensor, for the model and
+of a stage are read and re-split with sharding.join / cut, for the model and
 for the optimizer moments (which, without ZeRO-1, have their parameters' layout). ZeRO-1 flat
 shards record their index (parameter names and shapes), so they are cut back into per-parameter
 tensors (SavedOptim), each read when the optimizer asks for it (LazyMap).
@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from configs import ModelConfig
-from parallel import Grid, shard_tensor, unshard_tensors
+import sharding
+from parallel import Grid
 
 
 class CheckpointError(RuntimeError):
@@ -160,7 +161,7 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
         pieces, name = [src[t, stage[key]][key] for t in tps], key.rsplit(".", 1)[0]
         if saved["tp"] == now["tp"]:
             return pieces[0]
-        return shard_tensor(name, unshard_tensors(name, pieces, m), m, g.tp, g.tp_rank)
+        return sharding.cut(name, sharding.join(name, pieces, m), m, g.tp, g.tp_rank)
     head = src[tps[0], stages[0]].head
     return {**{k: head[k] for k in ("precision", "step", "sr_seed", "lr")}, "layout": {"kind": "full"},
             "state": LazyMap(stage, get)}
@@ -336,8 +337,8 @@ def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, keep=None
     keep: only these keys (None: all)."""
     out = {}
     for key in (k for k in shards[0] if keep is None or k in keep):
-        full = unshard_tensors(key, [s[key] for s in shards], m)
-        out[key] = shard_tensor(key, full, m, tp, tp_rank).clone()
+        full = sharding.join(key, [s[key] for s in shards], m)
+        out[key] = sharding.cut(key, full, m, tp, tp_rank).clone()
     return out
 
 

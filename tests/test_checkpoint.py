@@ -36,6 +36,7 @@ import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
 import reshard  # noqa: E402
+import sharding  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError, FaultInjector  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
@@ -59,7 +60,7 @@ def random_step(model, opt, seed: int, grid=None):
         shapes = {n: p.shape for n, p in llama.Llama(model.cfg).named_parameters()}
     for name, p in model.named_parameters():
         full = torch.randn(shapes[name], generator=g)
-        p.grad = parallel.shard_tensor(name, full, model.cfg, grid.tp, grid.tp_rank).clone()
+        p.grad = sharding.cut(name, full, model.cfg, grid.tp, grid.tp_rank).clone()
     opt.step()
     opt.zero_grad()
 
@@ -406,7 +407,7 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     dist.init_process_group("gloo", rank=rank, world_size=4)
     cfg = tiny_cfg(dir_a)
     cfg.parallel.tp = 2
-    grid = parallel.new_grid(4, rank, 2, 1, parallel.kv_replicas(cfg.model, 2), "gloo")
+    grid = parallel.new_grid(4, rank, 2, 1, sharding.kv_replicas(cfg.model, 2), "gloo")
     model = parallel.build_model(cfg, grid, "cpu")
     opt = optim.build_optimizer(model, cfg, grid)
     loaded = Checkpointer(cfg, grid).load_latest()

@@ -14,6 +14,7 @@ import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+import sharding  # noqa: E402
 from parallel import Grid  # noqa: E402
 
 BF16_ULP_AT_1 = 2.0 ** -7          # bf16 keeps 8 significant bits: the gap between 1 and the next value
@@ -491,7 +492,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
             cfg = tiny_config(precision, grad_clip=0.5, lr=3e-3)
             cfg.model.n_kv_heads = 1
             cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.zero1 = 2, True, True
-            grid = parallel.new_grid(world, rank, 2, 1, parallel.kv_replicas(cfg.model, 2), "gloo")
+            grid = parallel.new_grid(world, rank, 2, 1, sharding.kv_replicas(cfg.model, 2), "gloo")
             assert grid.dp == 2 and grid.kv_group is not None
             model = parallel.build_model(cfg, grid, "cpu").to(optim.param_dtype(precision))
             ref = tiny_model(cfg)

@@ -33,6 +33,7 @@ import xla_rules  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
+import sharding  # noqa: E402
 import train  # noqa: E402
 from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 
@@ -252,7 +253,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     if rank == 0:
         torch.save({"comm": comm, "norm": norm}, os.path.join(out_dir, "tp2dp2_comm_and_norm.pt"))
     cfg4 = tiny_cfg(tp=4, dp=1)
-    grid4 = parallel.new_grid(4, rank, 4, 1, parallel.kv_replicas(cfg4.model, 4), "gloo")
+    grid4 = parallel.new_grid(4, rank, 4, 1, sharding.kv_replicas(cfg4.model, 4), "gloo")
     run_layout("tp4_sp0", tiny_cfg(tp=4, dp=1), grid4, out_dir)
     cfg4 = tiny_cfg(tp=4, dp=1, sp=True)
     cfg4.model.checkpointing = "full"       # the recomputed forward repeats its collectives in backward
@@ -374,7 +375,7 @@ def test_replicated_kv_heads_are_distinct_shards(spawned):
     m = tiny_cfg().model
     w = res[0]["params"]["layers.0.attn.qkv_proj.weight"]
     for r in range(4):
-        local = parallel.shard_tensor("layers.0.attn.qkv_proj.weight", w, m, 4, r).view(3, m.head_dim, m.dim)
+        local = sharding.cut("layers.0.attn.qkv_proj.weight", w, m, 4, r).view(3, m.head_dim, m.dim)
         groups = w.view(2, 4, m.head_dim, m.dim)        # [kv group, (q, q, k, v), hd, dim]
         assert torch.equal(local[0], groups[r // 2, r % 2]) and torch.equal(local[1:], groups[r // 2, 2:])
 
@@ -418,7 +419,7 @@ def test_communication_matches_formulas(spawned):
     m = tiny_cfg().model
     M, b, T, d, L, tp = ACCUM, GLOBAL_BATCH // (2 * ACCUM), SEQ, m.dim, m.n_layers, 2
     act, tok = b * T * d * 4, b * T * 4
-    vp = parallel.padded_vocab(m.vocab_size, tp)
+    vp = sharding.padded_vocab(m.vocab_size, tp)
     per_layer = ((m.n_heads + 2 * m.n_kv_heads) * m.head_dim * d + m.n_heads * m.head_dim * d + 3 * d * m.ffn_dim) // tp + 2 * d
     local_params = 2 * vp // tp * d + L * per_layer + d
     n_tensors = 2 + 6 * L + 1                     # embed, lm_head, final norm; 6 per layer
@@ -479,17 +480,6 @@ def test_rank_groups_follow_nxd_layout():
     assert len(g["tp"][0]) == 32 and len(g["dp"][0]) == 1 and len(g["pp"][0]) == 8
 
 
-@pytest.mark.parametrize("tp,n_kv", [(2, 2), (4, 2), (2, 1), (4, 4), (8, 2)])
-def test_shard_unshard_roundtrip(tp, n_kv):
-    m = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=8, n_kv_heads=n_kv, ffn_dim=128)
-    shapes = {n: tuple(p.shape) for n, p in llama.Llama(m).named_parameters()}
-    for name, shape in shapes.items():
-        full = torch.randn(shape)
-        shards = [parallel.shard_tensor(name, full, m, tp, r) for r in range(tp)]
-        assert len({s.shape for s in shards}) == 1, f"{name}: unequal shards"
-        assert torch.equal(parallel.unshard_tensors(name, shards, m), full), name
-
-
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("world,change,message", [
@@ -527,24 +517,3 @@ def test_world_one_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     grid = parallel.init_distributed(tiny_cfg())
     assert grid == parallel.Grid() and not dist.is_initialized()
-
-
-@pytest.mark.parametrize("chunk", [32, 100, 1 << 22])
-def test_shard_init_is_todays_full_init_then_cut(chunk):
-    """build_model generates each TP rank's shard alone (model.init_param_part); it must equal, bit
-    for bit, cutting the shard out of the full init_param tensor (what every rank did before) for
-    every parameter at TP 1, 2, 4: vocabulary padding, replicated KV heads (n_kv_heads 2 and 1 <
-    tp 4), row-parallel columns, tails of numel % 16 != 0 (97 x 24), chunks of 32 and 100 elements
-    (the stream walked and skipped in pieces) and the default (small tensors made whole)."""
-    for m in (ModelConfig(vocab_size=97, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, max_seq_len=16),
-              ModelConfig(vocab_size=101, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=72, max_seq_len=16,
-                          tie_embeddings=True)):
-        with torch.device("meta"):
-            shapes = {n: tuple(p.shape) for n, p in llama.Llama(m).state_dict().items()}
-        for tp in (1, 2, 4):
-            for r in range(tp):
-                for name, shape in shapes.items():
-                    want = parallel.shard_tensor(name, llama.init_param(name, shape, m, 7), m, tp, r)
-                    rows, cols = parallel.shard_index(name, shape, m, tp, r)
-                    got = llama.init_param_part(name, shape, m, 7, rows, cols, chunk=chunk)
-                    assert torch.equal(got, want), f"{name} at tp {tp} rank {r}, chunk {chunk}"

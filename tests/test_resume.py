@@ -303,6 +303,7 @@ def _count_reads_worker(rank: int, port: int, root: str):
     import torch.distributed as dist
     import optim
     import parallel
+    import sharding
     from test_checkpoint import assert_state_equal, clone, random_step, tiny_cfg
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -317,7 +318,7 @@ def _count_reads_worker(rank: int, port: int, root: str):
     for kind in ("replicated", "zero1"):
         cfg = tiny_cfg(f"{root}/{kind}")
         cfg.parallel.tp, cfg.parallel.zero1, cfg.ckpt.async_save = 2, kind == "zero1", False
-        grid = parallel.new_grid(4, rank, 2, 1, parallel.kv_replicas(cfg.model, 2), "gloo")
+        grid = parallel.new_grid(4, rank, 2, 1, sharding.kv_replicas(cfg.model, 2), "gloo")
         model = parallel.build_model(cfg, grid, "cpu")
         opt = optim.build_optimizer(model, cfg, grid)
         if kind == "zero1":                  # ZeRO-1 reduces the gradients into each rank's shard first
