@@ -10,8 +10,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import configs  # noqa: E402
-import plan  # noqa: E402
-from plan import Layout, estimate  # noqa: E402
+import plan  # noqa: E402  (the entry point: plan.main)
+from planner import calibrate, cost  # noqa: E402
+from planner.cost import Layout, estimate  # noqa: E402
 import model as llama  # noqa: E402
 
 WORLD = 128 * 32       # the blog's cluster: 128 trn1.32xlarge
@@ -47,7 +48,7 @@ def test_planner_counts_every_parameter():
     for c in (configs.tiny(), configs.llama2_7b(), configs.llama2_70b()):
         e = estimate(c, Layout(1, 1, 1, False, False, "none", 1), world=1)
         assert e.params == llama.num_params(c.model)
-        assert e.weights == e.params * plan.PRECISION_BYTES[c.optim.precision][0]
+        assert e.weights == e.params * cost.PRECISION_BYTES[c.optim.precision][0]
     c = configs.llama2_70b()                            # mixed: fp32 gradients unless told otherwise
     assert estimate(c, world=WORLD).grads == 4 * estimate(c, world=WORLD).params
     c.optim.fp32_grad_acc = False
@@ -145,21 +146,18 @@ def test_plan_with_no_arguments_plans_the_blogs_run():
 
 
 # ----------------------------------------------------------------------------- step time
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import fit_plan  # noqa: E402
-
 ISSUE_7B = ["--preset=llama2_7b", "--parallel.cores=512", "--parallel.tp=8", "--parallel.dp=64",
             "--data.global_batch=1024", "--optim.precision=mixed", "--parallel.zero1=true"]
 
 
 def test_shipped_constants_are_the_fits_output():
-    # The fitted constants are what scripts/fit_plan.py computes from the 'fit' rows today.
-    assert fit_plan.fit() == (plan.MATMUL_EFFICIENCY, plan.MICROBATCH_OVERHEAD, plan.SCORE_PASSES)
-    assert 0.2 < plan.MATMUL_EFFICIENCY <= 1.0 and 0.0 <= plan.MICROBATCH_OVERHEAD < 0.1
+    # The fitted constants are what planner/calibrate.py computes from the 'fit' rows today.
+    assert calibrate.fit() == (cost.MATMUL_EFFICIENCY, cost.MICROBATCH_OVERHEAD, cost.SCORE_PASSES)
+    assert 0.2 < cost.MATMUL_EFFICIENCY <= 1.0 and 0.0 <= cost.MICROBATCH_OVERHEAD < 0.1
 
 
 def test_published_rows_are_consistent():
-    rows = plan.published_rows()
+    rows = calibrate.published_rows()
     assert {r["role"] for r in rows} == {"fit", "predict"}
     assert {r["model"] for r in rows if r["role"] == "fit"} == {"Llama2-7B", "Llama2-13B"}
     for r in rows:
@@ -170,8 +168,8 @@ def test_published_rows_are_consistent():
 
 
 def test_validation_against_neuron_published_trn1_throughput():
-    rows = plan.validation()
-    print(plan.validation_table())
+    rows = calibrate.validation()
+    print(calibrate.validation_table())
     assert max(abs(err) for r, _, err in rows if r["role"] == "fit") <= 0.10
     predicted = {}
     for r, _, err in rows:
@@ -190,34 +188,36 @@ def test_every_miss_is_explained_and_the_efficiency_diagnostic_says_why():
     # A predicted row outside 15% must carry a `note` in the CSV (printed by --validate); the notes
     # do not change any estimate. The rows without a note are matched by a matmul efficiency near
     # the fitted one; Llama 3.1 70B (same layout and releases as Llama 2 70B) only far above it.
-    for r, _, err in plan.validation():
+    for r, _, err in calibrate.validation():
         if r["role"] == "predict" and abs(err) > 0.15:
             assert r["note"], r
     needed = {}
-    for r in plan.published_rows():
+    for r in calibrate.published_rows():
         needed.setdefault("3.1-70B" if r["model"] == "Llama-3.1-70B" else "noted" if r["note"] else "other",
-                          []).append(plan.matching_efficiency(r, plan.row_estimate(r)))
+                          []).append(calibrate.matching_efficiency(r, calibrate.row_estimate(r)))
     assert 0.4 <= min(needed["other"]) and max(needed["other"]) <= 0.65, needed
     assert min(needed["3.1-70B"]) >= 0.75, needed
-    e = plan.row_estimate(plan.published_rows()[0])          # the diagnostic inverts the estimate:
-    r = dict(plan.published_rows()[0], seq_per_s=str(1024 / e.step_s))
-    assert plan.matching_efficiency(r, e) == pytest.approx(plan.MATMUL_EFFICIENCY)
+    e = calibrate.row_estimate(calibrate.published_rows()[0])          # the diagnostic inverts the estimate:
+    r = dict(calibrate.published_rows()[0], seq_per_s=str(1024 / e.step_s))
+    assert calibrate.matching_efficiency(r, e) == pytest.approx(cost.MATMUL_EFFICIENCY)
 
 
 def _per_layer(row, monkeypatch):
     """One layer's matmuls at 100% of peak, its modelled TP seconds, and its published seconds per
     microbatch (the published slot less the modelled head, embedding, DP, update and launches):
     from the row and the same row with one layer fewer per stage."""
-    n_layers = configs.from_args(plan.MODELS[row["model"]]).model.n_layers
+    n_layers = configs.from_args(calibrate.MODELS[row["model"]]).model.n_layers
     pp = int(row["pp"])
-    monkeypatch.setitem(plan.MODELS, "fewer", plan.MODELS[row["model"]] + [f"--model.n_layers={n_layers - pp}"])
+    fewer = calibrate.MODELS[row["model"]] + [f"--model.n_layers={n_layers - pp}"]
+    monkeypatch.setitem(calibrate.MODELS, "fewer", fewer)
     less_row = dict(row, model="fewer")
-    b1, l1 = plan.row_estimate(row, (1.0, 0.0, 0.0)), plan.row_estimate(less_row, (1.0, 0.0, 0.0))
-    b, less = plan.row_estimate(row), plan.row_estimate(less_row)
+    b1, l1 = calibrate.row_estimate(row, (1.0, 0.0, 0.0)), calibrate.row_estimate(less_row, (1.0, 0.0, 0.0))
+    b, less = calibrate.row_estimate(row), calibrate.row_estimate(less_row)
     mbs, layers = b.microbatches, n_layers // pp
-    work, comp, tp = [(x.compute_s - y.compute_s) / mbs for x, y in ((b1, l1), (b, less))] + [(b.tp_s - less.tp_s) / mbs]
+    work, comp = [(x.compute_s - y.compute_s) / mbs for x, y in ((b1, l1), (b, less))]
+    tp = (b.tp_s - less.tp_s) / mbs
     head = (b.compute_s + b.tp_s) / mbs - layers * (comp + tp)
-    fixed = (b.dp_s + b.opt_s + b.pp_s) / (mbs + pp - 1) + plan.MICROBATCH_OVERHEAD
+    fixed = (b.dp_s + b.opt_s + b.pp_s) / (mbs + pp - 1) + cost.MICROBATCH_OVERHEAD
     return work, tp, (1024 / float(row["seq_per_s"]) / (mbs + pp - 1) - fixed - head) / layers
 
 
@@ -227,14 +227,14 @@ def test_llama31_70b_leaves_no_time_for_its_tp_collectives(monkeypatch):
     # difference measures the marginal matmul efficiency independently of the 7B/13B fit, and what
     # is left of their layer time is their TP time. Both agree with the model; Llama 3.1 70B at that
     # efficiency leaves a fraction of its modelled TP time: the miss the CSV note explains.
-    rows = {r["model"]: r for r in plan.published_rows() if r["release"] == "2.20.0"}
+    rows = {r["model"]: r for r in calibrate.published_rows() if r["release"] == "2.20.0"}
     (w8, tp8, t8), (w70, tp70, t70), (w31, tp31, t31) = (
         _per_layer(rows[m], monkeypatch) for m in ("Llama-3.1-8B", "Llama2-70B", "Llama-3.1-70B"))
     assert tp8 == pytest.approx(tp70, rel=0.1)                        # equal TP traffic per layer
     eff = (w70 - w8) / (t70 - t8)
     print(f"marginal efficiency {eff:.3f}; TP left per layer: 8B {t8 - w8 / eff:.4f} s (model {tp8:.4f}), "
           f"2-70B {t70 - w70 / eff:.4f} (model {tp70:.4f}), 3.1-70B {t31 - w31 / eff:.4f} (model {tp31:.4f})")
-    assert eff == pytest.approx(plan.MATMUL_EFFICIENCY, rel=0.05)
+    assert eff == pytest.approx(cost.MATMUL_EFFICIENCY, rel=0.05)
     for w, tp, t in ((w8, tp8, t8), (w70, tp70, t70)):
         assert t - w / eff == pytest.approx(tp, rel=0.2)
     assert t31 - w31 / eff < 0.3 * tp31
@@ -243,21 +243,21 @@ def test_llama31_70b_leaves_no_time_for_its_tp_collectives(monkeypatch):
 def test_collective_latency_is_the_trn1_measurement():
     # nccom-test guide (trn1 examples): 2-rank all-reduce (2 ring steps) 58 us, 32-rank all-gather
     # (31 steps) 151 us, both at 1-64 KiB.
-    assert plan._latency(2) == pytest.approx(58e-6, rel=0.01)
-    assert plan._latency(31) == pytest.approx(151e-6, rel=0.01)
+    assert cost._latency(2) == pytest.approx(58e-6, rel=0.01)
+    assert cost._latency(31) == pytest.approx(151e-6, rel=0.01)
 
 
 def test_refitting_other_rows_changes_the_constants():
     # The fit reads its rows: fitting the 13B rows alone gives other constants than 7B + 13B.
-    rows = [r for r in plan.published_rows() if r["model"] == "Llama2-13B"]
-    assert fit_plan.fit(rows)[0] != fit_plan.fit()[0]
+    rows = [r for r in calibrate.published_rows() if r["model"] == "Llama2-13B"]
+    assert calibrate.fit(rows)[0] != calibrate.fit()[0]
 
 
 def test_issue_command_prints_the_estimated_step(capsys):
     plan.main(ISSUE_7B)
     line = next(x for x in capsys.readouterr().out.splitlines() if "estimated step" in x)
     step = float(line.split("estimated step")[1].split()[0])
-    published = [float(r["seq_per_s"]) for r in plan.published_rows() if r["model"] == "Llama2-7B"]
+    published = [float(r["seq_per_s"]) for r in calibrate.published_rows() if r["model"] == "Llama2-7B"]
     # Neuron's 7B rows at this layout: 92.9 to 101.3 seq/s (Neuron 2.16 to 2.21)
     assert min(published) * 0.9 <= 1024 / step <= max(published) * 1.1, line
 
@@ -266,18 +266,19 @@ def test_validate_command_prints_the_table(capsys):
     plan.main(["--validate"])
     out = capsys.readouterr().out
     assert "published  estimated   error" in out
-    assert sum(x.startswith("  Llama") for x in out.splitlines()) == len(plan.published_rows())
+    assert sum(x.startswith("  Llama") for x in out.splitlines()) == len(calibrate.published_rows())
 
 
 def test_matmul_roofline_and_overlap():
-    assert set(plan.HBM_BW) == set(configs.INSTANCES)                     # every instance type is priced
-    hbm, peak = plan.HBM_BW["trn1"], configs.INSTANCES["trn1"].bf16_flops
-    big = plan._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
+    assert set(cost.HBM_BW) == set(configs.INSTANCES)                     # every instance type is priced
+    hbm, peak = cost.HBM_BW["trn1"], configs.INSTANCES["trn1"].bf16_flops
+    big = cost._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
     assert big == pytest.approx(2 * 4096**3 / (0.5 * peak))                 # compute-bound
-    thin = plan._matmul_s(8192, 128, 128, peak, hbm, 2, 0.5)
+    thin = cost._matmul_s(8192, 128, 128, peak, hbm, 2, 0.5)
     assert thin == pytest.approx(2 * (8192 * 128 + 128 * 128 + 8192 * 128) / hbm)   # bandwidth-bound
     # a dimension of 8 occupies the 128-wide TensorEngine as 128 would: same compute time
-    assert plan._matmul_s(4096, 4096, 8, peak, hbm, 2, 0.5) == pytest.approx(plan._matmul_s(4096, 4096, 128, peak, hbm, 2, 0.5))
+    narrow, wide = (cost._matmul_s(4096, 4096, n, peak, hbm, 2, 0.5) for n in (8, 128))
+    assert narrow == pytest.approx(wide)
     c = configs.from_args(ISSUE_7B)
     one = estimate(c, Layout(1, 1, 512, False, True, "selective", 1), 512)
     assert one.tp_s == 0 and one.tp_bytes == 0

@@ -1,0 +1,111 @@
+"""The cluster planner: what one NeuronCore holds, computes and sends for a layout, and which
+layouts fit, fastest first. Arithmetic on the config only: no model is built, nothing is launched.
+
+    python plan.py                                        # the blog's run: llama2_7b on 128 trn1
+    python plan.py --preset llama2_70b --parallel.cores=2048
+    python plan.py --preset llama2_7b --instance trn2      # trn2.48xlarge: 64 logical cores each
+    python plan.py --validate                             # step time against Neuron's trn1 figures
+"""
+from __future__ import annotations
+
+import sys
+
+from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
+from model import flops_per_token, num_params
+from planner.calibrate import validation_table
+from planner.cost import RESERVE, STATED_MFU, Layout, estimate, layouts, runnable, tp_degrees
+
+
+def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
+    """The report `python plan.py` prints."""
+    m, d = cfg.model, cfg.data
+    hw = INSTANCES[cfg.parallel.instance]
+    world = world or cfg.parallel.cores or 128 * hw.cores
+    gib = lambda b: f"{b / 2**30:6.2f}"
+    e = estimate(cfg, world=world)
+    L, fpt, tokens = e.layout, flops_per_token(m, d.seq_len), d.global_batch * d.seq_len
+    peak = hw.fp32_flops if cfg.optim.precision == "fp32" else hw.bf16_flops
+    lines = [
+        f"plan: {cfg.preset or 'custom'} on {world} NeuronCores ({world / hw.cores:g} {hw.name}), "
+        f"seq {d.seq_len}, global batch {d.global_batch}, precision {cfg.optim.precision}",
+        f"model: {num_params(m) / 1e9:.2f}B parameters, {fpt / 1e9:.2f} GFLOP per token (6N + attention), "
+        f"{tokens / 1e6:.2f}M tokens per step",
+        f"step time at {STATED_MFU:.0%} MFU ({peak / 1e12:g} TFLOPS per core): "
+        f"{fpt * tokens / (world * peak * STATED_MFU):.2f} s",
+        "", f"configured layout: {L}, {e.microbatches} microbatches per step"
+        + ("" if runnable(cfg, world, L.tp, L.pp, L.sp, L.zero1, L.checkpointing, L.micro_batch) else
+           f" (cannot run on {world} cores: TP x PP must divide them and the global batch split over DP)"),
+        f"  per NeuronCore ({'every core' if L.pp == 1 else e.stage + ' stage, the fuller'})      GiB",
+        f"  weights      {e.params / 1e6:8.1f}M params  {gib(e.weights)}",
+        f"  gradients                       {gib(e.grads)}",
+        f"  optimizer    {'sharded over DP' if L.zero1 else 'replicated'.ljust(15)}   {gib(e.optimizer)}",
+        f"  activations  {L.checkpointing + (' + SP' if L.sp else '')}".ljust(34) + gib(e.activations),
+        f"  logits/loss                     {gib(e.loss)}",
+        f"  total                           {gib(e.total)} of {(hw.hbm - RESERVE) / 2**30:.0f} usable "
+        f"({hw.hbm / 2**30:.0f} GiB - {RESERVE / 2**30:.0f} GiB reserve): {'fits' if e.fits else 'DOES NOT FIT'}",
+        f"  traffic per core per step: TP {e.tp_bytes / 1e9:.2f} GB NeuronLink, PP {e.pp_bytes / 1e9:.2f} GB "
+        f"{e.pp_link}, DP {e.dp_bytes / 1e9:.2f} GB {e.dp_link}",
+        f"  estimated step {e.step_s:.2f} s = compute {e.compute_s:.2f} + bubble {e.bubble_s:.2f} + TP "
+        f"{e.tp_s:.2f} + PP {e.pp_s:.2f} + DP {e.dp_s:.2f} + update {e.opt_s:.2f} + launches {e.overhead_s:.2f}: "
+        f"{d.global_batch / e.step_s:.1f} seq/s, MFU {e.mfu:.0%} (calibrated on Neuron's trn1 figures: --validate)",
+        "", f"  activations per core (GiB) at TP={L.tp} PP={L.pp}:",
+        "  checkpointing " + "".join(f"  mb={b}: SP off  SP on" for b in (1, 2, 4))]
+    for ckpt in ("none", "selective", "full"):
+        row = [estimate(cfg, Layout(L.tp, L.pp, L.dp, sp, L.zero1, ckpt, mb), world).activations
+               for mb in (1, 2, 4) for sp in (False, L.tp > 1)]
+        lines.append(f"  {ckpt:13s}" + "".join(f"       {gib(row[i])} {gib(row[i + 1])}" for i in range(0, 6, 2)))
+    lines += ["", "  same settings on other layouts:   TP  PP   DP  states  activ.   total  (GiB per core)"]
+    for tp in tp_degrees(m, hw):
+        for pp in sorted({1, L.pp}):
+            if world % (tp * pp) == 0 and m.n_layers % pp == 0:   # memory even where the batch can't split
+                dp = world // (tp * pp)
+                x = Layout(tp, pp, dp, L.sp and tp > 1, L.zero1 and dp > 1, L.checkpointing, L.micro_batch)
+                y = estimate(cfg, x, world)
+                runs = runnable(cfg, world, tp, pp, L.sp, L.zero1, L.checkpointing, L.micro_batch)
+                lines.append(f"  {'':33s}{tp:3d} {pp:3d} {dp:4d}  {gib(y.weights + y.grads + y.optimizer)} "
+                             f"{gib(y.activations)}  {gib(y.total)}  {'fits' if y.fits else 'no'}"
+                             + ("" if runs else f" (and global batch {d.global_batch} < micro-batch x DP)"))
+    every = layouts(cfg, world)
+    fit = sorted((x for x in (estimate(cfg, y, world) for y in every) if x.fits), key=lambda x: x.step_s)
+    lines += ["", f"layouts that fit, fastest first ({len(fit)} of {len(every)}):",
+              "   TP  PP   DP  SP  ZeRO-1 ckpt       mb    GiB  step s  MFU   TP GB  PP GB  DP GB"]
+    for x in fit[:top]:
+        y = x.layout
+        lines.append(f"  {y.tp:3d} {y.pp:3d} {y.dp:4d}  {'yes' if y.sp else 'no ':3s} {'yes' if y.zero1 else 'no ':6s} "
+                     f"{y.checkpointing:9s} {y.micro_batch:3d} {gib(x.total)} {x.step_s:7.2f} {x.mfu:4.0%} "
+                     f"{x.tp_bytes / 1e9:7.2f} {x.pp_bytes / 1e9:6.2f} {x.dp_bytes / 1e9:6.2f}")
+    if not fit:
+        lines.append(f"  none: give more cores (--parallel.cores), or a global batch ({d.global_batch}) that "
+                     f"splits into micro-batches over the data-parallel ranks")
+    return "\n".join(lines)
+
+
+
+def main(argv: list[str]) -> None:
+    if "--validate" in argv:                # the published trn1 rows: their own layouts, nothing to override
+        if argv != ["--validate"]:
+            sys.exit(f"config error: --validate takes no other arguments (got {' '.join(argv)}); "
+                     "run `python plan.py --validate` alone")
+        print(validation_table())
+        return
+    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", "llama2_7b", *argv]    # the tiny CPU preset cannot be planned on 4096 cores
+    try:
+        if wants_help(argv):              # every key, its value under the preset and its comment
+            print(help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
+            return
+        cfg = from_args(argv)
+        check_values(cfg)                   # the keys' domains and the model: what train.py refuses
+        world = cfg.parallel.cores or 128 * INSTANCES[cfg.parallel.instance].cores
+        try:                                # the configured layout must be one a launch could run
+            check_layout(cfg, world)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (planning for --parallel.cores={world})") from None
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    try:
+        print(plan(cfg))
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
+
+
