@@ -1,12 +1,9 @@
-"""Typed configuration for nanotrn: dataclasses, named presets, command-line overrides, validation.
+"""Typed configuration: one `Config` a run, named presets, `--section.key=value` overrides
+(type-checked), and `validate`, the one place that rejects what the config alone shows cannot
+work, before a process group, a tokenizer or a model is touched. Each field's end-of-line comment
+is its --help text.
 
-A run is described by one `Config`. Presets give the starting values; `--section.key=value`
-overrides change them, type-checked. `validate()` rejects any layout that cannot work before a
-process group, a tokenizer or a model is touched.
-
-    python train.py --preset tiny --model.n_layers=2 --optim.lr=1e-3
-    python configs.py show --preset llama2_7b
-    python plan.py --preset llama2_70b      # the cluster planner
+    python configs.py show --preset llama2_7b [--section.key=value ...]
 """
 from __future__ import annotations
 
@@ -151,87 +148,63 @@ def tiny() -> Config:
     return Config(preset="tiny")
 
 
-def _llama2(model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float) -> Config:
-    # The blog's table (and HLAT): seq 4096, GBS 1024, per-core batch 1, cosine lr with 2000
-    # warmup and 480k decay steps over 500k steps, AdamW (0.9, 0.95) eps 1e-5, wd 0.1 on all
-    # parameters including norms, clip 1.0, BF16 with stochastic rounding, selective checkpointing.
+def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float) -> Config:
+    """The blog's table (and HLAT's; README's presets section cites each source). Logging
+    every 10 steps: each log line waits for the device, which at 1 would stall the host's tracing."""
     return Config(
-        preset="",
-        model=model,
-        parallel=parallel,
+        preset=name, model=model, parallel=parallel,
         optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=480_000,
                           constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
                           weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision="bf16_sr"),
         data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
         ckpt=CheckpointConfig(interval=1000, keep=3),
-        # Log (read the device) every 10 steps: each read waits for the device to finish, so at
-        # interval 1 the host could never trace step N+1 while step N runs. Every step's values
-        # are still kept and written (monitor.Monitor reads the pending steps in one transfer).
-        log=LogConfig(interval=10, eval_interval=1000, eval_windows=32),
-    )
+        log=LogConfig(interval=10, eval_interval=1000, eval_windows=32))
 
 
-def llama2_7b() -> Config:
-    # TP=8 PP=1 with SP: the blog's fastest 7B layout, four model copies per trn1.32xlarge.
-    # Explicit attention, as NxD's Llama: torch-xla runs SDPA's bf16 matmuls in fp32 (tests/test_xla.py).
-    c = _llama2(ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                            ffn_dim=11008, max_seq_len=4096, checkpointing="selective",
-                            attention="explicit"),
-                ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4, min_lr=3e-5)
-    c.preset = "llama2_7b"
-    return c
-
-
-def llama2_70b() -> Config:
-    # HLAT 70B: TP=32 PP=8 with ZeRO-1 (fp32 master weights: precision "mixed"). Point-to-point
-    # as NxD does it on XLA: all-gathers over neighbour pairs (send/recv is refused on xla).
-    # lr 1.5e-4 to 1.5e-5 comes from the HLAT 70B scripts; every other setting is the blog's.
-    c = _llama2(ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                            ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
-                            attention="explicit"),
-                ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5)
-    c.optim.precision = "mixed"
-    c.preset = "llama2_70b"
-    return c
-
-
-def _llama3(model: ModelConfig, parallel: ParallelConfig, lr: float) -> Config:
-    # "The Llama 3 Herd of Models" (Meta, 2024), section 3.4.1 and Table 3: sequences of 8192
-    # tokens, batches of about 4M tokens (512 x 8192), linear warmup over 8000 steps, then cosine
-    # decay to 1% of the peak lr over 1.2M steps; RoPE theta 500000, 128256-entry vocabulary.
-    # The paper does not restate AdamW's settings: Llama 2's (0.9, 0.95, eps 1e-5, wd 0.1, clip 1.0).
-    c = _llama2(model, parallel, lr=lr, min_lr=lr / 100)
+def _llama3(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float) -> Config:
+    """The Llama 3 paper's schedule (3.4.1): 8192 tokens x 512, 8000 warmup steps, cosine to 1% of
+    lr over 1.2M steps; AdamW as Llama 2's, which the paper does not restate."""
+    c = _llama2(name, model, parallel, lr=lr, min_lr=lr / 100)
     c.optim.warmup_steps, c.optim.decay_steps, c.optim.max_steps = 8000, 1_192_000, 1_200_000
     c.data.seq_len, c.data.global_batch = 8192, 512
     return c
 
 
-def llama3_8b() -> Config:
-    # Table 3: 32 layers, dim 4096, FFN 14336, 32 heads, 8 KV heads, peak lr 3e-4. TP=8 gives each
-    # rank one KV head. The 128k embedding and head make TP=8 alone 15.7 GiB per core at 8192
-    # tokens: ZeRO-1 brings it to 12 GiB, the planner's fastest fitting layout (plan.py).
-    c = _llama3(ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
-                            checkpointing="selective", attention="explicit"),
-                ParallelConfig(tp=8, pp=1, sp=True, zero1=True), lr=3e-4)
-    c.preset = "llama3_8b"
+def llama2_7b() -> Config:
+    # The blog's fastest 7B layout; explicit attention as NxD's (XLA runs SDPA's bf16 matmuls in fp32).
+    return _llama2("llama2_7b", ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                                            ffn_dim=11008, max_seq_len=4096, checkpointing="selective",
+                                            attention="explicit"),
+                   ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4, min_lr=3e-5)
+
+
+def llama2_70b() -> Config:
+    # HLAT 70B: TP=32 PP=8, ZeRO-1 with fp32 master weights, NxD's all-gather point-to-point on XLA.
+    c = _llama2("llama2_70b", ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                                          ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
+                                          attention="explicit"),
+                ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5)
+    c.optim.precision = "mixed"
     return c
+
+
+def llama3_8b() -> Config:
+    # The paper's Table 3; TP=8 with ZeRO-1, the planner's fastest layout that fits (12 GiB a core).
+    return _llama3("llama3_8b", ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
+                                            checkpointing="selective", attention="explicit"),
+                   ParallelConfig(tp=8, pp=1, sp=True, zero1=True), lr=3e-4)
 
 
 def llama3_2_1b() -> Config:
-    # Llama 3.2 1B as released (its config.json): 16 layers, dim 2048, FFN 8192, 32 heads, 8 KV
-    # heads, tied embeddings, llama3 rope scaling (factor 32, original context 8192) to a 128k
-    # context. Meta made it by pruning and distilling Llama 3.1 8B and published no schedule for
-    # it: this preset trains (or continues) it with Llama 3 8B's, at 8192 tokens. TP=8 with SP:
-    # the planner's fastest fitting layout (4.6 GiB per core; TP=2 needs 18.5).
-    c = _llama3(ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                            ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
-                            rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
-                            rope_high_freq_factor=4.0, rope_original_max_len=8192,
-                            checkpointing="selective", attention="explicit"),
-                ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4)
-    c.preset = "llama3_2_1b"
-    return c
+    # Llama 3.2 1B's released config.json, trained with Llama 3 8B's schedule (Meta published none).
+    return _llama3("llama3_2_1b", ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                                              ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0,
+                                              tie_embeddings=True, rope_scaling="llama3", rope_factor=32.0,
+                                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                                              rope_original_max_len=8192, checkpointing="selective",
+                                              attention="explicit"),
+                   ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4)
 
 
 PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b, "llama3_8b": llama3_8b,
@@ -277,22 +250,16 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
     return keys
 
 
+BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _parse_value(key: str, text: str, typ) -> object:
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
     try:
         if typ is bool:
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if typ is int:
-            return int(text.replace("_", ""))
-        if typ is float:
-            return float(text)
-        return text
-    except ValueError:
+            return BOOLS[text.lower()]
+        return int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
+    except (KeyError, ValueError):
         raise ConfigError(f"--{key}={text!r}: expected a {typ.__name__}") from None
 
 
@@ -401,6 +368,13 @@ def help_text(intro: str, argv: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- validation
 
+def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
+    """Reject a config that cannot work, before any process group or model exists. backend: the
+    collective backend the device implies ("xla" on Trainium; "" when not yet known)."""
+    check_values(cfg)
+    check_layout(cfg, world_size, backend)
+
+
 def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel degree for this world size (checks world = TP x PP x DP)."""
     p = cfg.parallel
@@ -439,9 +413,10 @@ DOMAINS = {
                      "log.eval_windows", "model.rope_original_max_len"), _AT_LEAST_1),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr", "optim.eps",
                      "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
-    **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps",
-                     "optim.constant_steps", "optim.weight_decay", "optim.grad_clip", "ckpt.interval", "parallel.zero1_bucket_mb",
-                     "ckpt.keep", "log.eval_interval", "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
+    **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps",
+                     "optim.decay_steps", "optim.constant_steps", "optim.weight_decay", "optim.grad_clip",
+                     "ckpt.interval", "parallel.zero1_bucket_mb", "ckpt.keep", "log.eval_interval",
+                     "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
     **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _POSITIVE),
     "log.hang_factor": (lambda v: v == 0 or v >= 2, ">= 2 (median step times), or 0 to turn the watchdog off"),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
@@ -453,7 +428,8 @@ NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_
 
 
 def check_values(cfg: Config) -> None:
-    """Every key's own domain and the model's shape: what holds whatever the world size."""
+    """What holds whatever the world size: every key's domain, and the model's shape alone and
+    against the TP/PP degrees."""
     for key, (holder, f) in _all_keys(cfg).items():
         value = getattr(holder, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -461,53 +437,22 @@ def check_values(cfg: Config) -> None:
         if key in DOMAINS and not DOMAINS[key][0](value):
             raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
         if key in NON_EMPTY and not str(value).strip():
-            raise ConfigError(f"--{key} is empty: give a value (default {_default(key)!r})")
+            section, _, name = key.rpartition(".")
+            default = getattr(getattr(Config(), section) if section else Config(), name)
+            raise ConfigError(f"--{key} is empty: give a value (default {default!r})")
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
-    o = cfg.optim
+    m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     if not o.min_lr <= o.lr:
         raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr}: the schedule decays "
                           f"from lr to min_lr; lower min_lr")
     if cfg.ckpt.start_fresh and cfg.ckpt.resume:
         raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
                           "it goes with --ckpt.resume=false (drop it to resume them)")
-    m = cfg.model
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above "
                           f"--model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 rope scaling "
                           f"interpolates between them)")
-    check_shape(cfg)
-
-
-def _default(key: str):
-    section, _, name = key.rpartition(".")
-    return getattr(getattr(Config(), section) if section else Config(), name)
-
-
-def warnings(cfg: Config) -> list[str]:
-    """Settings that work but are seldom meant: said out loud before the run starts."""
-    o, out = cfg.optim, []
-    if o.warmup_steps > o.max_steps:
-        # Not an error: a pre-compile pass (scripts/launch.sh) or an eager reference run
-        # (scripts/xla_check.py) stops a real run's schedule early on purpose.
-        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps="
-                   f"{o.max_steps}): the lr never reaches its peak {o.lr:g}; lower warmup_steps unless "
-                   f"this run stops a longer schedule early on purpose")
-    return out
-
-
-def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
-    """Reject a configuration that cannot work. Called before any process group or model exists.
-    backend: the collective backend the device implies ("xla" on Trainium; "" when not yet known),
-    for the rules of torch-xla's xla backend."""
-    check_values(cfg)
-    check_layout(cfg, world_size)
-    check_backend(cfg, backend)
-
-
-def check_shape(cfg: Config) -> None:
-    """The model's shape, alone and against the TP/PP degrees (whatever the world size)."""
-    m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     if m.dim % m.n_heads != 0 and not m.head_dim_override:
         raise ConfigError(f"--model.dim={m.dim} is not divisible by --model.n_heads={m.n_heads}; pick n_heads "
                           f"among the divisors of dim")
@@ -515,8 +460,7 @@ def check_shape(cfg: Config) -> None:
         raise ConfigError(f"head_dim {m.head_dim} (dim {m.dim} / n_heads {m.n_heads}, or --model.head_dim_override) "
                           f"must be even for RoPE; change --model.dim or --model.n_heads")
     if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":
-        # The two copies (first and last stage) sit at different offsets of their stages' ZeRO-1
-        # shards, so stochastic rounding would draw different noise for them and they would drift.
+        # The two copies sit at different offsets of their stages' ZeRO-1 shards: different noise.
         raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
                           "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
@@ -527,8 +471,7 @@ def check_shape(cfg: Config) -> None:
         raise ConfigError(f"n_heads {m.n_heads} is not divisible by tp {p.tp}: each TP rank must hold "
                           f"whole attention heads; pick tp from the divisors of {m.n_heads}")
     if m.n_kv_heads % p.tp != 0 and p.tp % m.n_kv_heads != 0:
-        # tp > n_kv_heads works when each KV head is replicated on tp / n_kv_heads ranks (NxD does
-        # this for 70B: 8 KV heads at TP=32); anything else would split a KV head.
+        # tp > n_kv_heads replicates each KV head on tp / n_kv_heads ranks (NxD's 70B: 8 at TP=32).
         raise ConfigError(f"n_kv_heads {m.n_kv_heads} and tp {p.tp}: one must divide the other "
                           f"so every TP rank holds whole KV groups")
     if m.ffn_dim % p.tp != 0:
@@ -556,42 +499,50 @@ def check_shape(cfg: Config) -> None:
                           f"max_seq_len or lower seq_len")
 
 
-def check_layout(cfg: Config, world_size: int) -> None:
-    """The parallel layout on `world_size` ranks: world = TP x PP x DP, the batch split over DP."""
-    p = cfg.parallel
-    dp = resolve_dp(cfg, world_size)
-    accum = grad_accum_steps(cfg, dp)
+def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
+    """The layout on `world_size` ranks (world = TP x PP x DP, the batch split over DP), and the
+    rules of torch-xla's xla backend."""
+    m, p = cfg.model, cfg.parallel
+    accum = grad_accum_steps(cfg, resolve_dp(cfg, world_size))
     if p.pp > 1 and accum < p.pp:
         raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, "
                           f"got {accum} (global_batch / (micro_batch * dp)); raise the global batch "
                           f"or lower micro_batch")
+    if backend != "xla" or p.pp == 1:
+        return
+    # torch 2.9's isend passes the group-local peer, which ProcessGroupXla.send takes for a global
+    # rank (torch_xla/distributed/xla_backend.py): NxD's pipeline all-gathers over rank pairs instead.
+    if p.pp_p2p == "send":
+        raise ConfigError("--parallel.pp_p2p='send' does not work on the xla backend (send/recv "
+                          "take group-local peers as global ranks); use --parallel.pp_p2p=allgather")
+    # XLA's verifier accepts a mesh of groups only if it names every rank once: the pairs [s, s+1]
+    # of one parity (with the wrap-around [pp-1, 0]) need an even pp, and the embedding group
+    # (first and last stage) leaves the middle stages out.
+    if m.tie_embeddings and p.pp > 2:
+        raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group "
+                          f"(first and last stage) is a mesh that leaves out the middle stages, which "
+                          f"XLA's verifier rejects; use pp 2, or a model without tied embeddings")
+    if p.pp % 2:
+        raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
+                          f"pair groups must cover every rank once (NxD's rule); use pp "
+                          f"{p.pp - 1} or {p.pp + 1}")
 
 
-def check_backend(cfg: Config, backend: str) -> None:
-    """The rules of torch-xla's xla backend (backend "xla" on Trainium; "" when not yet known)."""
-    m, p = cfg.model, cfg.parallel
-    if backend == "xla" and p.pp > 1:
-        # torch 2.9's isend passes the GROUP-local peer, which ProcessGroupXla.send takes for a
-        # global rank, and it syncs on every op (torch_xla/distributed/xla_backend.py). NxD's
-        # pipeline never sends on XLA: it all-gathers over two-rank groups (pipeline/comm.py).
-        if p.pp_p2p == "send":
-            raise ConfigError("--parallel.pp_p2p='send' does not work on the xla backend (send/recv "
-                              "take group-local peers as global ranks); use --parallel.pp_p2p=allgather")
-        # The all-gather pairs form two meshes, [s, s+1] for s of one parity, the wrap-around pair
-        # [pp-1, 0] included (NxD's get_pipeline_model_parallel_sr_group); XLA's verifier accepts a
-        # mesh only if it names every rank once, which needs an even pp.
-        if m.tie_embeddings and p.pp > 2:
-            raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group "
-                              f"(first and last stage) is a mesh that leaves out the middle stages, which "
-                              f"XLA's verifier rejects; use pp 2, or a model without tied embeddings")
-        if p.pp % 2:
-            raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
-                              f"pair groups must cover every rank once (NxD's rule); use pp "
-                              f"{p.pp - 1} or {p.pp + 1}")
+def warnings(cfg: Config) -> list[str]:
+    """Settings that work but are seldom meant: said out loud before the run starts. (A warmup
+    longer than the run is how a pre-compile pass or an eager reference run stops one early.)"""
+    o, out = cfg.optim, []
+    if o.warmup_steps > o.max_steps:
+        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps="
+                   f"{o.max_steps}): the lr never reaches its peak {o.lr:g}; lower warmup_steps unless "
+                   f"this run stops a longer schedule early on purpose")
+    return out
 
+
+# ----------------------------------------------------------------------------- paths: what needs the file system
 
 def path_kind(path: str) -> str:
-    """What is at path, in words: for messages that name a FIFO a FIFO, not "does not exist"."""
+    """What is at path, in words (a FIFO is named a FIFO, not "does not exist")."""
     import stat
     try:
         mode = os.stat(path).st_mode
@@ -627,19 +578,14 @@ def check_file(key: str, path: str) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """Every path's kind, before anything is read or written: the directories a run writes into
-    (checkpoints, the export, event files, the tokenizer cache) and the tokenizer it reads. A file
-    where a directory belongs would otherwise fail at the first save, after hours of training."""
+    """Every directory a run writes into and the tokenizer it reads, before any work: a file where a
+    directory belongs would otherwise fail the first save, hours into training."""
     for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir),
                       ("log.tensorboard", cfg.log.tensorboard), ("data.cache_dir", cfg.data.cache_dir)):
         if path:
             check_dir(key, path)
     if cfg.data.tokenizer and path_kind(cfg.data.tokenizer) != "a directory":      # a model folder is fine
         check_file("data.tokenizer", cfg.data.tokenizer)
-
-
-def describe(cfg: Config) -> str:
-    return json.dumps(cfg.to_dict(), indent=2)
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -658,18 +604,10 @@ class Instance:
     efa: int = 8                 # EFA interfaces: the EFA device plugin's vpc.amazonaws.com/efa (scripts/eks.py)
 
 
-# The Neuron docs (Release 2.29), "Trainium Architecture" / "Amazon EC2 Trn1 Architecture":
-#   trn1.32xlarge: 16 Trainium chips x 2 NeuronCore-v2; per chip 190 BF16 / 47.5 FP32 TFLOPS,
-#   32 GiB HBM; NeuronLink-v2 (384 GiB/s per chip, shared by its 2 cores); EFA 800 Gbps.
-#   trn1n.32xlarge: the same with EFA 1600 Gbps. "How to prepare trn1.32xlarge for multi-node
-#   execution": "trn1.32xlarge has 8 EFA devices, trn1n.32xlarge has 16 EFA devices".
-# "Trainium2 Architecture" / "Amazon EC2 Trn2 Architecture" / "Logical NeuronCore configuration":
-#   trn2.48xlarge: 16 Trainium2 chips x 8 NeuronCore-v3; per chip 667 BF16 / 181 FP32 TFLOPS
-#   (10.7 / 2.9 PFLOPS per instance), 96 GiB HBM, NeuronLink-v3 1.28 TB/s per chip (4x4 torus);
-#   EFAv3 3.2 Tbps per instance. The default LNC=2 makes two physical cores one logical core:
-#   4 per chip, 64 ranks per instance, 24 GiB each ("Best practices for training": "approximately
-#   24 GiB of HBM per rank, before runtime overhead"). Per logical core: 667/4 = 166.75 TFLOPS.
-#   EFAv3 on 16 network cards: 16 EFA interfaces (EC2: maximumEfaInterfaces of trn2.48xlarge).
+# The Neuron docs (Release 2.29, the Trn1 and Trn2 architecture pages): trn1 16 chips x 2 NeuronCore-v2, per
+# chip 190 / 47.5 TFLOPS bf16 / fp32, 32 GiB, NeuronLink-v2 384 GiB/s, EFA 800 Gbps (trn1n 1600).
+# trn2 16 chips x 8 NeuronCore-v3 at LNC=2: 4 logical cores (ranks) a chip, 667 / 181 TFLOPS and
+# 96 GiB a chip, NeuronLink-v3 1.28 TB/s a chip, EFAv3 3.2 Tbps on 16 interfaces.
 INSTANCES = {
     "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8, devices=16, efa=8),
     "trn1n": Instance("trn1n.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 1600e9 / 8, devices=16, efa=16),
@@ -689,7 +627,7 @@ def main(argv: list[str]) -> None:
         check_values(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    print(describe(cfg))
+    print(json.dumps(cfg.to_dict(), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,18 @@
 """Hugging Face, both ways: load a transformers Llama folder into any layout, export a complete one.
 
-Loading refuses what nanotrn's Llama cannot represent, by name, before any weight is read: another
-architecture, a config key that changes the computation (biases, another activation, a sliding
-window, a rope scaling other than Llama 3's), a tensor of the checkpoint that nothing consumes, a
-shape the config does not imply. Loading something slightly different and training on wrong logits
-is the failure this prevents. Both config formats are read: transformers 4 (`rope_theta`,
-`rope_scaling`) and 5 (`rope_parameters: {rope_type, rope_theta, ...}`).
-
-Weights are converted by row bookkeeping only. Each of our parameters is a stack of rows of one or
-more Hugging Face tensors (qkv_proj = q, k and v rows interleaved per KV group, gate_up_proj =
-[gate | up]); `_layout` names them. The same table drives the in-memory conversion both ways and
-`load_sharded`, where each rank reads from the safetensors files only the rows (and, for row-parallel
-weights, the columns) of its own TP shard and pipeline stage (where a shard lies: sharding.index).
-At 4096 ranks of a 70B model each rank reads about 1/(TP*PP) of the weights; nothing is
-gathered and no rank holds the full model.
-
-The export (`save_hf`) writes config.json (with bos/eos/pad ids), model.safetensors in the dtype
-asked for, generation_config.json and the run's tokenizer, so AutoTokenizer, AutoModelForCausalLM,
-lm-evaluation-harness and llama.cpp's converter need no other argument. It never writes into a
-non-empty folder unless told to (overwrite=True).
+Loading refuses, by name and before any weight is read, whatever nanotrn's Llama would compute
+differently (another architecture, biases, a sliding window, another rope scaling, a tensor nothing
+consumes, a shape the config does not imply): training on wrong logits is the failure it prevents.
+Weights convert by row bookkeeping only (`_layout`); `load_sharded` reads from the safetensors
+files only this rank's rows, so at 4096 ranks each reads about 1/(TP*PP) of the model and none
+holds it whole. The export (`save_hf`) is a folder AutoModelForCausalLM, AutoTokenizer,
+lm-evaluation-harness and llama.cpp's converter load with no other argument.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -35,10 +24,8 @@ class HFError(ConfigError):
     """A Hugging Face folder that nanotrn cannot load exactly."""
 
 
-# ----------------------------------------------------------------------------- 1. config
-
-# Config keys that change the computation and that nanotrn does not implement, with the value that
-# means "not used" and the reason. A config that sets one to anything else is refused by name.
+# Config keys that change the computation and that nanotrn does not implement: the value that
+# means "not used", and what any other value means.
 UNSUPPORTED = {
     "attention_bias": (False, "q/k/v/o projections with biases"),
     "mlp_bias": (False, "MLP projections with biases"),
@@ -62,9 +49,8 @@ ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """Our ModelConfig from a Hugging Face config.json dict (transformers 4 or 5), or HFError
-    naming the first thing nanotrn's Llama would compute differently. overrides: ModelConfig fields
-    set by the run (checkpointing, attention, max_seq_len)."""
+    """Our ModelConfig from a config.json dict (transformers 4 or 5), or HFError naming the first
+    difference. overrides: the run's ModelConfig fields (checkpointing, attention, max_seq_len)."""
     kind = hf.get("model_type")
     if kind not in ("llama", "mistral"):
         why = ARCHITECTURES.get(kind, "")
@@ -115,18 +101,15 @@ def _rope(hf: dict) -> dict:
             "rope_original_max_len": int(params["original_max_position_embeddings"])}
 
 
-# The transformers release whose LlamaConfig format hf_config writes, stamped as save_pretrained
-# stamps its own: the oldest that requirements-dev.txt allows (tests/test_hf.py keeps them equal;
-# Llama 3.2's own config.json says 4.45.0.dev0). Without the key, transformers 4.57.3 to 4.57.6 take
-# any tokenizer.json above 100k entries (Llama 3's) for a broken Mistral one and warn that it
-# tokenizes wrongly; they do too for a stamp in [4.57.3, 5) (transformers #44031), so not the
-# running version's.
+# The LlamaConfig format hf_config writes: the oldest transformers requirements-dev.txt allows
+# (tests/test_hf.py keeps them equal). Without a stamp <= 4.57.2, transformers 4.57.3-4.57.6 warn
+# wrongly that Llama 3's tokenizer.json tokenizes badly (transformers #44031).
 TRANSFORMERS_FORMAT = "4.45.0"
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
               eos_id: int | None = None, pad_id: int | None = None) -> dict:
-    """config.json for transformers' LlamaForCausalLM (written in the transformers 4 format, which 5 reads)."""
+    """config.json for transformers' LlamaForCausalLM (the transformers 4 format, which 5 reads)."""
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
@@ -144,18 +127,17 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
     return out
 
 
-# ----------------------------------------------------------------------------- 2. weights
-
-def param_names(cfg: ModelConfig) -> list[str]:
-    """Every tensor name of our Llama's state dict (both embed and lm_head when tied)."""
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every tensor of our Llama's state dict (both embed and lm_head when tied) and its full shape."""
     from model import Llama
     with torch.device("meta"):
-        return list(Llama(cfg).state_dict())
+        return {n: tuple(p.shape) for n, p in Llama(cfg).state_dict().items()}
 
 
 def _layout(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
-    """Our tensor `name` as rows of Hugging Face tensors: (their names, a [rows, 2] table of
-    (index into the names, row in that tensor)) in our row order."""
+    """Our tensor `name` as rows of Hugging Face tensors: (their names, a [rows, 2] table of (index
+    into the names, row in that tensor)) in our row order. qkv_proj: per KV group g, [q heads of g |
+    k_g | v_g]; gate_up_proj: [gate | up]."""
     def rows(n, src=0):
         return torch.stack((torch.full((n,), src), torch.arange(n)), dim=1)
     hd, d = cfg.head_dim, cfg.dim
@@ -167,45 +149,22 @@ def _layout(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
     i, rest = name.split(".")[1], name.split(".", 2)[2]
     h = f"model.layers.{i}."
     if rest == "attn.qkv_proj.weight":
-        q, k, v = rows(cfg.n_heads * hd, 0), rows(cfg.n_kv_heads * hd, 1), rows(cfg.n_kv_heads * hd, 2)
+        kv, rep = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+        q = rows(cfg.n_heads * hd, 0).reshape(kv, rep, hd, 2)
+        k, v = rows(kv * hd, 1).reshape(kv, 1, hd, 2), rows(kv * hd, 2).reshape(kv, 1, hd, 2)
         return [h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"], \
-            _qkv_to_fused(q, k, v, cfg)
+            torch.cat((q, k, v), dim=1).reshape(-1, 2)
     if rest == "mlp.gate_up_proj.weight":
         return [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], torch.cat((rows(cfg.ffn_dim, 0), rows(cfg.ffn_dim, 1)))
-    src = {"attn.o_proj.weight": ("self_attn.o_proj.weight", d), "mlp.down_proj.weight": ("mlp.down_proj.weight", d),
-           "attn_norm.weight": ("input_layernorm.weight", d), "mlp_norm.weight": ("post_attention_layernorm.weight", d)}[rest]
-    return [h + src[0]], rows(src[1])
-
-
-def _qkv_to_fused(q, k, v, cfg: ModelConfig):
-    """q, k, v rows -> our qkv_proj row order: [q heads of group g | k_g | v_g] per KV group g."""
-    rep, hd, d = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, q.shape[1]
-    q = q.reshape(cfg.n_kv_heads, rep, hd, d)
-    k, v = k.reshape(cfg.n_kv_heads, 1, hd, d), v.reshape(cfg.n_kv_heads, 1, hd, d)
-    return torch.cat((q, k, v), dim=1).reshape(-1, d)
-
-
-def hf_names(cfg: ModelConfig) -> set[str]:
-    """The Hugging Face tensors a Llama of this config consists of."""
-    return {s for n in param_names(cfg) for s in _layout(n, cfg)[0]}
-
-
-def from_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
-    """Hugging Face LlamaForCausalLM weights -> ours. Refuses missing and unconsumed tensors."""
-    check_tensor_names(set(sd), cfg, "the state dict")
-    out = {}
-    for name in param_names(cfg):
-        srcs, table = _layout(name, cfg)
-        full = torch.cat([sd[s] for s in srcs])
-        offsets = torch.tensor([0] + [sd[s].shape[0] for s in srcs]).cumsum(0)
-        out[name] = full[offsets[table[:, 0]] + table[:, 1]]
-    return out
+    src = {"attn.o_proj.weight": "self_attn.o_proj.weight", "mlp.down_proj.weight": "mlp.down_proj.weight",
+           "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}[rest]
+    return [h + src], rows(d)
 
 
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     """Ours -> Hugging Face LlamaForCausalLM weights (no lm_head.weight when tied, as HF saves it)."""
     out = {}
-    for name in param_names(cfg):
+    for name in param_shapes(cfg):
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
         srcs, table = _layout(name, cfg)
@@ -214,22 +173,6 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
             out[s] = sd[name][mine][table[mine, 1].argsort()].contiguous()
     return out
 
-
-def check_tensor_names(names: set[str], cfg: ModelConfig, where: str) -> None:
-    """Every tensor a Llama of cfg needs is there, and nothing else (rotary buffers aside)."""
-    want = hf_names(cfg)
-    missing = sorted(want - names)
-    extra = sorted(n for n in names - want if not n.endswith("rotary_emb.inv_freq")
-                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
-    if missing:
-        raise HFError(f"{where} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
-                      f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
-    if extra:
-        raise HFError(f"{where} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
-                      f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
-
-
-# ----------------------------------------------------------------------------- 3. loading
 
 def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
@@ -240,8 +183,7 @@ def read_config(folder: str, **overrides) -> ModelConfig:
 
 
 class SafetensorsFolder:
-    """The tensors of a folder's *.safetensors files, read by name and row range without loading
-    the rest (safetensors maps the file; a slice reads only its bytes)."""
+    """A folder's *.safetensors tensors, read by name and row range (a slice reads only its bytes)."""
 
     def __init__(self, folder: str):
         from safetensors import safe_open
@@ -267,14 +209,21 @@ class SafetensorsFolder:
 
 @torch.no_grad()
 def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0) -> None:
-    """Copy the Hugging Face weights of `folder` into this rank's model (a Llama, its TP shard, or
-    a pipeline stage with the whole model's parameter names), reading only this rank's rows/columns
+    """Copy the weights of `folder` into this rank's model (a Llama, its TP shard or a pipeline
+    stage, with the whole model's parameter names), reading only this rank's rows and columns
     (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
-    from model import Llama
     st = SafetensorsFolder(folder)
-    check_tensor_names(set(st.where), cfg, folder)
-    with torch.device("meta"):              # our full shapes, nothing allocated
-        full = {n: tuple(p.shape) for n, p in Llama(cfg).state_dict().items()}
+    full = param_shapes(cfg)
+    want = {s for n in full for s in _layout(n, cfg)[0]}
+    missing = sorted(want - set(st.where))
+    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
+                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
+    if missing:
+        raise HFError(f"{folder} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
+                      f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
+    if extra:
+        raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
+                      f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
     for name, p in model.state_dict(keep_vars=True).items():
         srcs, table = _layout(name, cfg)
         for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
@@ -283,9 +232,8 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
             if st.shape(s) != want:
                 raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
                               f"and config.json do not belong together")
-        # This rank's rows of our full tensor: the (source, row) table indexed by the TP rule's row
-        # numbers; vocabulary padding rows (-1) come out as (-1, -1) and stay zero. Row-parallel
-        # weights keep every row and take this rank's columns.
+        # This rank's rows: the (source, row) table indexed by the TP rule's row numbers; padding
+        # rows (-1) stay zero. Row-parallel weights keep every row and take this rank's columns.
         rows, cols = sharding.index(name, full[name], cfg, tp, tp_rank)
         mine = table if rows is None else torch.where((rows >= 0).view(-1, 1), table[rows.clamp(min=0)], -1)
         cols = slice(None) if cols is None else cols
@@ -308,13 +256,14 @@ def load_hf(folder: str, **overrides):
     return model
 
 
-# ----------------------------------------------------------------------------- 4. export
+EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                "tokenizer_config.json", "special_tokens_map.json"}
+
 
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
             tokenizer=None, overwrite: bool = False) -> None:
-    """Write a folder that transformers' Auto classes load with no other argument: config.json,
-    model.safetensors (in `dtype`: bf16 halves a large model), generation_config.json and, given
-    the run's data.Tokenizer, its files. Refuses a non-empty folder unless overwrite=True."""
+    """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer
+    files. Refuses a non-empty folder unless overwrite=True."""
     from safetensors.torch import save_file
     if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
         raise HFError(f"{folder} is not empty: export into a new folder, or pass --overwrite "
@@ -339,16 +288,13 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
         save_sentencepiece(tokenizer, folder, cfg.max_seq_len)
 
 
-# ----------------------------------------------------------------------------- 5. tokenizers
-
 def _token_text(t) -> str | None:
     return t.get("content") if isinstance(t, dict) else t
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json (Llama 3's format) through the `tokenizers` library, with the
-    interface of data.Tokenizer. BOS and EOS are the tokenizer's own: tokenizer_config.json beside
-    the file when there is one (what AutoTokenizer reads), else the BOS its post-processor inserts."""
+    """A tokenizer.json (Llama 3's format) with data.Tokenizer's interface. BOS and EOS are the
+    tokenizer's own: tokenizer_config.json beside it, else the BOS its post-processor inserts."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as Fast
@@ -381,14 +327,9 @@ class HFTokenizer:
         return self.tk.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def use_threads(self, threads: int) -> None:
-        """Tokenize on `threads` cores (the loader's, 1 by default), set once where the data pipeline
-        is built. encode_batch runs on the tokenizers library's Rust (rayon) pool, which starts at its
-        first use with RAYON_NUM_THREADS threads, else one per core of the host: 32 ranks of a trn1
-        node (128 vCPUs) would run 32 x 128 tokenizer threads, 32x oversubscribed. The pool reads the
-        variable once, when it starts (loading a tokenizer.json and encode() do not start it), so it
-        is set before the first encode_batch; TOKENIZERS_PARALLELISM is read at every call, and
-        "false" runs encode_batch in the calling thread (1 thread: no pool at all, even if something
-        started one before). Values the user set are kept. (tokenizers/src/utils/parallelism.rs)"""
+        """Tokenize on `threads` cores, set before the first encode_batch starts the library's rayon
+        pool (one thread per host core by default: 32 ranks x 128 threads on a trn1 node). The
+        user's RAYON_NUM_THREADS / TOKENIZERS_PARALLELISM are kept (tokenizers/src/utils/parallelism.rs)."""
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         if threads == 1:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -400,7 +341,6 @@ class HFTokenizer:
 
     def save_hf(self, folder: str, max_len: int) -> None:
         """tokenizer.json as it is, and a tokenizer_config.json naming its BOS/EOS for AutoTokenizer."""
-        import shutil
         shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
         ids = special_ids(self)
         conf = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
@@ -413,23 +353,17 @@ class HFTokenizer:
 
 
 def special_ids(tok) -> dict:
-    """bos/eos/pad ids of a data.Tokenizer or HFTokenizer (None where it has none). Pretraining
-    packs without padding, so pad is the tokenizer's own if it has one. (config.json's pad id
-    becomes the embedding's padding_idx in transformers, whose row then never trains: never EOS.)"""
+    """bos/eos/pad ids of a data.Tokenizer or HFTokenizer (None where it has none). pad is only the
+    tokenizer's own: transformers never trains config.json's pad row (padding_idx), so never EOS."""
     bos, eos = (i if i >= 0 else None for i in (tok.bos_id, tok.eos_id))
     pad = _token_text(getattr(tok, "config", {}).get("pad_token"))
     return {"bos": bos, "eos": eos, "pad": tok.tk.token_to_id(pad) if pad else None}
 
 
 def save_sentencepiece(tok, folder: str, max_len: int) -> None:
-    """A sentencepiece model (data.Tokenizer) as Llama 2's tokenizer files: tokenizer.model (what
-    LlamaTokenizer and llama.cpp's converter read), tokenizer.json (sentencepiece_json: what
-    AutoTokenizer loads, needing neither sentencepiece nor protobuf) and a tokenizer_config.json
-    for LlamaTokenizer(Fast), which adds BOS and no EOS as training did for each document's start.
-    No `add_prefix_space` key: it would make LlamaTokenizerFast rebuild tokenizer.json with
-    transformers' own converter, which takes BPE and unigram models only and ignores the
-    normalizer (NFKC, extra whitespace) a model was trained with."""
-    import shutil
+    """A sentencepiece model as Llama 2's tokenizer files: tokenizer.model, tokenizer.json (what
+    AutoTokenizer loads without sentencepiece) and a LlamaTokenizer config adding BOS, not EOS. No
+    `add_prefix_space`: LlamaTokenizerFast would rebuild tokenizer.json without the normalizer."""
     shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))
     sentencepiece_json(tok.path).save(os.path.join(folder, "tokenizer.json"))
     piece = lambda i: tok.sp.id_to_piece(i) if i >= 0 else None     # noqa: E731
@@ -450,14 +384,10 @@ PROBE = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a t
 
 
 def sentencepiece_json(path: str):
-    """The sentencepiece model at `path` as a `tokenizers` Tokenizer (tokenizer.json) that encodes
-    as sentencepiece does, for the three model types that allow it. The normalizer is the model's
-    own (its precompiled NFKC map, extra-whitespace removal, dummy prefix); the model: unigram ->
-    Unigram, bpe -> BPE with the merges its pieces imply (by score, as transformers' converter
-    derives them), char -> BPE without merges (each character its piece, unknown runs one <unk>, as
-    sentencepiece fuses them). Control pieces (<s>, </s>) are special tokens, as in every Llama 2
-    export. `word` is refused: sentencepiece merges a run of unknown WORDS into one <unk>, which no
-    tokenizers model does, so the export would read other ids than training did."""
+    """The sentencepiece model at `path` as a `tokenizers` Tokenizer that encodes as it does: its
+    own normalizer; unigram -> Unigram, bpe -> BPE with the merges its pieces' scores imply (as
+    transformers' converter), char -> BPE without merges. `word` is refused: sentencepiece fuses a
+    run of unknown words into one <unk>, which no tokenizers model does."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
     m = pb.ModelProto()
@@ -499,9 +429,8 @@ def sentencepiece_json(path: str):
 
 
 def check_sentencepiece_export(tok) -> None:
-    """Before the first step (corpus.build_tokenizer): the export of this sentencepiece model builds
-    and encodes PROBE as sentencepiece does, or the run is refused now, not after its last step.
-    Costs a fraction of a second (the vocabulary once); the same on every rank."""
+    """Before the first step: the export of this sentencepiece model encodes PROBE as it does, or
+    the run is refused now rather than after its last step (a fraction of a second)."""
     fast = sentencepiece_json(tok.path)
     for text in PROBE:
         ours, theirs = tok.encode(text), fast.encode(text, add_special_tokens=False).ids
@@ -511,20 +440,13 @@ def check_sentencepiece_export(tok) -> None:
                           f"use a model trained with default normalization, or leave --data.tokenizer empty")
 
 
-# ----------------------------------------------------------------------------- 6. runs
-
-EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                "tokenizer_config.json", "special_tokens_map.json"}
-
-
 RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
 
 
 def apply_init_from(cfg, argv: list[str] = ()) -> None:
-    """--init_from=FOLDER (continued pretraining): the model is the folder's config.json (with the
-    run's checkpointing and attention, and max_seq_len if given), its tokenizer the run's unless
-    --data.tokenizer names one. Runs before validation, so a refused config or layout fails before
-    any work; a --model.* key that would change the architecture is refused, not ignored."""
+    """--init_from=FOLDER: the model is the folder's config.json (with the run's RUN_MODEL_KEYS), the
+    tokenizer its own unless --data.tokenizer names one. Runs before validation, so that a refused
+    config fails before any work; a --model.* key that would change the architecture is refused."""
     if not cfg.init_from:
         return
     export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
@@ -550,8 +472,7 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
 
 
 def check_export_dir(folder: str, overwrite: bool) -> None:
-    """A run's own export folder is replaced when it holds only an earlier export's files (the same
-    run resumed or repeated); anything else in it is never overwritten unless told to."""
+    """A run replaces its export folder only when it holds nothing but an earlier export's files."""
     there = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     if there and not overwrite and not there <= EXPORT_FILES:
         raise HFError(f"{folder} holds files that are not a nanotrn export ({', '.join(sorted(there - EXPORT_FILES)[:3])}): "
@@ -559,9 +480,7 @@ def check_export_dir(folder: str, overwrite: bool) -> None:
 
 
 def keep_tokenizer(tok, folder: str) -> None:
-    """Copy the run's tokenizer files into folder (the checkpoint directory's tokenizer/), so that
-    `python checkpoint.py export` writes them into the export too."""
-    import shutil
+    """Copy the run's tokenizer files into the checkpoint directory's tokenizer/, for `checkpoint.py export`."""
     os.makedirs(folder, exist_ok=True)
     dst = os.path.join(folder, "tokenizer.json" if isinstance(tok, HFTokenizer) else "tokenizer.model")
     if not (os.path.exists(dst) and os.path.samefile(tok.path, dst)):     # --tokenizer may be this very copy

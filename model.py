@@ -1,28 +1,17 @@
-"""The Llama 2 and 3 decoder: RMSNorm, RoPE (Llama 3.1 scaling), grouped-query attention, SwiGLU,
-an embedding and head that are separate (Llama 2, Llama 3 8B) or tied (Llama 3.2 1B and 3B).
+"""The Llama 2 and 3 decoder: RMSNorm, RoPE (with Llama 3.1 scaling), grouped-query attention,
+SwiGLU, and an embedding and head that are separate (Llama 2, Llama 3 8B) or tied (Llama 3.2).
 
-Two choices from the HLAT/blog setup shape this file:
-- Coalesced projections. q, k and v share one `qkv_proj`, gate and up share one `gate_up_proj`
-  (the blog: fewer, larger matmuls and fewer TP/SP collectives). Rows of `qkv_proj` are laid out
-  per KV group: [q heads of group 0 | k_0 | v_0 | q heads of group 1 | k_1 | v_1 | ...], so a
-  contiguous column-parallel shard holds whole heads and whole KV groups (torchtitan's GQA lesson).
-  `gate_up_proj` is [gate | up]; tensor parallelism re-lays it per rank as [gate shard | up shard].
-- Scaled init. The attention and MLP output projections start with std init_std / sqrt(2 * n_layers):
-  without it the blog's 7B loss diverged after 22k steps.
-
-Everything else follows Hugging Face's LlamaForCausalLM exactly (rotate-half RoPE, RMSNorm in fp32),
-so hf.py converts weights by reshaping only, and the tests compare logits and every training
-gradient to 1e-5.
-
-Where autograd through plain torch ops is slow and the device has no fused kernel, the backward is
-written out as an autograd Function with the same numbers: RMSNorm (CUDA uses torch's fused
-rms_norm), RoPE, SwiGLU (one gradient buffer for gate and up), the explicit attention (`attention="explicit"`, NxD's core attention: bf16
-matmuls, fp32 softmax; the default is torch's SDPA: its causal kernel for a causal batch,
-FlexAttention for packed documents on CUDA), and the head fused with the loss, which never builds
-the [tokens, vocab] fp32 logits. Each is tested against the plain version.
-
-Packed sequences: `doc_ids` [B, T] marks which document each token belongs to. A token attends
-only to earlier tokens of its own document, and `positions` restart at 0 at each document.
+It computes what Hugging Face's LlamaForCausalLM computes (tests/test_model.py: logits and every
+gradient to 1e-5), with two choices from the HLAT/blog setup:
+- Coalesced projections (fewer, larger matmuls and TP collectives): `qkv_proj` holds the rows
+  [q heads of KV group 0 | k_0 | v_0 | q heads of group 1 | ...], so a contiguous TP shard holds
+  whole KV groups; `gate_up_proj` is [gate | up].
+- Scaled init: the output projections start at init_std / sqrt(2 * n_layers) (the blog's 7B
+  diverged without it).
+Where autograd through plain ops is slow, the backward is written out as an autograd Function with
+the same numbers, each tested against the plain version. Packed sequences: `doc_ids` [B, T] names
+each token's document; a token attends only to earlier tokens of its own document. docs/model.md
+has the measurements behind each choice.
 """
 from __future__ import annotations
 
@@ -38,18 +27,10 @@ from configs import ModelConfig
 
 
 class LinearFunction(torch.autograd.Function):
-    """y = x @ W^T saving x and W itself for backward, where F.linear's autograd saves the view W^T.
-    On XLA a saved tensor is an output of the graph that made it, so where forward and backward
-    are separate graphs (the pipeline: pipeline.py cuts after every forward, as NxD does) each
-    forward graph wrote a transposed copy of every weight of the stage, kept until that
-    microbatch's backward: up to PP copies of the stage's weights on the first stage under 1F1B
-    (70B at TP=32 PP=8 in bf16: 0.55 GB a copy, 4.4 GB of a 16 GB NeuronCore). The copies also
-    made the second step's forward and backward graphs differ from the first step's (one more
-    compile of each; scripts/pp_graphs.py). W is on the device already: saving it costs nothing.
-    NxD's layers save the weight the same way (LinearWithAsyncCommunication in
-    neuronx_distributed/parallel_layers/layers.py, through layers_utils.py's
-    _linear_autograd_base_setup_fwd: ctx.save_for_backward(input, weight)). The same products as
-    F.linear's autograd; eager devices keep F.linear (W^T is a free view there): see `linear`."""
+    """y = x @ W^T saving W itself, where F.linear's autograd saves the view W^T. On XLA a saved
+    tensor is a graph output: with forward and backward in separate graphs (the pipeline) each
+    microbatch kept a transposed copy of every weight (4.4 GB of a 70B first stage). NxD saves the
+    weight the same way (parallel_layers/layers_utils.py, _linear_autograd_base_setup_fwd)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -66,14 +47,11 @@ class LinearFunction(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T for every projection of the model (and parallel.py's TP layers): LinearFunction on
-    XLA (lazy tensors: see there), F.linear elsewhere."""
+    """x @ w^T for every projection (parallel.py's too): eager devices keep F.linear (W^T is free)."""
     return LinearFunction.apply(x, w) if w.device.type == "xla" else F.linear(x, w)
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias, through `linear`."""
-
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
@@ -88,20 +66,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # CUDA: torch's fused kernel (one pass forward, one backward; the Function below was 11% of
-        # an H100's step at the 7B layer shape). CPU: the Function, 1.77x (fp32) and 1.39x (bf16)
-        # faster than autograd through F.rms_norm, which is composite there (1 thread, 512x256).
-        # XLA: the Function, whose few ops XLA fuses either way (not measured on trn1).
+        # CUDA has a fused kernel; on CPU the Function is 1.8x faster than autograd through
+        # F.rms_norm (composite there); XLA fuses the Function's few ops.
         if x.is_cuda:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """x / rms(x) * weight with the statistics and the product in fp32, rounded once to x's dtype:
-    the numbers of torch's F.rms_norm (bit-equal, tests/test_model.py). Its backward is written out,
-    dx = r * (g - xn * mean(g * xn)) with g = dy * weight, xn = x * r: five passes over the
-    activations where autograd through F.rms_norm's eight ops takes twelve (1.6x faster here)."""
+    """F.rms_norm's numbers (statistics and product in fp32, rounded once), bit-equal, with the
+    backward written out: dx = r * (g - xn * mean(g * xn)), g = dy * weight, xn = x * r."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -122,40 +96,33 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """The [head_dim / 2] rotary frequencies theta^(-2i / head_dim). rope_scaling "llama3" (Llama 3.1
-    and later) divides the low frequencies, whose wavelength exceeds the original context divided
-    by low_freq_factor, by `factor`, keeps those shorter than context / high_freq_factor, and blends
-    in between: transformers' _compute_llama3_parameters, which the tests match to 1e-5."""
+    """theta^(-2i / head_dim); "llama3" scaling divides the long wavelengths' frequencies by
+    `factor` and blends in between (transformers' _compute_llama3_parameters)."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
     if cfg.rope_scaling == "llama3":
-        ctx, lo, hi, factor = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+        ctx, lo, hi = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)     # 0: long waves (scaled), 1: short (kept)
-        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
     return inv_freq
 
 
 def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
-    """cos and sin of the rotary angles for integer positions [B, T] -> two [B, 1, T, head_dim]."""
-    angles = positions.float()[..., None] * rope_frequencies(cfg, positions.device)   # [B, T, head_dim/2]
-    angles = torch.cat((angles, angles), dim=-1)              # rotate-half layout, as in HF Llama
+    """Integer positions [B, T] -> cos and sin, each [B, 1, T, head_dim] (rotate-half layout)."""
+    angles = positions.float()[..., None] * rope_frequencies(cfg, positions.device)
+    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
 
-def apply_rope(x, cos, sin):
-    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (HF Llama)."""
-    return RoPE.apply(x, cos, sin)
-
-
 class RoPE(torch.autograd.Function):
-    """apply_rope with half-width in-place updates instead of neg, cat and a second product. The
-    rotation is orthogonal, so the backward is the rotation by the opposite angle."""
+    """x * cos + rotate_half(x) * sin (HF Llama's RoPE) with in-place half-width updates; the
+    rotation is orthogonal, so the backward rotates by the opposite angle."""
 
     @staticmethod
     def rotate(x, cos, sin, direction: float):
         h = x.shape[-1] // 2
-        out = torch.mul(x, cos, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))   # contiguous [B, H, T, hd]
+        out = torch.mul(x, cos, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))   # contiguous
         out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-direction)
         out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=direction)
         return out
@@ -171,41 +138,40 @@ class RoPE(torch.autograd.Function):
         return RoPE.rotate(grad, cos, sin, -1.0), None, None
 
 
-def checkpoint(fn, *args):
-    """fn(*args), its activations recomputed in backward instead of saved: torch's non-reentrant
-    checkpoint. The default `checkpoint_fn` of Llama (full: each block) and Attention (selective:
-    the attention core); use_xla_checkpointing swaps in torch-xla's on an XLA device."""
+def recompute(fn, *args):
+    """fn(*args) with its activations recomputed in backward instead of kept (activation
+    checkpointing: `model.checkpointing` full = each block, selective = the attention core)."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def use_xla_checkpointing(model: nn.Module) -> None:
-    """Activation checkpointing for a model on an XLA device: torch_xla.utils.checkpoint.checkpoint,
-    torch's reentrant version (it has no other) plus an optimization barrier on the inputs of the
-    recomputation. Without the barrier XLA merges the recomputed forward with the original one, and
-    the activations are kept after all. Device code calls this; the model itself never asks."""
+    """Swap every `recompute_fn` for torch-xla's checkpoint, whose optimization barrier keeps XLA
+    from merging the recomputation with the forward (and so keeping the activations after all)."""
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
     for m in model.modules():
-        if hasattr(m, "checkpoint_fn"):
-            m.checkpoint_fn = xla_checkpoint
+        if hasattr(m, "recompute_fn"):
+            m.recompute_fn = xla_checkpoint
 
 
-# What a masked attention score becomes on XLA and in the explicit attention: finite, as NxD's Llama
-# (CoreAttention in examples/training/llama/modeling_llama_nxd.py masks the scores with -10000.0
-# after the matmul). Its softmax weight is still exactly 0 (exp(-10000) underflows in fp32), but no
-# infinity ever sits in a tensor: on trn1 neuronx-cc may lower a transpose as a matmul with the
-# identity, and inf * 0 is NaN (hence its --enable-saturate-infinity; aws-neuron-sdk #593: NaNs
-# from -inf masks). SDPA's is_causal and a boolean mask would fill -inf inside its math path (the
-# one XLA runs), so on XLA the mask is always this finite additive bias, causal batches included.
+# A masked score on XLA and in the explicit attention: finite, as NxD's CoreAttention. Its softmax
+# weight is still 0, but no inf sits in a tensor (neuronx-cc may lower a transpose as a matmul by
+# the identity: inf * 0 = NaN, aws-neuron-sdk #593). SDPA's masks fill -inf, so XLA gets this bias.
 MASK_VALUE = -10000.0
 
 
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> boolean [B, 1, T, T]: True where query i may attend key j (j <= i,
+    same document)."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
 def attention_mask(doc_ids: torch.Tensor | None, explicit: bool):
-    """What every layer's attention_core reads, built once per forward. None: a causal-only batch
-    (no doc_ids), which SDPA runs with its causal kernel and no mask in memory. With documents: on
-    CUDA (SDPA path) a FlexAttention BlockMask, whose kernel skips the blocks no query of a block
-    may see (most of them, in a batch of short documents); elsewhere the boolean [B, 1, T, T]
-    document_mask, which CPU's SDPA kernel reads directly and XLA and the explicit path turn into
-    finite scores."""
+    """What every layer's attention_core reads, built once a forward: None for a causal batch (SDPA's
+    causal kernel), a FlexAttention BlockMask on CUDA (it skips the blocks no query may see), else
+    document_mask."""
     if doc_ids is None:
         return None
     if doc_ids.is_cuda and not explicit:
@@ -214,8 +180,6 @@ def attention_mask(doc_ids: torch.Tensor | None, explicit: bool):
 
 
 def document_block_mask(doc_ids: torch.Tensor):
-    """document_mask as a FlexAttention BlockMask: which (query block, key block) pairs hold any
-    allowed score, and the rule inside them (causal and the same document)."""
     from torch.nn.attention.flex_attention import create_block_mask
     B, T = doc_ids.shape
 
@@ -228,24 +192,21 @@ _compiled_flex = None
 
 
 def flex_attention(q, k, v, block_mask, gqa: bool = False):
-    """torch's FlexAttention, compiled once (uncompiled it runs a dense reference implementation)."""
+    """torch's FlexAttention, compiled once on CUDA (uncompiled: a dense reference, the tests')."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention as flex
     if q.device.type != "cuda":
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)   # the tests: same numbers, dense and slow
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 def attention_core(q, k, v, mask, explicit: bool = False):
-    """Softmax attention of q [B, H, T, hd] over k, v [B, KV, T, hd]; the part selective
-    checkpointing recomputes. GQA: query head h reads KV head h // (H / KV). torch's kernels read
-    the KV heads in place (enable_gqa); the explicit path and XLA repeat each one over its group
-    first. Not repeating halves the attention's copies: SDPA forward and backward 1.23x faster on
-    CPU (fp32, 4 heads over 1 KV head, 128 tokens, 1 thread), outputs and dq bit-equal.
-    mask: from attention_mask: None for causal, a boolean [B, 1, T, T] (True where a query may
-    attend a key) or a FlexAttention BlockMask (CUDA)."""
+    """Softmax attention of q [B, H, T, hd] over k, v [B, KV, T, hd] (what selective checkpointing
+    recomputes); mask from attention_mask. torch's kernels read each KV head in place for its group
+    of query heads (enable_gqa: 1.23x faster on CPU than repeating it); the explicit path and XLA
+    repeat it."""
     gqa = q.shape[1] != k.shape[1]
     if explicit or q.device.type == "xla":
         if gqa:
@@ -266,16 +227,15 @@ def attention_core(q, k, v, mask, explicit: bool = False):
 
 
 def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, computed in fp32 and rounded once to s's dtype. torch's CPU
-    kernel does exactly that for bf16 input (bit-equal, tests/test_model.py) at half the memory
-    traffic of an fp32 copy. XLA reduces bf16 in bf16, so elsewhere the upcast is written out."""
+    """Softmax in fp32, rounded once to s's dtype: torch's CPU kernel does that for bf16 itself
+    (bit-equal, tests/test_model.py); XLA reduces bf16 in bf16, so elsewhere it is written out."""
     if s.device.type == "cpu":
         return torch.softmax(s, dim=-1)
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
 
 
 def softmax_fp32_backward(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The gradient through softmax_fp32, p * (dp - rowsum(dp * p)), in fp32, rounded once."""
+    """p * (dp - rowsum(dp * p)) in fp32, rounded once."""
     if p.device.type == "cpu":
         return torch._softmax_backward_data(dp, p, -1, p.dtype)
     pf = p.float()
@@ -283,35 +243,22 @@ def softmax_fp32_backward(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 class ExplicitAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(hd), masked) v as NxD's CoreAttention computes it for Llama on trn1:
-    score and value matmuls in the input dtype (bf16 on the TensorEngine), softmax in fp32. The
-    probabilities are saved and the backward is written out (dS = P * (dP - rowsum(dP * P))), so
-    autograd stores no fp32 copies. Queries go in blocks of QUERY_BLOCK: a block attends only to
-    the keys up to its own end, since causality masks the rest, which skips a quarter of the score
-    matmuls and probabilities at two blocks and nearly half at many. Against SDPA: on XLA, SDPA is
-    the math path with bf16 upcast to fp32 matmuls; on CPU at 256 tokens the whole training step
-    of bench.py train is 1.27x faster with this than with the flash kernel in bf16, and no slower
-    in fp32. Its cost: the probabilities, about half of [B, H, T, T] per layer, which selective
-    checkpointing recomputes instead of keeping.
-    How many blocks (issue 26): each is unrolled into the graph, forward and backward. One head at
-    seq 4096 on XLA:CPU (attention forward + backward alone, bf16): 32 blocks of 128 queries are
-    4293 HLO instructions and 225 s of compile, 8 blocks of 512 are 1221 and 43 s, 1 block 288
-    and 6 s (one run, machine shared). Causality skips (n-1)/2n of the scores at n blocks: 48% at
-    32, 44% at 8, so 8 blocks cost 9% more attention matmul work than 32 (about 1% of a 7B step
-    at 4096) for a quarter of the graph. So: blocks of at least QUERY_BLOCK, at most MAX_BLOCKS."""
+    """softmax(q k^T / sqrt(hd), masked) v as NxD's CoreAttention computes it on trn1: matmuls in
+    the input dtype, softmax in fp32, the probabilities saved and the backward written out (no fp32
+    copies kept). Queries go in blocks that see only the keys up to their own end (causality masks
+    the rest): at least QUERY_BLOCK queries, at most MAX_BLOCKS blocks, since each block is unrolled
+    into the XLA graph (seq 4096: 8 blocks compile in 43 s, 32 in 225 s, for 9% more matmul work)."""
     QUERY_BLOCK = 128
     MAX_BLOCKS = 8
 
     @staticmethod
     def block(T: int) -> int:
-        """Queries per block at sequence length T: 128 up to 1024 tokens, then T / 8."""
         return max(ExplicitAttention.QUERY_BLOCK, -(-T // ExplicitAttention.MAX_BLOCKS))
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
         B, H, T, hd = q.shape
         q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)          # [B*H, T, hd]
-        # Masked after the matmul with a finite value, as NxD's CoreAttention (see MASK_VALUE).
         masked = ~(mask.expand(B, H, T, T).reshape(B * H, T, T) if mask.dim() == 4 else mask.expand(B * H, T, T))
         out, probs = torch.empty_like(q), []
         qb = ExplicitAttention.block(T)
@@ -349,27 +296,25 @@ class ExplicitAttention(torch.autograd.Function):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # Head counts are those held by this module: tensor parallelism lowers them to the
-        # rank's share when it swaps the projections for their parallel versions.
+        # The head counts this module holds: tensor parallelism lowers them to the rank's share.
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
         self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
-        self.selective_checkpoint = cfg.checkpointing == "selective"
+        self.selective = cfg.checkpointing == "selective"
         self.explicit = cfg.attention == "explicit"
-        self.checkpoint_fn = checkpoint
+        self.recompute_fn = recompute
 
     def forward(self, x, cos, sin, mask):
         qkv = self.qkv_proj(x)
         B, T, _ = qkv.shape          # T is the full sequence even when x is a sequence shard (SP)
         rep = self.n_heads // self.n_kv_heads
-        # One split, so backward joins the three gradients with one cat (slicing would give each
-        # its own zero-filled qkv-sized gradient, summed).
+        # One split, so backward joins the three gradients with one cat.
         q, k, v = qkv.view(B, T, self.n_kv_heads, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
         q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)    # [B, n_kv, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.selective_checkpoint and torch.is_grad_enabled():
-            y = self.checkpoint_fn(attention_core, q, k, v, mask, self.explicit)
+        q, k = RoPE.apply(q, cos, sin), RoPE.apply(k, cos, sin)
+        if self.selective and torch.is_grad_enabled():
+            y = self.recompute_fn(attention_core, q, k, v, mask, self.explicit)
         else:
             y = attention_core(q, k, v, mask, self.explicit)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -386,11 +331,9 @@ class MLP(nn.Module):
 
 
 class SwiGLU(torch.autograd.Function):
-    """silu(gate) * up of gate_up = [gate | up]. Autograd through chunk, silu and the product
-    computes the same numbers (bit-equal, tests/test_model.py), but joins the two halves' gradients
-    with a cat: a copy of the [tokens, 2 * ffn_dim] gradient per layer, the largest activation of
-    the block. Here both halves are written into one buffer. Saved: gate_up and silu(gate), as
-    autograd saves them."""
+    """silu(gate) * up of [gate | up], bit-equal to autograd through chunk, silu and mul, but with
+    both halves' gradients written into one buffer instead of joined by a cat (a copy of the
+    block's largest activation)."""
 
     @staticmethod
     def forward(ctx, gate_up):
@@ -433,12 +376,11 @@ class Llama(nn.Module):
         self.lm_head = LMHead(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:           # Llama 3.2 1B/3B: the head is the embedding matrix itself
             self.lm_head.weight = self.embed.weight
-        self.checkpoint_fn = checkpoint      # the attention modules hold it too (use_xla_checkpointing)
+        self.recompute_fn = recompute
 
     def forward(self, tokens, positions=None, doc_ids=None, targets=None):
-        """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under tensor parallelism),
-        or, given targets [B, T], the sum of their cross-entropies (fp32; -100 ignored) computed
-        by the head without materializing the logits."""
+        """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under TP), or with targets
+        the sum of their cross-entropies (fp32; -100 ignored), without building the logits."""
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -447,17 +389,16 @@ class Llama(nn.Module):
         mask = attention_mask(doc_ids, self.cfg.attention == "explicit")
         for layer in self.layers:
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = self.checkpoint_fn(layer, x, cos, sin, mask)
+                x = self.recompute_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
         if targets is not None:
             return self.lm_head.loss_sum(self.norm(x), targets)
         return self.lm_head(self.norm(x))
 
-    # ------------------------------------------------------------------ initialization
     def init_weights(self, seed: int):
-        """Initialize every parameter from (seed, its name) alone, so any sharding of the same
-        model, initialized with the same seed, holds the same full weights."""
+        """Every parameter from (seed, its name) alone: any sharding of the model holds the same
+        full weights."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(init_param(name, tuple(p.shape), self.cfg, seed))
@@ -465,8 +406,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50):
-        """Sample continuations of tokens [B, T]. Recomputes the whole context per token (no KV
-        cache): plain and short, fine for the samples a training run prints."""
+        """Sample continuations of tokens [B, T], the whole context recomputed per token (no KV cache)."""
         for _ in range(max_new_tokens):
             context = tokens[:, -self.cfg.max_seq_len:]
             logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
@@ -478,17 +418,7 @@ class Llama(nn.Module):
         return tokens
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] document ids -> boolean [B, 1, T, T]: True where query i may attend key j, i.e. j <= i
-    and both tokens are in the same document. Built from comparisons only, so shapes stay static."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same_doc & causal)[:, None]
-
-
 def _init_stream(name: str, cfg: ModelConfig, seed: int) -> tuple[torch.Generator, float]:
-    """The generator and scale of one parameter's initial value: from its name and the seed only."""
     if cfg.tie_embeddings and name == "lm_head.weight":
         name = "embed.weight"        # tied: a pipeline's last stage holds a copy of the embedding
     std = cfg.init_std
@@ -507,17 +437,12 @@ def init_param(name: str, shape: tuple, cfg: ModelConfig, seed: int) -> torch.Te
 
 def init_param_part(name: str, shape: tuple, cfg: ModelConfig, seed: int, rows: torch.Tensor | None = None,
                     cols: slice | None = None, chunk: int = 1 << 22) -> torch.Tensor:
-    """init_param(name, shape, cfg, seed)[rows][:, cols], bit for bit, without building the full
-    tensor: a TP rank's shard of the 128256 x 4096 embedding (2 GiB in fp32) costs its own rows
-    plus one chunk of `chunk` elements (16 MiB), not the whole matrix on each of a node's 32 ranks.
-    rows: full-tensor row of each output row (-1: a zero row, the vocabulary padding); None: all.
-    How: the CPU generator's randn(n) for n >= 16 (ATen's normal_fill) draws n uniforms in order,
-    turns each block of 16 into normals (Box-Muller pairs i, i+8), and, when n % 16 != 0, draws 16
-    more for the last 16 elements (after the n % 16 left over). So the stream is walked in chunks of whole rows starting at
-    multiples of 16 elements: a chunk holding wanted rows is drawn with randn (the same blocks,
-    the same values), any other is drawn and dropped with uniform_ (one 32-bit draw per element,
-    as normal_fill's), and the tail is redrawn as normal_fill does. mt19937 cannot skip ahead, so
-    the time stays that of the whole tensor (about 1 s for the embedding); the memory does not."""
+    """init_param(...)[rows][:, cols], bit for bit, holding one chunk of the full tensor at a time: a
+    TP rank's shard of the 128256 x 4096 embedding costs its rows, not 2 GiB on each of 32 ranks.
+    rows: full-tensor rows (-1: a zero padding row; None: all). It walks the generator's stream as
+    ATen's normal_fill draws it (blocks of 16 uniforms; an n % 16 tail redrawn at the end): chunks
+    of whole rows on 16-element boundaries, drawn with randn where wanted, else skipped by drawing
+    as many uniforms (mt19937 cannot jump, so the time stays that of the whole tensor)."""
     if len(shape) == 1 or name.endswith("norm.weight"):     # norm weights: replicated, never cut
         return init_param(name, shape, cfg, seed)
     (R, C), every = shape, slice(None)
@@ -550,16 +475,8 @@ def init_param_part(name: str, shape: tuple, cfg: ModelConfig, seed: int, rows: 
     return out
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies; targets of -100 are ignored. The caller divides by the number of
-    valid tokens in the whole global batch (torchtitan's rule), which makes every layout agree.
-    The reference definition: training computes the same number through LMHead.loss_sum."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-
-
 class LMHead(nn.Linear):
-    """The output projection (untied). loss_sum(h, targets) fuses it with the cross entropy so
-    the [tokens, vocab] fp32 logits never exist whole: see LinearCrossEntropy."""
+    """The output projection; loss_sum fuses it with the cross entropy (LinearCrossEntropy)."""
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
@@ -569,29 +486,17 @@ class LMHead(nn.Linear):
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """loss_sum(h @ W^T, targets) in chunks of rows, each chunk's gradients computed in the forward
-    while its logits are at hand and kept for backward (the chunked fused loss of Liger-Kernel and
-    torchtune). The [tokens, vocab] fp32 logits, their log-softmax and its gradient never exist
-    whole: at Llama 3's 128k vocab they are 1.5 GiB per 1024 tokens, three times over.
-
-    Chunks of `chunk_rows` rows: about `dim` (the chunk's logits then take no more memory than the
-    weight gradient held anyway, and the matmuls are square enough to run at full rate: 2048 rows
-    at Llama 3.2 1B), more where the vocabulary is small. Few chunks matter twice: each one passes
-    over the whole [vocab, dim] weight gradient, and on XLA each is unrolled into the step's graph.
-    At TP=1 and 8192 tokens a microbatch, llama3_2_1b unrolls 4 chunks and llama3_8b 2 (the
-    former CHUNK_LOGITS = 2^22 cut them into 32-row chunks: 256 each). Their presets run TP=8,
-    where the vocab-parallel cross entropy (parallel.py) replaces this Function.
-
-    The fp32/bf16 split, that of loss_sum through autograd: the logits and both gradient matmuls
-    in the weights' dtype (bf16 on a tensor engine, which accumulates in fp32 inside the matmul);
-    the log-softmax, the loss and softmax - one_hot in fp32, rounded once to the weights' dtype.
-    The weight gradient accumulates inside the matmul (addmm_ into the accumulator, no [vocab, dim]
-    temporary per chunk), in the weights' dtype: fp32 stays fp32, bf16 is rounded once per chunk
-    rather than once in all (Liger-Kernel's choice; the test bounds its error against fp64)."""
+    """Sum of cross_entropy(h @ W^T, targets) in chunks of rows, each chunk's gradients computed in
+    the forward while its logits are at hand (Liger-Kernel's, torchtune's chunked loss): the
+    [tokens, vocab] fp32 logits never exist whole (1.5 GiB per 1024 tokens at 128k, three times over).
+    The caller divides by the global batch's valid tokens (torchtitan), so every layout agrees.
+    Matmuls in the weights' dtype, log-softmax and softmax - one_hot in fp32; the weight gradient
+    accumulates in the weights' dtype, rounded once per chunk in bf16 (Liger-Kernel's choice)."""
 
     @staticmethod
     def chunk_rows(n_rows: int, vocab: int, dim: int) -> int:
-        """Rows per chunk: max(dim, 2^22 logits), the chunks balanced so that none is a sliver."""
+        """max(dim, 2^22 / vocab) rows, balanced: the chunk's logits cost no more than the weight
+        gradient, and few chunks (each passes over it, and is unrolled into an XLA graph)."""
         rows = min(n_rows, max(dim, (1 << 22) // vocab, 1))
         chunks = -(-n_rows // rows)
         return -(-n_rows // chunks)
@@ -609,11 +514,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             t = t.masked_fill(~valid, 0)[:, None]
             logits = hc @ w.t()
             if logits.dtype == torch.float32 and logits.device.type == "cpu":
-                # fp32 on CPU: the log-softmax overwrites the logits (its kernel reads a row whole
-                # before writing it; bit-equal, tests/test_model.py): one [rows, vocab] buffer, not two
+                # CPU's log-softmax reads a row whole before writing it: in place, bit-equal
                 logp = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
             else:
-                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)   # = .float() first
+                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             del logits
             total -= (logp.gather(1, t).squeeze(1) * valid).sum()
             if want_grad:        # d(sum of losses)/d(logits) = softmax - one_hot(target)
@@ -640,8 +544,6 @@ def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per weight (forward 2, backward 4) for every matmul weight
-    (the embedding lookup is not a matmul), plus causal attention scores and values:
-    6 * n_layers * seq_len * dim (12 * L * T * d halved because the mask is causal)."""
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention's 6 * n_layers * seq_len * dim."""
     matmul_weights = num_params(cfg, embeddings=False) - (2 * cfg.n_layers + 1) * cfg.dim   # minus norms
     return 6 * matmul_weights + 6 * cfg.n_layers * seq_len * cfg.dim

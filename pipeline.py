@@ -93,7 +93,7 @@ class PipelineStage(nn.Module):
         self.norm = model.norm if self.last else None
         self.lm_head = model.lm_head if self.last else None
         self.comm: Comm | None = None          # set by build_model
-        self.checkpoint_fn = llama.checkpoint  # full checkpointing; use_xla_checkpointing swaps it on XLA
+        self.recompute_fn = llama.recompute  # full checkpointing; use_xla_checkpointing swaps it on XLA
 
     def forward(self, x, positions, doc_ids=None, targets=None):
         # The same steps as model.Llama.forward, restricted to this stage's part.
@@ -103,7 +103,7 @@ class PipelineStage(nn.Module):
         mask = llama.attention_mask(doc_ids, self.cfg.attention == "explicit")
         for layer in self.layers.values():
             if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = self.checkpoint_fn(layer, x, cos, sin, mask)
+                x = self.recompute_fn(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
         if not self.last:

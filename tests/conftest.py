@@ -20,6 +20,13 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference loss on whole logits: the sum of token cross-entropies, -100 ignored (what
+    model.LinearCrossEntropy computes fused, without the logits)."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                             reduction="sum")
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-5):
     """got equals ref up to tol x ref's max-abs (a layout against its single-process reference)."""
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"

@@ -52,13 +52,14 @@ def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99)
     weights; and the loss of batch eval_step after training."""
     import torch
     import model as llama
+    from conftest import loss_sum
     model = llama.Llama(cfg.model).init_weights(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
     out = {"init": {k: v.clone() for k, v in model.state_dict().items()}, "loss": [], "norm": []}
     for step in range(steps):
         b = global_batch(step)
         logits = model(b["tokens"], b["positions"], b["doc_ids"])
-        loss = llama.loss_sum(logits, b["targets"]) / (b["targets"] != -100).sum()
+        loss = loss_sum(logits, b["targets"]) / (b["targets"] != -100).sum()
         loss.backward()
         if step == 0:
             out["logits"] = logits.detach()
@@ -72,7 +73,7 @@ def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99)
     out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         b = global_batch(eval_step)
-        out["eval"] = llama.loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
+        out["eval"] = loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
     return out
 
 

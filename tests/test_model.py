@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf as hf_io  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
-from conftest import max_rel_err  # noqa: E402
+from conftest import loss_sum, max_rel_err  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,6 +29,12 @@ def hf_model(cfg):
     return transformers.LlamaForCausalLM(hf_cfg).eval()
 
 
+def load_ours(hf, cfg, folder):
+    """transformers' weights -> our fused layout through the loading path (a saved folder, hf.load_hf)."""
+    hf.save_pretrained(folder)
+    return hf_io.load_hf(str(folder), attention=cfg.attention)
+
+
 ATTENTION = ["sdpa", "explicit"]
 
 
@@ -41,13 +47,13 @@ def several_query_blocks(monkeypatch):
 
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
-def test_hf_to_ours_logits_match(n_kv_heads, attention):
+def test_hf_to_ours_logits_match(n_kv_heads, attention, tmp_path):
     """Hugging Face weights -> our fused layout: same logits to 1e-5 (fp32)."""
     torch.manual_seed(0)
     cfg = tiny_cfg(n_kv_heads, rope_theta=5000.0, attention=attention)
     hf = hf_model(cfg)
-    ours = llama.Llama(cfg).eval()
-    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
+    ours = load_ours(hf, cfg, tmp_path).eval()
+    assert ours.cfg == cfg
     tokens = torch.randint(0, cfg.vocab_size, (2, 24))
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -75,14 +81,13 @@ def test_ours_to_hf_roundtrip_through_files(tmp_path, n_kv_heads):
 
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_training_gradients_match_hf(n_kv_heads, attention):
+def test_training_gradients_match_hf(n_kv_heads, attention, tmp_path):
     """The training path (hand-written backwards of RMSNorm, RoPE, explicit attention, and the
     fused head + loss) gives HF autograd's loss and every gradient to 1e-5 (fp32)."""
     torch.manual_seed(10)
     cfg = tiny_cfg(n_kv_heads, attention=attention)
     hf = hf_model(cfg).train()
-    ours = llama.Llama(cfg)
-    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
+    ours = load_ours(hf, cfg, tmp_path).train()
     tokens = torch.randint(0, cfg.vocab_size, (2, 25))
     targets = tokens[:, 1:].clone()
     targets[0, :3] = -100
@@ -97,13 +102,12 @@ def test_training_gradients_match_hf(n_kv_heads, attention):
         assert max_rel_err(grads[k], p.grad) < 1e-5, k
 
 
-def test_per_document_positions_match_hf_position_ids():
+def test_per_document_positions_match_hf_position_ids(tmp_path):
     """Positions restarting at a document start are the same RoPE positions HF gets as position_ids."""
     torch.manual_seed(2)
     cfg = tiny_cfg(2)
     hf = hf_model(cfg)
-    ours = llama.Llama(cfg).eval()
-    ours.load_state_dict(hf_io.from_hf_state_dict(hf.state_dict(), cfg))
+    ours = load_ours(hf, cfg, tmp_path).eval()
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     pos = torch.arange(16)[None] + 5
     with torch.no_grad():
@@ -191,7 +195,7 @@ def test_activation_checkpointing_same_gradients(mode, attention):
     tokens = torch.randint(0, 101, (2, 16))
     doc_ids = (torch.arange(16) >= 6).long().expand(2, 16)
     for m in (ref, ck):
-        llama.loss_sum(m(tokens[:, :-1], doc_ids=doc_ids[:, :-1]), tokens[:, 1:]).backward()
+        loss_sum(m(tokens[:, :-1], doc_ids=doc_ids[:, :-1]), tokens[:, 1:]).backward()
     for (n, p), q in zip(ref.named_parameters(), ck.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), n
 
@@ -239,7 +243,7 @@ def test_rope_function_matches_rotate_half():
     cos, sin = llama.rope_cos_sin(torch.arange(8).expand(2, 8), ModelConfig(dim=64, n_heads=4), torch.float32)
     x1, x2 = x.chunk(2, dim=-1)
     ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    got = llama.apply_rope(x, cos, sin)
+    got = llama.RoPE.apply(x, cos, sin)
     dy = torch.randn_like(ref)
     assert max_rel_err(got, ref) < 1e-6
     assert max_rel_err(torch.autograd.grad(got, x, dy)[0], torch.autograd.grad(ref, x, dy)[0]) < 1e-6
@@ -315,7 +319,7 @@ def test_fused_loss_is_loss_sum(monkeypatch):
     h = torch.randn(3, 40, 32, requires_grad=True)
     targets = torch.randint(0, 101, (3, 40))
     targets[1, 5:17] = -100
-    ref = llama.loss_sum(head(h), targets)
+    ref = loss_sum(head(h), targets)
     ref_grads = torch.autograd.grad(ref * 0.3, (h, head.weight))
     # 16 rows a chunk: 8 chunks, the last partial
     monkeypatch.setattr(llama.LinearCrossEntropy, "chunk_rows", staticmethod(lambda n, v, d: 16))

@@ -16,6 +16,7 @@ import optim  # noqa: E402
 import parallel  # noqa: E402
 import sharding  # noqa: E402
 from parallel import Grid  # noqa: E402
+from conftest import loss_sum  # noqa: E402
 
 BF16_ULP_AT_1 = 2.0 ** -7          # bf16 keeps 8 significant bits: the gap between 1 and the next value
 
@@ -42,7 +43,7 @@ def batch(seed: int, n: int = 2, T: int = 16):
 
 
 def backward(model, tokens, targets, scale=None):
-    loss = llama.loss_sum(model(tokens), targets)
+    loss = loss_sum(model(tokens), targets)
     (loss / (scale or targets.numel())).backward()
 
 
