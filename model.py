@@ -15,6 +15,7 @@ has the measurements behind each choice.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -188,18 +189,11 @@ def document_block_mask(doc_ids: torch.Tensor):
     return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
-_compiled_flex = None
-
-
-def flex_attention(q, k, v, block_mask, gqa: bool = False):
-    """torch's FlexAttention, compiled once on CUDA (uncompiled: a dense reference, the tests')."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention as flex
-    if q.device.type != "cuda":
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+@functools.cache
+def compiled_flex_attention():
+    """torch's FlexAttention, compiled once (uncompiled it runs a dense reference: the tests' CPU path)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attention_core(q, k, v, mask, explicit: bool = False):
@@ -221,8 +215,10 @@ def attention_core(q, k, v, mask, explicit: bool = False):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if not isinstance(mask, torch.Tensor):
-        return flex_attention(q, k, v, mask, gqa)
+    if not isinstance(mask, torch.Tensor):          # a BlockMask
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = compiled_flex_attention() if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
