@@ -762,7 +762,7 @@ def bench_parallel(args):
         cfg = configs.tiny()
         cfg.device, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp = "cpu", tp, dp, bool(sp)
         grid = parallel.init_distributed(cfg)
-        model = parallel.build_model(cfg, grid, torch.device("cpu"))
+        model = parallel.init_weights(parallel.build_model(cfg, grid, torch.device("cpu")), cfg, grid)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         accum, d = configs.grad_accum_steps(cfg, grid.dp), cfg.data
         g = torch.Generator().manual_seed(grid.dp_rank)
@@ -844,7 +844,7 @@ def bench_pp(args):
         cfg = config(int(pp), schedule, p2p)
         grid = parallel.init_distributed(cfg)
         build, step = (pipeline.build_model, pipeline.train_step) if grid.pp > 1 else (parallel.build_model, train.train_step)
-        model = build(cfg, grid, torch.device("cpu"))
+        model = parallel.init_weights(build(cfg, grid, torch.device("cpu")), cfg, grid)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         d, g = cfg.data, torch.Generator().manual_seed(0)
 
@@ -938,7 +938,7 @@ def bench_ckpt(args):
     res = {"params": num_params(cfg.model), "threads": args.threads}
     quiet = lambda *a: None
     try:
-        model = parallel.build_model(cfg, parallel.Grid(), "cpu")
+        model = parallel.init_weights(parallel.build_model(cfg, parallel.Grid(), "cpu"), cfg, parallel.Grid())
         opt = optim.build_optimizer(model, cfg)
         state = lambda: (model.state_dict(), opt.state_dict())
         res["state_gb"] = (sum(t.numel() * 4 for t in model.state_dict().values()) + opt.state_bytes()) / 1e9
@@ -1041,12 +1041,12 @@ def bench_ckpt(args):
             t_import = time.time()
             ck = checkpoint.Checkpointer(cfg)
             loaded = None
-            def resume(empty):               # after: load into the empty model (what train.py does)
-                global loaded
+            model = parallel.build_model(cfg, parallel.Grid(), "cpu")
+            if INIT:                         # before: initialized, then overwritten by the load below
+                parallel.init_weights(model, cfg, parallel.Grid())
+            else:                            # after: load into the empty model (what train.py does)
                 loaded = ck.load_latest()
-                empty.load_state_dict(loaded.model)
-                return True
-            model = parallel.build_model(cfg, parallel.Grid(), "cpu", load=None if INIT else resume)
+                model.load_state_dict(loaded.model)
             opt = optim.build_optimizer(model, cfg)
             t_build = time.time()
         """)

@@ -15,9 +15,10 @@ each one onto theirs):
 4. Parallel layers: ColumnParallelLinear (output features split), RowParallelLinear (input features
    split), VocabParallelEmbedding and VocabParallelHead (vocabulary split, padded to a TP multiple).
 5. (How each parameter is split over TP ranks, by name: sharding.py.)
-6. build_model: the Llama on the meta device, its layers swapped for parallel ones, then each local
-   shard generated from the stream of model.init_param's full tensor (model.init_param_part):
-   same seed, same full weights, whatever the layout, and no rank ever holds a full tensor.
+6. build_model: the Llama on the meta device, its layers swapped for parallel ones, this rank's
+   shard allocated empty; init_weights generates each local shard from the stream of
+   model.init_param's full tensor (model.init_param_part): same seed, same full weights, whatever
+   the layout, and no rank ever holds a full tensor.
 7. Vocab-parallel cross entropy: the loss from sharded logits, with two small all-reduces.
 8. Gradients: TP-replicated sums (SP norms, replicated KV heads), the DP all-reduce in flat buckets
    scaled 1/DP, and clipping on the true global norm.
@@ -43,7 +44,6 @@ import torch.nn.functional as F
 
 import configs
 from configs import Config, ConfigError, ModelConfig
-import hf
 import model as llama
 import sharding
 
@@ -504,13 +504,16 @@ def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn.Module:
-    """Cast (on the host, before the move: half the bytes to copy) and move every parameter, each
-    Parameter once: a tied pair stays one Parameter, where Module.to() would make two."""
+def move_model(model: nn.Module, device) -> nn.Module:
+    """Move every parameter, each Parameter once (a tied pair stays one Parameter, where Module.to()
+    would make two), keeping its tags (sharding.mark); then check the tie. On the device already
+    (CPU, CUDA: build_model allocated it there) nothing is copied."""
     device = torch.device(device)
     params = list(model.parameters())              # each tied matrix once
-    host = [p.detach().to(dtype) if dtype is not None and p.is_floating_point() else p.detach() for p in params]
-    moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad) for p, t in zip(params, to_device(host, device))}
+    moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad)
+             for p, t in zip(params, to_device([p.detach() for p in params], device))}
+    for p in params:
+        moved[id(p)].__dict__.update(p.__dict__)
     for mod in model.modules():
         for k, p in mod._parameters.items():
             if p is not None:
@@ -518,54 +521,46 @@ def move_model(model: nn.Module, device, dtype: torch.dtype | None = None) -> nn
         for k, b in mod._buffers.items():
             if b is not None:
                 mod._buffers[k] = b.to(device)
+    check_tied(model)
     return model
 
 
-def build_model(cfg: Config, grid: Grid, device, stage=None, load=None, dtype: torch.dtype | None = None) -> llama.Llama:
-    """The Llama for this rank: TP/SP-parallelized for grid, initialized from cfg.seed so that every
-    layout holds the same full weights. Built on the meta device (no memory), then each local shard
-    is materialized from its full-shape initial value, one parameter at a time, or with
-    cfg.init_from read from a Hugging Face folder (hf.load_sharded: this rank's rows only).
+def build_model(cfg: Config, grid: Grid, device, stage=None, dtype: torch.dtype | None = None) -> llama.Llama:
+    """This rank's Llama, TP/SP-parallelized for grid, its weights allocated but not yet filled:
+    the caller fills them from one source (train.py: a checkpoint, a Hugging Face folder or
+    init_weights), then move_model puts them on the device. Built on the meta device, so no rank
+    ever holds the full model; allocated on the host on XLA (the blog: "initialized on CPU and
+    offloaded to Trainium"; in-place copies into XLA tensors leave views that recompile graphs at
+    each save and after evals), elsewhere on the device itself.
     stage: pipeline.py's hook, meta model -> the part this rank keeps (its pipeline stage, with the
-    whole model's parameter names); only that part is materialized.
-    load: a resume's hook, empty model -> True if it loaded the weights (a checkpoint): then nothing
-    is initialized only to be overwritten (5.9 s per restart at 134M parameters, bench.py ckpt).
-    dtype: the parameters' dtype (optim.param_dtype), cast on the host before the move.
-    Tied embeddings stay one Parameter through every step of this (tie_embeddings, check_tied)."""
+    whole model's parameter names); only that part is allocated.
+    dtype: the parameters' dtype (optim.param_dtype), applied on meta: nothing is cast later."""
     device = torch.device(device)
-    if grid.world > 1 and backend_for(device.type) != grid.backend:
-        raise ConfigError(f"the model would live on {device} but the process groups use {grid.backend}: "
-                          f"pass the device to parallel.init_distributed(cfg, device), or set --device")
     sp = cfg.parallel.sp and grid.tp > 1
     with torch.device("meta"):                # the parallel layers too: nothing is allocated yet
         model = llama.Llama(cfg.model)
-        full_shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}     # tied: both names
         if grid.tp > 1:
             tensor_parallelize(model, grid, sp)
     if stage is not None:
         model = stage(model)
-    # XLA: init (or load) on CPU, then move the model (the blog: "initialized on CPU and offloaded to
-    # Trainium"); in-place copies into XLA tensors leave views that recompile graphs at each save and
-    # after evals.
-    build_on = torch.device("cpu") if device.type == "xla" else device
     if dtype is not None:
-        model.to(dtype)                       # on meta: the host copy is built in the final dtype
-    model.to_empty(device=build_on)
+        model.to(dtype)
+    model.to_empty(device=torch.device("cpu") if device.type == "xla" else device)
     tie_embeddings(model)                     # to_empty from meta made two Parameters of the tied one
-    if load is not None and load(model):
-        pass
-    elif cfg.init_from:        # continued pretraining: each rank reads only its shard from the files
-        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
-    else:
-        # Each rank generates only its shard, from the stream that generates the full tensor (the
-        # same values as cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py).
-        with torch.no_grad():
-            for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
-                rows, cols = sharding.index(name, full_shapes[name], cfg.model, grid.tp, grid.tp_rank)
-                p.copy_(llama.init_param_part(name, full_shapes[name], cfg.model, cfg.seed, rows, cols))
-    model = move_model(model, device, dtype)
-    check_tied(model)
-    sharding.mark(model, grid.tp, sp)         # after the moves: they make new Parameter objects
+    sharding.mark(model, grid.tp, sp)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: Config, grid: Grid) -> nn.Module:
+    """Fill build_model's weights from cfg.seed: every layout holds the same full weights. Each rank
+    generates only its shard, from the stream that generates the full tensor (the same values as
+    cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py)."""
+    with torch.device("meta"):
+        full = {n: tuple(p.shape) for n, p in llama.Llama(cfg.model).state_dict().items()}
+    for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
+        rows, cols = sharding.index(name, full[name], cfg.model, grid.tp, grid.tp_rank)
+        p.copy_(llama.init_param_part(name, full[name], cfg.model, cfg.seed, rows, cols))
     return model
 
 

@@ -113,14 +113,14 @@ class PipelineStage(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build_model(cfg: Config, grid: Grid, device, load=None, dtype: torch.dtype | None = None) -> PipelineStage:
-    """This rank's stage, TP/SP-parallelized, initialized exactly as parallel.build_model does it
-    (from cfg.seed and the full-shape init of each parameter name), and its point-to-point links.
+def build_model(cfg: Config, grid: Grid, device, dtype: torch.dtype | None = None) -> PipelineStage:
+    """This rank's stage, TP/SP-parallelized and empty as parallel.build_model builds it (filled by
+    the caller with the whole model's parameter names), and its point-to-point links.
     Collective: every rank must call it (the two-rank groups of "allgather" are created here)."""
     bounds = stage_bounds(cfg)
     # Only this stage's layers are ever materialized: no rank holds the whole model.
     stage = parallel.build_model(cfg, grid, device, stage=lambda model: PipelineStage(model, bounds, grid.pp_rank),
-                                 load=load, dtype=dtype)
+                                 dtype=dtype)
     if cfg.model.tie_embeddings and grid.pp > 1 and stage.last:
         stage.lm_head.weight.tied_copy = True    # a copy of stage 0's embedding (reduce_tied_embedding)
     stage.comm = Comm.create(cfg, grid)

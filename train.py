@@ -352,21 +352,21 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
     val_loader = (data.EvalWindows(cfg.data, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus, index=index)
                   if cfg.log.eval_interval else None)
 
-    # Model and optimizer. The model is built empty; a resume loads the newest complete, valid
-    # checkpoint into it (at another layout only this rank's tensors are built), otherwise it is
-    # initialized from the seed (never from the layout) or --init_from. The weights are in place
-    # before the optimizer is built: "mixed" copies its fp32 master from them.
-    loaded = None
-
-    def resume(empty) -> bool:
-        nonlocal loaded
-        loaded = ckpt.load_latest(names=set(empty.state_dict()))
-        if loaded is not None:
-            empty.load_state_dict(loaded.model)
-        return loaded is not None
+    # The model: this rank's shard, built empty, then filled from ONE source, the first that
+    # applies: this run's newest complete checkpoint (a resume, at any layout), --init_from (a
+    # Hugging Face folder: this rank's rows only), else the seed (the same full weights at every
+    # layout). Filled before the optimizer is built: "mixed" copies its fp32 master from them.
     pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
-    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, load=resume,
+    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device,
                                                                    dtype=optim.param_dtype(cfg.optim.precision))
+    loaded = ckpt.load_latest(names=set(model.state_dict()))
+    if loaded is not None:
+        model.load_state_dict(loaded.model)
+    elif cfg.init_from:
+        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
+    else:
+        parallel.init_weights(model, cfg, grid)
+    model = parallel.move_model(model, device)      # XLA: filled on the host, then moved (build_model)
     if device.type == "xla":             # torch-xla's checkpoint adds the barrier XLA needs
         llama.use_xla_checkpointing(model)
     optimizer = optim.build_optimizer(model, cfg, grid)
@@ -406,7 +406,6 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
     if corpus.empty_files:
         log(corpus.warning("empty_files", corpus.empty_files))
     cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
-    parallel.check_tied(model)               # a tied head is the embedding itself, on one storage
     if device.type == "xla":
         log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
     stop.during = step + 1                               # the step a signal arriving now counts for

@@ -166,8 +166,13 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
         grid = parallel.Grid(world=cfg.parallel.pp, rank=s, pp=cfg.parallel.pp, pp_rank=s, backend="xla")
         stand_in.rank = s
         with stand_in:
-            def build(load=None):
-                stage = pipeline.build_model(cfg, grid, dev, load=load, dtype=optim.param_dtype(cfg.optim.precision))
+            def build(weights=None):             # train.py's sources: a checkpoint's weights or the seed
+                stage = pipeline.build_model(cfg, grid, dev, dtype=optim.param_dtype(cfg.optim.precision))
+                if weights is not None:
+                    stage.load_state_dict(weights)
+                else:
+                    parallel.init_weights(stage, cfg, grid)
+                stage = parallel.move_model(stage, dev)
                 llama.use_xla_checkpointing(stage)
                 return stage, optim.build_optimizer(stage, cfg, grid)
 
@@ -182,7 +187,7 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
                 if step == steps + 1:            # the resume: what a checkpoint holds, loaded as train.py loads it
                     model_sd, optim_sd = ckptsave.to_host(stage.state_dict()), ckptsave.to_host(opt.state_dict())
                     collect(s, step - 1, "save")
-                    stage, opt = build(load=lambda empty: empty.load_state_dict(model_sd) or True)
+                    stage, opt = build(model_sd)
                     opt.load_state_dict(optim_sd)
                     train.sync(dev)
                     collect(s, step - 1, "resume")

@@ -46,3 +46,11 @@ def packed_batch(step: int, n: int, seq: int, vocab: int = 97) -> dict:
     targets[ar < 2 * torch.arange(n)[:, None]] = -100
     doc_ids = (ar >= cut).long()
     return {"tokens": tokens, "targets": targets, "positions": ar - cut * doc_ids, "doc_ids": doc_ids}
+
+
+def seeded_model(cfg, grid, device="cpu", build=None, dtype=None):
+    """A fresh run's model as train.py makes it: built empty (parallel.build_model, or `build`:
+    pipeline.build_model), initialized from cfg.seed, moved to the device."""
+    import parallel
+    model = (build or parallel.build_model)(cfg, grid, device, dtype=dtype)
+    return parallel.move_model(parallel.init_weights(model, cfg, grid), device)

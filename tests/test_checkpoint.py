@@ -38,6 +38,7 @@ import parallel  # noqa: E402
 import reshard  # noqa: E402
 import sharding  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError, FaultInjector  # noqa: E402
+from conftest import seeded_model  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def random_step(model, opt, seed: int, grid=None):
 
 
 def trained(cfg, steps=2):
-    model = parallel.build_model(cfg, parallel.Grid(), "cpu")
+    model = seeded_model(cfg, parallel.Grid())
     opt = optim.build_optimizer(model, cfg)
     for s in range(steps):
         random_step(model, opt, seed=s)
@@ -408,7 +409,7 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     cfg = tiny_cfg(dir_a)
     cfg.parallel.tp = 2
     grid = parallel.new_grid(4, rank, 2, 1, sharding.kv_replicas(cfg.model, 2), "gloo")
-    model = parallel.build_model(cfg, grid, "cpu")
+    model = seeded_model(cfg, grid)
     opt = optim.build_optimizer(model, cfg, grid)
     loaded = Checkpointer(cfg, grid).load_latest()
     model.load_state_dict(loaded.model)

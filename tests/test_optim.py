@@ -14,6 +14,7 @@ import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+from conftest import seeded_model  # noqa: E402
 import sharding  # noqa: E402
 from parallel import Grid  # noqa: E402
 from conftest import loss_sum  # noqa: E402
@@ -32,7 +33,7 @@ def tiny_config(precision="fp32", **optim_kw) -> configs.Config:
 
 
 def tiny_model(cfg) -> llama.Llama:
-    """The unsharded reference: same full weights as parallel.build_model gives any layout."""
+    """The unsharded reference: same full weights as parallel.init_weights gives any layout."""
     return llama.Llama(cfg.model).init_weights(cfg.seed).to(optim.param_dtype(cfg.optim.precision))
 
 
@@ -495,7 +496,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
             cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.zero1 = 2, True, True
             grid = parallel.new_grid(world, rank, 2, 1, sharding.kv_replicas(cfg.model, 2), "gloo")
             assert grid.dp == 2 and grid.kv_group is not None
-            model = parallel.build_model(cfg, grid, "cpu").to(optim.param_dtype(precision))
+            model = seeded_model(cfg, grid).to(optim.param_dtype(precision))
             ref = tiny_model(cfg)
             opt, ref_opt = optim.build_optimizer(model, cfg, grid), optim.build_optimizer(ref, cfg)
             assert opt.zero1

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import assert_close, packed_batch  # noqa: E402
+from conftest import assert_close, packed_batch, seeded_model  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -115,7 +115,7 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
 
 
 def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
-    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    model = seeded_model(cfg, grid)
     res = {"init": parallel.gather_full_state_dict(model, grid), "loss": [], "norm": []}
     b0 = rank_batches(0, grid)[0]
     with torch.no_grad():
@@ -139,7 +139,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     # load_full_state_dict is the inverse: load the reference init into a differently seeded model.
     cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.model.tie_embeddings)
     cfg2.seed = 8
-    other = parallel.build_model(cfg2, grid, torch.device("cpu"))
+    other = seeded_model(cfg2, grid)
     parallel.load_full_state_dict(other, res["init"], grid)
     res["reloaded"] = parallel.gather_full_state_dict(other, grid)
     torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))
@@ -147,7 +147,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
 
 def count_step_collectives(cfg, grid, bucket_bytes=parallel.BUCKET_BYTES):
     """One step's collectives, as (kind, op) -> [count, bytes]."""
-    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    model = seeded_model(cfg, grid)
     kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp"}
     with parallel.count_collectives() as log:
         forward_backward(model, rank_batches(0, grid), grid)
@@ -164,7 +164,7 @@ def count_step_collectives(cfg, grid, bucket_bytes=parallel.BUCKET_BYTES):
 def world_size_normalization(cfg, grid):
     """Gradients three ways from the same backward: right (1/DP), xm.reduce_gradients' 1/world, and
     a per-rank mean loss (each rank divides by its own token count)."""
-    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    model = seeded_model(cfg, grid)
     out = {}
     for how in ("right", "world", "local_mean"):
         model.zero_grad(set_to_none=True)
@@ -217,7 +217,7 @@ def sp_saved_memory(grid):
               "head": parallel.VocabParallelHead(cfg.model.dim, 49, 49, 49 * grid.tp_rank, grid.tp_group, True)}
     for layer in layers.values():
         layer.weight.data.normal_(generator=g)
-    model = parallel.build_model(cfg, grid, torch.device("cpu"))
+    model = seeded_model(cfg, grid)
     b0 = rank_batches(0, grid)[0]
     out = {}
     for how in ("shard", "gathered"):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import assert_close, packed_batch  # noqa: E402
+from conftest import assert_close, packed_batch, seeded_model  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -115,7 +115,7 @@ def run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
 
 
 def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
-    model = pipeline.build_model(cfg, grid, torch.device("cpu"))
+    model = seeded_model(cfg, grid, build=pipeline.build_model)
     res = {"init": pipeline.gather_full_state_dict(model, grid), "loss": [], "norm": [], "max_live": [],
            "pp_rank": grid.pp_rank, "pp": grid.pp}
     opt = RecordingAdamW(model, grid)
@@ -150,7 +150,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
                     cfg.data.micro_batch, cfg.parallel.pp_cuts, cfg.model.tie_embeddings)
     cfg2.seed = 8
-    other = pipeline.build_model(cfg2, grid, torch.device("cpu"))
+    other = seeded_model(cfg2, grid, build=pipeline.build_model)
     pipeline.load_full_state_dict(other, res["init"], grid)
     res["reloaded"] = pipeline.gather_full_state_dict(other, grid)
     torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import configs  # noqa: E402
 import plan  # noqa: E402  (the entry point: plan.main)
+from conftest import seeded_model  # noqa: E402
 from planner import calibrate, cost  # noqa: E402
 from planner.cost import Layout, estimate  # noqa: E402
 import model as llama  # noqa: E402
@@ -84,7 +85,7 @@ def measured_peak_bytes(cfg) -> int:
     batches = [{"tokens": x[:, :-1], "targets": x[:, 1:], "doc_ids": docs,
                 "positions": torch.arange(d.seq_len).expand(d.micro_batch, -1)} for x in t]
     assert len(batches) == configs.grad_accum_steps(cfg, 1)
-    model = parallel.build_model(cfg, grid, "cpu")
+    model = seeded_model(cfg, grid)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt = optim.build_optimizer(model, cfg, grid)

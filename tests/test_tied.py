@@ -25,6 +25,7 @@ import optim  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from configs import ModelConfig  # noqa: E402
+from conftest import seeded_model  # noqa: E402
 
 SEQ, STEPS = 16, 3
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +87,7 @@ def run_tied(where: str, out: str) -> None:
     else:
         device = torch.device("cpu")
     cfg = tied_cfg()
-    model = parallel.build_model(cfg, parallel.Grid(), device)
+    model = seeded_model(cfg, parallel.Grid(), device)
     tied = [is_tied(model)]
     train3(model, device)
     tied.append(is_tied(model))
@@ -133,9 +134,9 @@ def test_tied_model_stays_tied_trains_and_exports(where, reference, tmp_path):
 
 
 def test_check_tied_catches_an_untied_model():
-    """check_tied, which train.py runs before the first step, fails on the old behaviour."""
+    """check_tied, which move_model runs before train.py's first step, fails on the old behaviour."""
     cfg = tied_cfg()
-    model = parallel.build_model(cfg, parallel.Grid(), "cpu")
+    model = seeded_model(cfg, parallel.Grid())
     model.lm_head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
     with pytest.raises(RuntimeError, match="came untied"):
         parallel.check_tied(model)

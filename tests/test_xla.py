@@ -225,7 +225,8 @@ STEP_HLO = textwrap.dedent("""
         cfg = configs.from_args(["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1",
                                  "--model.ffn_dim=64", "--model.vocab_size=64", "--seq_len=16", "--global_batch=2",
                                  "--micro_batch=2", "--precision=bf16", f"--model.attention={attention}"])
-        model = parallel.build_model(cfg, parallel.Grid(), dev).to(torch.bfloat16)
+        model = parallel.init_weights(parallel.build_model(cfg, parallel.Grid(), dev), cfg, parallel.Grid())
+        model = parallel.move_model(model, dev).to(torch.bfloat16)
         doc = (torch.arange(16) >= 6).long().expand(2, 16)          # two packed documents
         b = {"tokens": torch.randint(0, 64, (2, 16)), "targets": torch.randint(0, 64, (2, 16)),
              "positions": torch.arange(16) - 6 * doc, "doc_ids": doc}
@@ -281,7 +282,8 @@ OPTIMIZER_PROBE = textwrap.dedent("""
                              "--model.ffn_dim=64", "--model.vocab_size=64", "--seq_len=8", "--global_batch=2",
                              "--micro_batch=2"])
     dev = torch_xla.device()
-    model = parallel.build_model(cfg, parallel.Grid(), dev)
+    model = parallel.init_weights(parallel.build_model(cfg, parallel.Grid(), dev), cfg, parallel.Grid())
+    model = parallel.move_model(model, dev)
     opt = optim.build_optimizer(model, cfg, parallel.Grid())
     tokens = torch.randint(0, 64, (2, 8)).to(dev)
     def step(t):
@@ -335,7 +337,7 @@ CHECKPOINTING_PROBE = textwrap.dedent("""
                                  f"--seq_len={T}", "--global_batch=2", "--micro_batch=2", "--precision=fp32",
                                  f"--model.checkpointing={mode}"])
         grid = parallel.Grid()
-        model = parallel.build_model(cfg, grid, device)
+        model = parallel.move_model(parallel.init_weights(parallel.build_model(cfg, grid, device), cfg, grid), device)
         if xla_ckpt:
             llama.use_xla_checkpointing(model)
         opt = optim.build_optimizer(model, cfg, grid)
@@ -404,7 +406,8 @@ SKIP_CHILD = textwrap.dedent('''
                              "--data.global_batch=4", "--data.micro_batch=2", "--log.on_nonfinite=skip",
                              "--log.interval=100", "--optim.warmup_steps=1"])
     dev = torch_xla.device()
-    model = parallel.build_model(cfg, parallel.Grid(), dev)
+    model = parallel.init_weights(parallel.build_model(cfg, parallel.Grid(), dev), cfg, parallel.Grid())
+    model = parallel.move_model(model, dev)
     opt = optim.build_optimizer(model, cfg)
     mon = monitor.Monitor(cfg, flops_per_token=1.0, peak_flops=0.0, device=dev, print_fn=lambda *a: None)
     reads = lambda: (met.metric_data("TransferFromDeviceTime") or [0])[0]
