@@ -761,7 +761,7 @@ def bench_parallel(args):
         tp, dp, sp = (int(v) for v in layout.split(","))
         cfg = configs.tiny()
         cfg.device, cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp = "cpu", tp, dp, bool(sp)
-        grid = parallel.init_distributed(cfg)
+        grid = parallel.init_distributed(cfg, torch.device("cpu"))
         model = parallel.init_weights(parallel.build_model(cfg, grid, torch.device("cpu")), cfg, grid)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         accum, d = configs.grad_accum_steps(cfg, grid.dp), cfg.data
@@ -842,7 +842,7 @@ def bench_pp(args):
     if layout:                                   # a worker rank: train and time `steps` steps
         pp, schedule, p2p = layout.split(",")
         cfg = config(int(pp), schedule, p2p)
-        grid = parallel.init_distributed(cfg)
+        grid = parallel.init_distributed(cfg, torch.device("cpu"))
         build, step = (pipeline.build_model, pipeline.train_step) if grid.pp > 1 else (parallel.build_model, train.train_step)
         model = parallel.init_weights(build(cfg, grid, torch.device("cpu")), cfg, grid)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

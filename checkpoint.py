@@ -282,7 +282,7 @@ def agree(grid: Grid, value: int) -> int:
     if grid.world == 1 or not dist.is_initialized():
         return int(value)
     # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
-    t = torch.tensor([int(value)], device="cuda" if grid.backend == "nccl" else "cpu")
+    t = torch.tensor([int(value)], device=grid.host_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.host_group)
     return int(t.item())
 

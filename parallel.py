@@ -98,6 +98,11 @@ class Grid:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def host_device(self) -> str:
+        """Where a tensor for host_group lives: the CPU, but the default group of nccl takes CUDA's."""
+        return "cuda" if self.backend == "nccl" else "cpu"
+
 
 def check_layout(cfg: Config, world: int, backend: str = "") -> None:
     """Every reason a layout cannot work, raised as ConfigError before any process group exists."""
@@ -109,23 +114,13 @@ def backend_for(device_type: str) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}[device_type]
 
 
-def _device_type(cfg: Config) -> str:
-    """cfg.device, with "auto" resolved: xla on Trainium (PJRT_DEVICE=NEURON), else cuda, else cpu.
-    PJRT_DEVICE=CPU does not count: importing torch_xla sets it, and XLA:CPU has no multi-process
-    collectives (trainium.md), so CPU runs use gloo."""
-    if cfg.device != "auto":
-        return cfg.device
-    if os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
-        return "xla"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def init_distributed(cfg: Config, device: torch.device | str | None = None) -> Grid:
-    """Validate the layout, then create the process groups of this torchrun process.
-    Reads RANK and WORLD_SIZE (and MASTER_ADDR/PORT through env://) from torchrun. World 1: Grid()."""
+def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
+    """Validate the layout, then create the process groups of this torchrun process, with the
+    backend of `device` (train.pick_device decides it). Reads RANK and WORLD_SIZE (and
+    MASTER_ADDR/PORT through env://) from torchrun. World 1: Grid()."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    backend = backend_for(torch.device(device).type if device is not None else _device_type(cfg))
+    backend = backend_for(torch.device(device).type)
     check_layout(cfg, world, backend)        # bad input fails here, before any process group work
     if world == 1:
         return Grid()

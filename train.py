@@ -147,7 +147,7 @@ def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
     Call on every rank at the same steps: one all-reduce of two numbers, a few ms of gloo at 4096
     ranks, at log steps only."""
     counts = torch.tensor([float(stats.get(k, 0)) for k in DATA_WARNINGS], dtype=torch.float64,
-                          device="cuda" if grid.backend == "nccl" else "cpu")
+                          device=grid.host_device)
     if grid.world > 1 and torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts, group=grid.host_group)
         counts /= grid.tp * grid.pp
@@ -201,7 +201,7 @@ class StopSignal:
         mine = self.got if self.got and self.heard_during <= step else 0
         if self.grid.world == 1 or not torch.distributed.is_initialized():
             return signal.Signals(mine).name if mine else None
-        t = torch.tensor([mine], device="cuda" if self.grid.backend == "nccl" else "cpu")
+        t = torch.tensor([mine], device=self.grid.host_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.grid.host_group)
         agreed = int(t.item())
         if agreed and self.heard_at is None:            # told by the others: the grace period runs from now
@@ -230,11 +230,7 @@ def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.
         # staging (in the writer thread too on a CPU host) and the write less what it waited for a
         # CPU at background priority (a stop's save runs at normal priority); + 1 s: markers, exit
         need = s["blocked_s"] + s.get("deferred_copy_s", 0) + s["write_s"] - s.get("starved_s", 0) + 1.0
-    ok = need is None or need < left
-    if grid.world > 1 and torch.distributed.is_initialized():
-        t = torch.tensor([int(ok)], device="cuda" if grid.backend == "nccl" else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=grid.host_group)
-        ok = bool(t.item())
+    ok = bool(checkpoint.agree(grid, need is None or need < left))
     why = (f"{left:.1f} s of the {grace_s:g} s grace period are left and this rank's last save "
            f"({s.get('bytes', 0) / 1e9:.2f} GB) took {need:.1f} s" if need is not None else
            f"{left:.1f} s of the {grace_s:g} s grace period are left (no earlier save in this run to time)")

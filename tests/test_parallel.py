@@ -241,7 +241,7 @@ def _worker(rank: int, ports: list[int], out_dir: str):
                       WORLD_SIZE="4", LOCAL_RANK=str(rank))
     # First, one world of 4.
     cfg = tiny_cfg(tp=2, dp=2)
-    grid = parallel.init_distributed(cfg)
+    grid = parallel.init_distributed(cfg, "cpu")
     assert (grid.tp, grid.dp, grid.tp_rank, grid.dp_rank, grid.backend) == (2, 2, rank % 2, rank // 2, "gloo")
     for sp in (False, True):
         run_layout(f"tp2dp2_sp{int(sp)}", tiny_cfg(tp=2, dp=2, sp=sp), grid, out_dir)
@@ -265,12 +265,12 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     os.environ.update(MASTER_PORT=str(ports[1 + rank // 2]), RANK=str(rank % 2), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank % 2))
     if rank < 2:
-        grid = parallel.init_distributed(tiny_cfg(tp=2))
+        grid = parallel.init_distributed(tiny_cfg(tp=2), "cpu")
         for sp in (False, True):
             run_layout(f"tp2_sp{int(sp)}", tiny_cfg(tp=2, sp=sp), grid, out_dir)
         torch.save(sp_saved_memory(grid), os.path.join(out_dir, f"sp_saved.rank{rank}.pt"))
     else:
-        grid = parallel.init_distributed(tiny_cfg(dp=2))
+        grid = parallel.init_distributed(tiny_cfg(dp=2), "cpu")
         run_layout("dp2", tiny_cfg(dp=2), grid, out_dir)
         barrier_over_host_group(grid, out_dir)
     parallel.destroy(grid)
@@ -503,7 +503,7 @@ def test_bad_layout_fails_before_process_groups(monkeypatch, world, change, mess
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        parallel.init_distributed(cfg)
+        parallel.init_distributed(cfg, "cpu")
     assert not dist.is_initialized()
 
 
@@ -515,5 +515,5 @@ def test_barrier_waits_for_every_rank(spawned):
 
 def test_world_one_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    grid = parallel.init_distributed(tiny_cfg())
+    grid = parallel.init_distributed(tiny_cfg(), "cpu")
     assert grid == parallel.Grid() and not dist.is_initialized()

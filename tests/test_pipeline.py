@@ -159,7 +159,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
 def _init(ports, port_index, rank, world, cfg) -> parallel.Grid:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[port_index]), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    return parallel.init_distributed(cfg)
+    return parallel.init_distributed(cfg, "cpu")
 
 
 def _worker(rank: int, ports: list[int], out_dir: str):
@@ -352,7 +352,7 @@ def test_bad_pipeline_layout_fails_before_process_groups(monkeypatch, world, cha
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        parallel.init_distributed(cfg)                # the path train.py takes
+        parallel.init_distributed(cfg, "cpu")                # the path train.py takes
     assert not dist.is_initialized()
     if "microbatches" not in message:                 # the stage split checks it on its own too
         with pytest.raises(ConfigError, match=re.escape(message)):
