@@ -247,15 +247,6 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
         p.copy_(out.to(p.device))
 
 
-def load_hf(folder: str, **overrides):
-    """Our Llama (one process, full model) from a Hugging Face folder."""
-    from model import Llama
-    cfg = read_config(folder, **overrides)
-    model = Llama(cfg)
-    load_sharded(model, folder, cfg)
-    return model
-
-
 EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
                 "tokenizer_config.json", "special_tokens_map.json"}
 

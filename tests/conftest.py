@@ -27,6 +27,17 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                                              reduction="sum")
 
 
+def load_hf(folder: str, **overrides):
+    """Our Llama, one process, from a Hugging Face folder: the loading path of a run
+    (--init_from: hf.read_config, then hf.load_sharded into the model) at TP 1."""
+    import hf
+    import model
+    cfg = hf.read_config(folder, **overrides)
+    m = model.Llama(cfg)
+    hf.load_sharded(m, folder, cfg)
+    return m
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-5):
     """got equals ref up to tol x ref's max-abs (a layout against its single-process reference)."""
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"

@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hf as hf_io  # noqa: E402
-from conftest import max_rel_err  # noqa: E402
+from conftest import load_hf, max_rel_err  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_transformers5_config_file_loads_with_its_theta(tmp_path):
     conf.pop("rope_theta"), conf.pop("rope_scaling", None)
     conf["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(conf))
-    ours = hf_io.load_hf(str(tmp_path)).eval()
+    ours = load_hf(str(tmp_path)).eval()
     assert ours.cfg.rope_theta == 500000.0
     tokens = torch.randint(0, 101, (2, 40))
     with torch.no_grad():
@@ -89,7 +89,7 @@ def test_llama3_both_ways_match_transformers(tmp_path):
     torch.manual_seed(0)
     hf = llama3_hf()
     hf.save_pretrained(tmp_path / "hf")
-    ours = hf_io.load_hf(str(tmp_path / "hf")).eval()
+    ours = load_hf(str(tmp_path / "hf")).eval()
     assert ours.cfg.tie_embeddings and ours.lm_head.weight is ours.embed.weight and ours.cfg.head_dim == 24
     assert ours.cfg.rope_scaling == "llama3"
     tokens = torch.randint(0, 101, (2, 48))
@@ -134,7 +134,7 @@ def _edit(saved, tmp_path, config=None, tensors=None):
 ])
 def test_mixed_up_checkpoint_is_refused(saved, tmp_path, config, tensors, expected):
     with pytest.raises(hf_io.HFError, match=expected):
-        hf_io.load_hf(_edit(saved, tmp_path, config, tensors))
+        load_hf(_edit(saved, tmp_path, config, tensors))
 
 
 def test_head_dim_and_tie_in_our_config_match_num_params():
@@ -432,7 +432,7 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
     save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
     tokens = torch.randint(0, 101, (1, 20))
     with torch.no_grad():
-        assert max_rel_err(hf_io.load_hf(str(tmp_path)).eval()(tokens), hf(tokens).logits) < 1e-5
+        assert max_rel_err(load_hf(str(tmp_path)).eval()(tokens), hf(tokens).logits) < 1e-5
 
 
 def test_a_run_replaces_only_its_own_export(tmp_path):

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf as hf_io  # noqa: E402
 import model as llama  # noqa: E402
 from configs import ModelConfig  # noqa: E402
-from conftest import loss_sum, max_rel_err  # noqa: E402
+from conftest import load_hf, loss_sum, max_rel_err  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,9 +30,9 @@ def hf_model(cfg):
 
 
 def load_ours(hf, cfg, folder):
-    """transformers' weights -> our fused layout through the loading path (a saved folder, hf.load_hf)."""
+    """transformers' weights -> our fused layout through the loading path (a saved folder, hf.load_sharded)."""
     hf.save_pretrained(folder)
-    return hf_io.load_hf(str(folder), attention=cfg.attention)
+    return load_hf(str(folder), attention=cfg.attention)
 
 
 ATTENTION = ["sdpa", "explicit"]
@@ -69,7 +69,7 @@ def test_ours_to_hf_roundtrip_through_files(tmp_path, n_kv_heads):
     ours = llama.Llama(cfg).init_weights(seed=7).eval()
     hf_io.save_hf(ours.state_dict(), cfg, str(tmp_path), overwrite=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
-    back = hf_io.load_hf(str(tmp_path)).eval()
+    back = load_hf(str(tmp_path)).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 20))
     with torch.no_grad():
         ref = ours(tokens)
