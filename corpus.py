@@ -1,153 +1,34 @@
-"""The corpus: documents from files, and the tokenizer trained on them (data.py packs them).
+"""The corpus: a --data spec's documents, read by index, and the tokenizer trained on them.
 
-1. Sources -> documents. `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
-   with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and
-   `python data.py prepare` write it), and through an Arrow copy made once (prepare.cached) Parquet,
-   .jsonl.gz/.zst, .json.gz and .txt.gz; "stdlib" = the .py files of this interpreter's
-   standard library; `--data a:0.7,b:0.3` a weighted mixture of sources. The readers of one
-   file, and the offsets indexes that keep a rank's memory flat, are in sources.py.
-2. Tokenizer. `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as is) or a
-   Hugging Face tokenizer.json (Llama 3), or trains a byte-fallback BPE of exactly the model's vocab
-   size on the corpus and caches it.
-
-Reading a document is random access by index: a rank reads only the documents of its own streams
-(data.py), never the others', so what a rank reads does not grow with the number of ranks.
+A rank reads only the documents of its own spans (random access by index): what it reads does not
+grow with the number of ranks. The tokenizer is a sentencepiece .model (Llama 2's as is), a
+tokenizer.json (Llama 3), or a byte-fallback BPE of exactly the model's vocab size trained on the
+corpus once and cached.
 """
 from __future__ import annotations
 
 import collections
 import fcntl
-import glob
 import hashlib
 import json
 import os
 import re
 import signal
 import sys
-import sysconfig
 import threading
 import time
 
 import numpy as np
 import sentencepiece as spm
 
-from configs import DataConfig, path_kind
-from order import by_hash, held_out, permute
-from sources import ColumnDocs, DataError, FileDocs, LineDocs
-
-# JSON lines, also compressed as most public corpora ship (C4 and Dolma: .json.gz; the Pile: .jsonl.zst).
-# gzip, zstd and Parquet allow no cheap random access: training reads such a file through an Arrow
-# copy made once per node in the cache (prepare.cached), memory-mapped and shared by the node's ranks;
-# `python data.py prepare` converts many of them in parallel.
-COMPRESSED = (".gz", ".zst")
-JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
-SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
-
-
-# ----------------------------------------------------------------------------- 1. sources
-
-def stdlib_files() -> list[str]:
-    """The embedded corpus: every .py file of the running interpreter's standard library."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
-        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
-    return out
-
-
-STRUCTURED = (".arrow", ".parquet") + JSON_LINES
-SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
-
-
-def dataset_files(folder: str, split: str = "train") -> list[str]:
-    """The documents' files in a directory. A Hugging Face dataset is read as `datasets` would:
-    - save_to_disk of a DatasetDict (dataset_dict.json): only the folder of `split`;
-    - save_to_disk of a Dataset (state.json): its arrow files, in their order;
-    - a folder holding .jsonl/.arrow/.parquet files (a cloned dataset repository): those and its
-      .txt files, never its card or scripts (README*, LICENSE*, .md, .rst, .py); and where the
-      data files' paths name splits (datasets' convention: a directory or file-name prefix
-      train/test/validation...), only `split`'s.
-    Any other directory: every text file in it, recursively (a code corpus). Hidden entries
-    (.git, .cache) are never read."""
-    marker = os.path.join(folder, "dataset_dict.json")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            splits = json.load(f).get("splits", [])
-        if split not in splits:
-            raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
-                            f"choose one with --data.split")
-        return dataset_files(os.path.join(folder, split), split)
-    state = os.path.join(folder, "state.json")
-    if os.path.isfile(state):
-        with open(state) as f:
-            named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
-        return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
-    files = []
-    for d, dirs, fs in os.walk(folder):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
-    data_files = [p for p in files if p.endswith(STRUCTURED)]
-    if not data_files:
-        return [p for p in files if p.endswith(SUFFIXES)]
-    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt",))
-                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
-    def split_of(p):
-        parts = os.path.relpath(p, folder).lower().split(os.sep)
-        named = [x for x in parts[:-1] if x in SPLITS] + [w for w in SPLITS if re.match(rf"{w}[-_.]", parts[-1])]
-        return named[0] if named else None
-    found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
-    if any(found.values()):
-        if split not in found.values():
-            raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
-                            f"not {split!r}; choose one with --data.split")
-        data_files = [p for p in data_files if found.get(p, split) == split]
-    return data_files
-
-
-def resolve_paths(spec: str, split: str = "train") -> list[str]:
-    """'stdlib', files, directories (recursive; Hugging Face datasets: see dataset_files) and globs,
-    comma-separated -> file list."""
-    paths = []
-    for entry in filter(None, (e.strip() for e in spec.split(","))):
-        if entry == "stdlib":
-            found = stdlib_files()
-        elif os.path.isdir(entry):
-            found = dataset_files(entry, split)
-        elif any(c in entry for c in "*?["):
-            found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
-        elif (kind := path_kind(entry)) == "a file":
-            found = [entry]
-        elif kind == "nothing":
-            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
-                            f"or 'stdlib', comma-separated)")
-        else:
-            raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
-                            f"directories, globs or 'stdlib'")
-        if not found:
-            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
-        paths += found
-    for p in paths:
-        if not p.endswith(SUFFIXES):
-            raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
-                            f"(convert it to JSON lines or text first)")
-        if not os.access(p, os.R_OK):
-            raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
-    seen = set()
-    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
-
-
-class _Plain:
-    """A source's name for warnings, its bytes already text (a slice of a parsed .jsonl record)."""
-    jsonl = False
-
-    def __init__(self, src):
-        self.where = src.where
+import prepare
+from configs import DataConfig
+from sources import COMPRESSED, ColumnDocs, DataError, FileDocs, LineDocs, decode, no_surrogates, resolve_paths
+from spans import by_hash, held_out, permute
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
-    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; entries
-    without a weight get None (then none may have one: the corpus is one pool of documents)."""
+    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; all weights or none."""
     out = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         head, sep, tail = entry.rpartition(":")
@@ -166,9 +47,8 @@ def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
 
 class Corpus:
     """All documents of a data spec, indexed 0..n_docs-1 in a fixed order (the sources in the order
-    given, files sorted). `read(ids)` returns (text, utf8 replacements, bad record) per document.
-    A weighted spec (`a.arrow:0.7,b/:0.3`) makes `groups`: (name, weight, first doc, end) per
-    entry, weights summing to 1; unweighted, one group of every document."""
+    given, files sorted). `groups`: (name, weight, first doc, end) per source of a weighted spec
+    (`a.arrow:0.7,b/:0.3`, weights summing to 1); unweighted, one group of every document."""
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
                  split: str = "train", cache_dir: str = ".cache"):
@@ -187,9 +67,7 @@ class Corpus:
         for p in paths:
             if os.path.getsize(p) == 0:
                 continue
-            elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (see COMPRESSED;
-                # Parquet is compressed too: read in place, every rank would hold its whole text column)
-                import prepare
+            elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (sources.COMPRESSED)
                 self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text", cache_dir))
                 self.sources[-1].path = p
             elif p.endswith(".jsonl"):
@@ -208,9 +86,8 @@ class Corpus:
         self.n_docs = int(self.offsets[-1])
         if self.n_docs == 0:
             raise DataError(f"no documents in {spec!r} ({len(paths)} files, {self.empty_files} empty)")
-        # Identity of the corpus for caches and resume checks: file names and sizes (hashing the
-        # content of a terabyte corpus at every start would cost more than it protects; names, not
-        # full paths, so the same files mounted elsewhere or read from another directory still match).
+        # Identity for caches and resume checks: file names and sizes (hashing a terabyte of content at
+        # every start costs more than it protects; names, so the same files mounted elsewhere match).
         ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
         self.groups = [(spec, 1.0, 0, self.n_docs)]
@@ -223,9 +100,8 @@ class Corpus:
                 raise DataError(f"mixture source {empty[0]!r} holds no documents")
 
     def warn(self, kind: str, msg: str):
-        """Count a data problem, keeping the first of each kind as its example. Nothing is printed
-        here: every rank reads, from its packing thread, and its line would cut into the step lines.
-        train.py says each kind once per run, on rank 0, with the count over every rank (warning())."""
+        """Count a data problem, keeping the first of each kind as its example. Not printed: the packing
+        thread's line would cut into the step lines (train.py says each kind once, on rank 0)."""
         self.warned[kind] += 1
         self.examples.setdefault(kind, msg)
 
@@ -239,10 +115,11 @@ class Corpus:
                 + (f" (the first here: {first})" if first else ""))
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
+        """(text, utf8 replacements, bad record) per document."""
         out = [None] * len(ids)
         for src, local, pick in self._where(ids):
             raws, got = src.read(local), None
-            try:        # bytes of valid UTF-8 (strict: no surrogate) as _decode gives them, no call a document
+            try:        # valid UTF-8 without a call a document (a strict decode makes no surrogate)
                 got = None if src.jsonl else [(r.decode(), 0, False) for r in raws]
             except (AttributeError, UnicodeDecodeError):    # a null, a bad byte: _decode (warns, counts)
                 pass
@@ -281,9 +158,7 @@ class Corpus:
         return out
 
     def read_spans(self, rows: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
-        """(text, utf8 replacements, bad record) of spans (rows of the span index: document, first
-        byte, end byte or -1 = to the end). A whole document is read as read() does; a part of a
-        long one is a slice of its bytes (a file or Arrow row: only the slice is read)."""
+        """read() of spans (rows of the span index); a part of a long document is a slice of its bytes."""
         rows = np.asarray(rows, np.int64).reshape(-1, 3)
         whole = (rows[:, 1] == 0) & (rows[:, 2] < 0)
         if whole.all():
@@ -299,20 +174,16 @@ class Corpus:
                 raw = b[start:stop if stop >= 0 else len(b)]
             else:
                 raw = src.read_range(int(local[0]), start, stop)
-            out[j] = self._decode(raw, _Plain(src), int(local[0]), quiet)
+            out[j] = self._decode(raw, src, int(local[0]), quiet, parse=False)    # a slice of a record's text
         return out
 
-    def _decode(self, raw, src, i: int, quiet: bool):
+    def _decode(self, raw, src, i: int, quiet: bool, parse: bool = True):
         if raw is None:
             return "", 0, False                         # a null in a text column: an empty document
-        try:
-            text, repl = raw.decode("utf-8"), 0
-        except UnicodeDecodeError:
-            text = raw.decode("utf-8", "replace")       # U+FFFD for each bad byte sequence
-            repl = text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
-            if not quiet:
-                self.warn("utf8", f"{src.where(i)}: {repl} invalid UTF-8 sequences replaced by U+FFFD")
-        if src.jsonl and text.strip():
+        text, repl = decode(raw)
+        if repl and not quiet:
+            self.warn("utf8", f"{src.where(i)}: {repl} invalid UTF-8 sequences replaced by U+FFFD")
+        if parse and src.jsonl and text.strip():
             try:
                 text = json.loads(text)[src.field] or ""
                 if not isinstance(text, str):
@@ -322,11 +193,8 @@ class Corpus:
                     what = {KeyError: f"no field {src.field!r}", TypeError: str(e)}.get(type(e), f"not JSON ({e})")
                     self.warn("bad_record", f"{src.where(i)}: {what}: line skipped")
                 return None, repl, True
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:              # a lone surrogate from a "\udc80" escape
-                fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-                repl, text = repl + fixed.count("\ufffd") - text.count("\ufffd"), fixed
+            text, bad = no_surrogates(text)
+            repl += bad
         return text, repl, False
 
 
@@ -360,7 +228,7 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], bos: bool, eos: bool, threads: int = 1) -> list[np.ndarray]:
         """Many documents at once: sentencepiece's batch API, in C++ threads without the GIL.
-        A document longer than PIECE_CHARS is encoded in pieces (see split_long)."""
+        A document longer than PIECE_CHARS is encoded in pieces (iter_pieces)."""
         if not texts:
             return []
         if max(map(len, texts)) > PIECE_CHARS:
@@ -369,7 +237,7 @@ class Tokenizer:
                 if len(t) <= PIECE_CHARS:
                     out += self.encode_batch([t], bos, eos, threads)
                     continue
-                parts = self.encode_batch(split_long(t), False, False, threads)
+                parts = self.encode_batch(list(iter_pieces(t)), False, False, threads)
                 out.append(np.concatenate([np.asarray([self.bos_id] if bos else [], np.int32), *parts,
                                            np.asarray([self.eos_id] if eos else [], np.int32)]).astype(np.int32))
             return out
@@ -384,19 +252,12 @@ class Tokenizer:
 PIECE_CHARS = 1 << 20
 
 
-def split_long(text: str, limit: int | None = None) -> list[str]:
-    """All the pieces of iter_pieces at once (the packer takes them one at a time)."""
-    return list(iter_pieces(text, limit))
-
-
-def iter_pieces(text: str, limit: int | None = None):
-    """text in pieces of at most `limit` (PIECE_CHARS) characters whose tokens, joined, are the tokens
-    of the whole, one at a time. A cut replaces one space between two non-space characters:
-    sentencepiece starts a word at each space and merges only inside words, and the dummy prefix it
-    adds to the next piece is that very space. A run of over limit/2 characters without such a space
-    is cut where it is: the piece after it then gains one leading space, the only difference from
-    encoding the whole."""
-    limit, start = limit or PIECE_CHARS, 0
+def iter_pieces(text: str, limit: int = PIECE_CHARS):
+    """text in pieces of at most `limit` (PIECE_CHARS) characters whose tokens, joined, are the whole's.
+    A cut replaces one space between two non-space characters: sentencepiece merges only inside words,
+    and the dummy prefix it adds to the next piece is that space. Over limit/2 characters without
+    one: a hard cut (the next piece gains one leading space, the only difference)."""
+    start = 0
     while len(text) - start > limit:
         cut, lo = start + limit, start + limit // 2
         while (cut := text.rfind(" ", lo, cut)) > 0 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
@@ -468,11 +329,8 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
 
 def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str,
                     max_chars: int = TOKENIZER_CHARS) -> None:
-    """Byte-fallback BPE with Llama 2's settings (identity normalization, spaces kept, digits split,
-    unk/bos/eos = 0/1/2), trained on lines sampled from the train documents (the documents in a
-    fixed permutation, computed a block at a time: nothing per document is held; with few
-    documents, whose held-out split is the last spans, from all of them). Deterministic: the
-    sample is fixed and sentencepiece does no sampling of its own, so every node gets the same model."""
+    """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
+    0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
     t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
     for start in range(0, n, 256):
@@ -494,8 +352,8 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
           f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    # Ctrl-C inside sentencepiece's C++ would wait for the training to end: the default action
-    # ends the process at once, quietly, and the model file is only ever renamed into place.
+    # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
+    # process at once (the model file is only ever renamed into place).
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:

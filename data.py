@@ -1,35 +1,14 @@
 """Data: raw text in, packed windows of token ids out, tokenized online while training runs.
 
-The blog kept the raw corpus as one Arrow file and tokenized and packed it online on every DP rank:
-re-tokenizing offline costs days each time an experiment changes its data or tokenizer. Five steps:
-
-1. Sources -> documents (corpus.py). `Corpus` indexes .txt/.md/.py (a document per file, or per line for .txt
-   with doc_per_line), .jsonl, Arrow IPC (memory-mapped, as `datasets.save_to_disk` and `prepare`
-   write it) and Parquet; "stdlib" = the .py files of this interpreter's standard library.
-2. Documents -> spans (spans.py). Each document is cut into spans of ~4 windows of text, only where
-   tokenization does not cross the cut; an index of them is built once per corpus and memory-mapped.
-   The span is the unit that is shuffled and dealt: one long document spreads over every stream like
-   many short ones. The held-out split is by spans: whole documents by hash in a corpus of many, the
-   last spans in a corpus of few (one book: its last val_fraction, as nanoGPT holds out its last 10%).
-3. Tokenizer (corpus.py). `build_tokenizer` loads a sentencepiece .model (a Llama 2 tokenizer.model as
-   is) or a tokenizer.json, or trains a byte-fallback BPE of exactly the model's vocab size and caches it.
-4. Order (order.py, pure functions). Each epoch is a permutation of the train spans computed per index
-   (a Feistel network), dealt round-robin over global_batch streams x `shuffle` lanes. Window b of
-   stream s comes from a lane drawn by a hash of (seed, s, b) (for `--data a:0.7,b:0.3`, first a source
-   by weight). Global batch b is window b of every stream, the same at every DP degree and micro-batch,
-   and DP rank r packs only its share of the streams. A lane at the end of an epoch continues into the
-   next, reshuffled: no stream ever runs short, whatever the corpus shape.
-5. Pack (`pack`). A lane tokenizes its spans in order (BOS at a document's start, EOS at its end) into
-   one sequence cut into windows of seq_len + 1 tokens, no padding, nothing dropped. Windows carry
-   per-segment positions and ids; a target never crosses a span boundary.
-
-A lane's position is (reads done, token offset in its span): a stream's state is a few integers, and a
-restored loader (any DP degree) re-reads at most one span a lane: the same windows. A thread packs ahead.
-
-What one rank holds, whatever the number of documents (the blog's 1.8T tokens: ~1e9 documents): its
-lanes (global_batch / dp x shuffle x sources, each under one window plus one read block of tokens)
-and the pages of the span index it touches (page cache, shared by the node's ranks). Nothing per
-document is materialized: no permutation, no split membership, no id list, no offsets (sources.py: mapped).
+The blog kept the raw corpus as one Arrow file and tokenized and packed it online on every DP rank
+(re-tokenizing offline costs days each time the data or tokenizer changes). The steps: sources.py
+(files -> documents), corpus.py (the corpus, the tokenizer), spans.py (documents -> spans, the unit
+that is shuffled and dealt, and their order), then here: global_batch streams, each reading
+`shuffle` lanes of spans; a lane tokenizes its spans in order into one sequence cut into windows of
+seq_len + 1 tokens (no padding, nothing dropped, targets never across a segment). Global batch b is
+window b of every stream at any DP degree and micro-batch; DP rank r packs only its streams. A
+lane's position is (reads done, token offset): a restored loader, at any DP degree, re-reads at
+most one span a lane. docs/data.md tells the whole design and what one rank holds at 1e9 documents.
 
     python data.py prepare SRC... --out corpus.arrow             # many shards -> one Arrow file (prepare.py)
     python data.py tokenizer --data corpus.arrow --vocab 32000   # train + cache before a launch
@@ -52,15 +31,12 @@ import torch
 
 from configs import Config, ConfigError, DataConfig, check_paths, check_values
 
-# The documents and the tokenizer live in corpus.py, the span index in spans.py, the order in
-# order.py; data.py is what train.py reads, so the names a caller needs from them come from here.
-from prepare import prepare  # noqa: F401  (python data.py prepare; bench.py calls data.prepare)
-from corpus import (PIECE_CHARS, Corpus, DataError, Tokenizer, build_tokenizer,  # noqa: F401
-                    iter_pieces, load_tokenizer, resolve_paths, stdlib_files, train_tokenizer)
-from order import Deal, choose, held_out, lane_key, lanes_per_stream, permute, positions  # noqa: F401
-from spans import SpanIndex, cut_points, span_bytes  # noqa: F401
+# data.py is what train.py and bench.py read: the names they need from the other modules come from here.
+from corpus import Corpus, DataError, Tokenizer, build_tokenizer, load_tokenizer  # noqa: F401
+from prepare import prepare
+from spans import Deal, SpanIndex, held_out, lanes_per_stream, positions, uniform
 
-# ----------------------------------------------------------------------------- 5. packing
+# ----------------------------------------------------------------------------- packing
 
 STAT_KEYS = ("spans", "documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
 COUNTERS = STAT_KEYS + ("windows", "boundary_targets")
@@ -73,10 +49,8 @@ class StaleDataState(DataError):
 
 
 def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1) -> None:
-    """Refuse a corpus smaller than one global batch, before a tokenizer is trained on it. Without a
-    tokenizer the tokens are bounded by the bytes (a byte-fallback or byte-level tokenizer makes at
-    most one token per byte) plus BOS/EOS: refused only when certainly too small, with the largest
-    --global_batch or --seq_len that passes."""
+    """Refuse a corpus smaller than one global batch before a tokenizer is trained on it: tokens <=
+    bytes (byte fallback) + BOS/EOS, so only when certainly too small, naming the settings that pass."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
     if index.bytes + ends * index.corpus.n_docs >= gb * L1:
         return
@@ -93,12 +67,10 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1) -> None:
 
 
 def pack(blocks, L1: int, position: dict):
-    """Cut one lane's tokens into windows of L1 tokens, forever. `blocks` yields (tokens, i, lens,
-    counts, skip): the tokens of reads i, i + 1, ... joined (read i's from its token `skip` on), the
-    tokens of each read and its counts (STAT_KEYS); `position` ({"i", "offset", "stats"}) is where it
-    starts. Yields (window, starts, position after the window), starts True at the first token of
-    each span. Holds < a window + a block, and where tokens came from per read, not per token; the
-    windows a block completes are cut at once (numpy)."""
+    """Cut one lane's tokens into windows of L1 tokens, forever, from `position` ({"i", "offset",
+    "stats"}). `blocks` yields (tokens of reads i, i + 1, ... from token `skip` of read i, i, tokens
+    per read, counts per read (STAT_KEYS), skip). Yields (window, starts: True at each span's first
+    token, position after it). Holds < a window + a block; a block's windows are cut at once."""
     stats = np.array([position["stats"][k] for k in COUNTERS], np.int64)
     tok, after = np.zeros(0, np.int32), (position["i"], position["offset"])
     # The non-empty reads in tok: read index, where its token 0 is (or would be) in tok, where it
@@ -134,9 +106,8 @@ def pack(blocks, L1: int, position: dict):
 
 
 def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
-    """Windows (tokens [L1], starts [L1]) -> the batch: tokens, targets (-100 where the next token
-    opens another segment), positions and segment ids within each row. document_mask=False: no
-    segment ids, positions 0..seq_len-1: plain causal attention (no mask) over the whole window."""
+    """Windows (tokens, starts) -> tokens, targets (-100 where the next token opens a segment),
+    positions and doc_ids per segment; document_mask=False: positions 0..seq_len-1, no doc_ids."""
     w, start = np.stack([t for t, _ in wins]), np.stack([s for _, s in wins])     # [B, seq_len + 1]
     targets = w[:, 1:].astype(np.int64)
     targets[start[:, 1:]] = -100
@@ -153,8 +124,8 @@ def make_batch(wins, document_mask: bool = True) -> dict[str, torch.Tensor]:
 
 
 class Prefetch:
-    """The items of a generator, computed up to `depth` ahead in a daemon thread (depth 0: in the
-    caller). An exception in the generator is raised in the caller, at the item where it happened."""
+    """A generator's items computed up to `depth` ahead in a daemon thread (0: in the caller); its
+    exception is raised in the caller at the item where it happened."""
 
     def __init__(self, gen, depth: int, name: str = "prefetch"):
         self.gen, self.depth, self.error, self.thread = gen, depth, None, None
@@ -208,8 +179,8 @@ class SpanReader:
         self.drop_space = tok.encode("ab cd") == tok.encode("ab") + tok.encode("cd")
 
     def __call__(self, spans: np.ndarray, keep: str = "", quiet: bool = False):
-        """Tokens of some reads' spans joined (int32), tokens per read and counts (STAT_KEYS, [reads, 6]);
-        a span of the other split reads as nothing. One tokenizer call; BOS/EOS and counts in numpy."""
+        """Tokens of some reads' spans joined (int32), tokens per read, counts per read (STAT_KEYS); a
+        span of the other split reads as nothing. One tokenizer call; BOS/EOS and counts in numpy."""
         mine = np.ones(len(spans), bool) if not keep else self.index.is_val(spans) == (keep == "val")
         rows = np.asarray(self.index.rows)[spans[mine]]     # asarray: no np.memmap per read (its __getitem__)
         text, reps, bad = zip(*self.corpus.read_spans(rows, quiet)) if len(rows) else ((), (), ())
@@ -239,9 +210,8 @@ class SpanReader:
 
 
 def read_lane(read: SpanReader, deal: Deal, j: int, i: int, skip: int, want: int, what: str):
-    """Yield the tokens of lane j's reads i, i+1, ... of `deal` (from token `skip` of read i; a read is
-    one span) in blocks of ~`want` tokens, as pack() takes them; `what` names the split in an error.
-    The first block is one read (many lanes x 16 spans would be epochs of a small corpus read ahead)."""
+    """Lane j's reads i, i+1, ... of `deal` (one span each; read i from its token `skip`) in blocks
+    of ~`want` tokens, as pack() takes them. The first block is one read, then growing."""
     chunk, idle = 1, 0
     ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
     while True:                                     # AHEAD reads at a time (a permutation call each)
@@ -260,22 +230,12 @@ def read_lane(read: SpanReader, deal: Deal, j: int, i: int, skip: int, want: int
 
 
 class PackedLoader:
-    """Infinite iterator of packed batches for one DP rank: dicts of int64 tensors [micro_batch,
-    seq_len] with tokens, targets (-100 across segment boundaries), positions, doc_ids.
-    It composes the parts above: the span index, the deal of spans to lanes (order.positions), the
-    reading and tokenizing of a lane's spans (SpanReader, read_lane), packing (pack), the pick of a
-    lane per window (order.choose), the batch (make_batch) and the thread (Prefetch).
-
-    train: S = global_batch streams; each has `shuffle` lanes per source (fewer for a small source),
-           and window b of stream s is the next window of the lane drawn by a hash of (seed, s, b).
-           DP rank r owns the streams [r*S/dp, (r+1)*S/dp) and hands out their windows round-robin,
-           micro_batch at a time: every DP degree and micro-batch sees the very same global batches,
-           and a run resumed at another DP degree gives each rank the saved positions of its streams.
-           At the blog's scale (dp 512 x tp 8, global batch 1024) a rank packs 2 streams x 8 lanes
-           and saves 16 positions, however many ranks or documents.
-    val:   S = dp streams, one lane each, over the held-out spans in corpus order, cycled;
-           `reset()` before each evaluation makes every evaluation read the same windows.
-    """
+    """Infinite iterator of one DP rank's packed batches: int64 tensors [micro_batch, seq_len] of
+    tokens, targets, positions, doc_ids. train: S = global_batch streams, each `shuffle` lanes per
+    source; window b of stream s comes from the lane drawn by a hash of (seed, s, b); DP rank r
+    hands out streams [r*S/dp, (r+1)*S/dp) round-robin. At the blog's scale (dp 512, global batch
+    1024, shuffle 8) a rank packs 2 streams x 8 lanes, however many ranks or documents.
+    val: S = dp streams, one lane each, over the held-out spans in corpus order, cycled."""
 
     def __init__(self, cfg: DataConfig, tok: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
                  split: str = "train", *, corpus: Corpus | None = None, index: SpanIndex | None = None,
@@ -316,9 +276,8 @@ class PackedLoader:
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
         self.read = SpanReader(self.corpus, idx, tok, cfg.bos, cfg.eos, threads)
-        # Read blocks of ~8 windows: a block's work (corpus read, tokenizer call, order) is paid over
-        # many tokens (~70-token documents: 2 windows a block packed at 0.74x the raw tokenizer, 8 at
-        # 0.85x); a lane holds < a window + a block of int32: the blog's rank (16 lanes, seq 4096) ~2 MB.
+        # Read blocks of ~8 windows: a block's work is paid over many tokens (~70-token documents: 2
+        # windows a block packed at 0.74x the raw tokenizer, 8 at 0.85x); the blog's rank holds ~2 MB.
         self.want = max(8 * (cfg.seq_len + 1), 262144 // len(self.lane_ids))
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,
@@ -343,7 +302,8 @@ class PackedLoader:
                         f"or unreadable records); check --data and --data.text_field")
 
     def lane_id(self, stream: int, group: int, lane: int) -> int:
-        return lane_key(stream, group, lane, len(self.lanes), self.lanes_max)
+        """A stream's lanes are contiguous ids, so DP ranks own whole blocks."""
+        return (stream * len(self.lanes) + group) * self.lanes_max + lane
 
     def _deal_of(self, lane: int) -> tuple[Deal, int]:
         """The deal of lane `lane` (a lane_id) and its index among that deal's lanes."""
@@ -351,12 +311,16 @@ class PackedLoader:
         g, c = divmod(rest, self.lanes_max)
         return self.deals[g], stream * self.lanes[g] + c
 
-    def choose(self, streams, b):
-        return choose(self.cfg.seed, self.cum_weights, np.asarray(self.lanes), streams, b)
+    def choose(self, streams, b) -> tuple[np.ndarray, np.ndarray]:
+        """(source, lane) of window b of each stream: by a hash of (seed, stream, b), the source by
+        weight, then one of its lanes uniformly. Arrays broadcast."""
+        g = np.minimum(np.searchsorted(self.cum_weights, uniform(self.cfg.seed, 1, streams, b), side="right"),
+                       len(self.lanes) - 1)
+        return g, (uniform(self.cfg.seed, 2, streams, b) * np.asarray(self.lanes)[g]).astype(np.int64)
 
     def mixture_counts(self, n_batches: int) -> np.ndarray:
-        """Windows per source in the first n_batches global batches, over every stream (every DP
-        rank): the realized mixture, recomputed from the hash with no communication. Incremental."""
+        """Windows per source in the first n_batches global batches of every stream: the realized
+        mixture, recomputed from the hash with no communication."""
         done, counts = self._mix_counts
         if n_batches < done:
             done, counts = 0, np.zeros_like(counts)
@@ -369,8 +333,7 @@ class PackedLoader:
 
     # ---------------------------------------------------------------- producer
     def _produce(self, state: dict):
-        """Yield (batch, state after it) forever, starting exactly at `state`: this rank's streams
-        round-robin, micro_batch windows per batch."""
+        """Yield (batch, state after it) forever from `state`: this rank's streams round-robin."""
         positions_ = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
         what, L1 = f"{self.split} split of {self.cfg.data!r}", self.cfg.seq_len + 1
         packers = {lane: pack(read_lane(self.read, *self._deal_of(lane), p["i"], p["offset"], self.want, what), L1, p)
@@ -405,13 +368,11 @@ class PackedLoader:
         return batch
 
     def state_dict(self) -> dict:
-        """The position after the last batch handed out (not after what the thread prefetched):
-        this rank's streams only. Plain data (JSON-able), never mutated once handed out."""
+        """The position after the last batch handed out (not prefetched): this rank's streams, JSON-able."""
         return {**self._state, "streams": dict(self._state["streams"])}
 
     def load_state_dict(self, sd) -> None:
-        """Continue from a saved position: this rank's own state, or, after a change of DP degree,
-        the sequence of every saved DP rank's state (only those owning this rank's streams are read)."""
+        """Continue from this rank's saved state, or from every saved DP rank's (a new DP degree)."""
         parts = [sd]
         if not isinstance(sd, dict):                    # a sequence, one state per saved DP rank
             self._check(sd[0])
@@ -451,8 +412,7 @@ class PackedLoader:
         self.load_state_dict(self._start_state)
 
     def stats(self) -> dict:
-        """Counts over this rank's streams up to the last batch handed out (sum them over DP ranks for
-        the run's). A span is counted once fully behind the position; epoch = the lowest lane's."""
+        """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""
         st = self._state["streams"]
         s = {k: sum(p["stats"][k] for p in st.values()) for k in COUNTERS}
         s["windows_by_source"] = [sum(p["stats"]["windows"] for k, p in st.items()
@@ -461,8 +421,7 @@ class PackedLoader:
         def epoch(lane, p):
             deal, j = self._deal_of(lane)
             return (j + p["i"] * deal.lanes) // deal.n
-        s.update(epoch=min(epoch(int(k), p) for k, p in st.items()), empty_files=self.corpus.empty_files,
-                 split_spans=sum(d.n for d in self.deals))
+        s["epoch"] = min(epoch(int(k), p) for k, p in st.items())     # the lowest lane's
         return s
 
     def close(self) -> None:
@@ -475,14 +434,10 @@ class PackedLoader:
 # ----------------------------------------------------------------------------- evaluation
 
 class EvalWindows:
-    """The held-out windows evaluation reads: the first `n_windows` windows of the val split (its
-    spans in corpus order, one stream, cycled if they hold fewer), whatever the layout. DP rank r takes the r-th block
-    of ceil(n / dp) of them, in micro-batches padded with rows whose every target is -100 (they add
-    nothing to the loss sum or the token count; the shapes stay static for XLA). Every rank runs
-    the same number of batches, and the summed loss over the summed count is the same number at
-    every DP degree, micro-batch and PP (up to the order of a float sum).
-    Every rank packs the windows up to its block: at most n_windows x (seq_len + 1) tokens (32 x
-    4097 for 7B), however many ranks. Interface of a loader: reset(), next(); len() batches."""
+    """The first `n_windows` windows of the val split (one stream, corpus order), whatever the layout:
+    DP rank r takes the r-th block of ceil(n / dp), in micro-batches padded with rows of targets -100
+    (static shapes for XLA), so the summed loss over the summed count is the same at every layout.
+    A rank packs at most n_windows x (seq_len + 1) tokens, however many ranks."""
 
     def __init__(self, cfg: DataConfig, tok: Tokenizer, n_windows: int, dp_rank: int = 0, dp_size: int = 1,
                  *, corpus: Corpus | None = None, index: SpanIndex | None = None):
@@ -519,9 +474,8 @@ class EvalWindows:
 # ----------------------------------------------------------------------------- to the device
 
 class DeviceLoader:
-    """Batches of a PackedLoader on `device`, with the loader's state of the batch last handed out.
-    On XLA, torch-xla's MpDeviceLoader uploads batches ahead in its own threads; the states are
-    queued in the same order so state_dict() still names the batch training received."""
+    """A PackedLoader's batches on `device` (XLA: torch-xla's MpDeviceLoader uploads ahead), with the
+    loader's state and stats of the batch last handed out, queued in the same order."""
 
     def __init__(self, loader: PackedLoader, device: torch.device):
         self.loader, self.device = loader, torch.device(device)

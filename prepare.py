@@ -1,19 +1,12 @@
-"""Raw shards -> Arrow, the blog's offline step: `python data.py prepare` (and training's cache of
-compressed shards). Streamed, many shards in parallel worker processes, a progress bar.
+"""Raw shards -> Arrow, the blog's offline step (and training's cache of compressed shards).
 
     python data.py prepare shards/*.jsonl.zst --out corpus.arrow        # everything into one file
     python data.py prepare shards/ --out prepared/ -j 16                 # one .arrow per shard
 
-Reads .jsonl / .json.gz / .jsonl.gz / .jsonl.zst (JSON lines, --text-field), .parquet, Arrow IPC
-(file or stream) and text (.txt/.md/.rst/.py, .txt.gz/.zst: a document per file, or per line with
---doc-per-line). One worker process reads one shard at a time, streaming: a block of input and one
-record batch of output at a time, so a worker's memory is the same for a 1 MB and a 1 TB shard (a
-single document is held whole). The output is a `text` column of large_string in the Arrow IPC
-stream format, as `datasets.save_to_disk` writes it: training memory-maps it. A bad record (not
-JSON, no text field, text not a string) is named by file and line, skipped and counted; --strict
-makes the first one fatal. Invalid UTF-8 is replaced by U+FFFD and counted; empty documents are
-dropped and counted. Nothing is ever half-written: each output is written under a temporary name
-and renamed, and an error or Ctrl-C removes what was begun.
+Streamed (a worker's memory is the same for a 1 MB and a 1 TB shard), shards in parallel worker
+processes. The output is a `text` column of large_string in the Arrow IPC stream format, as
+`datasets.save_to_disk` writes it. Bad records are named, skipped and counted (--strict: the first
+is fatal); each output is written under a temporary name and renamed: nothing is half-written.
 """
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from corpus import COMPRESSED, JSON_LINES, DataError, resolve_paths
-from sources import text_column
+from sources import COMPRESSED, JSON_LINES, DataError, decode, no_surrogates, resolve_paths, text_column
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -76,15 +68,6 @@ def _lines(path: str):
             yield n + 1, tail.rstrip(b"\r"), raw.tell()
 
 
-def decode(raw: bytes) -> tuple[str, int]:
-    """(text, invalid UTF-8 sequences replaced by U+FFFD)."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", "replace")
-        return text, text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
-
-
 def records(path: str, field: str, doc_per_line: bool):
     """Yield (where, text or None, problem or None, utf8 replacements, input bytes read so far) for
     every record of one shard, in order, streaming. `where` names the record (file:line or file[row])."""
@@ -108,13 +91,8 @@ def records(path: str, field: str, doc_per_line: bool):
             except (KeyError, TypeError) as e:
                 yield f"{path}:{n}", None, str(e).strip('"'), repl, pos
                 continue
-            value = value or ""
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:              # a lone surrogate from a "\udc80" escape
-                fixed = value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-                repl, value = repl + fixed.count("\ufffd") - value.count("\ufffd"), fixed
-            yield f"{path}:{n}", value, None, repl, pos
+            value, bad = no_surrogates(value or "")
+            yield f"{path}:{n}", value, None, repl + bad, pos
     elif path.endswith((".arrow", ".parquet")):
         size = os.path.getsize(path)
         try:
@@ -156,9 +134,8 @@ def records(path: str, field: str, doc_per_line: bool):
 
 def convert(path: str, dst: str, field: str = "text", doc_per_line: bool = False, strict: bool = False,
             report=lambda nbytes, ndocs: None) -> dict:
-    """Write the documents of shard `path` to the Arrow file `dst` (via a temporary name), streaming.
-    report(input bytes, documents) is called about twice a second. Returns the counts and the
-    first MAX_EXAMPLES bad records."""
+    """Write the documents of shard `path` to the Arrow file `dst`, streaming; report(input bytes,
+    documents) about twice a second. Returns the counts and the first MAX_EXAMPLES bad records."""
     counts, examples = collections.Counter(), []
     tmp, texts, size, done, docs, last = f"{dst}.tmp{os.getpid()}", [], 0, 0, 0, time.monotonic()
     try:
@@ -227,9 +204,8 @@ def shard_name(i: int, path: str) -> str:
 
 def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line: bool = False,
             force: bool = False, workers: int = 0, strict: bool = False) -> dict:
-    """Convert every shard of `sources` (files, directories, globs; as --data reads them) to Arrow:
-    into the one file `out` (*.arrow), or one file per shard in the directory `out` (ending in / or
-    existing). `workers` processes (0: one per core, at most one per shard). Returns the counts."""
+    """Convert every shard of `sources` (as --data names them) into the one file `out` (*.arrow) or
+    one file per shard in the directory `out`, in `workers` processes (0: one per core). Returns the counts."""
     from tqdm import tqdm
     one = out.endswith(".arrow")
     if (kind := path_kind(out.rstrip("/") or "/")) not in ("nothing", "a file", "a directory") or \
@@ -353,10 +329,8 @@ def _drain(pending, q, progress):
 # ----------------------------------------------------------------------------- training's cache
 
 def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> str:
-    """The Arrow file training reads for a compressed shard (gzip/zstd/Parquet: no cheap random access):
-    converted once into cache_dir, keyed by the file's name, size and modification time and the
-    reading settings, by the first process to get the lock (the others wait for its file, as for
-    the tokenizer). Costs one streamed pass over the shard, once."""
+    """The Arrow file training reads for a compressed shard (no cheap random access): converted once
+    into cache_dir by the process that gets the lock; keyed by name, size, mtime and the settings."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.basename(path), st.st_size, st.st_mtime_ns, text_field,
                                      doc_per_line, RECIPE]).encode()).hexdigest()[:12]

@@ -1,53 +1,152 @@
-"""Sources: the documents of one file (or of a run of whole files), read by index (corpus.Corpus
-composes them into a corpus).
+"""Sources: which files a --data spec names, and the documents of one file read by index.
 
-A rank reads only the documents of its own spans, so what it reads does not grow with the number
-of ranks, and nothing it holds grows with the number of documents: where a file's documents lie
-(a .jsonl file's line ends, an Arrow file's record batches) is in an offsets index written once
-per file and node next to the cache (offsets_file: streamed, bounded memory, under a lock, renamed
-into place) and memory-mapped by every rank of the node, so the page cache holds it once and a rank
-touches only the pages of the documents it reads. At 1e9 documents a rank holds, per source file,
-two memory maps, the file's and its index's (no open file; a few KB, with the last BATCHES Arrow
-batches opened): nothing per document or per batch (measured: rank 0 of 32's data share after one step is
-the same at 1M and 16M documents, `python bench.py data --data_part memory --data_shapes
-arrow,arrow_1000,jsonl`). The node's page cache holds the indexes: 8 bytes a line of a .jsonl
-corpus (8 GB at 1e9 lines), 40 bytes a record batch of an Arrow corpus (40 MB in 1,000-row
-batches), besides the span index (spans.py, 24 bytes a span).
+A rank reads only its own spans' documents and holds nothing per document: where a file's documents
+lie (a .jsonl file's line ends, an Arrow file's record batches) is an offsets index built once per
+file and node in the cache and memory-mapped by every rank, so the page cache holds it once
+(docs/data.md: memory at 1e9 documents).
 """
 from __future__ import annotations
 
 import ctypes
 import fcntl
 import functools
+import glob
 import hashlib
 import json
 import os
 import pathlib
+import re
+import sysconfig
 import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from configs import ConfigError
+from configs import ConfigError, path_kind
 
-# The format of each kind of offsets index: a change rebuilds that kind's indexes only.
-INDEX_VERSION = {"lines": 1, "batches": 2}
-# Arrow record batches a reader keeps open (views into the map, ~1 KB of objects each). Reads come
-# grouped by batch (read), in order (lengths, a long document's spans): a few suffice, and a
-# folder of 4,000 shards then holds ~16 MB of them per rank.
-BATCHES = 4
+# JSON lines, also compressed as public corpora ship them (C4, Dolma: .json.gz; the Pile: .jsonl.zst).
+# gzip, zstd and Parquet allow no cheap random access: training reads them through an Arrow copy
+# made once per node (prepare.cached).
+COMPRESSED = (".gz", ".zst")
+JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
+SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
+STRUCTURED = (".arrow", ".parquet") + JSON_LINES
+SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+INDEX_VERSION = {"lines": 1, "batches": 2}      # per kind of offsets index: a change rebuilds that kind
+BATCHES = 4     # Arrow record batches a reader keeps open (reads come grouped by batch): ~1 KB each
 
 
 class DataError(ConfigError):
     """Data that cannot be used as given. Raised before training starts, naming the fix."""
 
 
+# ----------------------------------------------------------------------------- which files
+
+def stdlib_files() -> list[str]:
+    """The embedded corpus: every .py file of the running interpreter's standard library."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def dataset_files(folder: str, split: str = "train") -> list[str]:
+    """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only
+    `split`'s files, never its card or scripts), any other directory every text file, recursively;
+    hidden entries never (docs/data.md lists the rules)."""
+    marker = os.path.join(folder, "dataset_dict.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
+                            f"choose one with --data.split")
+        return dataset_files(os.path.join(folder, split), split)
+    state = os.path.join(folder, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
+        return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
+    files = []
+    for d, dirs, fs in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
+    data_files = [p for p in files if p.endswith(STRUCTURED)]
+    if not data_files:
+        return [p for p in files if p.endswith(SUFFIXES)]
+    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt",))
+                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
+    def split_of(p):
+        parts = os.path.relpath(p, folder).lower().split(os.sep)
+        named = [x for x in parts[:-1] if x in SPLITS] + [w for w in SPLITS if re.match(rf"{w}[-_.]", parts[-1])]
+        return named[0] if named else None
+    found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
+    if any(found.values()):
+        if split not in found.values():
+            raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
+                            f"not {split!r}; choose one with --data.split")
+        data_files = [p for p in data_files if found.get(p, split) == split]
+    return data_files
+
+
+def resolve_paths(spec: str, split: str = "train") -> list[str]:
+    """'stdlib', files, directories and globs, comma-separated -> readable files, each once."""
+    paths = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        if entry == "stdlib":
+            found = stdlib_files()
+        elif os.path.isdir(entry):
+            found = dataset_files(entry, split)
+        elif any(c in entry for c in "*?["):
+            found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+        elif (kind := path_kind(entry)) == "a file":
+            found = [entry]
+        elif kind == "nothing":
+            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
+                            f"or 'stdlib', comma-separated)")
+        else:
+            raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
+                            f"directories, globs or 'stdlib'")
+        if not found:
+            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
+        paths += found
+    for p in paths:
+        if not p.endswith(SUFFIXES):
+            raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
+                            f"(convert it to JSON lines or text first)")
+        if not os.access(p, os.R_OK):
+            raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
+    seen = set()
+    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+def decode(raw: bytes) -> tuple[str, int]:
+    """(text, invalid UTF-8 sequences replaced by U+FFFD)."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")
+        return text, text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+
+
+def no_surrogates(text: str) -> tuple[str, int]:
+    """A JSON string's lone surrogates ("\\udc80" escapes: not encodable) replaced by U+FFFD, and how many."""
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return fixed, fixed.count("\ufffd") - text.count("\ufffd")
+
+
+# ----------------------------------------------------------------------------- offsets indexes
+
 def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
-    """The int64 offsets index of `path`, memory-mapped: built once per node by write(path, f), which
-    streams it into f, a temporary file renamed into place (one process of a node builds under a
-    lock, the others wait and map it). Keyed by the file's real path, size and mtime: a changed file
-    gets a new index."""
+    """The int64 offsets index of `path`, memory-mapped. write(path, f) streams it into a temporary
+    file renamed into place, by one process of a node under a lock. Keyed by real path, size, mtime."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, kind,
                                      INDEX_VERSION[kind]]).encode()).hexdigest()[:16]
@@ -69,18 +168,16 @@ def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
 
 
 def mapped(path: str, dtype=np.uint8) -> np.ndarray:
-    """A file as a read-only array over Arrow's memory map. No file descriptor stays open (an
-    np.memmap keeps one: a folder of thousands of shards would pass the usual limit of 1,024)."""
+    """A file as a read-only array over Arrow's memory map: no file descriptor stays open (np.memmap
+    keeps one, and a folder of thousands of shards would pass the usual limit of 1,024)."""
     if not os.path.getsize(path):
         return np.zeros(0, dtype)
     return np.frombuffer(pa.memory_map(path, "r").read_buffer(), dtype)
 
 
 def give_back_heap() -> None:
-    """Hand the heap pages an index build freed back to the OS. glibc keeps freed memory for reuse,
-    and a build's transient blocks (a few MB each) land in its heap: the process that built an index
-    kept ~30 MB more than one that found it built (measured at 1M documents in 1,000-row batches:
-    333 -> 299 MB RssAnon after the span index), by chance of fragmentation. Not glibc: nothing to do."""
+    """Hand the heap pages an index build freed back to the OS: glibc keeps them, and the rank that
+    built an index kept ~30 MB more than one that found it built (1M documents: 333 -> 299 MB RssAnon)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -88,8 +185,8 @@ def give_back_heap() -> None:
 
 
 class Source:
-    """n documents; read(local ids) -> raw bytes (or None) per document; lengths(lo, hi) -> their
-    byte lengths without reading them; read_range(i, start, stop) -> a slice of one; where(i) names one."""
+    """n documents; read(ids) -> bytes (None: a null) each; lengths(lo, hi) -> their sizes unread;
+    read_range(i, start, stop) -> a slice of one (stop -1: to its end); where(i) names one."""
     jsonl, n = False, 0
 
     def where(self, i):
@@ -118,9 +215,8 @@ class FileDocs(Source):
 
 
 class LineDocs(Source):
-    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The line
-    index holds -1 and then where each line ends (its newline, or the file's size for a last line
-    without one): line i is bytes bounds[i] + 1 .. bounds[i + 1] of the memory-mapped file."""
+    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The index
+    holds -1, then where each line ends: line i is bytes bounds[i] + 1 .. bounds[i + 1] of the file."""
 
     def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache"):
         self.path, self.jsonl, self.field = path, jsonl, field
@@ -176,18 +272,11 @@ class LineDocs(Source):
 
 
 class ColumnDocs(Source):
-    """A text column of an Arrow IPC file (the stream format `datasets.save_to_disk` writes, or the
-    file format), memory-mapped: opening a terabyte file costs nothing and only the rows read are
-    paged in. The batch index (built once per file and node from the messages' headers) holds the
-    first row of every batch, then per batch where its message and its text column's offsets, bytes
-    and validity bitmap lie in the file: a document is read with two lookups into the map, no Arrow
-    call, and a rank holds nothing per batch. (Opening a record batch costs ~18 us: with shuffled
-    reads at 1e9 documents nearly every short document would need one; a table read whole held
-    ~0.7 KB of private memory per batch, 0.7 GB per rank at 1e9 documents in 1,000-row batches, as
-    prepare and datasets write.) A compressed body's buffers are not in the file as read: such a
-    batch is opened by Arrow (the last BATCHES kept), as is a lengths() range. A schema with
-    dictionary-encoded columns needs the dictionaries to open a batch: such a file (rare; never
-    written by prepare or datasets) is read whole."""
+    """A text column of an Arrow IPC file (stream or file format), memory-mapped. The batch index
+    holds every batch's first row, then where its message and its column's offsets, bytes and
+    validity bitmap lie: a document is two lookups into the map, no Arrow call (opening a batch costs
+    ~18 us). A compressed batch is opened by Arrow (the last BATCHES kept); a schema with dictionary
+    columns (never written by prepare or datasets) is read whole."""
 
     def __init__(self, path: str, field: str, cache_dir: str = ".cache"):
         self.path, self.field, self.table = path, field, None
@@ -214,9 +303,8 @@ class ColumnDocs(Source):
         self.batch = functools.lru_cache(BATCHES)(self._batch)
 
     def scan(self, path, f):
-        """The batch index: the first row of every batch and the total (n + 1 numbers), then per batch
-        its layout (4 numbers). Only headers are read (the buffers are views into the map); 65,536
-        batches at a time, the layouts through a temporary file (bounded memory)."""
+        """The batch index: every batch's first row and the total, then each batch's layout (4 numbers),
+        from the headers only; the layouts through a temporary file (bounded memory)."""
         reader, rows, firsts, offs = pa.BufferReader(self.map), 0, [0], []
         reader.seek(self.first)
         with tempfile.TemporaryFile(dir=os.path.dirname(f.name)) as tail:
@@ -242,9 +330,8 @@ class ColumnDocs(Source):
                 f.write(chunk)
 
     def where_column(self, col: pa.Array) -> tuple[int, int, int]:
-        """Where a batch's text column lies in the file: its offsets, its bytes (0 for an empty
-        buffer: nothing is read there) and its validity bitmap (-1: no nulls). (-1, 0, 0) where
-        it is not a view of the file (a compressed body, decompressed elsewhere) or starts mid-buffer."""
+        """Where a batch's text column lies in the file: offsets, bytes (0: empty), validity bitmap (-1:
+        no nulls); (-1, 0, 0) where it is no view of the file (compressed) or starts mid-buffer."""
         base, size = self.map.address, self.map.size
         def at(buf):
             if buf is None or buf.size == 0:
@@ -255,7 +342,7 @@ class ColumnDocs(Source):
         return (-1, 0, 0) if None in spots or col.offset or (len(col) and offsets is None) else spots
 
     def _batch(self, c: int) -> pa.Array:
-        """The text of record batch c as bytes (a view into the map: Arrow copies nothing)."""
+        """The text of record batch c as bytes (a view into the map)."""
         if self.table is not None:
             return self.table.chunk(c)
         msg = pa.ipc.read_message(self.map.slice(int(self.layout[c, 0])))
@@ -267,7 +354,7 @@ class ColumnDocs(Source):
         return c, int(i - self.starts[c])
 
     def spots(self, ids, c):
-        """Documents ids (in batches c) in the map: first byte, end byte, not null. Two lookups each."""
+        """Documents ids (in batches c) in the map: first byte, end byte, not null."""
         lay, j = self.layout[c], ids - self.starts[c]
         w = 8 if self.wide else 4
         at = (lay[:, 1] + j * w)[:, None] + np.arange(2 * w)                 # offsets j and j + 1
@@ -316,7 +403,7 @@ class ColumnDocs(Source):
 
 
 def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
-    """The text column viewed as bytes, so the Corpus decodes (and counts bad UTF-8) in one place."""
+    """The text column viewed as bytes (the Corpus decodes and counts bad UTF-8)."""
     if field not in table.column_names:
         raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
                         f"--data.text_field to the one holding the text")

@@ -1,21 +1,11 @@
-"""The span index: every document of a corpus cut into spans, the unit the data stream shuffles and deals.
+"""Spans and their order: the unit the data stream shuffles and deals, and which span a lane reads when.
 
-A span is a bounded piece of one document: at most span_bytes(seq_len) = 16 x seq_len bytes (~4
-windows of text), cut only where tokenization does not cross the cut (cut_points), so a
-document's spans, tokenized and joined, are the document tokenized. A
-document shorter than that is one span. So a single 1 MB text file is ~250 spans at seq_len 256,
-spread over every stream and lane like a folder of 250 files, and no stream ever holds a whole
-long document.
-
-The index is one file per corpus (and span size) in the cache directory, next to the tokenizer:
-rows of (document, first byte, end byte or -1 = to the document's end), int64, in corpus order.
-It is built once, streamed (a block of documents at a time: bounded memory, whatever the corpus),
-under a lock (one process of a node builds, the others wait), and memory-mapped by every rank:
-the page cache holds it once per node, and a rank touches only the pages of the spans it reads.
-At 1e9 documents: ~24 GB on disk per corpus, ~0 private bytes per rank.
-
-The held-out split is by spans too (order.by_hash / tail_spans): whole documents by hash for a
-corpus of many documents, the last spans for a corpus of few (one book: its last 1%).
+A span is a piece of one document of at most span_bytes(seq_len) bytes (~4 windows of text), cut
+only where tokenization does not cross the cut: a long document spreads over every stream like many
+short ones. The span index (rows of (document, first byte, end byte or -1), int64) is built once per
+corpus and span size in the cache, streamed, under a lock, and memory-mapped by every rank.
+The order is pure functions of integer keys (a counter-based hash, a Feistel permutation computed
+per index): any rank computes any choice alone, and nothing per span is ever materialized.
 """
 from __future__ import annotations
 
@@ -25,29 +15,152 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from corpus import Corpus, DataError
-from order import by_hash, held_out, tail_spans
-from sources import give_back_heap
+from sources import DataError, give_back_heap
+
+_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z):
+    """splitmix64's step: a bijective scramble of uint64 values (wrapping arithmetic)."""
+    if isinstance(z, np.ndarray) and z.ndim:    # arrays wrap silently: no errstate (~3 us a call)
+        z = z + _GOLD
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+        return z
+    with np.errstate(over="ignore"):            # numpy scalars warn on overflow
+        z = z + _GOLD
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def hash64(*keys) -> np.ndarray:
+    """splitmix64 chained over integer keys (arrays broadcast): uint64, a pure function of the keys."""
+    h = np.uint64(0)
+    for k in keys:
+        h = _mix(h ^ np.asarray(k).astype(np.uint64))
+    return h
+
+
+def uniform(*keys) -> np.ndarray:
+    """A float in [0, 1), a pure function of the integer keys (arrays broadcast)."""
+    return (hash64(*keys) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+
+
+ROUNDS = 6          # Feistel rounds: 4 make a pseudo-random permutation (Luby-Rackoff); 6 mix small domains better
+
+
+def permute(i, n: int, key: tuple) -> np.ndarray:
+    """The image of indices i under a bijection of [0, n) chosen by `key` (a tuple of ints): a
+    Feistel network permutes [0, 4^h) for the smallest 4^h >= n, and an image >= n goes through it
+    again (cycle walking) until it lands in [0, n): fewer than 4 passes per index on average."""
+    i = np.asarray(i, np.int64)
+    if n <= 1:
+        if n < 1 or (i != 0).any():
+            raise ValueError(f"permute: index outside [0, {n})")
+        return np.zeros_like(i)
+    h = max(1, ((n - 1).bit_length() + 1) // 2)         # half width: 2h bits cover n - 1
+    mask, hh = np.uint64((1 << h) - 1), np.uint64(h)
+    round_keys = _round_keys(tuple(int(k) for k in key))
+
+    def network(x):
+        left, right = x >> hh, x & mask
+        for rk in round_keys:               # round function: splitmix of the right half and the round key
+            left, right = right, left ^ (_mix(right ^ rk) & mask)
+        return (left << hh) | right
+    x = network(i.astype(np.uint64))
+    out = np.where(x < np.uint64(n), x, np.uint64(0))
+    todo = np.flatnonzero(x >= np.uint64(n))
+    while len(todo):
+        x = network(x[x >= np.uint64(n)])
+        done = x < np.uint64(n)
+        out[todo[done]] = x[done]
+        todo = todo[~done]
+    return out.astype(np.int64)
+
+
+@lru_cache(maxsize=64)
+def _round_keys(key: tuple) -> tuple:
+    """The Feistel round keys of a permutation key (an epoch's reads share them)."""
+    return tuple(hash64(*key, r) for r in range(ROUNDS))
+
+
+@dataclass(frozen=True)
+class Deal:
+    """How one source's spans lo .. lo + n - 1 are dealt round-robin to `lanes` lanes, an endless
+    sequence of epochs: each a fresh permutation keyed (seed, epoch[, group]) if `shuffled`, else
+    corpus order. `keep` ("train" / "val" / "": all): the split's spans where membership is by hash."""
+    lo: int
+    n: int
+    lanes: int
+    shuffled: bool
+    seed: int = 0
+    group: int = 0
+    keep: str = ""
+
+
+def positions(deal: Deal, lane: int, i0: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(span ids, epochs) of lane `lane`'s reads i0 .. i0 + count - 1: positions k = lane + i * lanes
+    of the endless sequence, epoch k // n, index k % n of that epoch."""
+    k = lane + (i0 + np.arange(count, dtype=np.int64)) * deal.lanes
+    epoch, idx = np.divmod(k, deal.n)
+    if not deal.shuffled:
+        return deal.lo + idx, epoch
+    out = np.empty_like(idx)
+    for e in np.unique(epoch):                          # a read batch spans one or two epochs
+        at = epoch == e
+        key = (deal.seed, int(e)) + ((deal.group,) if deal.group else ())   # one source: as without a mixture
+        out[at] = permute(idx[at], deal.n, key)
+    return deal.lo + out, epoch
+
+
+def lanes_per_stream(n_spans: int, n_streams: int, shuffle: int) -> int:
+    """A stream's lanes of one source: `shuffle`, fewer for a source of few spans (each lane its own)."""
+    return max(1, min(shuffle, n_spans // n_streams))
+
+
+# Held out: whole documents by hash where >= HASH_DOCS are expected held out (no document in both
+# splits), else the last val_fraction of the spans, at least one (nanoGPT's last 10% of one text).
+HASH_DOCS = 64
+
+
+def by_hash(n_docs: int, val_fraction: float) -> bool:
+    return val_fraction > 0 and n_docs * val_fraction >= HASH_DOCS
+
+
+def held_out(docs, val_fraction: float) -> np.ndarray:
+    """Held out by hash? (document ids)"""
+    return uniform(0x5EED, docs) < val_fraction
+
+
+def tail_spans(n_docs: int, n_spans: int, val_fraction: float) -> int:
+    """Spans held out at the corpus's end (0 when membership is by hash)."""
+    if val_fraction <= 0 or by_hash(n_docs, val_fraction):
+        return 0
+    return min(n_spans - 1, max(1, int(np.ceil(val_fraction * n_spans))))
+
+
+# ----------------------------------------------------------------------------- the span index
 
 INDEX_VERSION = 1
 BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
 READ_BYTES = 1 << 26        # bytes of long documents read at once while building (a longer one alone)
-
-
 _SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
 
 
 def cut_points(raw: bytes, limit: int) -> list[int]:
-    """Where to cut a document's bytes into spans of at most `limit` bytes that, tokenized and
-    joined, are the document tokenized (iter_pieces' rule, in bytes): at a space between two
-    non-space bytes, the space opening the next span (a tokenizer with a dummy prefix, as
-    sentencepiece's, drops it and adds it back; a byte-level one keeps it: its pre-tokenizer starts
-    a piece there). A stretch of over limit/2 bytes without such a space is cut where it is, at a
-    UTF-8 character boundary: there the next span's first word is split, the only difference.
-    Returns the start of every span after the first."""
+    """The start of every span after the first: spans of at most `limit` bytes that, tokenized and
+    joined, are the document tokenized (corpus.iter_pieces' rule, in bytes). A cut is a space between
+    two non-space bytes, opening the next span; over limit/2 bytes without one: a hard cut at a
+    character boundary, splitting one word (the only difference)."""
     if len(raw) <= limit:
         return []
     b = np.frombuffer(raw, np.uint8)
@@ -73,10 +186,10 @@ def span_bytes(seq_len: int) -> int:
 
 
 class SpanIndex:
-    """rows[s] = (document, first byte, end byte or -1) of span s, memory-mapped. Also the split:
-    is_val(spans), the span ranges of a mixture's sources, and the corpus's size in bytes."""
+    """rows[s] = (document, first byte, end byte or -1) of span s, memory-mapped. Also the split
+    (is_val), the span ranges of a mixture's sources, and the corpus's size in bytes."""
 
-    def __init__(self, corpus: Corpus, seq_len: int, cache_dir: str, val_fraction: float = 0.0):
+    def __init__(self, corpus, seq_len: int, cache_dir: str, val_fraction: float = 0.0):
         self.corpus, self.span_bytes, self.val_fraction = corpus, span_bytes(seq_len), val_fraction
         self.path = self.path_for(corpus, seq_len, cache_dir)
         self.key = os.path.basename(self.path)[6:-4]
@@ -95,12 +208,11 @@ class SpanIndex:
         self.rows = np.memmap(self.path, np.int64, "r", shape=(self.n_spans, 3))
         self.hashed = by_hash(corpus.n_docs, val_fraction)
         self.tail = tail_spans(corpus.n_docs, self.n_spans, val_fraction)
-        # A mixture's sources are ranges of documents, so ranges of spans: a binary search in the map
-        # (np.searchsorted would copy the strided column: 8 bytes a span).
+        # A mixture's sources as ranges of spans: a binary search (np.searchsorted copies the column).
         self.groups = [(self.first_span(lo), self.first_span(hi)) for _, _, lo, hi in corpus.groups]
 
     @staticmethod
-    def path_for(corpus: Corpus, seq_len: int, cache_dir: str) -> str:
+    def path_for(corpus, seq_len: int, cache_dir: str) -> str:
         key = hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION]).encode()).hexdigest()[:12]
         return os.path.join(cache_dir, f"spans-{key}.bin")
 
@@ -154,7 +266,7 @@ class SpanIndex:
         return spans >= self.n_spans - self.tail
 
     def train_range(self, g: int) -> tuple[int, int]:
-        """Spans source g deals to training: its range, less the held-out tail (by hash: skipped as read)."""
+        """Source g's spans for training: its range less the held-out tail (by hash: skipped as read)."""
         lo, hi = self.groups[g]
         return lo, min(hi, self.n_spans - self.tail)
 

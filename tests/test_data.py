@@ -17,6 +17,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 from configs import DataConfig, ModelConfig  # noqa: E402
+from corpus import train_tokenizer  # noqa: E402
+from sources import stdlib_files  # noqa: E402
+from spans import positions, span_bytes  # noqa: E402
 
 SEQ = 32
 VOCAB = 400
@@ -105,7 +108,7 @@ def reference_stream(tok, loader, docs, spans):
 def lane_spans(loader, lane, n):
     """The first n spans lane `lane` reads (its spans of the other split left out)."""
     deal, j = loader._deal_of(lane)
-    spans, _ = data.positions(deal, j, 0, n)
+    spans, _ = positions(deal, j, 0, n)
     return spans[~loader.index.is_val(spans)] if deal.keep == "train" else spans
 
 
@@ -155,7 +158,7 @@ def test_windows_are_the_reference_packing_of_each_lanes_spans(files, tok, fmt):
         assert len(done) + p["offset"] == ns * L1 and p["stats"]["tokens"] == len(done)
     assert loader.stats()["epoch"] >= 1
     loader.close()
-    first = np.concatenate([data.positions(loader.deals[0], j, 0, per)[0] for j in range(S)])
+    first = np.concatenate([positions(loader.deals[0], j, 0, per)[0] for j in range(S)])
     k = np.concatenate([j + np.arange(per) * S for j in range(S)])
     assert sorted(first[k < n_train]) == list(range(n_train))                 # epoch 0: each span once
     val = np.flatnonzero(loader.index.is_val(np.arange(loader.index.n_spans)))
@@ -301,7 +304,7 @@ def test_three_epochs_of_two_global_batches_reshuffled_and_resumed_anywhere(tok,
     assert 1.5 < tokens / (4 * 65) < 3
     ref, _, _ = global_batches(c, tok, 1, steps)
     assert probe.stats()["epoch"] == 0
-    orders = [np.concatenate([data.positions(probe.deals[0], j, 0, 40)[0] for j in range(8)]) for _ in (0,)]
+    orders = [np.concatenate([positions(probe.deals[0], j, 0, 40)[0] for j in range(8)]) for _ in (0,)]
     deal, n = probe.deals[0], probe.deals[0].n
     k = np.concatenate([j + np.arange(40) * deal.lanes for j in range(deal.lanes)])
     seq = orders[0][np.argsort(k)]
@@ -439,7 +442,7 @@ def behind(loader):
     n = np.zeros(loader.corpus.n_docs, np.int64)
     for s, p in loader.state_dict()["streams"].items():
         deal, j = loader._deal_of(int(s))
-        np.add.at(n, np.asarray(loader.index.rows[data.positions(deal, j, 0, p["i"])[0], 0]), 1)
+        np.add.at(n, np.asarray(loader.index.rows[positions(deal, j, 0, p["i"])[0], 0]), 1)
     return n
 
 
@@ -456,7 +459,7 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     assert [t for t, _, _ in loader.corpus.read(range(5))][2:] == ["print(1) " * 30 + "\ufffd", "", ""]
     take(loader, 40)
     st, n = loader.stats(), behind(loader)
-    assert st["empty_files"] == 1
+    assert loader.corpus.empty_files == 1
     assert st["empty_docs"] == n[0] + n[3] + n[4] and st["documents"] == n[1] + n[2]
     assert st["utf8_replacements"] == 3 * n[1] + n[2]               # \xe9 \xff \xfe, \xc3
     # Counted and kept as examples, never printed by a loader (train.py says them once, on rank 0).
@@ -566,7 +569,7 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     again = data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=cache, val_fraction=0.1), VOCAB)
     assert again.path == tok.path and "training" not in capsys.readouterr().err     # from the cache
     corpus = data.Corpus(files["txt"])
-    data.train_tokenizer(corpus, 0.1, VOCAB, str(tmp_path / "b.model"))
+    train_tokenizer(corpus, 0.1, VOCAB, str(tmp_path / "b.model"))
     assert data.Tokenizer(str(tmp_path / "b.model")).fingerprint == tok.fingerprint
     # A given .model (here ours: the same settings as Llama 2's tokenizer.model) loads as is.
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
@@ -586,7 +589,7 @@ def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
 def test_stdlib_corpus_reads_the_standard_library_not_site_packages():
     corpus = data.Corpus("stdlib")
     assert corpus.n_docs > 500
-    assert not any("site-packages" in p for p in data.stdlib_files())
+    assert not any("site-packages" in p for p in stdlib_files())
     assert "import" in corpus.read([corpus.n_docs // 2])[0][0]
 
 
@@ -676,7 +679,7 @@ def test_one_document_spans_joined_equal_the_whole_and_it_trains(tok, tmp_path):
     joined = a.read(np.arange(idx.n_spans), "")[0]
     assert joined.tolist() == whole
     sizes = np.diff(np.append(np.asarray(idx.rows[:, 1]), len(text.encode())))
-    assert sizes.max() <= data.span_bytes(64) and (sizes > data.span_bytes(64) // 2).mean() > 0.9
+    assert sizes.max() <= span_bytes(64) and (sizes > span_bytes(64) // 2).mean() > 0.9
     got, states = [], []
     for _ in range(30):
         got.append(next(a))

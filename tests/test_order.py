@@ -1,4 +1,4 @@
-"""order.py: the permutation is a bijection computed per index; the deal of spans to lanes covers every
+"""spans.py, the order: the permutation is a bijection computed per index; the deal of spans to lanes covers every
 span once per epoch (more lanes than spans too), reshuffled each epoch; lanes and held-out rules."""
 import os
 import sys
@@ -7,61 +7,61 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import order  # noqa: E402
+import spans  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 1000, 2 ** 20 + 7])
 def test_permutation_is_a_bijection(n):
-    p = order.permute(np.arange(n), n, (1234, 0))
+    p = spans.permute(np.arange(n), n, (1234, 0))
     assert np.array_equal(np.sort(p), np.arange(n))
     # per index, in any order and any pieces: the same images (nothing materialized)
     idx = np.random.default_rng(0).integers(0, n, 100)
-    assert np.array_equal(order.permute(idx, n, (1234, 0)), p[idx])
+    assert np.array_equal(spans.permute(idx, n, (1234, 0)), p[idx])
 
 
 def test_permutation_depends_on_the_key_and_looks_random():
     n = 10_000
-    a, b = order.permute(np.arange(n), n, (1, 0)), order.permute(np.arange(n), n, (1, 1))
+    a, b = spans.permute(np.arange(n), n, (1, 0)), spans.permute(np.arange(n), n, (1, 1))
     assert np.mean(a == b) < 0.01 and np.mean(a == np.arange(n)) < 0.01
     assert abs(np.corrcoef(np.arange(n), a)[0, 1]) < 0.05          # no trace of the identity
     with pytest.raises(ValueError):
-        order.permute(np.array([1]), 1, (0,))
+        spans.permute(np.array([1]), 1, (0,))
 
 
 @pytest.mark.parametrize("n,lanes", [(10, 3), (7, 7), (3, 16), (1, 4), (1000, 64)])
 def test_deal_covers_every_span_once_per_epoch_and_reshuffles(n, lanes):
     """Lane j reads positions j, j + lanes, ...: over the lanes, the first E epochs' positions hold
     every span exactly E times, each epoch in its own order; more lanes than spans is fine."""
-    deal = order.Deal(lo=5, n=n, lanes=lanes, shuffled=True, seed=3)
+    deal = spans.Deal(lo=5, n=n, lanes=lanes, shuffled=True, seed=3)
     E = 3
     per_lane = -(-E * n // lanes)
-    k, spans, epochs = [], [], []
+    k, read, epochs = [], [], []
     for j in range(lanes):
-        s, e = order.positions(deal, j, 0, per_lane)
+        s, e = spans.positions(deal, j, 0, per_lane)
         k += (j + np.arange(per_lane) * lanes).tolist()
-        spans += s.tolist()
+        read += s.tolist()
         epochs += e.tolist()
-    k, spans, epochs = map(np.array, (k, spans, epochs))
-    seq = spans[np.argsort(k)][:E * n].reshape(E, n)             # the endless sequence, epoch by epoch
+    k, read, epochs = map(np.array, (k, read, epochs))
+    seq = read[np.argsort(k)][:E * n].reshape(E, n)             # the endless sequence, epoch by epoch
     for e in range(E):
         assert sorted(seq[e]) == list(range(5, 5 + n))
     if n > 2:
         assert not np.array_equal(seq[0], seq[1])                 # reshuffled per epoch
     # reads in pieces give the same spans (a resume re-derives them)
-    s1, _ = order.positions(deal, lanes - 1, 0, per_lane)
-    s2 = np.concatenate([order.positions(deal, lanes - 1, i, 1)[0] for i in range(per_lane)])
+    s1, _ = spans.positions(deal, lanes - 1, 0, per_lane)
+    s2 = np.concatenate([spans.positions(deal, lanes - 1, i, 1)[0] for i in range(per_lane)])
     assert np.array_equal(s1, s2)
 
 
 def test_unshuffled_deal_is_corpus_order_cycled():
-    deal = order.Deal(lo=10, n=4, lanes=1, shuffled=False)
-    assert order.positions(deal, 0, 2, 6)[0].tolist() == [12, 13, 10, 11, 12, 13]
+    deal = spans.Deal(lo=10, n=4, lanes=1, shuffled=False)
+    assert spans.positions(deal, 0, 2, 6)[0].tolist() == [12, 13, 10, 11, 12, 13]
 
 
 def test_held_out_rules():
-    assert order.tail_spans(1, 100, 0.01) == 1 and order.tail_spans(3, 100, 0.1) == 10
-    assert order.tail_spans(1, 1, 0.5) == 0 and order.tail_spans(3, 100, 0.0) == 0
-    assert order.by_hash(100_000, 0.01) and order.tail_spans(100_000, 100_000, 0.01) == 0
-    v = order.held_out(np.arange(100_000), 0.05)
+    assert spans.tail_spans(1, 100, 0.01) == 1 and spans.tail_spans(3, 100, 0.1) == 10
+    assert spans.tail_spans(1, 1, 0.5) == 0 and spans.tail_spans(3, 100, 0.0) == 0
+    assert spans.by_hash(100_000, 0.01) and spans.tail_spans(100_000, 100_000, 0.01) == 0
+    v = spans.held_out(np.arange(100_000), 0.05)
     assert abs(v.mean() - 0.05) < 0.005
-    assert order.lanes_per_stream(100, 16, 8) == 6 and order.lanes_per_stream(5, 16, 8) == 1
+    assert spans.lanes_per_stream(100, 16, 8) == 6 and spans.lanes_per_stream(5, 16, 8) == 1
