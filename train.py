@@ -5,10 +5,10 @@
     torchrun --nproc_per_node=32 train.py --preset llama2_7b --data train.arrow --tokenizer tokenizer.model
     torchrun --nproc_per_node=32 train.py --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
 
-The order of a run: parse and validate the whole config (bad input fails here, before any work);
-pick the device; create the process groups; claim the checkpoint directory; tokenizer and data;
-the model, built empty and loaded from the newest complete checkpoint (or initialized); the
-optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating and saving.
+The order of a run (main): parse and validate the whole config (bad input fails here, before any
+work); pick the device; create the process groups; claim the checkpoint directory; tokenizer and
+data; the model, built empty and filled from the newest complete checkpoint, --init_from or the
+seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating, saving.
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ import watchdog
 
 
 # ----------------------------------------------------------------------------- device
-# The one place that knows device differences. Model, optimizer and parallel code never ask.
 
 def pick_device(name: str) -> torch.device:
-    """xla when torch_xla is importable and an XLA device exists (or asked for), else cuda, else cpu."""
+    """The run's device, decided here once and passed down (no other module works it out): xla when
+    an XLA device exists or is asked for, else cuda, else cpu."""
     # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
     # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
     if name == "xla" or (name == "auto" and os.environ.get("PJRT_DEVICE")):
@@ -58,12 +58,10 @@ def pick_device(name: str) -> torch.device:
 
 
 def sync(device: torch.device):
-    """Cut the lazy graph here and launch it (XLA); elsewhere nothing to do. torch-xla traces until
-    a sync, so where the syncs are decides which graphs neuronx-cc compiles. As NxD and the HLAT
-    scripts do: one after each microbatch's backward (train_step's `cut`), one after the
-    reduce/clip/update (the loop below), one after each pipeline task (pipeline.py) and one per
-    evaluation batch. Without them a 7B step at 16 microbatches is ONE graph holding 16 copies of the
-    model, and its size grows with the accumulation (tests/test_xla.py counts the graphs)."""
+    """Cut the lazy graph here and launch it (XLA; elsewhere nothing to do): where the syncs are
+    decides which graphs neuronx-cc compiles. As NxD and the HLAT scripts: after each microbatch's
+    backward, after the update, after each pipeline task and each evaluation batch. Without them a
+    7B step of 16 microbatches is ONE graph of 16 model copies (tests/test_xla.py counts graphs)."""
     if device.type == "xla":
         import torch_xla
         torch_xla.sync()
@@ -122,7 +120,7 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     loader.reset()
     total, count = 0.0, 0
     for _ in range(n_batches):
-        b = to_device(next(loader), device)
+        b = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
         total = total + model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])
         count = count + (b["targets"] != -100).sum()
         cut()
@@ -131,31 +129,19 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     return total / parallel.all_reduce(count, grid.dp_group).clamp(min=1)
 
 
-def log_mixture(log, corpus, loader, step: int) -> None:
-    """The realized proportions of a weighted --data mixture over every window trained on so far."""
-    counts = loader.mixture_counts(step)
-    log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
-        f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})" for (name, w, _, _), n in zip(corpus.groups, counts)))
-
-
 DATA_WARNINGS = ("bad_records", "utf8_replacements")
 
 
 def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
-    """The run's count of each data problem: each rank's own (its loader's stats, what it packed)
-    summed over every rank and divided by tp * pp (the ranks of one DP replica read the same data).
-    Call on every rank at the same steps: one all-reduce of two numbers, a few ms of gloo at 4096
-    ranks, at log steps only."""
+    """The run's count of each data problem: every rank's loader stats summed and divided by tp * pp
+    (the ranks of one DP replica read the same data). On every rank at log steps: one all-reduce of
+    two numbers, a few ms of gloo at 4096 ranks."""
     counts = torch.tensor([float(stats.get(k, 0)) for k in DATA_WARNINGS], dtype=torch.float64,
                           device=grid.host_device)
     if grid.world > 1 and torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts, group=grid.host_group)
         counts /= grid.tp * grid.pp
     return dict(zip(DATA_WARNINGS, counts.round().long().tolist()))
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------- preemption
@@ -165,19 +151,12 @@ PEER_STOPPED = 75                   # EX_TEMPFAIL: stopped with a checkpoint bec
 
 class StopSignal:
     """SIGTERM (what SLURM, Kubernetes and torchrun send before they kill), SIGUSR1 (the early
-    warning scripts/slurm_train.sbatch asks SLURM for) and SIGINT (Ctrl-C) end the run at the very
-    next step boundary with a checkpoint of that step, inside the launcher's grace period
-    (--ckpt.grace_s; see stop_budget). The handler only notes the signal and the step it came
-    during (a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent).
-
-    Ranks agree at every step boundary with one blocking all-reduce (MAX) of the signal number over
-    the host group: every rank stops after the same step, the first boundary that any rank reached
-    after hearing the signal. An agreement started at one boundary and read at the next would cost
-    nothing but stop one step late (10 s at 7B on 128 nodes, a third of a 30 s grace period). Cost
-    of the blocking one: a 4-byte gloo ring, 2 x (world - 1) hops: at 4096 ranks about 8,000 hops of
-    10-50 us (most stay inside a node), some 0.1-0.2 s per step on the host. On Trainium the host
-    runs ahead of the device (the step is a graph in flight), so it is hidden unless the host is
-    already the bottleneck. Measured here with gloo: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks (2 busy cores)."""
+    warning scripts/slurm_train.sbatch asks for) and SIGINT end the run at the next step boundary
+    with a checkpoint of that step, inside the launcher's grace period (stop_budget). Ranks agree
+    at every boundary with one blocking MAX all-reduce over the host group, so all stop after the
+    same step; one read a boundary later would stop a step late (10 s at 7B on 128 nodes, a third
+    of a 30 s grace period). At 4096 ranks that 4-byte gloo ring is ~8,000 hops, 0.1-0.2 s of host
+    time a step, hidden while the device runs ahead (gloo here: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -188,7 +167,7 @@ class StopSignal:
                 signal.signal(sig, self._note)
 
     def _note(self, signum, frame):
-        if not self.got:
+        if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent
             # `during`: the step this signal counts for: the next boundary's agreement includes it
             self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
             print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} during step {self.during}: stopping "
@@ -208,23 +187,15 @@ class StopSignal:
             self.heard_at = time.monotonic()
         return signal.Signals(agreed).name if agreed else None
 
-    def seconds_left(self, grace_s: float) -> float:
-        """What is left of the launcher's grace period, counted from when this rank heard the signal."""
-        return grace_s - (time.monotonic() - self.heard_at)
 
-
-def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.Grid, grace_s: float,
-                step: int) -> tuple[bool, str]:
-    """Whether the final save of `step` can finish inside the grace period, on every rank (they
-    agree: a checkpoint is all ranks' or none). The save in flight (the last periodic checkpoint)
-    is waited for first: it is what remains if this one cannot be written. Then this rank's time
-    is estimated from its previous save in this run: staging into the host buffers the async path
-    keeps (blocked_s) plus bytes over the write speed it measured. The budget per rank is therefore
-    grace - (time to the boundary: up to one step) - staging - bytes / write speed; README states
-    it in seconds per GB. Without an earlier save to measure, the save is tried: if the launcher
-    kills it, the half-written folder is incomplete and resume skips it."""
+def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.Grid,
+                grace_s: float) -> tuple[bool, str]:
+    """Whether the final save can finish inside the grace period, on every rank (a checkpoint is all
+    ranks' or none). The save in flight is waited for first: it is what remains if this one cannot
+    be written. This rank's time is its previous save's in this run: staging (blocked_s) plus the
+    write; without one to measure, the save is tried (killed half-written, resume skips it)."""
     ckpt.wait()
-    s, left = ckpt.stats, stop.seconds_left(grace_s)
+    s, left = ckpt.stats, grace_s - (time.monotonic() - stop.heard_at)
     need = None
     if s.get("write_s") and s.get("bytes"):
         # staging (in the writer thread too on a CPU host) and the write less what it waited for a
@@ -237,16 +208,12 @@ def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.
     return ok, why
 
 
-# ----------------------------------------------------------------------------- the run
-
 # ----------------------------------------------------------------------------- before any work
 
 def check_memory(cfg: configs.Config, device: torch.device) -> None:
-    """The sizes that must fit in this host's memory, checked before a tokenizer is trained or a
-    model built: this rank's share of the weights (fp32 while they are initialized on the host;
-    on a CPU run with their gradients and AdamW moments), plus one full weight, which init builds
-    whole before cutting this rank's shard out of it. A 10^9 vocabulary fails here, not in an
-    allocation after minutes of tokenizer training."""
+    """This rank's share of the weights (fp32 on the host; on a CPU run with their gradients and
+    AdamW moments) plus one full weight must fit in this host's memory: a 10^9 vocabulary fails
+    here, not in an allocation after minutes of tokenizer training."""
     m, p = cfg.model, cfg.parallel
     per_param = 16 if device.type == "cpu" else 4
     largest, what = max((m.vocab_size * m.dim, f"the embedding (--model.vocab_size={m.vocab_size} x --model.dim={m.dim})"),
@@ -262,8 +229,8 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
 
 
 def check_export(cfg: configs.Config) -> None:
-    """A run ends by exporting to <out_dir>/hf. A fresh run (no checkpoint to continue from) must not
-    replace the model an earlier run exported there; continuing a run updates its own export."""
+    """A fresh run (no checkpoint to continue from) must not replace the model an earlier run
+    exported to <out_dir>/hf; continuing a run updates its own export."""
     folder = os.path.join(cfg.out_dir, "hf")
     ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
     if os.path.exists(os.path.join(folder, "config.json")) and not any(checkpoint.STEP_DIR.match(n) for n in ckpts):
@@ -273,11 +240,10 @@ def check_export(cfg: configs.Config) -> None:
 
 
 def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> bool:
-    """A run continues with the tokenizer it was trained with, kept beside its checkpoints: one
-    trained on a new corpus would give every token id another meaning. Checked before this run's
-    tokenizer is kept there, so the run's own is never replaced. True: it is kept there already."""
+    """A run continues with the tokenizer kept beside its checkpoints: one trained on a new corpus
+    would give every token id another meaning. True: this run's is kept there already."""
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
-    kept = [os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(folder, n))]
+    kept = [k for k in (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(k)]
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
     if kept and not same and ckpt.c.resume and ckpt.has_checkpoints():
         raise checkpoint.CheckpointError(
@@ -286,17 +252,19 @@ def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> boo
     return same
 
 
+# ----------------------------------------------------------------------------- the run
+
 def main(argv: list[str]) -> None:
+    # The whole config, checked before any work: every key's domain, the model's shape, the layout
+    # (the xla backend has rules of its own), every path's kind, the memory, the export folder.
     if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
         print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
         return
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(cfg.device)
-    # Every key's domain, the model's shape, the layout; the xla backend has rules of its own.
-    configs.validate(cfg, world, parallel.backend_for(device.type))
-    configs.check_paths(cfg)                           # every path's kind, before anything is written
+    configs.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), parallel.backend_for(device.type))
+    configs.check_paths(cfg)
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
     hf.check_export_dir(out_dir, overwrite=False)
     check_memory(cfg, device)
@@ -304,114 +272,104 @@ def main(argv: list[str]) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         for w in configs.warnings(cfg):
             print(f"warning: {w}", file=sys.stderr)
+
     grid = parallel.init_distributed(cfg, device)
+    log = print if grid.is_main else (lambda *a, **k: None)
     # A hang ends the run with this rank's stacks (watchdog.py): start-up, a resume, the first
     # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.
     dog = watchdog.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
+    ckpt = mon = train_loader = val_loader = None
     try:
-        run(cfg, grid, device, dog, out_dir)
-    finally:
-        dog.close()
+        stop = StopSignal(grid)
+        # The checkpoint directory: a directory, writable, and this run's alone (a lock), before any
+        # work. neuron_parallel_compile's pre-compile pass (scripts/launch.sh compile) runs this same
+        # command with NEURON_EXTRACT_GRAPHS_ONLY set: every value is invalid, so it reads and writes
+        # no checkpoint (and no export), yet traces the save and load graphs a real run compiles.
+        compile_only = bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
+        ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print, compile_only=compile_only)
+        ckpt.claim()
+        accum = configs.grad_accum_steps(cfg, grid.dp)
+        log(f"nanotrn: preset {cfg.preset or '-'}, device {device}, world {grid.world} = "
+            f"tp {grid.tp} x pp {grid.pp} x dp {grid.dp}, {accum} microbatches of {cfg.data.micro_batch}")
+        checkpoint.seed_all(cfg.seed)
 
+        # Data. The span index first (one file per corpus, built once, memory-mapped): the size check
+        # needs only bytes, so a corpus too small for one global batch is refused before a tokenizer
+        # is trained (at first use, cached; one process trains, the others wait). Every TP/PP rank
+        # of a DP replica reads the same batches.
+        d = cfg.data
+        corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
+        index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
+        data.check_size(d, index, grid.dp)
+        tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
+        kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
+        if grid.is_main and not kept and not compile_only:   # beside the checkpoints: `checkpoint.py export` ships it
+            hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
+        train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
+        # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
+        if cfg.log.eval_interval:
+            val_loader = data.EvalWindows(d, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus,
+                                          index=index)
 
-def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: watchdog.Watchdog, out_dir: str):
-    """The run on this rank, once the config is checked and the process groups exist."""
-    stop = StopSignal(grid)
-    # The checkpoint directory first: a directory, writable, and this run's alone (a lock), before
-    # any work; otherwise a second run on it would resume the first one's checkpoints.
-    # neuron_parallel_compile's pre-compile pass (scripts/launch.sh compile) runs this same command
-    # with NEURON_EXTRACT_GRAPHS_ONLY set: every value is invalid, so it reads and writes no
-    # checkpoint (and no export), yet traces the save and load graphs a real run compiles.
-    compile_only = bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
-    ckpt = checkpoint.Checkpointer(cfg, grid, device, log=print, compile_only=compile_only)
-    ckpt.claim()
-    accum = configs.grad_accum_steps(cfg, grid.dp)
-    log = print if grid.is_main else (lambda *a, **k: None)
-    log(f"nanotrn: preset {cfg.preset or '-'}, device {device}, world {grid.world} = "
-        f"tp {grid.tp} x pp {grid.pp} x dp {grid.dp}, {accum} microbatches of {cfg.data.micro_batch}")
-    checkpoint.seed_all(cfg.seed)
-
-    # Data. The tokenizer is trained on the corpus at first use and cached (one process trains,
-    # the others wait for it). Every TP/PP rank of a DP replica reads the same batches.
-    # The span index (one file per corpus, built once, memory-mapped) first: the size check needs
-    # only bytes, so a corpus too small for one global batch is refused before a tokenizer is trained.
-    corpus = data.Corpus(cfg.data.data, cfg.data.text_field, cfg.data.doc_per_line, cfg.data.split,
-                         cfg.data.cache_dir)
-    index = data.SpanIndex(corpus, cfg.data.seq_len, cfg.data.cache_dir, cfg.data.val_fraction)
-    data.check_size(cfg.data, index, grid.dp)
-    tok = data.build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size, corpus=corpus)
-    kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
-    if grid.is_main and not kept and not compile_only:     # beside the checkpoints: `checkpoint.py export` ships it too
-        hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
-    train_loader = data.PackedLoader(cfg.data, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
-    # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
-    val_loader = (data.EvalWindows(cfg.data, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus, index=index)
-                  if cfg.log.eval_interval else None)
-
-    # The model: this rank's shard, built empty, then filled from ONE source, the first that
-    # applies: this run's newest complete checkpoint (a resume, at any layout), --init_from (a
-    # Hugging Face folder: this rank's rows only), else the seed (the same full weights at every
-    # layout). Filled before the optimizer is built: "mixed" copies its fp32 master from them.
-    pp = grid.pp > 1                     # pipeline parallelism: this rank holds one stage (pipeline.py)
-    model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device,
-                                                                   dtype=optim.param_dtype(cfg.optim.precision))
-    loaded = ckpt.load_latest(names=set(model.state_dict()))
-    if loaded is not None:
-        model.load_state_dict(loaded.model)
-    elif cfg.init_from:
-        hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
-    else:
-        parallel.init_weights(model, cfg, grid)
-    model = parallel.move_model(model, device)      # XLA: filled on the host, then moved (build_model)
-    if device.type == "xla":             # torch-xla's checkpoint adds the barrier XLA needs
-        llama.use_xla_checkpointing(model)
-    optimizer = optim.build_optimizer(model, cfg, grid)
-    flops_tok = llama.flops_per_token(cfg.model, cfg.data.seq_len)
-    log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
-        f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
-
-    # The rest of the resume: optimizer, data position, RNG streams.
-    step, tokens_seen = 0, 0
-    if loaded is not None:
-        if loaded.optim is not None:
-            optimizer.load_state_dict(loaded.optim)
-        # The data stream is defined by global window index: at another DP degree each rank takes
-        # the saved positions of the streams it now owns (data.py), and the run continues exactly.
-        # --ckpt.reset_data (a new corpus) starts the stream afresh, with the model's own tokenizer.
-        if cfg.ckpt.reset_data:
-            log("--ckpt.reset_data: the model and optimizer continue, the data stream starts afresh")
+        # The model: this rank's shard, built empty, then filled from ONE source, the first that
+        # applies: this run's newest complete checkpoint (a resume, at any layout), --init_from (a
+        # Hugging Face folder: this rank's rows only), else the seed (the same full weights at every
+        # layout). Filled before the optimizer is built: "mixed" copies its fp32 master from them.
+        pp = grid.pp > 1                 # pipeline parallelism: this rank holds one stage (pipeline.py)
+        dtype = optim.param_dtype(cfg.optim.precision)
+        model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, dtype=dtype)
+        loaded = ckpt.load_latest(names=set(model.state_dict()))
+        if loaded is not None:
+            model.load_state_dict(loaded.model)
+        elif cfg.init_from:
+            hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
         else:
-            try:
-                train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
-            except data.StaleDataState as e:     # a checkpoint of an older data format: keep the model
-                log(f"{e}; the model and optimizer continue, the data stream restarts from its beginning")
-        if loaded.rng is not None:
-            checkpoint.set_rng_state(loaded.rng, device)
-        step, tokens_seen = loaded.step, loaded.extra.get("tokens_seen", 0)
-        sync(device)        # the loaded state as a graph of its own, not folded into the first step's
-    batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
+            parallel.init_weights(model, cfg, grid)
+        model = parallel.move_model(model, device)      # XLA: filled on the host, then moved (build_model)
+        if device.type == "xla":         # torch-xla's checkpoint adds the barrier XLA needs
+            llama.use_xla_checkpointing(model)
+        optimizer = optim.build_optimizer(model, cfg, grid)
+        flops_tok = llama.flops_per_token(cfg.model, d.seq_len)
+        log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
+            f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
 
-    peak, peak_how = monitor.device_peak_flops(device, optim.param_dtype(cfg.optim.precision), cfg.log.peak_tflops,
-                                               cfg.parallel.instance, shapes=monitor.matmul_shapes(cfg, grid.tp))
-    log(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per device ({peak_how})")
-    mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
-                          device=device, start_step=step, tokens_seen=tokens_seen)
-    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    eval_batches = len(val_loader) if val_loader is not None else 0
-    said = []                                # the kinds of data warnings already said (data_warnings)
-    if corpus.empty_files:
-        log(corpus.warning("empty_files", corpus.empty_files))
-    cut = lambda: sync(device)               # noqa: E731  the graph cuts inside a step (see sync)
-    if device.type == "xla":
-        log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
-    stop.during = step + 1                               # the step a signal arriving now counts for
-    saved = loaded.step if loaded is not None else None  # the newest checkpoint of this run's lineage
-    stopping, reloaded = None, False
+        # The rest of a resume: optimizer, data position (by global window index: at another DP
+        # degree each rank takes the streams it now owns, data.py), RNG streams.
+        step, tokens_seen, saved = 0, 0, None            # saved: the newest checkpoint of this run's lineage
+        if loaded is not None:
+            if loaded.optim is not None:
+                optimizer.load_state_dict(loaded.optim)
+            if cfg.ckpt.reset_data:      # a new corpus: the stream starts afresh, with the model's own tokenizer
+                log("--ckpt.reset_data: the model and optimizer continue, the data stream starts afresh")
+            else:
+                try:
+                    train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
+                except data.StaleDataState as e:     # a checkpoint of an older data format: keep the model
+                    log(f"{e}; the model and optimizer continue, the data stream restarts from its beginning")
+            if loaded.rng is not None:
+                checkpoint.set_rng_state(loaded.rng, device)
+            step, tokens_seen, saved = loaded.step, loaded.extra.get("tokens_seen", 0), loaded.step
+            sync(device)        # the loaded state as a graph of its own, not folded into the first step's
+        batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
 
-    def guard(loss, grad_norm):       # between clipping and the update (train_step)
-        ckpt.before_update()          # the last save's copy of the weights and moments is complete
-        return mon.check_finite(step + 1, loss, grad_norm)
-    try:
+        peak, peak_how = monitor.device_peak_flops(device, dtype, cfg.log.peak_tflops, cfg.parallel.instance,
+                                                   shapes=monitor.matmul_shapes(cfg, grid.tp))
+        log(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per device ({peak_how})")
+        mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
+                              device=device, start_step=step, tokens_seen=tokens_seen)
+        tokens_per_step = d.global_batch * d.seq_len
+        said = []                            # the kinds of data warnings already said (data_warnings)
+        if corpus.empty_files:
+            log(corpus.warning("empty_files", corpus.empty_files))
+        cut = lambda: sync(device)           # noqa: E731  the graph cuts inside a step (see sync)
+        if device.type == "xla":
+            log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
+        stop.during = step + 1                           # the step a signal arriving now counts for
+        stopping, reloaded = None, False
+
+        def guard(loss, grad_norm):      # between clipping and the update (train_step)
+            ckpt.before_update()         # the last save's copy of the weights and moments is complete
+            return mon.check_finite(step + 1, loss, grad_norm)
         while step < cfg.optim.max_steps:
             ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
             ckpt.fault.maybe_hang(step)
@@ -448,17 +406,20 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
                 with dog.phase(f"the evaluation at step {step}"):
-                    mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, eval_batches, grid,
+                    mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, len(val_loader), grid,
                                                                            device, cut=cut))
             if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
                                            else step == cfg.optim.max_steps):
-                log_mixture(log, corpus, train_loader, step)
+                counts = train_loader.mixture_counts(step)    # a weighted --data mixture's realized shares
+                log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
+                    f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})"
+                    for (name, w, _, _), n in zip(corpus.groups, counts)))
             stopping = stop.requested(step)             # every rank agrees: stop after this step?
             periodic = (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps
             if periodic or stopping:
                 with dog.phase(f"the checkpoint save of step {step}"):
                     mon.flush()                         # raises on a poisoned state: it is never saved
-                    fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s, step)
+                    fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s)
                     if fits:
                         # On a CPU host the weights and moments are copied while the next step's
                         # forward and backward run (guard waits before its update): bench.py ckpt.
@@ -472,11 +433,10 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
                                "none (the run starts afresh)") +
                             ". Raise the grace period (--ckpt.grace_s and the launcher's: README) or save more often")
                     if compile_only and not reloaded:
-                        # A resume's load graph, without a checkpoint: the optimizer state loaded
-                        # back from host copies, as load_latest's is, after the pass's first save.
-                        # Measured on XLA:CPU (tests/test_xla.py): after this pass a resume compiles
-                        # nothing; without this reload it compiles its load graph. (NxD's examples
-                        # skip the load in this mode and leave that graph to the real run.)
+                        # A resume's load graph without a checkpoint: the optimizer state loaded back
+                        # from host copies, as load_latest's is. Measured on XLA:CPU (tests/test_xla.py):
+                        # after this pass a resume compiles nothing; without it, its load graph.
+                        # (NxD's examples skip the load here and leave that graph to the real run.)
                         optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
                         sync(device)
                         reloaded = True
@@ -488,23 +448,20 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
             totals = data_warnings(batches.stats(), grid)
             log("data: this run " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
-        with dog.phase("the last save"):
-            ckpt.close()                                # waits for the save in flight
+        if ckpt is not None:
+            with dog.phase("the last save"):
+                ckpt.close()                            # waits for the save in flight
         dog.close()
-        mon.close()
-        train_loader.close()
-        if val_loader is not None:
-            val_loader.close()
+        for x in (mon, train_loader, val_loader):
+            if x is not None:
+                x.close()
 
     if compile_only:
         log(f"pre-compile pass: {step} steps traced, nothing saved or exported")
-        parallel.destroy(grid)
-        return
-    if step < cfg.optim.max_steps:                      # stopped by a signal: no export, exit cleanly
+    elif step < cfg.optim.max_steps:                    # stopped by a signal: no export, exit cleanly
         log(f"{stopping}: stopped after step {step}, " + (f"saved in {cfg.ckpt.dir}" if saved == step else
             f"not saved (the newest checkpoint is {f'step {saved}' if saved is not None else 'none'})")
             + "; run the same command to continue")
-        parallel.destroy(grid)
         if not stop.got:
             # The signal reached other nodes, not this one (Kubernetes drains one pod). Exit 0 would
             # end this node's torchrun and tell the Job that this pod's part is done; this status
@@ -512,27 +469,24 @@ def run(cfg: configs.Config, grid: parallel.Grid, device: torch.device, dog: wat
             # node's replacement and resume from the checkpoint just saved (README, Amazon EKS).
             print(f"[rank {grid.rank}] {stopping} reached another node: exit {PEER_STOPPED}, so that "
                   f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
+            parallel.destroy(grid)
             sys.exit(PEER_STOPPED)
-        return
-
-    # The end: the full model exported in Hugging Face format, and a short sample. Gathering the
-    # full model on every rank suits small models; a 7B run (32 ranks per host) exports from its
-    # checkpoint in one process instead.
-    if llama.num_params(cfg.model) > 1e9:
+    elif llama.num_params(cfg.model) > 1e9:
+        # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
+        # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
-        parallel.destroy(grid)
-        return
-    full = (pipeline.gather_full_state_dict if pp else parallel.gather_full_state_dict)(model, grid)
-    if grid.is_main:
-        final = llama.Llama(cfg.model)
-        final.load_state_dict({k: v.float() for k, v in full.items()})
-        hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
-                   tokenizer=tok, overwrite=True)       # checked at the start: empty or our own export
-        log(f"saved the final model to {out_dir} (Hugging Face format)")
-        if cfg.log.sample_tokens:
-            prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)
-            sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
-            log("sample:\n" + tok.decode([i for i in sample if i < tok.vocab_size]))   # not the padding ids
+    else:           # the end: the full model exported in Hugging Face format, and a short sample
+        full = (pipeline.gather_full_state_dict if pp else parallel.gather_full_state_dict)(model, grid)
+        if grid.is_main:
+            final = llama.Llama(cfg.model)
+            final.load_state_dict({k: v.float() for k, v in full.items()})
+            hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
+                       tokenizer=tok, overwrite=True)       # checked at the start: empty or our own export
+            log(f"saved the final model to {out_dir} (Hugging Face format)")
+            if cfg.log.sample_tokens:
+                prompt = torch.tensor([tok.encode("def ")], dtype=torch.long)
+                sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
+                log("sample:\n" + tok.decode([i for i in sample if i < tok.vocab_size]))   # not the padding ids
     parallel.destroy(grid)
 
 
@@ -549,14 +503,11 @@ def cli(argv: list[str]) -> None:
 
 
 def exit_now(code) -> None:
-    """End the process without the interpreter's finalization. By now our threads are joined (the
-    checkpoint writer, the data loaders, the watchdog) and every collective has been waited for,
-    but gloo's C++ threads may still be dropping the last reference to a finished collective's
-    tensor, which takes the GIL. A thread that takes the GIL while the interpreter finalizes is
-    ended by pthread_exit, and its unwinding through a noexcept C++ frame is std::terminate:
-    "terminate called without an active exception", SIGABRT, one rank lost at random (issue 25:
-    one resume in eight; pytorch/pytorch #190489, #179291). Nothing is left to finalize: files are
-    closed, the process groups destroyed, and stdout and stderr are flushed here."""
+    """End the process without the interpreter's finalization, which can abort a rank at random:
+    gloo's C++ threads may still drop a finished collective's last tensor reference, taking the GIL;
+    a thread doing so while the interpreter finalizes gets pthread_exit, and its unwinding through a
+    noexcept frame is std::terminate, SIGABRT (issue 25: one resume in eight; pytorch/pytorch
+    #190489, #179291). Our threads are joined and files closed by now; stdout and stderr flushed here."""
     if isinstance(code, str):                          # sys.exit("error: ...")
         print(code, file=sys.stderr)
         code = 1
