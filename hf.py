@@ -18,6 +18,7 @@ import torch
 
 import sharding
 from configs import ConfigError, ModelConfig
+from model import num_params, param_shapes
 
 
 class HFError(ConfigError):
@@ -125,13 +126,6 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
                                "high_freq_factor": cfg.rope_high_freq_factor,
                                "original_max_position_embeddings": cfg.rope_original_max_len}
     return out
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every tensor of our Llama's state dict (both embed and lm_head when tied) and its full shape."""
-    from model import Llama
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in Llama(cfg).state_dict().items()}
 
 
 def _layout(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
@@ -456,7 +450,6 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
 
 
 def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
-    from model import num_params
     if choice == "auto":
         return torch.bfloat16 if num_params(cfg) > 1e9 else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]

@@ -414,6 +414,12 @@ class Llama(nn.Module):
         return tokens
 
 
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The full model's state-dict names (embed and lm_head both when tied) and shapes, nothing allocated."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Llama(cfg).state_dict().items()}
+
+
 def _init_stream(name: str, cfg: ModelConfig, seed: int) -> tuple[torch.Generator, float]:
     if cfg.tie_embeddings and name == "lm_head.weight":
         name = "embed.weight"        # tied: a pipeline's last stage holds a copy of the embedding

@@ -551,8 +551,7 @@ def init_weights(model: nn.Module, cfg: Config, grid: Grid) -> nn.Module:
     """Fill build_model's weights from cfg.seed: every layout holds the same full weights. Each rank
     generates only its shard, from the stream that generates the full tensor (the same values as
     cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py)."""
-    with torch.device("meta"):
-        full = {n: tuple(p.shape) for n, p in llama.Llama(cfg.model).state_dict().items()}
+    full = llama.param_shapes(cfg.model)
     for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
         rows, cols = sharding.index(name, full[name], cfg.model, grid.tp, grid.tp_rank)
         p.copy_(llama.init_param_part(name, full[name], cfg.model, cfg.seed, rows, cols))

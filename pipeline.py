@@ -399,8 +399,7 @@ def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False
     Plain tensor broadcasts, so it runs on XLA too. Holds one full model per rank (tests, export)."""
     mine = parallel.gather_full_state_dict(model, grid, grads)
     cfg = model.cfg
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).state_dict().items()}   # tied: both names
+    shapes = llama.param_shapes(cfg)                  # tied: both names
     ranks = _my_pp_ranks(grid)
     p = next(model.parameters())
     out = {}
