@@ -1,53 +1,14 @@
 """Checkpoints: asynchronous, atomic, verified, resumable after a crash at any moment and at another
-parallel layout.
+parallel layout (HLAT's automatic recovery raised the cluster's use from 77.83% to 98.81%).
 
-The blog's automatic fault recovery raised the cluster's effective use from 77.83% to 98.81%: at
-100+ nodes something fails every day, so a run must save often without slowing down, and come back
-by itself. Here a save costs the step only a copy into host memory; a writer thread does the I/O.
-
-On disk, one directory per saved step, in NxD's layout (ckptdir.py holds the directory's rules:
-names, markers, when a folder is complete and valid, claim, prune, set aside):
-
-    <ckpt.dir>/
-      latest                        "step_00000200": a hint for people; loading never trusts it
-      faults.log                    what NANOTRN_FAULT killed, and when (see FaultInjector)
-      step_00000200/
-        meta.json                   step, config, parallel layout, user content (tokens seen)  rank 0
-        model_tp00_pp00.pt          the (tp 0, pp 0) rank's shard of the model            one DP replica
-        optim_tp00_pp00.pt          that rank's optimizer state                           another one
-        optim_dp001_tp00_pp00.pt    ... or, with ZeRO-1, the shard of every DP rank       that DP rank
-        rank00000.pt                RNG streams and data-loader state                       every rank
-        rank00000.done              completion marker: size and crc32 of each file rank 0 wrote
-        manifest.json               complete: rank 0 saw every marker (format, lineage)        rank 0
-
-Three parts, each in its place: the writer (ckptsave.Writer: this rank's files, atomic, in a
-background thread), the search for the newest valid checkpoint (find_newest_valid here, then
-reshard.read), and the directory's rules (ckptdir.py). The Checkpointer joins them; this module
-also holds what each rank saves (rank_files), the RNG streams, fault injection and the command line.
-
-Who writes a file that DP replicas hold alike (the model, the optimizer without ZeRO-1): one replica
-per file, spread over the DP group (writer_dp_rank), as NxD spreads its saves over the DP ranks
-(trainer/checkpoint.py, _xser_save_data bins the tensors over the DP group). 7B at TP=8 on 16 nodes:
-the 16 shared files come from 16 ranks on 16 nodes, not all from ranks 0-7 on node 0. The layout is
-NxD-like (per-rank files, the same names for the same roles), but NxD cannot read it: NxD keeps one
-file per tensor (xser) or its own keys, and its loaders expect its own directory tree.
-
-Why NxD's per-rank files and not torch.distributed.checkpoint (DCP): DCP reshards only DTensor
-models, and ours are plain tensors split by parallel.py. Per-rank files need no collective to save,
-every rank writes its part in parallel, and at the same layout each rank reads back only its own
-file (at 7B: 1/8 of the model per TP rank). At another layout, reshard.py reads them back: the
-model and the optimizer state resume at any TP / PP / DP / ZeRO-1 layout, each rank reading only
-the tensors it holds.
-
-A save, on every rank (the training step waits only for step 1):
-  1. copy this rank's state into host buffers (reused between saves) and return to training;
-  2. a writer thread writes each file into step_N/.tmp-rankR/, fsyncs it, renames it into step_N/;
-  3. then writes its marker rankR.done the same way (temp file, fsync, rename, fsync the directory);
-  4. rank 0's writer waits for every rank's marker, writes the manifest, points `latest` at step_N
-     and deletes this lineage's checkpoints beyond the newest `keep` complete ones.
-A checkpoint is complete when its manifest exists, and valid when every file has the size and crc32
-its marker records. A crash at any moment leaves at worst an interrupted save, which resume passes
-over (and sets aside, kept, as step_N.incomplete<time>); nothing complete is ever written to again.
+One directory per saved step, NxD's per-rank files (docs/checkpoints.md draws it): each rank
+writes its own part with no collective, a file that DP replicas share comes from one replica
+(writer_dp_rank, spread over the nodes as NxD spreads its saves), and at the same layout each rank
+reads back only its own files. Not torch.distributed.checkpoint: it reshards only DTensors, ours
+are plain tensors. The parts: ckptsave.Writer (this rank's files, atomic, in a background thread),
+ckptdir.py (when a folder is complete and valid, claim, prune), reshard.py (reading at any layout).
+The step waits only for the copy into host memory; a crash at any moment leaves at worst an
+interrupted save, which resume passes over and sets aside.
 """
 from __future__ import annotations
 
@@ -67,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
+import parallel
 from parallel import Grid
 import ckptdir
 import reshard
+from ckptdir import CheckpointError  # noqa: F401  (callers use checkpoint.CheckpointError)
 from ckptsave import Writer, to_host  # noqa: F401  (to_host: for train.py)
-# CheckpointError is defined in reshard.py, which reads checkpoints back and must not import this
-# module; callers keep using checkpoint.CheckpointError.
-from reshard import CheckpointError, Loaded
+from faults import Faults
+from reshard import Loaded
 
 STEP_DIR = ckptdir.STEP_DIR
 MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
@@ -95,8 +57,7 @@ def rng_state(device: torch.device | str | None = None) -> dict:
 
 
 def seed_all(seed: int) -> None:
-    """Seed every stream rng_state() captures (Python and numpy seed themselves at random otherwise,
-    and then two runs of the same config could never be compared bit for bit)."""
+    """Seed every stream rng_state() captures (Python and numpy seed themselves at random otherwise)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -114,105 +75,12 @@ def set_rng_state(s: dict, device: torch.device | str | None = None) -> None:
         xm.set_rng_state(s["xla"], device)
 
 
-# ----------------------------------------------------------------------------- fault injection
-
-class FaultInjector:
-    """Crash this process on purpose (SIGKILL to itself: no cleanup, no flush, like a dead node), so
-    that the recovery path runs on purpose. Set by the environment variable NANOTRN_FAULT:
-
-        NANOTRN_FAULT=1:7           rank 1 dies as step 7 begins (steps count from 0)
-        NANOTRN_FAULT=0:4:save      rank 0 dies halfway through writing the checkpoint of step 4
-        NANOTRN_FAULT=p=0.01        every rank, every step, dies with probability 0.01
-        NANOTRN_FAULT=p=0.05,seed=3,max=2   ... with a seed, and at most 2 deaths in this ckpt.dir
-        NANOTRN_FAULT=nan:5         not a crash: step 5's gradients become NaN on every rank, to
-                                    exercise --log.on_nonfinite (train.py applies it)
-        NANOTRN_FAULT=hang:1:5      not a crash: rank 1, as step 5 begins, waits in a collective no
-                                    other rank joins, and the others in their step's: the hang the
-                                    watchdog and the collective timeout must end (watchdog.py)
-
-    Each death is first appended (fsynced) to <ckpt.dir>/faults.log. A fixed fault fires only if
-    faults.log does not hold it yet, so the restarted run goes through the step that killed it
-    (otherwise `torchrun --max-restarts` would restart into the same crash until it gives up).
-    The random fault draws from (seed, rank, step, deaths so far): a restart re-running a step
-    draws anew, so a run always makes progress."""
-
-    def __init__(self, spec: str, rank: int, root: Path):
-        self.spec, self.rank, self.log = spec.strip(), rank, Path(root) / "faults.log"
-        self.p, self.seed, self.max, self.at, self.in_save = 0.0, 0, None, None, False
-        self.nan_step = self.hang_at = None
-        if not self.spec:
-            return
-        try:
-            if self.spec.startswith("nan:"):
-                self.nan_step = int(self.spec[4:])
-            elif self.spec.startswith("hang:"):
-                rank, step = self.spec[5:].split(":")
-                self.hang_at = (int(rank), int(step))
-            elif self.spec.startswith("p="):
-                opts = dict(kv.split("=", 1) for kv in self.spec.split(","))
-                self.p, self.seed = float(opts["p"]), int(opts.get("seed", 0))
-                self.max = int(opts["max"]) if "max" in opts else None
-                if set(opts) - {"p", "seed", "max"} or not 0 <= self.p <= 1:
-                    raise ValueError
-            else:
-                parts = self.spec.split(":")
-                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "save"):
-                    raise ValueError
-                self.at, self.in_save = (int(parts[0]), int(parts[1])), len(parts) == 3
-        except (ValueError, KeyError):
-            raise CheckpointError(f"NANOTRN_FAULT={spec!r} is not understood; use RANK:STEP, "
-                                  f"RANK:STEP:save, p=PROB[,seed=N][,max=N], nan:STEP or hang:RANK:STEP") from None
-        self.fired = self.log.read_text().splitlines() if self.log.exists() else []
-
-    @classmethod
-    def from_env(cls, rank: int, root: Path) -> "FaultInjector":
-        return cls(os.environ.get("NANOTRN_FAULT", ""), rank, root)
-
-    def die(self, what: str):
-        line = f"rank {self.rank} {what} ({self.spec})"
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        print(f"NANOTRN_FAULT: {line}: SIGKILL", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _fixed(self, step: int, in_save: bool) -> bool:
-        return (self.at == (self.rank, step) and self.in_save == in_save
-                and not any(l.startswith(f"rank {self.rank} ") and f"({self.spec})" in l for l in self.fired))
-
-    def maybe_crash(self, step: int):
-        """Call at the start of every training step."""
-        if self._fixed(step, in_save=False):
-            self.die(f"step {step}")
-        if self.p > 0 and (self.max is None or len(self.fired) < self.max):
-            draw = random.Random(f"{self.seed}|{self.rank}|{step}|{len(self.fired)}").random()
-            if draw < self.p:
-                self.die(f"step {step} at random")
-
-    def maybe_hang(self, step: int):
-        """Call at the start of every training step: NANOTRN_FAULT=hang:RANK:STEP, once per ckpt.dir."""
-        if self.hang_at != (self.rank, step) or any(f"({self.spec})" in l for l in self.fired):
-            return
-        with open(self.log, "a") as f:
-            f.write(f"rank {self.rank} hangs at step {step} ({self.spec})\n")
-        print(f"NANOTRN_FAULT: rank {self.rank} hangs at step {step} in a barrier no other rank joins",
-              file=sys.stderr, flush=True)
-        dist.barrier()          # the world group: the others wait in their step's collectives
-
-    def dies_in_save(self, step: int) -> bool:
-        return self._fixed(step, in_save=True)
-
-
 # ----------------------------------------------------------------------------- who writes what
 
 def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
-    """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of the
-    (tp_rank, pp_rank) position of g. The n = kinds x TP x PP such files are numbered k = 0..n-1 and
-    file k goes to replica k * DP // n: evenly over the DP group, and since replicas fill the nodes
-    in order (parallel.rank_groups), evenly over the nodes too. Costs nothing at 4096 ranks: every
-    rank decides for itself, from its own coordinates."""
+    """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of g's (tp, pp)
+    position: file k of the n = kinds x TP x PP goes to replica k * DP // n, evenly over the DP group
+    and so over the nodes. Each rank decides alone: nothing grows with the ranks."""
     kinds = 1 if zero1 else 2
     n = kinds * g.tp * g.pp
     k = kind * g.tp * g.pp + g.pp_rank * g.tp + g.tp_rank
@@ -232,8 +100,6 @@ def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data
             raise CheckpointError(f"save(extra=...) must be JSON-able (ints, floats, strings, lists, "
                                   f"dicts): {e}") from None
     zero1 = layout["zero1"]
-    # DP replicas hold the same model (and, without ZeRO-1, the same optimizer state): one copy
-    # of each, written by the replica writer_dp_rank picks, so the writes spread over the nodes.
     if model is not None and g.dp_rank == writer_dp_rank(0, g, zero1):
         files[f"model_{tag}.pt"] = model
     if optim is not None and (zero1 or g.dp_rank == writer_dp_rank(1, g, zero1)):
@@ -262,8 +128,8 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
     diffs = [x for x in _diff(saved, now, "model.") if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
     if diffs:
         raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
-                              f"\nresume with the checkpoint's --model.* settings, or start a new run "
-                              f"in another --ckpt.dir")
+                              "\nresume with the checkpoint's --model.* settings, or start a new run "
+                              "in another --ckpt.dir")
     saved_precision = meta["config"].get("optim", {}).get("precision", cfg.optim.precision)
     if saved_precision != cfg.optim.precision:
         raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
@@ -277,8 +143,7 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
 
 
 def agree(grid: Grid, value: int) -> int:
-    """The smallest value any rank holds (ok: True only if every rank says so), so that all ranks
-    fall back, or refuse, together."""
+    """The smallest value any rank holds, so that all ranks fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():
         return int(value)
     # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
@@ -289,15 +154,13 @@ def agree(grid: Grid, value: int) -> int:
 
 def barrier(grid: Grid):
     if grid.world > 1 and dist.is_initialized():
-        import parallel                     # on xla, a gloo group: xla's own barrier is a no-op
         parallel.barrier(grid)
 
 
 def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Path | None, list]:
     """(the newest complete, valid step folder or None, [(newer folder, verdict, problem)] skipped).
-    Call on every rank: each checks a 1/world share of the markers and the sizes and crc32 of the
-    files they list, then all ranks agree on the worst verdict, so that they fall back together.
-    A checkpoint of a newer format is refused by name (an older one would silently drop its steps)."""
+    On every rank: each checks a 1/world share of the markers and files, then all agree on the
+    worst verdict, so that they fall back together. A newer format is refused by name."""
     share = (grid.rank, grid.world) if grid.world > 1 and dist.is_initialized() else (0, 1)
     skipped = []
     for _, d in ckptdir.scan(root):
@@ -320,25 +183,20 @@ def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Pat
 # ----------------------------------------------------------------------------- the checkpointer
 
 class Checkpointer:
-    """Saves and loads this rank's part of a checkpoint. Create one on every rank:
+    """This rank's part of every checkpoint. On every rank:
 
         ckpt = Checkpointer(cfg, grid, device)
         ckpt.claim()                           # the directory is this run's (rank 0 holds a lock)
         loaded = ckpt.load_latest()            # None: nothing to resume, starting fresh
-        ckpt.fault.maybe_crash(step)           # at the start of every step (NANOTRN_FAULT)
         ckpt.save(step, model.state_dict(), opt.state_dict(), data=loader.state_dict(), extra={...})
         ckpt.close()                           # waits for the save in flight
 
-    It joins the three parts: a Writer (this rank's files, atomic, in the background), the search
-    for the newest valid checkpoint (find_newest_valid, then reshard.read), and the directory's
-    rules (ckptdir.CkptDir: claim, prune, set aside; rank 0's)."""
+    compile_only: the pre-compile pass (NEURON_EXTRACT_GRAPHS_ONLY: every value is invalid) reads
+    and writes nothing; a save only stages into host memory, which traces the same transfers and
+    graph cuts as a real one (aws-neuron-sdk #813). faults: a test's (faults.py; NANOTRN_FAULT)."""
 
     def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
-                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False):
-        """compile_only: the pre-compile pass (neuron_parallel_compile runs train.py with
-        NEURON_EXTRACT_GRAPHS_ONLY: every output is invalid): nothing is read or written; a save
-        only stages into host memory, which traces the same device-to-host transfers and graph cuts
-        as a real save (aws-neuron-sdk #813: the steps after a save compile other graphs)."""
+                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False, faults: Faults | None = None):
         self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
         self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
         self._log = log
@@ -346,10 +204,13 @@ class Checkpointer:
         # ZeRO-1 shards exist only when there is more than one DP rank (optim.build_optimizer).
         self.layout = {"world": g.world, "tp": g.tp, "pp": g.pp, "dp": g.dp,
                        "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
-        self.fault = FaultInjector.from_env(g.rank, self.root)
+        self.faults = faults or Faults.from_env(g.rank, self.root)
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
-        self.writer = Writer(self.root, g.rank, g.world, self.fault, self.c.async_save, device,
+        self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None)
+        # wait(): the save in flight on disk; check(): raise at once if it failed; before_update():
+        # the deferred copy of the weights and moments done (train.py's guard, before the update)
+        self.wait, self.check, self.before_update = self.writer.wait, self.writer.check, self.writer.before_update
         self._newest = -1                                # newest step saved or resumed from
         self.compile_only = compile_only
         if compile_only:
@@ -372,38 +233,25 @@ class Checkpointer:
             print(f"ckpt: WARNING: {msg}", file=sys.stderr, flush=True)
 
     def has_checkpoints(self) -> bool:
-        """The directory holds step folders (complete or not)."""
         return bool(ckptdir.scan(self.root))
 
     @property
     def stats(self) -> dict:
-        """The last save's: step, wait_s, blocked_s, bytes, write_s."""
+        """The last save's: step, wait_s, blocked_s, bytes, write_s, deferred_copy_s, starved_s."""
         return self.writer.stats
 
     @property
     def in_flight(self) -> bool:
         return self.writer.in_flight
 
-    def wait(self):
-        self.writer.wait()
-
-    def check(self):
-        self.writer.check()
-
     # --------------------------------------------------------------- save
     def save(self, step: int, model: dict | None, optim: dict | None = None, data=None,
              extra: dict | None = None, defer_copy: bool = False):
-        """Save this rank's part of the state after `step` optimizer steps.
-
-        model: this rank's model.state_dict() (its TP shard of its pipeline stage).
-        optim: this rank's optimizer.state_dict() (its ZeRO-1 shard when sharded).
-        data:  this rank's data-loader state (any picklable object).
-        extra: JSON-able run state kept in meta.json by rank 0 (tokens seen, ...).
-        The RNG streams of this rank are captured here. With async_save, returns once everything
-        is copied to host memory; the previous save in flight is waited for first.
-        defer_copy (async_save on a CPU host; train.py): the weights and moments are copied in the
-        writer thread while the next step's forward and backward run; the caller must call
-        before_update() before the optimizer changes them. On XLA the copy is always made here."""
+        """This rank's state after `step` optimizer steps: its model and optimizer state dicts, its
+        data-loader state, its RNG streams; extra: JSON-able run state in meta.json (tokens seen).
+        With async_save, returns once all is in host memory. defer_copy (CPU host): the weights and
+        moments are copied during the next forward and backward; call before_update() before the
+        optimizer changes them."""
         t0 = time.perf_counter()
         self.wait()
         if step <= self._newest:
@@ -415,16 +263,9 @@ class Checkpointer:
         defer = tuple(n for n, o in files.items() if defer_copy and o is not None and (o is model or o is optim))
         self.writer.write(step, files, t0, to_disk=not self.compile_only, defer=defer)
 
-    def before_update(self):
-        """Before every optimizer update: a save(defer_copy=True) in flight has its copy of the
-        weights and moments in host memory (waits for it if not)."""
-        self.writer.before_update()
-
     def _finish(self, step: int):
-        """Rank 0, in the writer thread: once every rank's marker is there, the manifest (complete),
-        `latest`, and pruning. A rank whose marker does not come in time (a slow shared disk, a
-        hung rank) does not stop the run: the step stays incomplete, which resume passes over, and
-        training goes on with the previous complete checkpoint as the newest."""
+        """Rank 0's writer thread: once every marker is there, the manifest, `latest`, pruning. A
+        marker that does not come in time leaves the step incomplete; training goes on."""
         missing = self.dir.wait_for_markers(step, self.grid.world, self.marker_timeout_s)
         if missing:
             self.warn(f"{ckptdir.step_dir(self.root, step).name}: no completion marker from rank(s) {missing[:16]}"
@@ -436,15 +277,14 @@ class Checkpointer:
         self.dir.prune(self.c.keep)
 
     def close(self):
-        """At exit: the save in flight must be on disk; then the directory is free for another run."""
+        """At exit: the save in flight on disk, then the directory free for another run."""
         try:
             self.wait()
         finally:
             self.dir.release()
 
     def claim(self):
-        """Before any work, on every rank: rank 0 claims the directory (ckptdir.CkptDir.claim); all
-        ranks agree before going on."""
+        """Before any work, on every rank: rank 0 claims the directory (CkptDir.claim), all agree."""
         if self.compile_only:
             self.say(f"pre-compile pass (graph extraction: its values are not real): nothing is read from or "
                      f"written to {self.root}")
@@ -453,20 +293,12 @@ class Checkpointer:
         if not agree(self.grid, problem is None):
             raise CheckpointError(problem or f"rank 0 could not claim {self.root} (see its message)")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.wait()
-
     # --------------------------------------------------------------- load
-    def load_latest(self, load_optim: bool = True, set_aside: bool = True, names=None) -> Loaded | None:
-        """The newest complete, valid checkpoint, or None to start fresh (saying why). Call on every
-        rank. Newer folders that are incomplete (an interrupted save) or damaged are passed over
-        with the reason and (set_aside) renamed aside and kept, so that a new save of their step
-        starts in a new folder; a damaged one is said loudly, with the steps lost. No valid
-        checkpoint while a damaged one is there: refused, nothing touched. names: this rank's model
-        state keys (model.state_dict()); at another layout only those are built."""
+    def load_latest(self, load_optim: bool = True, names=None) -> Loaded | None:
+        """The newest complete, valid checkpoint, or None to start fresh (saying why); on every rank.
+        Newer folders, interrupted or damaged, are passed over and renamed aside (kept), a
+        damaged one loudly, with the steps lost; only a damaged one: refused, nothing touched.
+        names: this rank's model state keys (at another layout only those are built)."""
         self.wait()
         if self.compile_only:
             return None
@@ -491,7 +323,7 @@ class Checkpointer:
             loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say,
                                   self.device)
         where = {}
-        if set_aside and skipped:
+        if skipped:
             barrier(self.grid)                  # every rank is done looking at them
             if self.grid.rank == 0:
                 where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
@@ -521,10 +353,8 @@ class Checkpointer:
 def cli(argv: list[str]):
     """python checkpoint.py ls DIR           each checkpoint: ok, or why loading would skip it
     python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] DIR OUT
-                                            the newest valid one as a complete Hugging Face folder
-                                            (weights, config, generation config, the run's tokenizer)
-    In one process, whatever layout wrote the checkpoint. Every argument is checked before a
-    checkpoint is read; export never writes into a non-empty OUT without --overwrite."""
+                                            the newest valid one as a Hugging Face folder
+    In one process, whatever layout wrote the checkpoint; arguments are checked first."""
     import hf
     usage = "usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR"
     flags = [a for a in argv if a.startswith("--")]

@@ -1,32 +1,13 @@
 """The checkpoint directory's rules: what its names mean, when a step folder is complete and valid,
-whose it is, and what a run may do to the folders in it. checkpoint.py writes and reads
-checkpoints; everything that decides whether a folder may be trusted, written or removed is here.
+whose it is, and what a run may do to the folders in it (docs/checkpoints.md draws the directory).
 
-    <ckpt.dir>/
-      run.lock                      rank 0's flock for the run's lifetime: one run per directory
-      latest                        "step_00000200": a hint for people; loading never trusts it
-      step_00000200/                one saved step (checkpoint.py's docstring draws its files)
-        rankRRRRR.done              rank R's completion marker: size and crc32 of each file it wrote
-        manifest.json               rank 0, once it has seen every marker: format, step, world, lineage
-      step_00000190.bad<time>       a damaged checkpoint, set aside on resume and kept
-      step_00000210.incomplete<time>  an interrupted save, set aside on resume and kept
-      previous_<time>/              what --ckpt.start_fresh moved aside, as it was
-
-The rules (nothing a user has is lost or replaced):
-- A step folder is complete when its manifest exists (format 2; format 1, before manifests: every
-  rank's marker), and valid when every file has the size and crc32 its rank's marker records.
-  Markers and manifests are written atomically (temp file, fsync, rename): one that is there is
-  whole, so a crash leaves at worst a missing one (interrupted), and one that does not parse, a
-  missing marker beside a manifest, or a file of the wrong size or crc is damage.
-- Resume takes the newest valid checkpoint. Newer folders are renamed aside and kept; if one was
-  damaged it says so loudly, with the steps lost. No valid checkpoint but a damaged one: refused,
-  nothing touched (the fix: --ckpt.resume=false --ckpt.start_fresh, which moves folders aside).
-- A run writes only step folders newer than the one it resumed (the newer ones were set aside), so
-  it never writes into a folder it did not create. It deletes only complete checkpoints of its own
-  lineage (the manifest says whose: a fresh start begins a lineage, a resume continues it), beyond
-  the newest --ckpt.keep of them; never a damaged, interrupted, foreign or format-1 folder.
-- A `latest` that is not nanotrn's pointer, or a step-named file or folder holding none of
-  nanotrn's files, is someone else's: the run is refused, naming its path.
+- A step folder is complete when its manifest exists (format 1, before manifests: every rank's
+  marker), and valid when every file has the size and crc32 its rank's marker records. Markers and
+  manifests are written atomically, so a crash leaves at worst a missing one (interrupted); one
+  that does not parse, a missing marker beside a manifest, a file of the wrong size or crc: damage.
+- Resume takes the newest valid checkpoint; newer folders are renamed aside and kept.
+- A run deletes only complete checkpoints of its own lineage beyond the newest --ckpt.keep, and
+  refuses a directory holding what is not nanotrn's. Nothing a user has is lost or replaced.
 """
 from __future__ import annotations
 
@@ -43,15 +24,19 @@ import uuid
 import zlib
 from pathlib import Path
 
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked (another model, another layout, a failed save)."""
+
+
 STEP_DIR = re.compile(r"^step_(\d{8})(\.(?:bad|incomplete)\d*)?$")   # step_00000200, or set aside (.bad<time>)
 # What nanotrn writes inside a step folder (a folder holding none of these is not ours).
 OURS = re.compile(r"^(meta\.json|manifest\.json|rank\d{5}\.(done|pt)|model_tp\d+_pp\d+\.pt|"
                   r"optim_(dp\d+_)?tp\d+_pp\d+\.pt|\.tmp-rank\d{5}|\.(rank\d{5}\.done|manifest\.json)\.tmp)$")
 LATEST = re.compile(r"^step_\d{8}$")
 MANIFEST = "manifest.json"
-# The checkpoint format: 1 (no manifest, no version: nanotrn before issue 25), 2 (manifest,
-# lineage, "format" in meta.json, markers and manifest). Bump it when a reader of the old one would
-# misread the new one; a reader loads every format up to its own and refuses a newer one by name.
+# 1: no manifest (before issue 25); 2: manifest, lineage, "format" in meta.json and markers. Bump it
+# when an old reader would misread the new one: a reader refuses a newer format by name.
 FORMAT = 2
 # The verdict on a step folder, ordered so that the ranks' MIN is the worst any rank saw.
 NEWER, DAMAGED, INTERRUPTED, OK = 0, 1, 2, 3
@@ -65,17 +50,20 @@ def marker_name(rank: int) -> str:
     return f"rank{rank:05d}.done"
 
 
-def read_marker(path: Path) -> dict:
-    """A completion marker, checked field by field: a marker that parses as JSON but lacks a key or
-    holds a wrong type is damage like any other (ValueError naming it), never a KeyError that would
-    stop every restart although an older checkpoint is valid."""
+def _read_json(path: Path, fields: dict) -> dict:
+    """path's JSON object with `fields` (key: type) checked: a wrong one is a ValueError naming it
+    (damage, which resume passes over), never a KeyError that would stop every restart."""
     m = json.loads(path.read_text())            # JSONDecodeError is a ValueError
     if not isinstance(m, dict):
         raise ValueError("not a JSON object")
-    for key in ("step", "rank", "world", "files"):
-        want = dict if key == "files" else int
+    for key, want in fields.items():
         if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
             raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
+    return m
+
+
+def read_marker(path: Path) -> dict:
+    m = _read_json(path, {"step": int, "rank": int, "world": int, "files": dict})
     for name, rec in m["files"].items():
         if "/" in name or name.startswith(".") or not isinstance(rec, dict) or not all(
                 isinstance(rec.get(k), int) for k in ("bytes", "crc32")):
@@ -88,14 +76,7 @@ def read_marker(path: Path) -> dict:
 
 
 def read_manifest(path: Path) -> dict:
-    """A manifest, checked field by field (ValueError naming what is wrong)."""
-    m = json.loads(path.read_text())
-    if not isinstance(m, dict):
-        raise ValueError("not a JSON object")
-    for key, want in (("format", int), ("step", int), ("world", int), ("lineage", str)):
-        if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
-            raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
-    return m
+    return _read_json(path, {"format": int, "step": int, "world": int, "lineage": str})
 
 
 def newer_format(d: Path, fmt: int) -> str:
@@ -151,11 +132,9 @@ def scan(root: Path) -> list[tuple[int, Path]]:
 
 
 def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, dict]:
-    """(verdict, problem or None, {file: {bytes, crc32}} of the markers looked at). Cheap: the
-    manifest, markers and file sizes only (verify() reads the files). share (i, n): only the
-    markers of ranks i, i+n, i+2n, ... and the files they list. On resume every rank takes its own
-    1/world share and the ranks then agree: at 4096 ranks each rank reads rank 0's marker, the
-    manifest and its own marker, not all 4096 (16M marker reads of the shared file system)."""
+    """(verdict, problem or None, {file: {bytes, crc32}} of the markers looked at): the manifest,
+    markers and sizes (verify() reads the files). share (i, n): only ranks i, i+n, ...'s markers:
+    at 4096 ranks each rank reads rank 0's, its own and the manifest, not 16M reads in all."""
     has_manifest = (d / MANIFEST).exists()
     try:
         m0 = read_marker(d / marker_name(0))
@@ -205,7 +184,7 @@ def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, di
 
 def is_ours(d: Path) -> bool:
     """A step-named folder nanotrn could have made: empty (a save killed between its mkdirs) or
-    holding at least one of the names nanotrn writes. One directory read, stopped at the first hit."""
+    holding one of the names it writes."""
     try:
         with os.scandir(d) as it:
             empty = True
@@ -229,8 +208,8 @@ def verify(d: Path, files: dict) -> str | None:
 # ----------------------------------------------------------------------------- what a run may do
 
 class CkptDir:
-    """One run's hold on its checkpoint directory: rank 0's (other ranks only write their files).
-    lineage: the id written into each manifest, and the only checkpoints prune() may delete."""
+    """Rank 0's hold on the run's checkpoint directory. lineage: the id in each manifest (a fresh
+    start begins one, a resume continues it): the only checkpoints prune() may delete."""
 
     def __init__(self, root: Path, say=print, warn=None):
         self.root, self.say, self.warn = Path(root), say, warn or say
@@ -238,13 +217,9 @@ class CkptDir:
         self.lineage = uuid.uuid4().hex[:16]             # a fresh start's; a resume adopts its checkpoint's
 
     def claim(self, resume: bool = True, start_fresh: bool = False) -> str | None:
-        """Rank 0, before any work: the directory must be a directory (created if absent), writable,
-        and this run's alone. An exclusive flock on <dir>/run.lock for the run's lifetime, with who
-        holds it written inside. The kernel drops it when the process dies, so a killed run never
-        leaves a stale lock (torchrun restarts take it again). On a shared file system flock must
-        reach every node (NFSv4, Lustre mounted with -o flock, as FSx for Lustre is). Then nothing
-        in it may be someone else's (foreign()), and with start_fresh the step folders are moved
-        aside. Returns the problem, or None."""
+        """Rank 0, before any work: the directory is a writable directory, and this run's alone: an
+        exclusive flock on run.lock (the kernel drops it when the process dies; on a shared file
+        system flock must reach every node: NFSv4, FSx for Lustre's -o flock). Returns the problem."""
         root = self.root
         if root.exists() and not root.is_dir():
             return f"--ckpt.dir {root} is a file, not a directory; remove it or give another --ckpt.dir"
@@ -285,25 +260,23 @@ class CkptDir:
             self.lock = None
 
     def foreign(self) -> str | None:
-        """What in the directory is not nanotrn's and would be replaced or written into: a `latest`
-        that is not its pointer, a step-named file, a step-named folder holding none of its files."""
-        latest = self.root / "latest"
+        """What is not nanotrn's and would be replaced or written into: a `latest` that is not its
+        pointer, a step-named file, a step-named folder holding none of its files."""
+        latest, why = self.root / "latest", None
         if latest.is_symlink() or (latest.exists() and not latest.is_file()):
-            return (f"{latest} is not nanotrn's `latest` pointer (a {'link' if latest.is_symlink() else 'folder'}), "
-                    f"and each save replaces that file: move it out of the checkpoint directory, or give another --ckpt.dir")
-        if latest.is_file():
+            why = f"a {'link' if latest.is_symlink() else 'folder'}"
+        elif latest.is_file():
             try:
                 text = latest.read_bytes()[:64].decode().strip()
             except (OSError, UnicodeDecodeError):
                 text = None
             if text is None or not LATEST.match(text) or latest.stat().st_size > 64:
-                return (f"{latest} is not nanotrn's `latest` pointer (it should hold a name like step_00000200), "
-                        f"and each save replaces that file: move it out of the checkpoint directory, or give "
-                        f"another --ckpt.dir")
-        theirs = []
-        for p in sorted(self.root.iterdir()):
-            if STEP_DIR.match(p.name) and (not p.is_dir() or p.is_symlink() or not is_ours(p)):
-                theirs.append(p)
+                why = "it should hold a name like step_00000200"
+        if why:
+            return (f"{latest} is not nanotrn's `latest` pointer ({why}), and each save replaces that file: move "
+                    f"it out of the checkpoint directory, or give another --ckpt.dir")
+        theirs = [p for p in sorted(self.root.iterdir())
+                  if STEP_DIR.match(p.name) and (not p.is_dir() or p.is_symlink() or not is_ours(p))]
         if theirs:
             return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
                     f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's (no "
@@ -312,8 +285,7 @@ class CkptDir:
         return None
 
     def start_fresh(self) -> str | None:
-        """--ckpt.start_fresh: move every step folder (and `latest`, and the tokenizer kept beside
-        them) into previous_<time>/, as they are. Nothing is deleted."""
+        """--ckpt.start_fresh: move the step folders, `latest` and the tokenizer into previous_<time>/."""
         dest = self.root / f"previous_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
         moved = [p for p in sorted(self.root.iterdir())
                  if STEP_DIR.match(p.name) or p.name in ("latest", "tokenizer")]
@@ -329,9 +301,8 @@ class CkptDir:
         return None
 
     def set_aside(self, dirs: list[tuple[Path, int]]) -> dict[Path, Path]:
-        """Rename skipped step folders aside and keep them: damaged ones step_N.bad<time>,
-        interrupted saves step_N.incomplete<time>. A new save of step N starts in a new folder.
-        Returns where each went."""
+        """Rename skipped folders aside, kept (step_N.bad<time>, step_N.incomplete<time>), so that a
+        new save of step N starts in a new folder. Returns where each went."""
         where = {}
         for d, verdict in dirs:
             to = d.with_name(f"{d.name}.{'bad' if verdict == DAMAGED else 'incomplete'}{time.time_ns()}")
@@ -342,10 +313,9 @@ class CkptDir:
         return where
 
     def wait_for_markers(self, step: int, world: int, timeout_s: float) -> list[int]:
-        """Rank 0's writer: until every rank's marker of `step` is there; the ranks still missing
-        after timeout_s. Polls the file system (no collective in a background thread): every marker
-        once, then only the missing ones, every 20 ms growing to 2 s. At 4096 ranks on a slow disk
-        that is 4096 stats, then a few per second, not 200,000 a second."""
+        """Rank 0's writer: the ranks whose marker of `step` is still missing after timeout_s. Polls
+        (no collective in a background thread) the missing ones, every 20 ms growing to 2 s: at 4096
+        ranks, 4096 stats and then a few per second."""
         d, deadline, pause = step_dir(self.root, step), time.monotonic() + timeout_s, 0.02
         missing = list(range(world))
         while missing := [r for r in missing if not (d / marker_name(r)).exists()]:
@@ -356,8 +326,7 @@ class CkptDir:
         return []
 
     def complete(self, step: int, world: int):
-        """Rank 0, once every marker of `step` is there: its manifest (which makes it complete and
-        says whose it is), then `latest`."""
+        """Rank 0, once every marker of `step` is there: its manifest (complete), then `latest`."""
         d = step_dir(self.root, step)
         manifest = {"format": FORMAT, "step": step, "world": world, "lineage": self.lineage,
                     "by": f"pid {os.getpid()} on {socket.gethostname()}", "time": time.time()}
@@ -370,9 +339,8 @@ class CkptDir:
             (self.root / ".latest.tmp").unlink(missing_ok=True)
 
     def prune(self, keep: int):
-        """Delete this lineage's complete checkpoints beyond the newest `keep` of them. Reads one
-        manifest per step folder, no marker. Never touches a folder without a manifest of this
-        lineage: a damaged, interrupted, foreign or format-1 one, or one set aside."""
+        """Delete this lineage's complete checkpoints beyond the newest `keep` (one manifest read
+        per folder); never a folder without a manifest of this lineage."""
         if keep <= 0:
             return
         ours = []

@@ -1,16 +1,12 @@
-"""Saving a checkpoint: this rank's files staged into host memory, then written atomically, in a
-background thread while training goes on (checkpoint.Checkpointer decides what each rank's files
-are; ckptdir.py names them and decides when a step is complete).
+"""Saving a checkpoint: this rank's files staged into host memory, then written atomically in a
+background thread while training goes on (checkpoint.py decides what the files are, ckptdir.py
+names them and decides when a step is complete).
 
-The step waits only for the copy into host buffers kept from the previous save; on a CPU host
-the copy of the weights and moments (the files only the optimizer's update changes) is made in
-the writer thread while the next step's forward and backward run, and before_update() waits for
-it before the update. The writer thread then writes at SCHED_IDLE (background_priority).
-
-Each file goes into step_N/.tmp-rankR/ through one pass that serializes, checksums (crc32) and writes
-it with large buffered writes, is fsynced once, and renamed into step_N/; then the rank's
-completion marker is written the same way. A crash at any moment leaves at worst an interrupted
-save, which resume passes over; nothing complete is ever written to again.
+The step waits only for the copy into host buffers kept from the previous save; on a CPU host the
+weights and moments (which only the optimizer's update changes) are copied in the writer thread
+during the next forward and backward, and before_update() waits for that copy. Each file is written
+into step_N/.tmp-rankR/ in one pass that serializes and checksums it, fsynced, renamed into step_N/;
+then the rank's completion marker the same way. A crash leaves at worst an interrupted save.
 """
 from __future__ import annotations
 
@@ -28,22 +24,16 @@ import numpy as np
 import torch
 
 import ckptdir
-from reshard import CheckpointError
+from ckptdir import CheckpointError
 
-
-# ----------------------------------------------------------------------------- files
 
 class _CrcFile:
-    """A write-only file that checksums what passes through it (one pass over the bytes), and can
-    die halfway (fault injection: the kill lands in the middle of a real file write)."""
+    """A write-only file that checksums what passes through it (one pass over the bytes)."""
 
-    def __init__(self, f, die_at: int | None = None, die=None):
-        self.f, self.n, self.crc, self.die_at, self.die = f, 0, 0, die_at, die
+    def __init__(self, f):
+        self.f, self.n, self.crc = f, 0, 0
 
     def write(self, b) -> int:
-        if self.die_at is not None and self.n >= self.die_at:
-            self.f.flush()
-            self.die()
         n = self.f.write(b)
         self.crc, self.n = ckptdir.crc32(b, self.crc), self.n + n
         return n
@@ -52,10 +42,11 @@ class _CrcFile:
         self.f.flush()
 
 
-def write_file(path: Path, obj, die_at: int | None = None, die=None) -> dict:
-    """Write obj (bytes as they are, anything else with torch.save), fsync; return size and crc32."""
+def write_file(path: Path, obj, wrap=None) -> dict:
+    """Write obj (bytes as they are, anything else with torch.save), fsync; return size and crc32.
+    wrap: a test's fault around the open file (faults.Faults.file)."""
     with open(path, "wb") as raw:
-        f = _CrcFile(raw, die_at, die)
+        f = _CrcFile(wrap(raw) if wrap else raw)
         if isinstance(obj, bytes):
             f.write(obj)
         else:
@@ -75,9 +66,8 @@ def tensor_bytes(obj) -> int:
 
 
 def map_tensors(obj, fn, key: tuple = ()):
-    """obj with fn(tensor, key) in place of each tensor in its dicts, lists, tuples and named
-    tuples (key: the path to it), every other value deep-copied: the one walk of a state dict that
-    to_host, the deferred copy's structure and Writer._stage share."""
+    """obj with fn(tensor, key) in place of each tensor in its dicts, lists and (named) tuples (key:
+    the path to it), every other value deep-copied."""
     if isinstance(obj, torch.Tensor):
         return fn(obj, key)
     if isinstance(obj, dict):
@@ -93,7 +83,7 @@ def to_host(obj):
     return map_tensors(obj, lambda t, _: t.detach().to("cpu", copy=True))
 
 
-# ----------------------------------------------------------------------------- the writer
+# ----------------------------------------------------------------------------- the writer's priority
 
 @functools.cache
 def _can_raise() -> bool:
@@ -115,13 +105,10 @@ def _can_raise() -> bool:
 
 
 def background_priority() -> int | None:
-    """Lower the calling thread (the writer) for its write, so that it takes only CPU time the
-    training step leaves idle (a trn1 host's CPUs mostly wait for the device; on a CPU run the step
-    uses every core: measured on this 2-core host with both busy with matmuls, a 1.6 GB write at
-    nice 10 slowed them 22%, at SCHED_IDLE not measurably, at load average 3-4). A SCHED_IDLE thread can starve on a busy host, so it is used only where
-    Writer.wait() can raise it back when the run waits for the write (root, CAP_SYS_NICE or an
-    RLIMIT_NICE that allows it: probed once, on a thread of its own); elsewhere nice 10. Returns
-    the thread's id when it is at SCHED_IDLE."""
+    """Lower the writer thread so that it takes only CPU time the step leaves idle (2 busy cores
+    here: a 1.6 GB write at nice 10 slowed them 22%, at SCHED_IDLE not measurably). SCHED_IDLE
+    only where Writer.wait() can raise it back (a starved thread on a busy host), else nice 10.
+    Returns the thread's id when it is at SCHED_IDLE."""
     if not hasattr(os, "sched_setscheduler"):
         return None
     tid = threading.get_native_id()
@@ -144,15 +131,15 @@ def runqueue_wait_s() -> float:
         return 0.0
 
 
-class Writer:
-    """Writes this rank's files of one checkpoint at a time, atomically, in a background thread
-    (async_save) or in the caller's. write(step, files) returns once the files are staged in host
-    memory; wait() blocks until they are on disk (and raises what went wrong); on rank 0, finish(step)
-    runs in the writer thread after its own marker (waiting for the others', then `latest`, prune)."""
+# ----------------------------------------------------------------------------- the writer
 
-    def __init__(self, root: Path, rank: int, world: int, fault, async_save: bool,
-                 device: torch.device | str | None = None, finish=None):
-        self.root, self.rank, self.world, self.fault, self.async_save = Path(root), rank, world, fault, async_save
+class Writer:
+    """This rank's files of one checkpoint at a time, in a background thread (async_save) or the
+    caller's. write() returns once the files are in host memory; wait() until they are on disk
+    (raising what went wrong); on rank 0, finish(step) runs in the writer thread after its marker."""
+
+    def __init__(self, root: Path, rank: int, world: int, faults, async_save: bool, device=None, finish=None):
+        self.root, self.rank, self.world, self.faults, self.async_save = Path(root), rank, world, faults, async_save
         self.device, self.finish = device, finish
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -163,18 +150,15 @@ class Writer:
         self.stats: dict = {}
 
     def write(self, step: int, files: dict, t0: float, to_disk: bool = True, defer: tuple = ()):
-        """files: name -> bytes or a torch-saveable object (rank_files). t0: when save() began.
-        to_disk=False: only the staging into host memory (the pre-compile pass: the same transfers
-        and graph cuts as a save, nothing written). defer: names of files that only the optimizer's
-        update changes (weights, moments): on a CPU host with async_save they are copied in the
-        writer thread while the next step's forward and backward run, and before_update() waits."""
+        """files: name -> bytes or a torch-saveable object. t0: when save() began. to_disk=False:
+        only the staging (the pre-compile pass traces the transfers, writes nothing). defer: the
+        files copied in the writer thread (a CPU host with async_save; before_update() waits)."""
         host = self.device is None or torch.device(self.device).type == "cpu"
         defer = tuple(n for n in defer if n in files) if self.async_save and to_disk and host else ()
-        # Stage into host memory for a background write, and always off a device: torch.save of an
-        # XLA tensor pickles the device itself and ignores map_location at load. On XLA the copy is
-        # the device-to-host transfer, made here in the tracing thread, as NxD's async save does
-        # (neuronx_distributed/trainer/checkpoint.py, _xser_save_data: t.cpu() per tensor in the
-        # training process; only the writes go to CheckpointIOState's process pool).
+        # Always off a device: torch.save of an XLA tensor pickles the device and ignores
+        # map_location at load. On XLA the copy is the device-to-host transfer, in this thread, as
+        # NxD does (trainer/checkpoint.py, _xser_save_data: t.cpu() per tensor; only writes go to
+        # its process pool).
         if self.async_save or not to_disk or not host:
             files = {n: map_tensors(o, lambda t, _: t) if n in defer else o   # tensors still training's
                      for n, o in files.items()}
@@ -195,29 +179,25 @@ class Writer:
             self.stats["blocked_s"] = time.perf_counter() - t0
 
     def _stage_all(self, files: dict) -> dict:
-        # One thread: a copy is bound by memory bandwidth, and a busy host (32 ranks per trn1)
-        # makes OpenMP's thread barriers slow it down many times over (measured: 20x on 2 cores).
+        # One thread: a copy is bound by memory bandwidth, and on a busy host (32 ranks per trn1)
+        # OpenMP's barriers slow it many times over (measured: 20x on 2 cores).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return {n: self._stage(o, (n,)) for n, o in files.items()}
+            return {n: map_tensors(o, self._copy, (n,)) for n, o in files.items()}
         finally:
             torch.set_num_threads(threads)
 
-    def _stage(self, obj, key: tuple):
-        """A host copy of obj that training can no longer change: tensors are copied into buffers
-        kept from the previous save (a fresh allocation would page-fault every byte: ~10x slower),
-        other objects deep-copied. On XLA/CUDA the copy_ is the device-to-host transfer."""
-        return map_tensors(obj, self._copy, key)
-
     def _copy(self, obj: torch.Tensor, key: tuple) -> torch.Tensor:
+        """A host copy that training can no longer change, into a buffer kept from the previous save
+        (a fresh allocation would page-fault every byte: ~10x slower)."""
         buf = self._buffers.get(key)
         if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
             buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
             self._buffers[key] = buf
         if threading.current_thread() is self._thread:
-            # In the writer thread (deferred files, CPU): numpy's copy runs in this thread alone
-            # with the GIL released; torch's copy_ would start an OpenMP team of its own here.
+            # The writer thread (deferred files, CPU): numpy's copy runs in this thread alone with
+            # the GIL released; torch's copy_ would start an OpenMP team of its own here.
             src = obj.detach()
             if src.dtype in (torch.bfloat16, torch.float16):
                 src, buf = src.view(torch.int16), buf.view(torch.int16)
@@ -230,7 +210,7 @@ class Writer:
         try:
             if defer:       # at normal priority: the next update waits for this copy (before_update)
                 t0 = time.perf_counter()
-                files = {**files, **{n: self._stage(files[n], (n,)) for n in defer}}
+                files = {**files, **{n: map_tensors(files[n], self._copy, (n,)) for n in defer}}
                 self.stats["deferred_copy_s"] = time.perf_counter() - t0
             staged.set()
             self._tid = background_priority()
@@ -243,8 +223,7 @@ class Writer:
             staged.set()
 
     def before_update(self):
-        """Call before the optimizer's update changes the weights and moments: returns once the
-        save's deferred copy of them is in host memory (its wait counts as blocked time)."""
+        """Returns once the save's deferred copy is in host memory (its wait counts as blocked)."""
         if self._staged is not None and not self._staged.is_set():
             t0 = time.perf_counter()
             self._staged.wait()
@@ -267,40 +246,33 @@ class Writer:
 
     def _write_files(self, step: int, files: dict):
         t0, q0 = time.perf_counter(), runqueue_wait_s()
-        r = self.rank
         final = ckptdir.step_dir(self.root, step)
-        tmp = final / f".tmp-rank{r:05d}"
+        tmp = final / f".tmp-rank{self.rank:05d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # NANOTRN_FAULT=R:S:save: die halfway through this rank's largest file.
-        victim = max(files, key=lambda n: tensor_bytes(files[n])) if self.fault.dies_in_save(step) else None
-        record = {}
-        for name, obj in files.items():
-            die_at = tensor_bytes(obj) // 2 if name == victim else None
-            record[name] = write_file(tmp / name, obj, die_at, lambda: self.fault.die(f"writing {name} of step {step}"))
+        sizes = {name: tensor_bytes(obj) for name, obj in files.items()}
+        record = {name: write_file(tmp / name, obj, self.faults.file(step, name, sizes))
+                  for name, obj in files.items()}
         for name in files:
             os.replace(tmp / name, final / name)
         tmp.rmdir()
         ckptdir.fsync_dir(final)
-        marker = {"format": ckptdir.FORMAT, "step": step, "rank": r, "world": self.world, "files": record}
-        ckptdir.atomic_write(final / ckptdir.marker_name(r), json.dumps(marker, indent=1).encode())
+        marker = {"format": ckptdir.FORMAT, "step": step, "rank": self.rank, "world": self.world, "files": record}
+        ckptdir.atomic_write(final / ckptdir.marker_name(self.rank), json.dumps(marker, indent=1).encode())
         if self.finish is not None:
             self.finish(step)
-        # starved_s: the write's wait for a CPU (at SCHED_IDLE beside a busy step): a write the run
-        # waits for (a stop's) runs at normal priority, without it (train.stop_budget)
+        # starved_s: the write's wait for a CPU at SCHED_IDLE; a stop's write runs without it (train.stop_budget)
         idle = self._tid is not None and threading.current_thread() is self._thread
         self.stats.update(write_s=time.perf_counter() - t0, starved_s=runqueue_wait_s() - q0 if idle else 0.0)
 
     @property
     def in_flight(self) -> bool:
-        """A save is still being written in the background."""
         return self._thread is not None and self._thread.is_alive()
 
     def _raise_priority(self):
-        tid = self._tid
-        if tid is not None:
+        if self._tid is not None:
             try:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
             except OSError:                    # the thread has just ended
                 pass
 
@@ -319,7 +291,6 @@ class Writer:
             raise CheckpointError(f"the background save of step {self.stats.get('step')} failed: {e!r}") from e
 
     def check(self):
-        """Raise now if the save in flight has failed (call every step): a full disk is named at
-        once, not one interval later when the next save waits for it."""
+        """Raise now if the save in flight has failed (every step: a full disk is named at once)."""
         if self._thread is not None and not self._thread.is_alive():
             self.wait()

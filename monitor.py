@@ -1,9 +1,8 @@
-"""Watching a run: metrics, MFU, the blog's gradient-spike detector, non-finite steps, TensorBoard
-and console lines, a progress display for long phases, and the curves PNG for the README.
+"""Watching a run: metrics and MFU, the blog's gradient-spike detector, non-finite steps, replica
+drift, TensorBoard and console lines, the curves PNG, and the hang watchdog.
 
-The blog caught divergence early by watching three signals: the loss, the gradient L2 norm and
-the parameter L2 norm (about 1,600 at initialization for 7B). This file logs those and the
-throughput numbers beside them:
+The blog caught divergence early by watching the loss, the gradient L2 norm and the parameter L2
+norm (about 1,600 at initialization for 7B); this file logs those and the throughput beside them:
 
     mon = monitor.Monitor(cfg, flops_per_token=fpt, peak_flops=peak, is_main=grid.is_main, device=device)
     if not mon.check_finite(step, loss, grad_norm):      # False: skip this optimizer step
@@ -13,15 +12,20 @@ throughput numbers beside them:
     mon.eval(step, val_loss)
     mon.close()
 
-Lazy on XLA: `step` only keeps the tensors. Reading one to the host would cut the lazy graph and
-wait for the device, so values are read at log intervals only, all pending steps in one transfer.
+Lazy on XLA: `step` keeps the tensors; they are read at log intervals only, in one transfer
+(a read would cut the lazy graph and wait for the device).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import faulthandler
 import math
 import os
 import resource
+import statistics
 import sys
+import threading
 import time
 from collections import deque
 
@@ -32,17 +36,10 @@ from configs import INSTANCES, Config
 
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)
 
-def on_neuron() -> bool:
-    """True on a Trainium host: torch-xla with the Neuron PJRT plugin."""
-    return os.environ.get("PJRT_DEVICE", "").upper() == "NEURON"
-
-
 def matmul_shapes(cfg: Config, tp: int = 1) -> list[tuple[int, int, int]]:
-    """(m, k, n) of every matmul one microbatch's forward and backward runs through the model's
-    weights on one rank: for each linear layer the forward x @ W.T, the input gradient g @ W and the
-    weight gradient g.T @ x. TP splits the output of column-parallel layers and the input of
-    row-parallel ones. The attention scores are left out: their FLOPs are counted in
-    flops_per_token but run at head_dim, slower than these, so they can only lower the MFU."""
+    """(m, k, n) of every matmul one microbatch's forward and backward runs through the weights on
+    one rank (x @ W.T, g @ W, g.T @ x per linear layer, TP-split). The attention scores are left
+    out: counted in flops_per_token, they run at head_dim, slower, so can only lower the MFU."""
     m, rows = cfg.model, cfg.data.micro_batch * cfg.data.seq_len
     kv = max(m.n_kv_heads // tp, 1)
     linears = [(m.dim, (m.n_heads // tp + 2 * kv) * m.head_dim),        # qkv_proj (column)
@@ -56,10 +53,8 @@ def matmul_shapes(cfg: Config, tp: int = 1) -> list[tuple[int, int, int]]:
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
                          shapes: list[tuple[int, int, int]] = ((1024, 1024, 1024),), trials: int = 3) -> float:
-    """FLOP/s of the given (m, k, n) matmuls on this device, in this dtype, with the threads torch
-    has now (the run's): their FLOPs over the sum of each one's best time. Given the model's own
-    shapes (matmul_shapes) this is the rate its weight matmuls alone would run at: a step that did
-    nothing else. The best of `trials`: a busy neighbour only ever slows a sample."""
+    """FLOP/s of the given (m, k, n) matmuls on this device and dtype, with the run's threads: their
+    FLOPs over the sum of each one's best of `trials` times (a busy neighbour only slows a sample)."""
     g = torch.Generator().manual_seed(0)     # its own stream: the training RNG stays untouched
     flops = seconds = 0.0
     for m, k, n in dict.fromkeys(tuple(x) for x in shapes):
@@ -84,16 +79,13 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0,
                       instance: str = "trn1", shapes: list[tuple[int, int, int]] | None = None) -> tuple[float, str]:
-    """Peak FLOP/s of ONE device of this run and where it comes from, for the console: the
-    configured figure if given, the datasheet of the instance type on a NeuronCore
-    (configs.INSTANCES: trn1 95 TFLOPS bf16 / 23.75 fp32 per core, trn2 166.75 / 45.25 per logical
-    core), else the measured rate of the model's own matmul shapes (matmul_shapes) in its dtype,
-    with the threads the run uses. A generic large square matmul is not the peak of the work being
-    done: on 2 CPU cores the tiny model trained at 99-104% of one."""
+    """Peak FLOP/s of ONE device and where it comes from: the stated figure, a NeuronCore's datasheet
+    (configs.INSTANCES), else the measured rate of the model's own matmul shapes (a large square
+    matmul is not the peak of this work: on 2 CPU cores the tiny model trained at 99-104% of one)."""
     name = str(dtype).replace("torch.", "")
     if configured_tflops > 0:
         return configured_tflops * 1e12, f"stated: --log.peak_tflops={configured_tflops:g}"
-    if device.type == "xla" and on_neuron():
+    if device.type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "NEURON":
         hw = INSTANCES[instance]
         peak = hw.fp32_flops if dtype == torch.float32 else hw.bf16_flops
         return peak, f"nominal: {instance} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"
@@ -120,17 +112,10 @@ def device_memory_gib(device: torch.device) -> float | None:
 # ----------------------------------------------------------------------------- gradient spikes
 
 class SpikeDetector:
-    """The blog's gradient-norm spike detector.
-
-    r is the running mean of the previous `window` (20) gradient norms. A step whose norm exceeds
-    r + margin (0.1) is a spike, and the spike lasts until the norm is back at or below r + margin
-    (r keeps moving meanwhile). The blog found over 86% of spikes last one step: those are benign.
-    Two warnings, the blog's signs of coming divergence:
-    - a spike that persists: longer than `persist` steps (5: "benign spikes return to normal
-      values within a few iterations");
-    - growth: the running mean exceeds `growth` (3) times its lowest value so far. The running
-      mean, not the raw norm, so that a single benign spike does not count as growth.
-    Nothing is judged until the window is full. Non-finite norms are left to the non-finite policy."""
+    """The blog's gradient-norm spike detector: a spike is a norm above r + margin (r: the mean of
+    the previous `window` norms) and lasts until the norm is back at or below it; over 86% last one
+    step (benign). It warns of the blog's signs of divergence: a spike longer than `persist` steps,
+    and a running mean above `growth` times its lowest (the mean: one benign spike is no growth)."""
 
     def __init__(self, window: int = 20, margin: float = 0.1, growth: float = 3.0, persist: int = 5):
         self.window, self.margin, self.growth, self.persist = window, margin, growth, persist
@@ -189,30 +174,12 @@ def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
             f"such steps")
 
 
-# ----------------------------------------------------------------------------- replica drift
-
-REPLICA_TOLERANCE = 1e-6
-
-
-def replicas_diverge(param_norm, spread) -> bool:
-    """DP replicas hold identical weights, so their parameter norms agree exactly (the same fp32 sums
-    in the same order). A spread above one part in a million of the norm (fp32 keeps about seven
-    digits) is real drift: bf16_sr without ZeRO-1 (HLAT 7B) relies on every replica's hardware
-    rounding the same values the same way."""
-    return spread is not None and param_norm is not None and spread > REPLICA_TOLERANCE * abs(param_norm)
-
-
 # ----------------------------------------------------------------------------- the monitor
 
 class Monitor:
-    """Per-step metrics, console lines and TensorBoard for one run. Every rank makes one (all of
-    them apply the non-finite policy, so they all skip or stop together: pass the globally reduced
-    loss and gradient norm); only the main rank prints and writes event files.
-
-    peak_flops: the summed peak of every device in the run (device_peak_flops(...) x world). MFU
-    never exceeds 100%: a rate above the peak replaces it, with a console note.
-    tokens: the tokens of the whole global batch of a step: an int (the host knows it: no read), or
-    a tensor (read as fp32 at the flush: exact up to 2**24 tokens per step)."""
+    """Per-step metrics, console lines and TensorBoard. Every rank makes one and applies the
+    non-finite policy to the globally reduced values (all skip or stop together); the main rank
+    prints and writes. peak_flops: every device's (a rate above it replaces it: MFU <= 100%)."""
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops: float, is_main: bool = True,
                  device: torch.device | str = "cpu", start_step: int = 0, tokens_seen: int = 0,
@@ -228,7 +195,6 @@ class Monitor:
         self.pending: list[dict] = []
         self.skipped = self.consecutive_skips = 0
         self.max_consecutive_skips = max_consecutive_skips
-        self.last: dict = {}                          # the last flushed step's values
         self._peak_raised = False
         self._t_flush, self._tokens_since = time.perf_counter(), 0
         self.writer = None
@@ -239,14 +205,10 @@ class Monitor:
 
     # -------------------------------------------------------------- non-finite policy
     def check_finite(self, step: int, loss, grad_norm) -> bool:
-        """Call after the gradient norm is known and BEFORE optimizer.step(). True: go on.
-        False (on_nonfinite=skip): skip this update, zero the gradients, and go on.
-        Raises NonFiniteError (on_nonfinite=stop).
-        On XLA nothing is read here (that would sync every step). In stop mode the values are
-        checked at the next flush(), which train.py calls before every checkpoint save, so a poisoned
-        state can run a few steps but is never saved. In skip mode the verdict is a boolean tensor
-        (optim.guarded_step applies the update by a select on it, on the device) and flush() reads
-        it with the step's other metrics, then counts, reports and limits the skips."""
+        """Before the optimizer's update: True to go on, False to skip it (on_nonfinite=skip); raises
+        NonFiniteError (stop). On XLA nothing is read: stop is checked at the next flush (before
+        every save: a poisoned state is never saved), skip returns a boolean tensor for the update's
+        select on the device (optim.guarded_step), counted at the flush."""
         if self.lazy:
             return True if self.policy == "stop" else torch.isfinite(loss) & torch.isfinite(grad_norm)
         loss_v, gn_v = float(loss), float(grad_norm)
@@ -271,8 +233,8 @@ class Monitor:
     # -------------------------------------------------------------- per step
     def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
              param_norm=None, param_spread=None, skipped: bool = False):
-        """Record one optimizer step. Tensors are kept as they are; they are read at the log interval.
-        param_spread: max - min of the parameter norm over the DP replicas (parallel.replica_spread)."""
+        """One optimizer step; tensors are read at the log interval. tokens: the global batch's (a
+        tensor is read as fp32: exact to 2**24). param_spread: parallel.replica_spread's."""
         self.pending.append({"step": step, "loss": loss, "grad_norm": grad_norm, "param_norm": param_norm,
                              "param_spread": param_spread, "lr": lr, "tokens": tokens,
                              "data_wait": data_wait, "skipped": skipped, "on_device": torch.is_tensor(skipped)})
@@ -280,8 +242,7 @@ class Monitor:
             self.flush()
 
     def flush(self):
-        """Read every pending step's values (one device-to-host transfer), feed the spike detector,
-        write TensorBoard, print one console line. Call it before saving a checkpoint."""
+        """Read the pending steps' values (one transfer), write TensorBoard, print one line."""
         if not self.pending:
             return
         keys = ("loss", "grad_norm", "param_norm", "param_spread", "lr", "tokens", "skipped")
@@ -310,7 +271,10 @@ class Monitor:
                 raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
             for warning in self.spikes.update(r["step"], r["grad_norm"]):
                 self.print("warning: " + warning)
-            if replicas_diverge(r["param_norm"], r["param_spread"]):
+            # DP replicas hold identical weights: their norms agree exactly, so a spread above fp32's
+            # 1e-6 is drift (bf16_sr without ZeRO-1 needs every replica to round alike).
+            spread, norm = r["param_spread"], r["param_norm"]
+            if spread is not None and norm is not None and spread > 1e-6 * abs(norm):
                 self.print(f"warning: step {r['step']}: the data-parallel replicas diverge: their parameter "
                            f"norms differ by {r['param_spread']:.3g} (norm {r['param_norm']:.6g}). They must "
                            f"stay identical; with bf16_sr every rank needs the same "
@@ -341,7 +305,6 @@ class Monitor:
                                      "perf/memory_gib": mem, "stability/spikes": s["spikes"],
                                      "stability/one_step_spike_share": s["one_step_share"] if s["spikes"] else None,
                                      "stability/skipped_steps": self.skipped})
-        self.last = dict(last, tokens_per_s=tok_s, mfu=mfu, data_wait_share=wait, memory_gib=mem, tokens_seen=self.tokens_seen)
         self.print(f"step {last['step']:6d} | loss {last['loss']:.4f} | lr {last['lr']:.2e} | "
                    f"grad norm {last['grad_norm']:.3f}"
                    + (f" | param norm {last['param_norm']:.1f}" if last["param_norm"] is not None else "")
@@ -376,68 +339,6 @@ class Monitor:
             for tag, v in values.items():
                 if v is not None and math.isfinite(v):
                     self.writer.add_scalar(tag, v, step)
-
-
-# ----------------------------------------------------------------------------- progress display
-
-class Progress:
-    """A progress line for long phases (tokenizer training, data preparation, first compile), with
-    no dependency. On a terminal it redraws one line; in a log file it writes a line per 10% (or
-    every 30 s when the total is unknown). `total=None` shows a count and the elapsed time.
-
-        with monitor.Progress(len(files), "tokenizing", unit="files") as bar:
-            for f in files:
-                ...
-                bar.update()"""
-
-    def __init__(self, total: int | None = None, desc: str = "", unit: str = "it", stream=None,
-                 enabled: bool = True, min_interval: float = 0.2):
-        self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
-        self.stream = stream or sys.stderr
-        self.tty = getattr(self.stream, "isatty", lambda: False)()
-        self.min_interval = min_interval if self.tty else 30.0
-        self.n, self.t0 = 0, time.perf_counter()
-        self._last_draw, self._last_decile = self.t0, -1
-
-    def update(self, n: int = 1):
-        self.n += n
-        now = time.perf_counter()
-        if not self.enabled:
-            return
-        if self.total and not self.tty:
-            decile = min(10, self.n * 10 // self.total)
-            if decile > self._last_decile:
-                self._last_decile = decile
-                self._draw(now)
-        elif now - self._last_draw >= self.min_interval:
-            self._draw(now)
-
-    def _line(self, now: float) -> str:
-        elapsed = now - self.t0
-        rate = self.n / elapsed if elapsed > 0 else 0.0
-        if self.total:
-            eta = (self.total - self.n) / rate if rate > 0 else 0.0
-            return (f"{self.desc}: {self.n / self.total:4.0%} {self.n}/{self.total} {self.unit} "
-                    f"[{elapsed:.0f}s elapsed, {eta:.0f}s left, {rate:,.1f} {self.unit}/s]")
-        return f"{self.desc}: {self.n} {self.unit} [{elapsed:.0f}s, {rate:,.1f} {self.unit}/s]"
-
-    def _draw(self, now: float):
-        self._last_draw = now
-        self.stream.write(("\r" + self._line(now) + "\x1b[K") if self.tty else self._line(now) + "\n")
-        self.stream.flush()
-
-    def close(self):
-        if self.enabled:
-            now = time.perf_counter()
-            line = f"{self.desc}: done, {self.n} {self.unit} in {now - self.t0:.1f}s"
-            self.stream.write(("\r" + line + "\x1b[K\n") if self.tty else line + "\n")
-            self.stream.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ----------------------------------------------------------------------------- curves
@@ -476,6 +377,99 @@ def plot_curves(tb_dir: str, png: str) -> str:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+# ----------------------------------------------------------------------------- the hang watchdog
+
+EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restarts the run
+
+
+class Watchdog:
+    """A hung run ends with every thread's stack instead of waiting forever: a crash restarts from
+    the newest checkpoint, a rank stuck in a collective never exits. torch.distributed's timeout
+    (--parallel.timeout_s) ends it where the backend has one (gloo, nccl; not xla's device
+    collectives); this thread, on every rank and backend, once no step has finished for factor x the
+    median step time (at least min_s; startup_s before the first steps and around a phase that may
+    compile). A C-level faulthandler timer at twice the limit is the backstop if C code holds the
+    GIL. Per step: a median of 100 numbers and a re-armed timer; nothing grows with the ranks.
+
+        dog = Watchdog(rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
+        dog.step_done()                  after every training step
+        with dog.phase("saving"):        around anything that is not a step
+        dog.close()                      at the end (factor 0: every call does nothing)"""
+
+    def __init__(self, rank: int, factor: float, min_s: float, startup_s: float, out=None):
+        self.rank, self.factor, self.min_s, self.startup_s = rank, factor, min_s, startup_s
+        self.out = out or sys.__stderr__         # the process's own stderr: faulthandler writes to its fd
+        self.times: collections.deque[float] = collections.deque(maxlen=100)   # recent step durations
+        self._cv = threading.Condition()
+        self._closed = False
+        self._since = None                      # start of the step in progress (None: not in a step)
+        self._arm(startup_s, "the run did not finish its first step")
+        self._thread = None
+        if factor > 0:
+            self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+            self._thread.start()
+
+    def limit(self) -> float:
+        """Seconds a step may take before the run counts as hung."""
+        if len(self.times) < 3:                 # the first steps compile (XLA) and warm up
+            return self.startup_s
+        return max(self.min_s, self.factor * statistics.median(self.times))
+
+    def step_done(self) -> None:
+        now = time.monotonic()
+        if self._since is not None:
+            self.times.append(now - self._since)
+        self._since = now
+        n = len(self.times)
+        median = f" ({self.factor:g} x the median step time, {statistics.median(self.times):.3g} s)" if n >= 3 else ""
+        self._arm(self.limit(), f"no training step finished in {self.limit():.0f} s{median}")
+
+    @contextlib.contextmanager
+    def phase(self, what: str):
+        """Not a step (an evaluation, a save, a resume): allowed startup_s, not timed as a step."""
+        self._since = None
+        self._arm(self.startup_s, f"{what} did not finish in {self.startup_s:.0f} s")
+        try:
+            yield
+        finally:
+            self._since = time.monotonic()
+            self._arm(self.limit(), f"no training step finished in {self.limit():.0f} s after {what}")
+
+    def _arm(self, seconds: float, why: str) -> None:
+        if self.factor <= 0:
+            return
+        with self._cv:
+            self.deadline, self.why = time.monotonic() + seconds, why
+            self._cv.notify()
+        faulthandler.dump_traceback_later(2 * seconds, exit=True, file=self.out)   # the backstop
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self._fire()
+                self._cv.wait(timeout=left)
+
+    def _fire(self) -> None:
+        print(f"[rank {self.rank}] watchdog: {self.why}: the run is hung. This rank's threads follow "
+              f"(the main thread is where it waits); exiting with status {EXIT_HUNG} so that the launcher "
+              f"restarts the run from its newest complete checkpoint", file=self.out, flush=True)
+        faulthandler.dump_traceback(file=self.out, all_threads=True)
+        self.out.flush()
+        os._exit(EXIT_HUNG)
+
+    def close(self) -> None:
+        if self.factor <= 0:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,11 @@
 """Reading a checkpoint back, at the layout that saved it or at any other TP / PP / DP / ZeRO-1
-layout: what checkpoint.Checkpointer.load_latest returns once it has found the newest complete,
-valid checkpoint, and the full weights `python checkpoint.py export` writes out. checkpoint.py
-writes the files (its docstring draws them on disk); this module only reads them.
+layout: what Checkpointer.load_latest returns, and the full weights `checkpoint.py export` writes.
 
-At the same layout each rank reads back only its own files. At another TP degree, all TP shards
-of a stage are read and re-split with sharding.join / cut, for the model and
-for the optimizer moments (which, without ZeRO-1, have their parameters' layout). ZeRO-1 flat
-shards record their index (parameter names and shapes), so they are cut back into per-parameter
-tensors (SavedOptim), each read when the optimizer asks for it (LazyMap).
-
-What the DP replicas of one (TP, PP) position hold alike (the model, and the optimizer state
-without ZeRO-1) is read by ONE of them (reader_dp_rank, spread over the nodes as the writers are)
-and broadcast over the DP group (broadcast_state); a ZeRO-1 shard is read by its owner alone.
-At 7B on 128 trn1 nodes (TP=8, DP=512) that is 8 readers of the shared file system, not 4096
-(README: FSx bytes per restart). Every read goes through load_file (tests count them).
+At the same layout each rank reads only its own files. At another TP degree, every TP shard of a
+stage is joined and re-split (sharding.join / cut), the model's and the optimizer moments';
+ZeRO-1 flat shards record their index, so they are cut back into per-parameter tensors
+(SavedOptim), each read when the optimizer asks for it. What DP replicas share is read by ONE of them and broadcast over the DP
+group: at 7B on 128 trn1 nodes (TP=8, DP=512), 8 readers of the shared file system, not 4096.
 """
 from __future__ import annotations
 
@@ -28,13 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ckptdir import CheckpointError
 from configs import ModelConfig
 import sharding
 from parallel import Grid
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked (another model, another layout, a failed save)."""
 
 
 def optim_name(dp_rank: int, tag: str, zero1: bool) -> str:
@@ -43,8 +32,8 @@ def optim_name(dp_rank: int, tag: str, zero1: bool) -> str:
 
 
 def load_file(path: Path, mmap: bool = False, weights_only: bool = True):
-    """Every read of a checkpoint file: torch.load onto the host. Our own checksummed files; the
-    optimizer's and the rank files' state holds Python objects (weights_only=False)."""
+    """Every read of a checkpoint file (tests count them): onto the host. The optimizer's and the rank
+    files' state holds Python objects (weights_only=False): our own checksummed files."""
     return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
 
 
@@ -82,22 +71,16 @@ class LazyList(Sequence):
             self.got[i % self.n] = self.read(i % self.n)
         return self.got[i % self.n]
 
-    def __eq__(self, other):
-        return list(self) == list(other)
-
 
 # ----------------------------------------------------------------------------- reading at any layout
 
 def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bool,
          names=None, say=print, device=None) -> Loaded:
-    """This rank's part of the complete, verified checkpoint d (meta: its meta.json), saved at
-    layout meta["layout"] and read back at layout `now` (Checkpointer.layout) on rank g. Call on
-    every rank of a process group alike: the shared parts are broadcast over the DP group (on
-    `device`, the backend's: gloo's CPU, xla's NeuronCore). Returns host tensors."""
+    """This rank's part of the verified checkpoint d (meta: its meta.json) at layout `now`. On every
+    rank alike: the shared parts are broadcast over the DP group on `device`. Host tensors."""
     saved = meta["layout"]
     load = lambda name: load_file(d / name, mmap=True)
     tag = lambda t, p: f"tp{t:02d}_pp{p:02d}"
-    # One DP replica reads what the replicas share, and broadcasts it (module docstring).
     shared = g.dp > 1 and g.dp_group is not None and dist.is_initialized()
     reads = not shared or g.dp_rank == reader_dp_rank(g)
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
@@ -174,53 +157,45 @@ BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (
 
 def reader_dp_rank(g: Grid) -> int:
     """The DP replica that reads the shared files of g's (TP, PP) position: position k of the n =
-    TP x PP reads on replica k * DP // n, so the readers spread over the nodes (replicas fill the
-    nodes in order), as checkpoint.writer_dp_rank spreads the writers. Every rank decides alone."""
+    TP x PP on replica k * DP // n, spread over the nodes as checkpoint.writer_dp_rank's writers."""
     n, k = g.tp * g.pp, g.pp_rank * g.tp + g.tp_rank
     return k * g.dp // n
 
 
-def _plain(obj):
-    """obj with lazy mappings and sequences (LazyMap, LazyList) read into dicts and lists."""
+def _map(obj, fn):
+    """obj with fn(leaf) for each leaf in its mappings (lazy ones read: LazyMap), lists and (named) tuples."""
     if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: _map(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_plain(v) for v in obj) if not hasattr(obj, "_fields") else type(obj)(*map(_plain, obj))
-    return obj
+        items = [_map(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return fn(obj)
 
 
 def broadcast_state(obj, g: Grid, device=None):
-    """obj (a state dict: nested dicts and lists of tensors and plain values) as the DP group's
-    reader (reader_dp_rank) holds it, on every rank of g's DP group; obj is None elsewhere.
-
-    Two broadcasts of plain tensors, nothing else (the xla backend's rules: tests/xla_rules.py):
-    the structure, pickled with each tensor replaced by (dtype, shape, bucket, offset), as int32
-    words; then the tensors' bytes, packed 16-byte aligned into int32 buckets of BUCKET_BYTES, so
-    that XLA compiles one broadcast graph for all the full buckets. Receivers start from zeros:
-    the xla backend broadcasts by an all-reduce of root x 1 + others x 0 (float garbage x 0 can be
-    NaN; integers cannot). Cost per rank: the state's bytes once, whatever the DP degree."""
+    """obj (a state dict) as the DP group's reader holds it, on every rank of the group (obj: None
+    elsewhere). Only broadcasts of plain int32 tensors (the xla backend's rules): the pickled
+    structure, then the tensors' bytes in buckets of BUCKET_BYTES (one XLA graph for all full ones).
+    Receivers start from zeros: xla broadcasts by an all-reduce of root x 1 + others x 0 (float
+    garbage x 0 can be NaN). Cost per rank: the state's bytes once, whatever the DP degree."""
     device = torch.device(device or "cpu")
     src = g.pp_rank * g.tp * g.dp + reader_dp_rank(g) * g.tp + g.tp_rank      # its global rank
     mine = g.rank == src
     tensors, buckets = [], []
 
     def strip(o):
-        if isinstance(o, torch.Tensor):
-            t = o.detach().contiguous().cpu()
-            n = t.numel() * t.element_size()
-            if not buckets or (buckets[-1] and buckets[-1] + n > BUCKET_BYTES):
-                buckets.append(0)
-            off = buckets[-1]
-            buckets[-1] = off + (n + 15) // 16 * 16
-            tensors.append((t, len(buckets) - 1, off, n))
-            return _TensorRef(t.dtype, tuple(t.shape), len(buckets) - 1, off)
-        if isinstance(o, dict):
-            return {k: strip(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(strip(v) for v in o) if not hasattr(o, "_fields") else type(o)(*map(strip, o))
-        return o
+        if not isinstance(o, torch.Tensor):
+            return o
+        t = o.detach().contiguous().cpu()
+        n = t.numel() * t.element_size()
+        if not buckets or (buckets[-1] and buckets[-1] + n > BUCKET_BYTES):
+            buckets.append(0)
+        off = buckets[-1]
+        buckets[-1] = off + (n + 15) // 16 * 16
+        tensors.append((t, len(buckets) - 1, off, n))
+        return _TensorRef(t.dtype, tuple(t.shape), len(buckets) - 1, off)
 
-    head = pickle.dumps((strip(_plain(obj)), buckets)) if mine else b""
+    head = pickle.dumps((_map(obj, strip), buckets)) if mine else b""
     head = _broadcast_bytes(head, src, g, device)
     skeleton, buckets = pickle.loads(head)
     data = []
@@ -234,15 +209,11 @@ def broadcast_state(obj, g: Grid, device=None):
         data.append(_broadcast(buf, src, g, device).view(torch.uint8))
 
     def build(o):
-        if isinstance(o, _TensorRef):
-            n = int(np.prod(o.shape, dtype=np.int64)) * torch.empty((), dtype=o.dtype).element_size()
-            return data[o.bucket][o.offset:o.offset + n].view(o.dtype).view(o.shape)
-        if isinstance(o, dict):
-            return {k: build(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(build(v) for v in o) if not hasattr(o, "_fields") else type(o)(*map(build, o))
-        return o
-    return build(skeleton)
+        if not isinstance(o, _TensorRef):
+            return o
+        n = int(np.prod(o.shape, dtype=np.int64)) * torch.empty((), dtype=o.dtype).element_size()
+        return data[o.bucket][o.offset:o.offset + n].view(o.dtype).view(o.shape)
+    return _map(skeleton, build)
 
 
 @dataclass(frozen=True)
@@ -287,10 +258,9 @@ class LazyMap(Mapping):
 
 
 class SavedOptim(Mapping):
-    """The optimizer state one (TP rank, stage) saved, per parameter: "<name>.<moment>" -> tensor
-    shaped like the parameter. Unsharded: its file's state. ZeRO-1: cut from the DP shards, which
-    are laid end to end in the order of layout["params"]; a shard file is opened (memory-mapped)
-    only when a tensor lies on it."""
+    """The optimizer state one (TP rank, stage) saved, "<name>.<moment>" -> tensor shaped like the
+    parameter. ZeRO-1: cut from the DP shards, laid end to end in the order of layout["params"],
+    each opened (memory-mapped) only when a tensor lies on it."""
 
     def __init__(self, d: Path, tag: str, saved: dict, where: str):
         self.load = lambda n: load_file(d / n, mmap=True, weights_only=False)
@@ -331,10 +301,8 @@ class SavedOptim(Mapping):
 
 
 def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, keep=None) -> dict:
-    """The state of TP rank tp_rank out of tp, from the states of every TP rank of another TP
-    degree (in rank order): each tensor is joined to full shape and re-split as its parameter is.
-    tp=1 gives the full tensors.
-    keep: only these keys (None: all)."""
+    """TP rank tp_rank's state out of tp, from every TP rank's of another degree (in rank order):
+    each tensor joined and re-split as its parameter is (tp=1: full). keep: only these keys."""
     out = {}
     for key in (k for k in shards[0] if keep is None or k in keep):
         full = sharding.join(key, [s[key] for s in shards], m)
@@ -343,8 +311,7 @@ def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, keep=None
 
 
 def full_model_state(path: str | Path, m: ModelConfig) -> dict:
-    """Full (unsharded) weights of the checkpoint directory `path`, in one process, whatever the
-    layout that wrote it."""
+    """The full weights of the checkpoint folder `path`, in one process, whatever layout wrote it."""
     path = Path(path)
     names = sorted(n for n in os.listdir(path) if re.fullmatch(r"model_tp\d+_pp\d+\.pt", n))
     stages: dict[str, list] = {}

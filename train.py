@@ -33,7 +33,6 @@ import monitor
 import optim
 import parallel
 import pipeline
-import watchdog
 
 
 # ----------------------------------------------------------------------------- device
@@ -275,9 +274,9 @@ def main(argv: list[str]) -> None:
 
     grid = parallel.init_distributed(cfg, device)
     log = print if grid.is_main else (lambda *a, **k: None)
-    # A hang ends the run with this rank's stacks (watchdog.py): start-up, a resume, the first
+    # A hang ends the run with this rank's stacks (monitor.Watchdog): start-up, a resume, the first
     # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.
-    dog = watchdog.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
+    dog = monitor.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
     ckpt = mon = train_loader = val_loader = None
     try:
         stop = StopSignal(grid)
@@ -371,20 +370,14 @@ def main(argv: list[str]) -> None:
             ckpt.before_update()         # the last save's copy of the weights and moments is complete
             return mon.check_finite(step + 1, loss, grad_norm)
         while step < cfg.optim.max_steps:
-            ckpt.fault.maybe_crash(step)                # NANOTRN_FAULT: exercise recovery on purpose
-            ckpt.fault.maybe_hang(step)
             lr = optim.lr_at(step, cfg.optim)
             optimizer.set_lr(lr)
             t_data = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
             data_wait = time.perf_counter() - t_data
-            # NANOTRN_FAULT=nan:STEP: this step's gradients come out of backward as NaN, as in a
-            # numerical blow-up, to exercise --log.on_nonfinite on purpose.
-            poison = [p.register_hook(lambda g: g * float("nan")) for p in model.parameters()
-                      ] if step == ckpt.fault.nan_step else []
-            out = (pipeline.train_step if pp else train_step)(model, optimizer, micro, grid, cfg, guard=guard, cut=cut)
-            for h in poison:
-                h.remove()
+            with ckpt.faults.step(step, model):         # a test's crash, hang or NaN (faults.py)
+                out = (pipeline.train_step if pp else train_step)(model, optimizer, micro, grid, cfg,
+                                                                  guard=guard, cut=cut)
             sync(device)                                # the reduce/clip/update graph
             step += 1
             dog.step_done()

@@ -31,14 +31,16 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import ckptdir  # noqa: E402
 import ckptsave  # noqa: E402
+import faults  # noqa: E402
 import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
 import reshard  # noqa: E402
 import sharding  # noqa: E402
-from checkpoint import Checkpointer, CheckpointError, FaultInjector  # noqa: E402
+from checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from conftest import seeded_model  # noqa: E402
+from faults import Faults  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
 
@@ -225,8 +227,9 @@ def test_kill_during_write_keeps_previous(tmp_path, capsys):
 def test_model_config_mismatch_lists_differences(tmp_path, capsys):
     cfg = tiny_cfg(tmp_path)
     model, opt = trained(cfg, steps=1)
-    with Checkpointer(cfg) as ck:
-        ck.save(1, model.state_dict(), opt.state_dict())
+    ck = Checkpointer(cfg)
+    ck.save(1, model.state_dict(), opt.state_dict())
+    ck.close()
     other = tiny_cfg(tmp_path, dim=64, n_layers=3, checkpointing="full")
     with pytest.raises(CheckpointError) as e:
         Checkpointer(other).load_latest()
@@ -248,8 +251,9 @@ def test_fresh_start_and_refusal_to_overwrite(tmp_path, capsys):
     assert "no checkpoint directory" in out and "starting fresh" in out
     assert not (tmp_path / "nothing_here").exists()
     cfg = tiny_cfg(tmp_path)
-    with Checkpointer(cfg) as ck:
-        ck.save(3, {"w": torch.ones(2)})
+    ck = Checkpointer(cfg)
+    ck.save(3, {"w": torch.ones(2)})
+    ck.close()
     cfg.ckpt.resume = False
     with pytest.raises(CheckpointError, match="already holds checkpoints.*--ckpt.start_fresh to move them aside"):
         Checkpointer(cfg)
@@ -302,7 +306,7 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
         Checkpointer(cfg, parallel.Grid()).load_latest()
     one = Checkpointer(cfg, parallel.Grid()).load_latest(load_optim=False)
     assert one.optim is None and one.data is None and one.rng is None
-    assert one.data_states == [{"dp_rank": 0}, {"dp_rank": 1}]
+    assert list(one.data_states) == [{"dp_rank": 0}, {"dp_rank": 1}]
     # On resume each rank checks only its 1/world share of the markers (then all ranks agree): the
     # share of rank 2 finds a marker lost after the save; rank 0's does not even look at it.
     ranks_save(cfg, 2, world=4, tp=2, dp=2, make_state=state)
@@ -347,8 +351,8 @@ def test_shared_files_are_written_by_spread_replicas(tmp_path):
 
 def test_fault_spec_and_random_restarts(tmp_path, monkeypatch):
     for bad in ("7", "a:b", "1:2:write", "p=2", "p=0.1,foo=1"):
-        with pytest.raises(CheckpointError, match="NANOTRN_FAULT"):
-            FaultInjector(bad, 0, tmp_path)
+        with pytest.raises(configs.ConfigError, match="NANOTRN_FAULT"):
+            Faults(bad, 0, tmp_path)
 
     class Killed(Exception):
         pass
@@ -356,8 +360,8 @@ def test_fault_spec_and_random_restarts(tmp_path, monkeypatch):
     def fake_kill(pid, sig):
         assert pid == os.getpid() and sig == signal.SIGKILL
         raise Killed
-    monkeypatch.setattr(checkpoint.os, "kill", fake_kill)
-    capture = lambda spec, rank, steps: [s for s in steps if _dies(FaultInjector(spec, rank, tmp_path), s, Killed)]
+    monkeypatch.setattr(faults.os, "kill", fake_kill)
+    capture = lambda spec, rank, steps: [s for s in steps if _dies(Faults(spec, rank, tmp_path), s, Killed)]
 
     # Fixed: only that rank, only that step, only once (the restart goes through it).
     assert capture("1:7", 0, range(10)) == []
@@ -365,20 +369,40 @@ def test_fault_spec_and_random_restarts(tmp_path, monkeypatch):
     assert capture("1:7", 1, range(10)) == []
     # Random: the draw depends on the number of earlier deaths, so restarts do not repeat it.
     (tmp_path / "faults.log").unlink()
-    first = [_dies(FaultInjector("p=0.5", 0, tmp_path), s, Killed, log=False) for s in range(40)]
+    first = [_dies(Faults("p=0.5", 0, tmp_path), s, Killed, log=False) for s in range(40)]
     (tmp_path / "faults.log").write_text("rank 0 step 3 at random (p=0.5)\n")
-    second = [_dies(FaultInjector("p=0.5", 0, tmp_path), s, Killed, log=False) for s in range(40)]
+    second = [_dies(Faults("p=0.5", 0, tmp_path), s, Killed, log=False) for s in range(40)]
     assert first != second and 5 < sum(first) < 35
     # A run restarting from 2 steps back after each death always finishes; max caps the deaths.
     (tmp_path / "faults.log").unlink()
     step, deaths = 0, 0
     while step < 30:
         try:
-            FaultInjector("p=0.2,seed=1,max=3", 0, tmp_path).maybe_crash(step)
+            Faults("p=0.2,seed=1,max=3", 0, tmp_path).maybe_crash(step)
             step += 1
         except Killed:
             deaths, step = deaths + 1, max(0, step - 2)
     assert deaths == 3 == len((tmp_path / "faults.log").read_text().splitlines())
+
+
+def test_fault_hooks_fire_only_where_asked(tmp_path):
+    """The hooks the product calls: Faults.step (train.py) makes step S's gradients NaN under
+    NANOTRN_FAULT=nan:S and leaves the steps around it untouched (its hooks are removed); Faults.file
+    wraps only the largest file of the save it names; with no NANOTRN_FAULT both do nothing."""
+    m = torch.nn.Linear(3, 2)
+    finite = []
+    for step in range(3):
+        m.zero_grad()
+        with Faults("nan:1", 0, tmp_path).step(step, m):
+            m(torch.ones(1, 3)).sum().backward()
+        finite.append(bool(torch.isfinite(m.weight.grad).all() and torch.isfinite(m.bias.grad).all()))
+    assert finite == [True, False, True]
+    sizes = {"model_tp00_pp00.pt": 10, "optim_tp00_pp00.pt": 20, "rank00000.pt": 1}
+    save = Faults("0:2:save", 0, tmp_path)
+    assert [n for n in sizes if save.file(2, n, sizes)] == ["optim_tp00_pp00.pt"]
+    assert not save.file(1, "optim_tp00_pp00.pt", sizes)                          # another step
+    assert not Faults("0:2:save", 1, tmp_path).file(2, "optim_tp00_pp00.pt", sizes)   # another rank
+    assert not Faults("", 0, tmp_path).file(2, "optim_tp00_pp00.pt", sizes)
 
 
 def _dies(fi, step, killed, log=True) -> bool:
@@ -414,15 +438,16 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     loaded = Checkpointer(cfg, grid).load_latest()
     model.load_state_dict(loaded.model)
     opt.load_state_dict(loaded.optim)
-    assert loaded.step == 2 and loaded.data is None and loaded.data_states == [{"pos": 7}]
+    assert loaded.step == 2 and loaded.data is None and list(loaded.data_states) == [{"pos": 7}]
     # What this rank holds is exactly its shard of the 1-process state.
     full = reshard.full_model_state(loaded.path, cfg.model)
     for name, t in parallel.gather_full_state_dict(model, grid).items():
         assert torch.equal(t, full[name]), name
     random_step(model, opt, seed=2, grid=grid)
     cfg.ckpt.dir = dir_b
-    with Checkpointer(cfg, grid) as ck:
-        ck.save(3, model.state_dict(), opt.state_dict(), data={"pos": 8 + grid.dp_rank})
+    ck = Checkpointer(cfg, grid)
+    ck.save(3, model.state_dict(), opt.state_dict(), data={"pos": 8 + grid.dp_rank})
+    ck.close()
     dist.destroy_process_group()
 
 
@@ -432,8 +457,9 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     AdamW is elementwise, so the update is the same at any layout and the states are bit-equal."""
     cfg = tiny_cfg(tmp_path / "a")
     model, opt = trained(cfg, steps=2)
-    with Checkpointer(cfg) as ck:
-        ck.save(2, model.state_dict(), opt.state_dict(), data={"pos": 7})
+    ck = Checkpointer(cfg)
+    ck.save(2, model.state_dict(), opt.state_dict(), data={"pos": 7})
+    ck.close()
     mp.start_processes(_reshard_worker, args=(_free_port(), str(tmp_path / "a"), str(tmp_path / "b")),
                        nprocs=4, start_method="spawn")
     random_step(model, opt, seed=2)                 # the same step, in one process
@@ -441,7 +467,7 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     cfg.ckpt.dir = str(tmp_path / "b")
     loaded = Checkpointer(cfg).load_latest()
     assert loaded.step == 3 and loaded.meta["layout"] == {"world": 4, "tp": 2, "pp": 1, "dp": 2, "zero1": False}
-    assert loaded.data_states == [{"pos": 8}, {"pos": 9}]
+    assert list(loaded.data_states) == [{"pos": 8}, {"pos": 9}]
     assert_state_equal(model.state_dict(), loaded.model)
     want = opt.state_dict()
     assert_state_equal(want["state"], loaded.optim["state"])

@@ -215,9 +215,10 @@ def test_a_second_run_on_a_held_directory_is_refused_naming_the_holder(tmp_path)
 
 def save_steps(root: Path, *steps) -> configs.Config:
     cfg = configs.from_args([f"--ckpt.dir={root}", "--ckpt.async_save=false"])
-    with checkpoint.Checkpointer(cfg) as ck:
-        for s in steps:
-            ck.save(s, {"w": torch.full((4,), float(s))}, None, data={"pos": s})
+    ck = checkpoint.Checkpointer(cfg)
+    for s in steps:
+        ck.save(s, {"w": torch.full((4,), float(s))}, None, data={"pos": s})
+    ck.close()
     return cfg
 
 
@@ -335,8 +336,9 @@ def _count_reads_worker(rank: int, port: int, root: str):
             opt.step = (lambda step: lambda: (opt.reduce_scatter_and_clip(1e9), step()))(opt.step)
         random_step(model, opt, seed=1, grid=grid)
         want_model, want_optim = clone(model.state_dict()), opt.state_dict()
-        with checkpoint.Checkpointer(cfg, grid) as ck:
-            ck.save(1, model.state_dict(), opt.state_dict(), data={"dp_rank": grid.dp_rank})
+        ck = checkpoint.Checkpointer(cfg, grid)
+        ck.save(1, model.state_dict(), opt.state_dict(), data={"dp_rank": grid.dp_rank})
+        ck.close()
         dist.barrier()
         loaded = checkpoint.Checkpointer(cfg, grid).load_latest(names=set(want_model))
         assert_state_equal(want_model, loaded.model)

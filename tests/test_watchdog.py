@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import watchdog  # noqa: E402
+import monitor  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 from test_resume import ARGS  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_pat
     for rank in (0, 1):
         assert f"[rank {rank}] watchdog: no training step finished in 8 s (2 x the median step time" in r.stderr, \
             r.stderr[-4000:]
-    assert f"exitcode  : {watchdog.EXIT_HUNG}" in r.stderr
+    assert f"exitcode  : {monitor.EXIT_HUNG}" in r.stderr
     # The stacks: faulthandler's, every thread; the hung rank's main thread in its barrier, the
     # other's in its step's all-reduce (train.py's train_step).
     # The two ranks write to one stderr at the same moment, so their lines interleave: count the
@@ -64,11 +64,11 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
     """The limit is startup_s until three steps are timed, then factor x median (at least
     min_s); a phase (save, evaluation) gets startup_s and is not counted as a step."""
     now = [0.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
     armed = []
-    monkeypatch.setattr(watchdog.faulthandler, "dump_traceback_later", lambda s, **k: armed.append(s))
-    monkeypatch.setattr(watchdog.faulthandler, "cancel_dump_traceback_later", lambda: None)
-    dog = watchdog.Watchdog(0, factor=10, min_s=5, startup_s=1000)
+    monkeypatch.setattr(monitor.faulthandler, "dump_traceback_later", lambda s, **k: armed.append(s))
+    monkeypatch.setattr(monitor.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    dog = monitor.Watchdog(0, factor=10, min_s=5, startup_s=1000)
     try:
         assert dog.limit() == 1000 and dog.deadline == 1000
         for t in (300.0, 301.0, 303.0, 304.0):       # a slow first step (compiling), then 1, 2, 1 s
