@@ -327,8 +327,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     return tok
 
 
-def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str,
-                    max_chars: int = TOKENIZER_CHARS) -> None:
+def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
     t0, lines, n = time.time(), [], corpus.n_docs
@@ -341,7 +340,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
         lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
         bad += sum(repl for _, repl, _ in docs)
         chars = sum(map(len, lines))
-        if chars >= max_chars:
+        if chars >= TOKENIZER_CHARS:
             break
     if not lines:
         raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({n} documents, "

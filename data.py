@@ -248,8 +248,7 @@ class PackedLoader:
         if split == "train" and cfg.global_batch % (dp_size * cfg.micro_batch):
             raise DataError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} "
                             f"x dp {dp_size}; pick a multiple of {cfg.micro_batch * dp_size}")
-        self.cfg, self.tok, self.rank, self.dp, self.split = cfg, tok, dp_rank, dp_size, split
-        self.prefetch = prefetch
+        self.cfg, self.rank, self.split, self.prefetch = cfg, dp_rank, split, prefetch
         k = self.n_streams // dp_size
         self.streams = list(range(dp_rank * k, (dp_rank + 1) * k))     # the streams this rank packs
         self.corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir)
@@ -407,10 +406,6 @@ class PackedLoader:
                                 f"stream afresh with --ckpt.reset_data" + (" (a new corpus: also pass the "
                                 f"run's tokenizer with --data.tokenizer)" if key == "corpus" else ""))
 
-    def reset(self) -> None:
-        """Back to the start (use before each evaluation on the val split)."""
-        self.load_state_dict(self._start_state)
-
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""
         st = self._state["streams"]
@@ -475,7 +470,7 @@ class EvalWindows:
 
 class DeviceLoader:
     """A PackedLoader's batches on `device` (XLA: torch-xla's MpDeviceLoader uploads ahead), with the
-    loader's state and stats of the batch last handed out, queued in the same order."""
+    loader's state and stats of the batch last handed out. Restore the loader's state before wrapping it."""
 
     def __init__(self, loader: PackedLoader, device: torch.device):
         self.loader, self.device = loader, torch.device(device)
@@ -504,12 +499,6 @@ class DeviceLoader:
 
     def stats(self) -> dict:
         return self._last[1]
-
-
-def to_device_loader(loader: PackedLoader, device: torch.device) -> DeviceLoader:
-    """Iterate `loader` on `device`: MpDeviceLoader on XLA, non-blocking copies elsewhere.
-    Restore the loader's state before wrapping it; save the wrapper's state_dict()."""
-    return DeviceLoader(loader, device)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 import sysconfig
 import tempfile
 
@@ -35,6 +36,7 @@ STRUCTURED = (".arrow", ".parquet") + JSON_LINES
 SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 INDEX_VERSION = {"lines": 1, "batches": 2}      # per kind of offsets index: a change rebuilds that kind
 BATCHES = 4     # Arrow record batches a reader keeps open (reads come grouped by batch): ~1 KB each
+PROGRESS_DELAY = 2.0        # seconds a build runs before its progress bar shows
 
 
 class DataError(ConfigError):
@@ -167,6 +169,14 @@ def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
     return mapped(out, np.int64)
 
 
+def progress(total: int, desc: str, unit: str = "B"):
+    """A tqdm bar with ETA for a long build (a large corpus's indexes), on a terminal only: never in
+    logs or tests' output. One process of a node builds (the others wait at its lock): one bar."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
+                leave=False, delay=PROGRESS_DELAY, mininterval=1.0, dynamic_ncols=True)
+
+
 def mapped(path: str, dtype=np.uint8) -> np.ndarray:
     """A file as a read-only array over Arrow's memory map: no file descriptor stays open (np.memmap
     keeps one, and a folder of thousands of shards would pass the usual limit of 1,024)."""
@@ -231,11 +241,12 @@ class LineDocs(Source):
         """Every newline, found with numpy 4 MiB at a time (held: the block, 8 bytes a newline of it)."""
         size, last = os.path.getsize(path), -1
         f.write(np.int64(-1).tobytes())
-        with open(path, "rb") as src:
+        with open(path, "rb") as src, progress(size, f"[data] indexing {os.path.basename(path)}") as bar:
             for s in range(0, size, block):
                 ends = np.flatnonzero(np.frombuffer(src.read(block), np.uint8) == 10).astype(np.int64) + s
                 f.write(ends.tobytes())
                 last = int(ends[-1]) if len(ends) else last
+                bar.update(min(block, size - s))
         if size and last != size - 1:
             f.write(np.int64(size).tobytes())             # a last line without a newline
 
@@ -307,7 +318,8 @@ class ColumnDocs(Source):
         from the headers only; the layouts through a temporary file (bounded memory)."""
         reader, rows, firsts, offs = pa.BufferReader(self.map), 0, [0], []
         reader.seek(self.first)
-        with tempfile.TemporaryFile(dir=os.path.dirname(f.name)) as tail:
+        bar = progress(self.map.size, f"[data] indexing {os.path.basename(path)}")
+        with tempfile.TemporaryFile(dir=os.path.dirname(f.name)) as tail, bar:
             while True:
                 pos = reader.tell()
                 try:
@@ -320,6 +332,7 @@ class ColumnDocs(Source):
                     firsts.append(rows)
                     offs += [pos, *self.where_column(batch.column(self.column))]
                 if len(offs) >= 1 << 16:
+                    bar.update(reader.tell() - bar.n)
                     f.write(np.asarray(firsts, np.int64).tobytes())
                     tail.write(np.asarray(offs, np.int64).tobytes())
                     firsts, offs = [], []

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from sources import DataError, give_back_heap
+from sources import DataError, give_back_heap, progress
 
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
@@ -220,7 +220,7 @@ class SpanIndex:
         c, t0, n, total, long_docs = self.corpus, time.time(), 0, 0, 0
         tmp = f"{self.path}.tmp{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb") as f, progress(c.n_docs, "[data] span index", " documents") as bar:
                 for lo in range(0, c.n_docs, BLOCK):
                     hi = min(c.n_docs, lo + BLOCK)
                     lengths = c.doc_lengths(lo, hi)
@@ -240,6 +240,7 @@ class SpanIndex:
                     block = np.concatenate(parts + [rows[prev:]]).astype(np.int64)
                     f.write(block.tobytes())
                     n += len(block)
+                    bar.update(hi - lo)
             with open(self.path + ".json", "w") as f:
                 json.dump({"version": INDEX_VERSION, "spans": n, "documents": c.n_docs, "bytes": total,
                            "long_documents": long_docs, "span_bytes": self.span_bytes, "corpus": c.spec}, f)

@@ -349,7 +349,7 @@ def main(argv: list[str]) -> None:
                 checkpoint.set_rng_state(loaded.rng, device)
             step, tokens_seen, saved = loaded.step, loaded.extra.get("tokens_seen", 0), loaded.step
             sync(device)        # the loaded state as a graph of its own, not folded into the first step's
-        batches = data.to_device_loader(train_loader, device)   # torch-xla's parallel loader on XLA
+        batches = data.DeviceLoader(train_loader, device)   # torch-xla's parallel loader on XLA
 
         peak, peak_how = monitor.device_peak_flops(device, dtype, cfg.log.peak_tflops, cfg.parallel.instance,
                                                    shapes=monitor.matmul_shapes(cfg, grid.tp))

@@ -5,6 +5,7 @@ blank lines, the scan blocks' edges, a changed file); and per-reader private mem
 not grow with the number of record batches or lines (a child process, RssAnon)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -190,3 +191,27 @@ def test_span_index_reads_long_documents_in_bounded_groups(tmp_path, monkeypatch
     grouped = spans.SpanIndex(c, 256, str(tmp_path / "c1")).rows
     assert np.array_equal(whole, grouped) and len(reads) > 3
     assert all(sum(r) <= 20_000 + 16_000 and len(r) <= 64 for r in reads)
+
+
+def test_index_builds_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+    """A long build (a line index, a span index) shows tqdm's bar with its ETA on a terminal; logs,
+    pipes and captured test output get none."""
+    import io
+    import corpus
+    import sources
+    import spans
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    (tmp_path / "a.jsonl").write_text('{"text": "a b"}\n' * 1000)
+    monkeypatch.setattr(sources, "PROGRESS_DELAY", 0)          # tiny builds: drawn at once
+    for err in (io.StringIO(), Terminal()):
+        monkeypatch.setattr(sys, "stderr", err)
+        cache = str(tmp_path / type(err).__name__)
+        spans.SpanIndex(corpus.Corpus(str(tmp_path / "a.jsonl"), cache_dir=cache), 64, cache)
+        bars = [line for line in re.split(r"[\r\n]", err.getvalue()) if "%|" in line]
+        if err.isatty():
+            assert any("[data] indexing a.jsonl" in b for b in bars) and any("documents/s" in b for b in bars)
+        else:
+            assert bars == [] and "[data] span index: 1,000 spans" in err.getvalue()
