@@ -73,7 +73,8 @@ def single_process_reference(cfg, global_batch, steps: int, eval_step: int = 99)
     out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         b = global_batch(eval_step)
-        out["eval"] = loss_sum(model(b["tokens"], b["positions"], b["doc_ids"]), b["targets"]) / (b["targets"] != -100).sum()
+        logits = model(b["tokens"], b["positions"], b["doc_ids"])
+        out["eval"] = loss_sum(logits, b["targets"]) / (b["targets"] != -100).sum()
     return out
 
 
