@@ -1,0 +1,49 @@
+"""Benchmarks: every speed or memory figure nanotrn reports, measured as a ratio against a
+reference run side by side in the same process, on this machine.
+
+    python bench.py step        # our step vs transformers' at issue 27's shapes, trainer vs bare step
+    python bench.py train       # our Llama vs transformers' LlamaForCausalLM, fp32 and bf16
+    python bench.py data        # packed tokens/s vs the raw tokenizer; memory and start-up at 1M-16M documents
+    python bench.py precision   # fp32 / mixed / bf16 / bf16_sr loss curves and throughput
+    python bench.py init        # default vs scaled init: a deep tiny model at a high learning rate
+    python bench.py parallel    # TP=2 and DP=2 against one process (gloo, CPU)
+    python bench.py pp          # PP=2 1F1B vs GPipe vs one process
+    python bench.py ckpt        # async vs synchronous checkpoint save, recovery time
+    python bench.py xla         # the trn1 path on XLA:CPU: graphs per step type and pipeline task, step vs eager
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.ckpt import bench_ckpt
+from benchmarks.layouts import bench_parallel, bench_pp
+from benchmarks.step import bench_step, bench_train
+from benchmarks.stream import bench_data
+from benchmarks.studies import bench_init, bench_precision
+from benchmarks.xla import bench_xla
+
+BENCHES = {"step": bench_step, "train": bench_train, "data": bench_data, "precision": bench_precision,
+           "init": bench_init, "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=list(BENCHES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
+    parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--step_tokens", type=int, default=4096, help="step: tokens per step of the second "
+                        "trainer-vs-bare rows (batch 4 x step_tokens/4; 0 = only the 512-token rows)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")
+    parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
+    parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")
+    parser.add_argument("--data_shapes", default="arrow", help="data: the memory part's corpus shapes, of "
+                        "arrow (131k-row record batches), arrow_1000 (1,000-row batches), jsonl")
+    parser.add_argument("--data_part", default="all", choices=["all", "memory", "packing"], help="data: one part only")
+    parser.add_argument("--data_corpora", default="files,paragraphs,paragraphs_b1000,paragraphs_b8", help="data: the "
+                        "packing part's corpora (paragraphs_bN: the paragraphs in N-row record batches)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    BENCHES[args.which](args)
