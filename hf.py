@@ -3,7 +3,7 @@
 Loading refuses, by name and before any weight is read, whatever nanotrn's Llama would compute
 differently (another architecture, biases, a sliding window, another rope scaling, a tensor nothing
 consumes, a shape the config does not imply): training on wrong logits is the failure it prevents.
-Weights convert by row bookkeeping only (`_layout`); `load_sharded` reads from the safetensors
+Weights convert by row bookkeeping only (`_hf_rows`); `load_sharded` reads from the safetensors
 files only this rank's rows, so at 4096 ranks each reads about 1/(TP*PP) of the model and none
 holds it whole. The export (`save_hf`) is a folder AutoModelForCausalLM, AutoTokenizer,
 lm-evaluation-harness and llama.cpp's converter load with no other argument.
@@ -128,7 +128,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
     return out
 
 
-def _layout(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
+def _hf_rows(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
     """Our tensor `name` as rows of Hugging Face tensors: (their names, a [rows, 2] table of (index
     into the names, row in that tensor)) in our row order. qkv_proj: per KV group g, [q heads of g |
     k_g | v_g]; gate_up_proj: [gate | up]."""
@@ -161,7 +161,7 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     for name in param_shapes(cfg):
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
-        srcs, table = _layout(name, cfg)
+        srcs, table = _hf_rows(name, cfg)
         for i, s in enumerate(srcs):
             mine = table[:, 0] == i
             out[s] = sd[name][mine][table[mine, 1].argsort()].contiguous()
@@ -208,7 +208,7 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
     st = SafetensorsFolder(folder)
     full = param_shapes(cfg)
-    want = {s for n in full for s in _layout(n, cfg)[0]}
+    want = {s for n in full for s in _hf_rows(n, cfg)[0]}
     missing = sorted(want - set(st.where))
     extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
                    and not (n == "lm_head.weight" and cfg.tie_embeddings))
@@ -219,7 +219,7 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
         raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
                       f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
     for name, p in model.state_dict(keep_vars=True).items():
-        srcs, table = _layout(name, cfg)
+        srcs, table = _hf_rows(name, cfg)
         for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
             n_rows = int((table[:, 0] == i).sum())
             want = [n_rows, full[name][1]] if p.dim() == 2 else [n_rows]
