@@ -1,4 +1,4 @@
-# The nanotrn image for Amazon EKS (README, Running on Amazon EKS; scripts/eks.py runs it): the Neuron
+# The nanotrn image for Amazon EKS (docs/eks.md; scripts/eks.py runs it): the Neuron
 # PyTorch training container of the release that scripts/env.sh pins (NANOTRN_NEURON_SDK,
 # NANOTRN_TORCH_NEURONX), with nanotrn and its requirements. torch, torch-xla, torch-neuronx and
 # neuronx-cc come from the base image and stay as they are: requirements.txt names none of them

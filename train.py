@@ -424,7 +424,8 @@ def main(argv: list[str]) -> None:
                             f"SIGKILL: {why}. Not starting it: the newest complete checkpoint stays "
                             + (f"step {saved} ({step - saved} steps lost)" if saved is not None else
                                "none (the run starts afresh)") +
-                            ". Raise the grace period (--ckpt.grace_s and the launcher's: README) or save more often")
+                            ". Raise the grace period (--ckpt.grace_s and the launcher's: docs/checkpoints.md) "
+                            "or save more often")
                     if compile_only and not reloaded:
                         # A resume's load graph without a checkpoint: the optimizer state loaded back
                         # from host copies, as load_latest's is. Measured on XLA:CPU (tests/test_xla.py):
@@ -459,7 +460,7 @@ def main(argv: list[str]) -> None:
             # The signal reached other nodes, not this one (Kubernetes drains one pod). Exit 0 would
             # end this node's torchrun and tell the Job that this pod's part is done; this status
             # makes torchrun restart the workers, which wait in the rendezvous for the stopped
-            # node's replacement and resume from the checkpoint just saved (README, Amazon EKS).
+            # node's replacement and resume from the checkpoint just saved (docs/eks.md).
             print(f"[rank {grid.rank}] {stopping} reached another node: exit {PEER_STOPPED}, so that "
                   f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
             parallel.destroy(grid)

@@ -9,7 +9,7 @@ the planner's instance table (configs.INSTANCES). No operator is needed on the c
     python scripts/eks.py ... --out manifests/                         # both, one file each
 
 Every flag eks.py does not know is train.py's (validated here, for nodes x cores ranks, before
-anything is written). What it writes (README, Running on Amazon EKS):
+anything is written). What it writes (docs/eks.md):
   - a headless Service: pod i of a Job is <job>-i.<name>, so pod 0 is reachable before any pod is
     ready; torchrun's c10d rendezvous runs on pod 0 (MASTER_ADDR);
   - an Indexed Job, one pod per instance (anti-affinity), each with every Neuron device and (more
@@ -166,7 +166,7 @@ def command(mode: str, cfg, train_args: list[str]) -> list[str]:
     """The container's command. It ends in `exec`: bash is replaced by launch.sh, the container's
     main process, which receives the pod's SIGTERM. In train mode it passes it on to the workers as
     SIGUSR1, keeping torchrun (and its fixed 30 s) out of it: train.py stops at the next step
-    boundary and saves, within --grace-period (README: the budget). The other modes exec torchrun."""
+    boundary and saves, within --grace-period (docs/checkpoints.md: the budget). The other modes exec torchrun."""
     run = shlex.join(["scripts/launch.sh", mode, *train_args])
     if mode == "train":
         # Node-local health check on every (re)start: this instance's NeuronCores and its TP groups.

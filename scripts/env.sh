@@ -3,7 +3,7 @@
 # Sourced by scripts/launch.sh (never by the model: train.py reads no Neuron variable).
 #
 # Targets the Neuron 2.29 DLAMI (torch-neuronx 2.9.0.2.13, torch-xla 2.9, neuronx-cc 2.24, NxD 0.18):
-# the last Neuron release that trains with PyTorch/XLA (README, Running on trn1).
+# the last Neuron release that trains with PyTorch/XLA (docs/trn1.md).
 #
 # Inputs (environment, all optional):
 #   NANOTRN_PRECISION  optim.precision of the run (launch.sh reads it from the config); bf16_sr
@@ -14,7 +14,7 @@
 #   NEURON_CACHE_DIR   compile cache, default /var/tmp/neuron-compile-cache (the root volume)
 #   NEURON_CC_EXTRA_FLAGS  appended to NEURON_CC_FLAGS
 #
-# The values are the ones of the AWS blog and the HLAT scripts (see ../README.md, Running on trn1).
+# The values are the ones of the AWS blog and the HLAT scripts (see ../docs/trn1.md).
 
 # The pin, read by the Dockerfile's build check and by the tests (its base image tag must match):
 # the Neuron release, and the torch-neuronx it ships.

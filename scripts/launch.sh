@@ -165,7 +165,7 @@ if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
 # slurm_train.sbatch; Kubernetes' SIGTERM to the container's first process, this script) is sent
 # on as USR1 to torchrun's children, the workers, which stop at the next step boundary with a
 # checkpoint and exit 0. torchrun never sees it, so the launcher's own grace period applies
-# (terminationGracePeriodSeconds on Kubernetes; README). A USR1 sent to every process of the
+# (terminationGracePeriodSeconds on Kubernetes; docs/checkpoints.md). A USR1 sent to every process of the
 # job (scancel --signal=USR1) reaches the workers directly and torchrun ignores it.
 ( trap '' USR1; exec "${cmd[@]}" ) &
 torchrun_pid=$!
