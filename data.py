@@ -404,7 +404,7 @@ class PackedLoader:
                                 f"{key}={want!r}: the saved position means nothing here; restore the "
                                 f"original setting, or keep the model and optimizer and start the data "
                                 f"stream afresh with --ckpt.reset_data" + (" (a new corpus: also pass the "
-                                f"run's tokenizer with --data.tokenizer)" if key == "corpus" else ""))
+                                "run's tokenizer with --data.tokenizer)" if key == "corpus" else ""))
 
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""

@@ -11,7 +11,6 @@ is fatal); each output is written under a temporary name and renamed: nothing is
 from __future__ import annotations
 
 import collections
-import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -25,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import COMPRESSED, JSON_LINES, DataError, decode, no_surrogates, resolve_paths, text_column
+from sources import (COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, progress,
+                     resolve_paths, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -337,16 +337,14 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> st
     dst = os.path.join(cache_dir, f"{shard_name(0, path)[6:-6]}-{key}.arrow")
     if os.path.exists(dst):
         return dst
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(dst + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(dst):
-            from tqdm import tqdm
-            print(f"[data] {path} is compressed: converting it once to {dst} (python data.py prepare converts "
-                  f"many shards in parallel)", file=sys.stderr, flush=True)
-            with tqdm(total=st.st_size, desc="[data] converting", unit="B", unit_scale=True, file=sys.stderr) as bar:
-                r = convert(path, dst, text_field, doc_per_line, report=lambda b, d: bar.update(b))
-            if r["counts"].get("bad_records"):
-                print(f"[data] {path}: {r['counts']['bad_records']:,} bad records skipped: " + "; ".join(r["examples"]),
-                      file=sys.stderr, flush=True)
+
+    def build(tmp):
+        print(f"[data] {path} is compressed: converting it once to {dst} (python data.py prepare converts "
+              f"many shards in parallel)", file=sys.stderr, flush=True)
+        with progress(st.st_size, "[data] converting") as bar:
+            r = convert(path, tmp, text_field, doc_per_line, report=lambda b, d: bar.update(b))
+        if r["counts"].get("bad_records"):
+            print(f"[data] {path}: {r['counts']['bad_records']:,} bad records skipped: " + "; ".join(r["examples"]),
+                  file=sys.stderr, flush=True)
+    build_once(dst, build)
     return dst

@@ -146,26 +146,35 @@ def no_surrogates(text: str) -> tuple[str, int]:
 
 # ----------------------------------------------------------------------------- offsets indexes
 
-def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
-    """The int64 offsets index of `path`, memory-mapped. write(path, f) streams it into a temporary
-    file renamed into place, by one process of a node under a lock. Keyed by real path, size, mtime."""
-    st = os.stat(path)
-    key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, kind,
-                                     INDEX_VERSION[kind]]).encode()).hexdigest()[:16]
-    out = os.path.join(cache_dir, f"{kind}-{key}.idx")
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(out + ".lock", "w") as lock:
+def build_once(path: str, build) -> None:
+    """Make the cache file `path` once per node: every rank calls this at once, the first to get the
+    lock runs build(tmp), renamed into place (never half-written), the others wait and find it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(out):
-            tmp = f"{out}.tmp{os.getpid()}"
+        if not os.path.exists(path):
+            tmp = f"{path}.tmp{os.getpid()}"
             try:
-                with open(tmp, "wb") as f:
-                    write(path, f)
-                os.replace(tmp, out)
+                build(tmp)
+                os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             give_back_heap()
+
+
+def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
+    """The int64 offsets index of `path`, memory-mapped: write(path, f) streams it, once per node.
+    Keyed by the file's real path, size and mtime: a changed file gets a new index."""
+    st = os.stat(path)
+    key = hashlib.sha256(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, kind,
+                                     INDEX_VERSION[kind]]).encode()).hexdigest()[:16]
+    out = os.path.join(cache_dir, f"{kind}-{key}.idx")
+
+    def build(tmp):
+        with open(tmp, "wb") as f:
+            write(path, f)
+    build_once(out, build)
     return mapped(out, np.int64)
 
 

@@ -9,7 +9,6 @@ per index): any rank computes any choice alone, and nothing per span is ever mat
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -20,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from sources import DataError, give_back_heap, progress
+from sources import DataError, build_once, progress
 
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
@@ -193,12 +192,7 @@ class SpanIndex:
         self.corpus, self.span_bytes, self.val_fraction = corpus, span_bytes(seq_len), val_fraction
         self.path = self.path_for(corpus, seq_len, cache_dir)
         self.key = os.path.basename(self.path)[6:-4]
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(self.path + ".lock", "w") as lock:        # every rank of a node at once: one builds
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not os.path.exists(self.path):
-                self._build()
-                give_back_heap()
+        build_once(self.path, self._build)
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
         self.n_spans, self.bytes = self.meta["spans"], self.meta["bytes"]
@@ -216,38 +210,32 @@ class SpanIndex:
         key = hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION]).encode()).hexdigest()[:12]
         return os.path.join(cache_dir, f"spans-{key}.bin")
 
-    def _build(self):
+    def _build(self, tmp: str):
         c, t0, n, total, long_docs = self.corpus, time.time(), 0, 0, 0
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f, progress(c.n_docs, "[data] span index", " documents") as bar:
-                for lo in range(0, c.n_docs, BLOCK):
-                    hi = min(c.n_docs, lo + BLOCK)
-                    lengths = c.doc_lengths(lo, hi)
-                    total += int(lengths.sum())
-                    rows = np.stack([np.arange(lo, hi), np.zeros(hi - lo, np.int64), np.full(hi - lo, -1)], 1)
-                    big = np.flatnonzero(lengths > self.span_bytes)
-                    parts, prev = [], 0
-                    # long documents: read and cut a group at a time, at most 64 of them and ~READ_BYTES
-                    group = np.cumsum(lengths[big]) // READ_BYTES
-                    firsts = np.flatnonzero((np.arange(len(big)) % 64 == 0) | (np.diff(group, prepend=group[:1]) > 0))
-                    for a, b in zip(firsts, [*firsts[1:], len(big)]):
-                        for j, raw in zip(big[a:b], c.raw(lo + big[a:b])):
-                            starts = np.asarray([0] + cut_points(raw, self.span_bytes), np.int64)
-                            ends = np.append(starts[1:], -1)
-                            parts += [rows[prev:j], np.stack([np.full(len(starts), lo + j), starts, ends], 1)]
-                            prev, long_docs = j + 1, long_docs + (len(starts) > 1)
-                    block = np.concatenate(parts + [rows[prev:]]).astype(np.int64)
-                    f.write(block.tobytes())
-                    n += len(block)
-                    bar.update(hi - lo)
-            with open(self.path + ".json", "w") as f:
-                json.dump({"version": INDEX_VERSION, "spans": n, "documents": c.n_docs, "bytes": total,
-                           "long_documents": long_docs, "span_bytes": self.span_bytes, "corpus": c.spec}, f)
-            os.replace(tmp, self.path)                  # the rows appear whole or not at all
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        with open(tmp, "wb") as f, progress(c.n_docs, "[data] span index", " documents") as bar:
+            for lo in range(0, c.n_docs, BLOCK):
+                hi = min(c.n_docs, lo + BLOCK)
+                lengths = c.doc_lengths(lo, hi)
+                total += int(lengths.sum())
+                rows = np.stack([np.arange(lo, hi), np.zeros(hi - lo, np.int64), np.full(hi - lo, -1)], 1)
+                big = np.flatnonzero(lengths > self.span_bytes)
+                parts, prev = [], 0
+                # long documents: read and cut a group at a time, at most 64 of them and ~READ_BYTES
+                group = np.cumsum(lengths[big]) // READ_BYTES
+                firsts = np.flatnonzero((np.arange(len(big)) % 64 == 0) | (np.diff(group, prepend=group[:1]) > 0))
+                for a, b in zip(firsts, [*firsts[1:], len(big)]):
+                    for j, raw in zip(big[a:b], c.raw(lo + big[a:b])):
+                        starts = np.asarray([0] + cut_points(raw, self.span_bytes), np.int64)
+                        ends = np.append(starts[1:], -1)
+                        parts += [rows[prev:j], np.stack([np.full(len(starts), lo + j), starts, ends], 1)]
+                        prev, long_docs = j + 1, long_docs + (len(starts) > 1)
+                block = np.concatenate(parts + [rows[prev:]]).astype(np.int64)
+                f.write(block.tobytes())
+                n += len(block)
+                bar.update(hi - lo)
+        with open(self.path + ".json", "w") as f:       # before the rows are renamed into place
+            json.dump({"version": INDEX_VERSION, "spans": n, "documents": c.n_docs, "bytes": total,
+                       "long_documents": long_docs, "span_bytes": self.span_bytes, "corpus": c.spec}, f)
         print(f"[data] span index: {n:,} spans of {c.n_docs:,} documents ({long_docs:,} cut, {total / 1e6:,.1f} MB "
               f"of text) in {time.time() - t0:.1f} s -> {self.path}", file=sys.stderr, flush=True)
 
