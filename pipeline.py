@@ -40,7 +40,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import model as llama
-import optim
 import parallel
 from configs import Config, ConfigError
 from parallel import Grid
@@ -327,63 +326,34 @@ def one_f_one_b(mb: _Microbatches, comm: Comm) -> None:
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
-# ----------------------------------------------------------------------------- 4. the training step
-
-def bubble_fraction(pp: int, microbatches: int) -> float:
-    """Idle share of each stage in an ideal pipeline (equal stage times, free communication)."""
-    return (pp - 1) / (microbatches + pp - 1)
-
-
-def check_microbatches(n: int, grid: Grid) -> None:
-    if n < grid.pp:
-        raise ConfigError(f"pipeline of {grid.pp} stages needs at least {grid.pp} microbatches per step, "
-                          f"got {n}; raise the global batch or lower micro_batch")
-
+# ----------------------------------------------------------------------------- 4. the gradients of a step
 
 def no_cut() -> None:
     """The default graph cut of pipeline.py and train.py: nothing (eager devices); train.py
     passes its sync on XLA."""
 
 
-def train_step(model: PipelineStage, optimizer, batches: list[dict], grid: Grid, cfg: Config,
-               guard=None, cut=no_cut) -> dict:
-    """Forward and backward of this rank's microbatches through the pipeline, then (once) the
-    gradient reduction, clipping and update. The contract of train.train_step (guard(loss,
-    grad_norm) -> False skips the update; cut() ends the traced graph after every forward,
-    backward and exchange, as NxDPPModel does), plus pipeline statistics:
-      loss, grad_norm, tokens: tensors, the same on every rank (the loss is summed over PP from the
-        last stage, where it is computed), skipped;
-      bubble: (PP - 1) / (m + PP - 1); idle: the measured share of the schedule's time this rank
-        waited in p2p (host clock: meaningful on gloo and eager devices; on XLA the p2p ops are
-        lazy, so read idle from a profile there); max_live: peak activation sets held."""
-    check_microbatches(len(batches), grid)
+def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid, cfg: Config,
+                     cut) -> tuple[torch.Tensor, dict]:
+    """train.forward_backward through the pipeline: this rank's microbatches through the schedule,
+    each backward scaled by `scale`, cut() after every forward, backward and exchange (NxDPPModel),
+    then the tied embedding's two copies summed. Returns the summed token loss (on every stage: the
+    last computes it, the others add zeros) and the statistics: bubble, (PP - 1) / (m + PP - 1);
+    idle, the share of the schedule's time this rank waited in p2p (host clock: on XLA the p2p ops
+    are lazy, read idle from a profile there); max_live, the peak activation sets held."""
+    if len(batches) < grid.pp:
+        raise ConfigError(f"pipeline of {grid.pp} stages needs at least {grid.pp} microbatches per step, "
+                          f"got {len(batches)}; raise the global batch or lower micro_batch")
     t0 = time.perf_counter()
-    # Every stage holds the same microbatches (same DP rank), so each counts the valid tokens itself.
-    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
-    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
-    scale = grid.dp / global_tokens
-    cut()       # the token count is a graph of its own: the only one that reads every microbatch
     mb = _Microbatches(model, batches, scale, grid, cut)
     comm = model.comm
     comm.reset(model, cut)
     SCHEDULES[cfg.parallel.pp_schedule](mb, comm)
     schedule_s = time.perf_counter() - t0
     reduce_tied_embedding(model, grid)
-    # From here on exactly train.train_step: gradients reduced once per step, whatever m.
-    if getattr(optimizer, "zero1", False):
-        parallel.reduce_tp_replicated_gradients(model, grid)
-        grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)   # its norm adds over PP
-    else:
-        parallel.reduce_gradients(model, grid)                  # DP all-reduce: once per step
-        grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)  # TP and PP
-    # The loss exists on the last stage only: the others add zeros, so every rank gets it.
-    loss_sum = parallel.all_reduce(mb.loss_sum, grid.pp_group)
-    loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
-    skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped,
-            "bubble": bubble_fraction(grid.pp, len(batches)), "idle": comm.wait_s / max(schedule_s, 1e-9),
-            "max_live": mb.max_live}
+    return parallel.all_reduce(mb.loss_sum, grid.pp_group), {
+        "bubble": (grid.pp - 1) / (len(batches) + grid.pp - 1), "idle": comm.wait_s / max(schedule_s, 1e-9),
+        "max_live": mb.max_live}
 
 
 # ----------------------------------------------------------------------------- 5. state dicts, evaluation

@@ -68,46 +68,55 @@ def sync(device: torch.device):
 
 # ----------------------------------------------------------------------------- one step
 
-def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
-               guard=None, cut=pipeline.no_cut) -> dict:
-    """Forward and backward over this rank's microbatches, reduce gradients, clip, update.
-
-    Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
-    number of valid tokens in the WHOLE global batch. Each rank back-propagates
-    local_sum * dp / global_tokens; reduce_gradients sums over DP and divides by the DP degree
-    (never the world size: HLAT diverged when the all-reduce divided by world size). Every layout
-    and every gradient accumulation therefore yields the same gradient. Gradients are reduced once,
-    after the last microbatch: nothing is communicated on the others.
-    guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
-    False skips the update. cut() ends the graph being traced (train.sync on XLA): after the token
-    count and after each microbatch's backward, so a step runs a small token-count graph, a graph
-    for the first microbatch (it creates the gradients), one for every later microbatch (it adds to
-    them), then the caller's sync ends the reduce/clip/update graph; none grows with the number of
-    microbatches but the token count (a compare and a sum per microbatch). NxD's training loop and
-    the HLAT scripts cut there too (xm.mark_step after each microbatch). Returns tensors only;
-    nothing here forces a host sync (XLA)."""
-    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
-    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
-    scale = grid.dp / global_tokens
-    cut()       # the token count is a graph of its own: the only one that reads every microbatch
+def forward_backward(model, batches: list[dict], scale: torch.Tensor, cut) -> torch.Tensor:
+    """Each microbatch's forward and backward (its summed token loss times `scale`, so the
+    gradients add up over microbatches); returns the summed token loss. cut() after each backward:
+    a graph for the first microbatch (it creates the gradients) and one for every later one (it
+    adds to them), whatever their number (NxD and the HLAT scripts: xm.mark_step per microbatch)."""
     loss_sum = 0.0
     for b in batches:
         loss = model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])    # summed over tokens
         (loss * scale).backward()
         loss_sum = loss_sum + loss.detach()
-        cut()                                   # one graph per microbatch (see sync)
+        cut()
+    return loss_sum
+
+
+def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
+               guard=None, cut=pipeline.no_cut) -> dict:
+    """Forward and backward over this rank's microbatches, reduce gradients, clip, update. With PP
+    only the gradients are computed otherwise (pipeline.forward_backward: the stage's schedule).
+
+    Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
+    number of valid tokens in the WHOLE global batch. Each rank back-propagates
+    local_sum * dp / global_tokens; reduce_gradients sums over DP and divides by the DP degree
+    (never the world size: HLAT diverged when the all-reduce divided by world size). Every layout
+    and every gradient accumulation therefore yields the same gradient, reduced once per step.
+    guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
+    False skips it. cut() ends the traced graph (train.sync on XLA): after the token count and
+    inside forward_backward; the caller's sync ends the reduce/clip/update graph. Returns tensors
+    only (and the pipeline's statistics): nothing here forces a host sync (XLA)."""
+    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
+    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
+    scale = grid.dp / global_tokens
+    cut()       # the token count is a graph of its own: the only one that reads every microbatch
+    stats = {}
+    if grid.pp > 1:
+        loss_sum, stats = pipeline.forward_backward(model, batches, scale, grid, cfg, cut)
+    else:
+        loss_sum = forward_backward(model, batches, scale, cut)
     if getattr(optimizer, "zero1", False):
         # ZeRO-1: the optimizer's reduce-scatter replaces the DP all-reduce; the TP sums
         # (SP norm weights, replicated KV heads) still come first.
         parallel.reduce_tp_replicated_gradients(model, grid)
-        grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)
+        grad_norm = optimizer.reduce_scatter_and_clip(cfg.optim.grad_clip)     # adds over TP and PP
     else:
         parallel.reduce_gradients(model, grid)
         grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
     skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped}
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped, **stats}
 
 
 @torch.no_grad()
@@ -376,8 +385,7 @@ def main(argv: list[str]) -> None:
             micro = [next(batches) for _ in range(accum)]
             data_wait = time.perf_counter() - t_data
             with ckpt.faults.step(step, model):         # a test's crash, hang or NaN (faults.py)
-                out = (pipeline.train_step if pp else train_step)(model, optimizer, micro, grid, cfg,
-                                                                  guard=guard, cut=cut)
+                out = train_step(model, optimizer, micro, grid, cfg, guard=guard, cut=cut)
             sync(device)                                # the reduce/clip/update graph
             step += 1
             dog.step_done()

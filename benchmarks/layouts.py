@@ -14,7 +14,7 @@ from benchmarks.common import launch_ranks, table, write_json
 
 
 def _rank(flags: list[str], steps: int, warmup: int, out: str) -> None:
-    """One rank of a layout: train.train_step (pipeline.train_step under PP) on random batches of the
+    """One rank of a layout: train.train_step (the pipeline's schedule under PP) on random batches of the
     tiny preset with `flags`; writes its step time and, under PP, the schedule's idle share, peak
     live activations and bubble to out.RANK."""
     import configs
@@ -23,10 +23,7 @@ def _rank(flags: list[str], steps: int, warmup: int, out: str) -> None:
     import train
     cfg = configs.from_args(["--device=cpu", *flags])
     grid = parallel.init_distributed(cfg, torch.device("cpu"))
-    if grid.pp > 1:
-        build, step = pipeline.build_model, pipeline.train_step
-    else:
-        build, step = parallel.build_model, train.train_step
+    build = pipeline.build_model if grid.pp > 1 else parallel.build_model
     model = parallel.init_weights(build(cfg, grid, torch.device("cpu")), cfg, grid)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     d, g = cfg.data, torch.Generator().manual_seed(grid.dp_rank)
@@ -44,7 +41,7 @@ def _rank(flags: list[str], steps: int, warmup: int, out: str) -> None:
         if i == warmup:
             parallel.barrier(grid)
             t0 = time.perf_counter()
-        r = step(model, opt, batches(), grid, cfg)
+        r = train.train_step(model, opt, batches(), grid, cfg)
         if i >= warmup:
             idle += r.get("idle", 0.0) / steps
             max_live = max(max_live, r.get("max_live", 0))

@@ -1,11 +1,11 @@
-"""The pipeline step's graphs on XLA:CPU, in one process: the graph census of pipeline.train_step.
+"""The pipeline step's graphs on XLA:CPU, in one process: the graph census of train.train_step at PP 2.
 
 On trn1 a pipeline step is PP processes, each tracing its own stage's graphs and exchanging
 activations with its neighbours. XLA:CPU has no collectives between processes (trainium.md), so
 this runs the stages one after another in ONE process, each exactly as its rank runs it in
 train.py: pipeline.build_model, torch-xla's activation checkpointing, optim.build_optimizer,
-pipeline.train_step with train.sync as the graph cut after every task, and train.py's sync after
-the step. One thing is stood in for, at one seam:
+train.train_step (its pipeline branch) with train.sync as the graph cut after every task, and
+train.py's sync after the step. One thing is stood in for, at one seam:
 
     the point-to-point's all-gather over a two-rank group (pipeline.p2p, pp_p2p="allgather",
     the form NxD uses on XLA and the only one configs.validate allows there), with the creation
@@ -113,8 +113,8 @@ def task_label() -> str:
                 return "p2p " + " + ".join(what)
             if name in ("forward", "backward"):
                 return name
-            if name == "train_step":
-                return "token count"
+        if name == "train_step" and os.path.basename(f.f_code.co_filename) == "train.py":
+            return "token count"
         f = f.f_back
     return "other"
 
@@ -194,7 +194,7 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
                 before, read = state["compiles"], snapshot()["TransferFromDevice"]
                 opt.set_lr(optim.lr_at(step - 1, cfg.optim))
                 micro = batches(step)
-                pipeline.train_step(stage, opt, micro, grid, cfg, cut=cut)
+                train.train_step(stage, opt, micro, grid, cfg, cut=cut)
                 train.sync(dev)                  # train.py's sync after the step
                 collect(s, step, "reduce/clip/update")
                 per_step.setdefault(s, []).append(state["compiles"] - before)

@@ -34,6 +34,7 @@ import configs  # noqa: E402
 import model as llama  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
+import train  # noqa: E402
 from configs import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
@@ -123,20 +124,20 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         batches = rank_batches(step, grid, cfg)
         if step == STEPS - 1:          # one step's collectives (p2p is counted by the Comm)
             with parallel.count_collectives() as log:
-                r = pipeline.train_step(model, opt, batches, grid, cfg)
+                r = train.train_step(model, opt, batches, grid, cfg)
             kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp", id(grid.pp_group): "pp",
                      id(grid.embed_group): "embed"}
             res["collectives"] = sorted((kinds[id(g)], op) for op, g, _ in log)
             res["messages"] = (model.comm.sent, model.comm.received)
         else:
-            r = pipeline.train_step(model, opt, batches, grid, cfg)
+            r = train.train_step(model, opt, batches, grid, cfg)
         res["loss"].append(r["loss"])
         res["norm"].append(r["grad_norm"])
         res["max_live"].append(r["max_live"])
         res["microbatches"], res["bubble"], res["idle"] = len(batches), r["bubble"], r["idle"]
     # The non-finite guard sees the step's loss and norm; returning False skips the update.
     seen = []
-    r = pipeline.train_step(model, opt, rank_batches(STEPS, grid, cfg), grid, cfg,
+    r = train.train_step(model, opt, rank_batches(STEPS, grid, cfg), grid, cfg,
                             guard=lambda loss, norm: seen.append((loss, norm)) or False)
     assert r["skipped"] and len(seen) == 1 and seen[0][0] is r["loss"]
     res["grads"], res["params"] = opt.grads, pipeline.gather_full_state_dict(model, grid)
@@ -360,7 +361,6 @@ def test_bad_pipeline_layout_fails_before_process_groups(monkeypatch, world, cha
 
 
 def test_train_py_rejects_bad_pipeline_before_any_work(monkeypatch):
-    import train
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -373,4 +373,4 @@ def test_train_py_rejects_bad_pipeline_before_any_work(monkeypatch):
 def test_train_step_rejects_too_few_microbatches():
     grid = parallel.Grid(world=2, pp=2)               # no process groups: an error must come first
     with pytest.raises(ConfigError, match="needs at least 2 microbatches per step, got 1"):
-        pipeline.train_step(None, None, [{}], grid, tiny_cfg())
+        train.train_step(None, None, rank_batches(0, grid, tiny_cfg(micro_batch=8)), grid, tiny_cfg())
