@@ -89,7 +89,7 @@ def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
 
 def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data, extra, device) -> dict:
     """This rank's files of the checkpoint of `step`: name -> bytes or a torch-saveable object."""
-    tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
+    tag = reshard.tag(g.tp_rank, g.pp_rank)
     files = {}
     if g.rank == 0:
         meta = {"format": ckptdir.FORMAT, "step": step, "time": time.time(), "layout": layout, "config": cfg.to_dict(),
@@ -196,7 +196,8 @@ class Checkpointer:
     graph cuts as a real one (aws-neuron-sdk #813). faults: a test's (faults.py; NANOTRN_FAULT)."""
 
     def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
-                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False, faults: Faults | None = None):
+                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False,
+                 faults: Faults | None = None):
         self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
         self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
         self._log = log
@@ -217,7 +218,8 @@ class Checkpointer:
             return
         if not self.c.resume and not self.c.start_fresh and (found := ckptdir.scan(self.root)):
             raise CheckpointError(
-                f"--ckpt.resume=false but {self.root} already holds checkpoints ({', '.join(d.name for _, d in found[:4])}"
+                f"--ckpt.resume=false but {self.root} already holds checkpoints "
+                f"({', '.join(d.name for _, d in found[:4])}"
                 f"{' ...' if len(found) > 4 else ''}), which this run would overwrite; resume (--ckpt.resume=true), "
                 f"or add --ckpt.start_fresh to move them aside into {self.root}/previous_<time>/ and start over, "
                 f"or start the new run in another --ckpt.dir")
@@ -356,7 +358,8 @@ def cli(argv: list[str]):
                                             the newest valid one as a Hugging Face folder
     In one process, whatever layout wrote the checkpoint; arguments are checked first."""
     import hf
-    usage = "usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR"
+    usage = ("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] "
+             "CKPT_DIR HF_OUT_DIR")
     flags = [a for a in argv if a.startswith("--")]
     argv = [a for a in argv if not a.startswith("--")]
     dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")
@@ -394,7 +397,8 @@ def cli(argv: list[str]):
             tok_dir = Path(root) / "tokenizer"
             tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
             hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
-            return print(f"exported {d} to {out}" + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
+            return print(f"exported {d} to {out}"
+                         + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
     if argv[0] == "export":
         raise CheckpointError(f"no complete, valid checkpoint in {root}")
 

@@ -58,7 +58,8 @@ def _read_json(path: Path, fields: dict) -> dict:
         raise ValueError("not a JSON object")
     for key, want in fields.items():
         if not isinstance(m.get(key), want) or isinstance(m.get(key), bool):
-            raise ValueError(f"{key!r} is {'missing' if key not in m else type(m[key]).__name__}, expected {want.__name__}")
+            got = "missing" if key not in m else type(m[key]).__name__
+            raise ValueError(f"{key!r} is {got}, expected {want.__name__}")
     return m
 
 
@@ -281,7 +282,8 @@ class CkptDir:
             return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
                     f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's (no "
                     f"checkpoint files inside): a save of that step would write into it or prune it. Move "
-                    f"{'it' if len(theirs) == 1 else 'them'} out of the checkpoint directory, or give another --ckpt.dir")
+                    f"{'it' if len(theirs) == 1 else 'them'} out of the checkpoint directory, or give another "
+                    f"--ckpt.dir")
         return None
 
     def start_fresh(self) -> str | None:

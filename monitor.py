@@ -92,7 +92,8 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflop
     shapes = list(shapes or ((1024, 1024, 1024),))
     flops = measure_matmul_flops(device, dtype, shapes)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    return flops, f"measured: the model's {len(set(map(tuple, shapes)))} matmul shapes in {name} on {device.type}{threads}"
+    n = len(set(map(tuple, shapes)))
+    return flops, f"measured: the model's {n} matmul shapes in {name} on {device.type}{threads}"
 
 
 def device_memory_gib(device: torch.device) -> float | None:
@@ -184,8 +185,7 @@ class Monitor:
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops: float, is_main: bool = True,
                  device: torch.device | str = "cpu", start_step: int = 0, tokens_seen: int = 0,
                  print_fn=print, max_consecutive_skips: int = 20):
-        self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
-        self.is_main, self.device = is_main, torch.device(device)
+        self.flops_per_token, self.peak_flops, self.device = flops_per_token, peak_flops, torch.device(device)
         self.lazy = self.device.type == "xla"
         self.policy = cfg.log.on_nonfinite
         self.interval = max(1, cfg.log.interval)
@@ -255,7 +255,8 @@ class Monitor:
             values = iter([float(t) for t in xm._maybe_convert_to_cpu(tensors)])
         else:
             dev = tensors[0].device if tensors else None
-            values = iter(torch.stack([t.float().reshape(()).to(dev) for t in tensors]).cpu().tolist() if tensors else [])
+            values = iter(torch.stack([t.float().reshape(()).to(dev) for t in tensors]).cpu().tolist()
+                          if tensors else [])
         rows = []
         for r in self.pending:          # the same order as `tensors` was built in
             rows.append(dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}))
@@ -267,7 +268,8 @@ class Monitor:
                     self._count_skip(r["step"], r["loss"], r["grad_norm"])
                 else:
                     self.consecutive_skips = 0
-            if self.policy == "stop" and not r["skipped"] and not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])):
+            finite = math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+            if self.policy == "stop" and not r["skipped"] and not finite:
                 raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
             for warning in self.spikes.update(r["step"], r["grad_norm"]):
                 self.print("warning: " + warning)
@@ -276,7 +278,7 @@ class Monitor:
             spread, norm = r["param_spread"], r["param_norm"]
             if spread is not None and norm is not None and spread > 1e-6 * abs(norm):
                 self.print(f"warning: step {r['step']}: the data-parallel replicas diverge: their parameter "
-                           f"norms differ by {r['param_spread']:.3g} (norm {r['param_norm']:.6g}). They must "
+                           f"norms differ by {spread:.3g} (norm {norm:.6g}). They must "
                            f"stay identical; with bf16_sr every rank needs the same "
                            f"NEURON_RT_STOCHASTIC_ROUNDING_SEED (scripts/env.sh), or use ZeRO-1")
             self.tokens_seen += int(r["tokens"])

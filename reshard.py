@@ -4,8 +4,9 @@ layout: what Checkpointer.load_latest returns, and the full weights `checkpoint.
 At the same layout each rank reads only its own files. At another TP degree, every TP shard of a
 stage is joined and re-split (sharding.join / cut), the model's and the optimizer moments';
 ZeRO-1 flat shards record their index, so they are cut back into per-parameter tensors
-(SavedOptim), each read when the optimizer asks for it. What DP replicas share is read by ONE of them and broadcast over the DP
-group: at 7B on 128 trn1 nodes (TP=8, DP=512), 8 readers of the shared file system, not 4096.
+(SavedOptim), each read when the optimizer asks for it. What DP replicas share is read by ONE of
+them and broadcast over the DP group: at 7B on 128 trn1 nodes (TP=8, DP=512), 8 readers of the
+shared file system, not 4096.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from ckptdir import CheckpointError
 from configs import ModelConfig
 import sharding
 from parallel import Grid
+
+
+def tag(tp_rank: int, pp_rank: int) -> str:
+    """The (tp, pp) position in a file's name: model_<tag>.pt, optim_<tag>.pt."""
+    return f"tp{tp_rank:02d}_pp{pp_rank:02d}"
 
 
 def optim_name(dp_rank: int, tag: str, zero1: bool) -> str:
@@ -80,7 +86,6 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     rank alike: the shared parts are broadcast over the DP group on `device`. Host tensors."""
     saved = meta["layout"]
     load = lambda name: load_file(d / name, mmap=True)
-    tag = lambda t, p: f"tp{t:02d}_pp{p:02d}"
     shared = g.dp > 1 and g.dp_group is not None and dist.is_initialized()
     reads = not shared or g.dp_rank == reader_dp_rank(g)
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
@@ -126,10 +131,9 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
 
 def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dict:
     load = lambda name: load_file(d / name, weights_only=False)
-    tag = f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}"
     same = all(saved[k] == now[k] for k in ("tp", "pp", "zero1")) and (not now["zero1"] or saved["dp"] == now["dp"])
     if same:
-        return load(optim_name(g.dp_rank, tag, now["zero1"]))
+        return load(optim_name(g.dp_rank, tag(g.tp_rank, g.pp_rank), now["zero1"]))
     # Any other layout: the state is rebuilt per parameter ("<name>.<moment>", shaped as the
     # parameter is on this TP rank), each tensor when the optimizer asks for it. A ZeRO-1 rank
     # asks only for the parameters of its shard, and a saved ZeRO-1 tensor is cut from the one
@@ -137,7 +141,7 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
     # its own share, times saved_tp / tp when the TP degree changes.
     stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
     tps = [g.tp_rank] if saved["tp"] == now["tp"] else range(saved["tp"])
-    src = {(t, p): SavedOptim(d, f"tp{t:02d}_pp{p:02d}", saved, d.name) for p in stages for t in tps}
+    src = {(t, p): SavedOptim(d, tag(t, p), saved, d.name) for p in stages for t in tps}
     stage = {k: p for (t, p), s in src.items() if t == tps[0] for k in s.index}
 
     def get(key: str) -> torch.Tensor:
@@ -316,7 +320,7 @@ def full_model_state(path: str | Path, m: ModelConfig) -> dict:
     names = sorted(n for n in os.listdir(path) if re.fullmatch(r"model_tp\d+_pp\d+\.pt", n))
     stages: dict[str, list] = {}
     for n in names:
-        stages.setdefault(n[-7:], []).append(torch.load(path / n, map_location="cpu", mmap=True, weights_only=True))
+        stages.setdefault(n[-7:], []).append(load_file(path / n, mmap=True))
     full = {}
     for shards in stages.values():
         full.update(reshard(shards, m, 1, 0))
