@@ -260,7 +260,7 @@ class Checkpointer:
             self.say(f"step {step} is already saved (newest is step {self._newest}); not saving it again")
             return
         files = rank_files(step, self.grid, self.layout, self.cfg, model, optim, data, extra, self.device)
-        self.writer.stats = {"step": step, "wait_s": time.perf_counter() - t0}
+        self.writer.stats = {"step": step}
         self._newest = step
         defer = tuple(n for n, o in files.items() if defer_copy and o is not None and (o is model or o is optim))
         self.writer.write(step, files, t0, to_disk=not self.compile_only, defer=defer)
