@@ -148,22 +148,21 @@ def tiny() -> Config:
     return Config(preset="tiny")
 
 
-def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float) -> Config:
-    """The blog's table (and HLAT's; README's presets section cites each source). Logging
-    every 10 steps: each log line waits for the device, which at 1 would stall the host's tracing."""
+def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
+            precision: str = "bf16_sr") -> Config:
+    """The blog's table (and HLAT's; docs/trn1.md cites each). Log every 10 steps: a log line waits for the device."""
     return Config(
         preset=name, model=model, parallel=parallel,
         optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=480_000,
                           constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
-                          weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision="bf16_sr"),
+                          weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision=precision),
         data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
         ckpt=CheckpointConfig(interval=1000, keep=3),
         log=LogConfig(interval=10, eval_interval=1000, eval_windows=32))
 
 
 def _llama3(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float) -> Config:
-    """The Llama 3 paper's schedule (3.4.1): 8192 tokens x 512, 8000 warmup steps, cosine to 1% of
-    lr over 1.2M steps; AdamW as Llama 2's, which the paper does not restate."""
+    """The Llama 3 paper's schedule (3.4.1); AdamW as Llama 2's, which the paper does not restate."""
     c = _llama2(name, model, parallel, lr=lr, min_lr=lr / 100)
     c.optim.warmup_steps, c.optim.decay_steps, c.optim.max_steps = 8000, 1_192_000, 1_200_000
     c.data.seq_len, c.data.global_batch = 8192, 512
@@ -180,12 +179,11 @@ def llama2_7b() -> Config:
 
 def llama2_70b() -> Config:
     # HLAT 70B: TP=32 PP=8, ZeRO-1 with fp32 master weights, NxD's all-gather point-to-point on XLA.
-    c = _llama2("llama2_70b", ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                                          ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
-                                          attention="explicit"),
-                ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5)
-    c.optim.precision = "mixed"
-    return c
+    return _llama2("llama2_70b", ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                                             ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
+                                             attention="explicit"),
+                   ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5,
+                   precision="mixed")
 
 
 def llama3_8b() -> Config:
@@ -211,24 +209,18 @@ PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b, "llam
            "llama3_2_1b": llama3_2_1b}
 
 CHOICES = {
-    "model.checkpointing": ("none", "selective", "full"),
-    "model.attention": ("sdpa", "explicit"),
-    "model.rope_scaling": ("none", "llama3"),
-    "parallel.pp_schedule": ("1f1b", "gpipe"),
-    "parallel.pp_p2p": ("send", "allgather"),
-    "parallel.instance": ("trn1", "trn1n", "trn2"),
-    "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
-    "log.on_nonfinite": ("stop", "skip"),
-    "device": ("auto", "cpu", "cuda", "xla"),
-    "export_dtype": ("auto", "fp32", "bf16"),
+    "model.checkpointing": ("none", "selective", "full"), "model.attention": ("sdpa", "explicit"),
+    "model.rope_scaling": ("none", "llama3"), "parallel.pp_schedule": ("1f1b", "gpipe"),
+    "parallel.pp_p2p": ("send", "allgather"), "parallel.instance": ("trn1", "trn1n", "trn2"),
+    "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"), "log.on_nonfinite": ("stop", "skip"),
+    "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16"),
 }
 
 # Short flags a reader types most; each maps to one dotted key.
 ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
            "zero1": "parallel.zero1", "instance": "parallel.instance", "lr": "optim.lr", "steps": "optim.max_steps",
            "precision": "optim.precision", "data": "data.data", "tokenizer": "data.tokenizer",
-           "seq_len": "data.seq_len", "global_batch": "data.global_batch",
-           "micro_batch": "data.micro_batch"}
+           "seq_len": "data.seq_len", "global_batch": "data.global_batch", "micro_batch": "data.micro_batch"}
 
 
 class ConfigError(ValueError):
@@ -302,20 +294,14 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
 
 
 def from_args(argv: list[str]) -> Config:
-    """Build a Config from a preset (--preset NAME) and overrides."""
-    argv = list(argv)
-    name = "tiny"
-    for i, a in enumerate(argv):
-        if a.startswith("--preset"):
-            if "=" in a:
-                name = a.split("=", 1)[1]
-                del argv[i]
-            else:
-                if i + 1 >= len(argv):
-                    raise ConfigError("--preset needs a name: " + ", ".join(PRESETS))
-                name = argv[i + 1]
-                del argv[i:i + 2]
-            break
+    """Build a Config from a preset (--preset NAME or --preset=NAME; default tiny) and overrides."""
+    argv, name = list(argv), "tiny"
+    i = next((i for i, a in enumerate(argv) if a == "--preset" or a.startswith("--preset=")), None)
+    if i is not None:
+        if "=" not in argv[i] and i + 1 >= len(argv):
+            raise ConfigError("--preset needs a name: " + ", ".join(PRESETS))
+        name = argv[i].split("=", 1)[1] if "=" in argv[i] else argv.pop(i + 1)
+        del argv[i]
     if name not in PRESETS:
         close = difflib.get_close_matches(name, PRESETS, n=2)
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
@@ -328,8 +314,7 @@ def wants_help(argv: list[str]) -> bool:
 
 
 def field_comments() -> dict[tuple[str, str], str]:
-    """(dataclass name, field name) -> the field's end-of-line comment in this file: the help text
-    is written once, next to the field it explains."""
+    """(dataclass name, field name) -> the field's end-of-line comment here: help written next to its field."""
     import ast
     import io
     import tokenize
@@ -343,8 +328,7 @@ def field_comments() -> dict[tuple[str, str], str]:
 
 
 def help_text(intro: str, argv: list[str]) -> str:
-    """--help: intro (the entry point's docstring), then every key with its value under the chosen
-    preset and the other flags given, and its comment. A comment starting "..." continues the one above."""
+    """--help: intro, then every key, its value under the preset and flags given, and its comment."""
     argv = [a for a in argv if a not in ("-h", "--help")]
     cfg, comments = from_args(argv), field_comments()
     short = {key: alias for alias, key in ALIASES.items()}
@@ -369,17 +353,14 @@ def help_text(intro: str, argv: list[str]) -> str:
 # ----------------------------------------------------------------------------- validation
 
 def validate(cfg: Config, world_size: int = 1, backend: str = "") -> None:
-    """Reject a config that cannot work, before any process group or model exists. backend: the
-    collective backend the device implies ("xla" on Trainium; "" when not yet known)."""
+    """Reject a config that cannot work, before any work. backend: "xla" on Trainium, "" if not known."""
     check_values(cfg)
     check_layout(cfg, world_size, backend)
 
 
 def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel degree for this world size (checks world = TP x PP x DP)."""
-    p = cfg.parallel
-    if p.tp < 1 or p.pp < 1:
-        raise ConfigError(f"tp={p.tp} and pp={p.pp} must be >= 1")
+    p = cfg.parallel                        # tp, pp >= 1: check_values ran first
     if world_size % (p.tp * p.pp) != 0:
         raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
                           f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
@@ -395,13 +376,12 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
     d = cfg.data
     if d.global_batch % (d.micro_batch * dp) != 0:
         raise ConfigError(f"global batch {d.global_batch} is not divisible by micro_batch*dp = "
-                          f"{d.micro_batch}*{dp}; pick a global batch that is a multiple of "
-                          f"{d.micro_batch * dp}")
+                          f"{d.micro_batch}*{dp}; pick a global batch that is a multiple of {d.micro_batch * dp}")
     return d.global_batch // (d.micro_batch * dp)
 
 
-# Every numeric key's domain: (test, what the key must be). Checked first, so that a zero divisor
-# or a negative seed is a message naming the key, never a ZeroDivisionError deep inside a run.
+# Every numeric key's domain: (test, what it must be). Checked first: a zero divisor or a negative seed is a
+# message naming the key, never a ZeroDivisionError deep inside a run.
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 _POSITIVE = (lambda v: v > 0, "> 0")
@@ -428,8 +408,7 @@ NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_
 
 
 def check_values(cfg: Config) -> None:
-    """What holds whatever the world size: every key's domain, and the model's shape alone and
-    against the TP/PP degrees."""
+    """What holds at any world size: every key's domain, the model's shape alone and against TP/PP."""
     for key, (holder, f) in _all_keys(cfg).items():
         value = getattr(holder, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -450,9 +429,8 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
                           "it goes with --ckpt.resume=false (drop it to resume them)")
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
-        raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above "
-                          f"--model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 rope scaling "
-                          f"interpolates between them)")
+        raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above --model.rope_low_"
+                          f"freq_factor={m.rope_low_freq_factor} (llama3 rope scaling interpolates between them)")
     if m.dim % m.n_heads != 0 and not m.head_dim_override:
         raise ConfigError(f"--model.dim={m.dim} is not divisible by --model.n_heads={m.n_heads}; pick n_heads "
                           f"among the divisors of dim")
@@ -500,14 +478,12 @@ def check_values(cfg: Config) -> None:
 
 
 def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
-    """The layout on `world_size` ranks (world = TP x PP x DP, the batch split over DP), and the
-    rules of torch-xla's xla backend."""
+    """The layout on world_size ranks (TP x PP x DP, the batch over DP), and torch-xla's backend rules."""
     m, p = cfg.model, cfg.parallel
     accum = grad_accum_steps(cfg, resolve_dp(cfg, world_size))
     if p.pp > 1 and accum < p.pp:
-        raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, "
-                          f"got {accum} (global_batch / (micro_batch * dp)); raise the global batch "
-                          f"or lower micro_batch")
+        raise ConfigError(f"pipeline of {p.pp} stages needs at least {p.pp} microbatches per step, got {accum} "
+                          f"(global_batch / (micro_batch * dp)); raise the global batch or lower micro_batch")
     if backend != "xla" or p.pp == 1:
         return
     # torch 2.9's isend passes the group-local peer, which ProcessGroupXla.send takes for a global
@@ -515,27 +491,24 @@ def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
     if p.pp_p2p == "send":
         raise ConfigError("--parallel.pp_p2p='send' does not work on the xla backend (send/recv "
                           "take group-local peers as global ranks); use --parallel.pp_p2p=allgather")
-    # XLA's verifier accepts a mesh of groups only if it names every rank once: the pairs [s, s+1]
-    # of one parity (with the wrap-around [pp-1, 0]) need an even pp, and the embedding group
-    # (first and last stage) leaves the middle stages out.
+    # XLA's verifier accepts a mesh of groups only if it names every rank once: the pairs [s, s+1] of one parity
+    # (with the wrap-around [pp-1, 0]) need an even pp; the embedding group (first, last stage) leaves out the middle.
     if m.tie_embeddings and p.pp > 2:
         raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group "
                           f"(first and last stage) is a mesh that leaves out the middle stages, which "
                           f"XLA's verifier rejects; use pp 2, or a model without tied embeddings")
     if p.pp % 2:
         raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
-                          f"pair groups must cover every rank once (NxD's rule); use pp "
-                          f"{p.pp - 1} or {p.pp + 1}")
+                          f"pair groups must cover every rank once (NxD's rule); use pp {p.pp - 1} or {p.pp + 1}")
 
 
 def warnings(cfg: Config) -> list[str]:
-    """Settings that work but are seldom meant: said out loud before the run starts. (A warmup
-    longer than the run is how a pre-compile pass or an eager reference run stops one early.)"""
+    """Settings that work but are seldom meant, said before the run starts (a pre-compile pass may mean them)."""
     o, out = cfg.optim, []
     if o.warmup_steps > o.max_steps:
-        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps="
-                   f"{o.max_steps}): the lr never reaches its peak {o.lr:g}; lower warmup_steps unless "
-                   f"this run stops a longer schedule early on purpose")
+        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps={o.max_steps}): "
+                   f"the lr never reaches its peak {o.lr:g}; lower warmup_steps unless this run stops a longer "
+                   f"schedule early on purpose")
     return out
 
 
@@ -568,24 +541,18 @@ def check_dir(key: str, path: str) -> None:
         raise ConfigError(f"--{key}={path!r}: {parent} is not writable by this user; give another path")
 
 
-def check_file(key: str, path: str) -> None:
-    """path is an existing regular file this process can read."""
-    kind = path_kind(path)
-    if kind != "a file":
-        raise ConfigError(f"--{key}={path!r} is {'missing' if kind == 'nothing' else kind}: give a file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"--{key}={path!r} is not readable by this user")
-
-
 def check_paths(cfg: Config) -> None:
-    """Every directory a run writes into and the tokenizer it reads, before any work: a file where a
-    directory belongs would otherwise fail the first save, hours into training."""
+    """Every directory a run writes and the tokenizer it reads: else a bad path fails the first save, hours in."""
     for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir),
                       ("log.tensorboard", cfg.log.tensorboard), ("data.cache_dir", cfg.data.cache_dir)):
         if path:
             check_dir(key, path)
-    if cfg.data.tokenizer and path_kind(cfg.data.tokenizer) != "a directory":      # a model folder is fine
-        check_file("data.tokenizer", cfg.data.tokenizer)
+    tok = cfg.data.tokenizer
+    if tok and (kind := path_kind(tok)) != "a directory":      # a model folder is fine, else a readable file
+        if kind != "a file":
+            raise ConfigError(f"--data.tokenizer={tok!r} is {'missing' if kind == 'nothing' else kind}: give a file")
+        if not os.access(tok, os.R_OK):
+            raise ConfigError(f"--data.tokenizer={tok!r} is not readable by this user")
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -604,10 +571,9 @@ class Instance:
     efa: int = 8                 # EFA interfaces: the EFA device plugin's vpc.amazonaws.com/efa (scripts/eks.py)
 
 
-# The Neuron docs (Release 2.29, the Trn1 and Trn2 architecture pages): trn1 16 chips x 2 NeuronCore-v2, per
-# chip 190 / 47.5 TFLOPS bf16 / fp32, 32 GiB, NeuronLink-v2 384 GiB/s, EFA 800 Gbps (trn1n 1600).
-# trn2 16 chips x 8 NeuronCore-v3 at LNC=2: 4 logical cores (ranks) a chip, 667 / 181 TFLOPS and
-# 96 GiB a chip, NeuronLink-v3 1.28 TB/s a chip, EFAv3 3.2 Tbps on 16 interfaces.
+# The Neuron docs (2.29, Trn1/Trn2 architecture): trn1 16 chips x 2 NeuronCore-v2, per chip 190 / 47.5 TFLOPS bf16 /
+# fp32, 32 GiB, NeuronLink-v2 384 GiB/s, EFA 800 Gbps (trn1n 1600). trn2 16 chips x 8 NeuronCore-v3 at LNC=2: 4 logical
+# cores (ranks) a chip, 667 / 181 TFLOPS and 96 GiB a chip, NeuronLink-v3 1.28 TB/s a chip, EFAv3 3.2 Tbps on 16 NICs.
 INSTANCES = {
     "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8, devices=16, efa=8),
     "trn1n": Instance("trn1n.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 1600e9 / 8, devices=16, efa=16),
