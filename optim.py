@@ -604,8 +604,8 @@ class Zero1AdamW(AdamW):
                                 else torch.zeros(b - a, dtype=dtype, device=device)   # padding, or no grad
                                 for i, a, b in runs])
             bucket.mul_(1.0 / g.dp)
-            pieces.append(parallel.reduce_scatter_tensor(torch.empty(c1 - c0, dtype=dtype, device=device),
-                                                         bucket, g.dp_group))
+            pieces.append(torch.empty(c1 - c0, dtype=dtype, device=device))
+            dist.reduce_scatter_tensor(pieces[-1], bucket, group=g.dp_group)
         shard = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
         if max_norm > 0:
@@ -631,8 +631,8 @@ class Zero1AdamW(AdamW):
             mine[s.lo:s.hi] = s.value
         runs_of = [[] for _ in self.named]
         for c0, c1, runs in self.buckets:
-            out = parallel.all_gather_tensor(torch.empty((c1 - c0) * self.grid.dp, dtype=dtype, device=mine.device),
-                                             mine[c0:c1], self.grid.dp_group)
+            out = torch.empty((c1 - c0) * self.grid.dp, dtype=dtype, device=mine.device)
+            dist.all_gather_into_tensor(out, mine[c0:c1], group=self.grid.dp_group)
             for (i, a, b), piece in zip(runs, out.split([b - a for _, a, b in runs])):
                 if i >= 0:
                     runs_of[i].append((a, piece))

@@ -1,38 +1,13 @@
 """Tensor, sequence and data parallelism on torch.distributed: how HLAT splits a Llama over NeuronCores.
 
-The pieces, top to bottom (names follow Megatron-LM and NeuronX Distributed, so a reader can map
-each one onto theirs):
-
-1. The rank grid. ranks = arange(world).reshape(PP, DP, TP): TP ranks are neighbours (one trn1
-   instance, NeuronLink), PP is outermost. `rank_groups` lists every group of every kind; the same
-   lists create the gloo/nccl groups and, on XLA, the full replica-group mesh of each collective.
-2. Collectives, wrapped in one place (`all_reduce`, `_all_gather`, `_reduce_scatter`, and ZeRO-1's
-   `reduce_scatter_tensor`, `all_gather_tensor`) so that one step's communication can be counted
-   (`count_collectives`).
-3. The region operators as autograd Functions: each is one collective forward and its transpose
-   backward (f/g of Megatron, the sequence-parallel all-gather / reduce-scatter pair, and the SP
-   column-parallel linear that saves only its input's sequence shard).
-4. Parallel layers: ColumnParallelLinear (output features split), RowParallelLinear (input features
-   split), VocabParallelEmbedding and VocabParallelHead (vocabulary split, padded to a TP multiple).
-5. (How each parameter is split over TP ranks, by name: sharding.py.)
-6. build_model: the Llama on the meta device, its layers swapped for parallel ones, this rank's
-   shard allocated empty; init_weights generates each local shard from the stream of
-   model.init_param's full tensor (model.init_param_part): same seed, same full weights, whatever
-   the layout, and no rank ever holds a full tensor.
-7. Vocab-parallel cross entropy: the loss from sharded logits, with two small all-reduces.
-8. Gradients: TP-replicated sums (SP norms, replicated KV heads), the DP all-reduce in flat buckets
-   scaled 1/DP, and clipping on the true global norm.
-9. Full state dicts: gather shards to full shape, or load this rank's shard of full weights.
-
-Sequence parallelism (the blog's SP=8 with TP=8): between the TP regions the residual stream is
-split along the sequence, [B, T/tp, dim], so norms and residual adds run on 1/tp of the tokens and
-activations take 1/tp of the memory. The column-parallel input all-gathers the sequence, the
-row-parallel output reduce-scatters it: the same bytes as the all-reduce they replace, plus (as in
-Megatron) one all-gather per column-parallel linear in backward, so it need not save the full input.
+Top to bottom, named as in Megatron-LM and NeuronX Distributed: rank grid and groups, collectives,
+region operators (autograd Functions: a collective forward, its transpose backward), parallel layers,
+build_model, vocab-parallel loss, gradient sums and norms, full state dicts. How each parameter is
+split over TP ranks: sharding.py. Sequence parallelism (the blog's SP=8 with TP=8) splits the residual
+stream along the sequence between TP regions, so norms and residual adds run on 1/tp of the tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -43,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import configs
-from configs import Config, ConfigError, ModelConfig
+from configs import Config, ConfigError
 import model as llama
 import sharding
 
@@ -53,13 +28,9 @@ BUCKET_BYTES = 64 * 2**20   # DP all-reduce bucket: big enough to amortize laten
 # ----------------------------------------------------------------------------- 1. the rank grid
 
 def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1, tied: bool = False) -> dict[str, list[list[int]]]:
-    """All groups of each kind, as plain lists of global ranks, from ONE layout:
-    ranks = arange(world).reshape(PP, DP, TP), as in NxD. TP is contiguous (one trn1 instance,
-    NeuronLink), PP outermost. The same lists create gloo/nccl groups and the XLA mesh.
-    kv_replicas > 1 (more TP ranks than KV heads, 70B: 8 KV heads at TP=32) adds "kv": the runs of
-    kv_replicas neighbouring TP ranks that hold copies of the same KV head.
-    tied (tied embeddings with pp > 1) adds "embed": the first and last rank of each PP group, which
-    hold the embedding and its copy in the head (Megatron's embedding group)."""
+    """Every group of each kind, as lists of ranks of ranks = arange(world).reshape(PP, DP, TP) (NxD's:
+    TP on one instance's NeuronLink). "kv": TP ranks holding copies of one KV head (tp > n_kv_heads);
+    "embed": each pipeline's first and last stage, holding a tied embedding and its copy (Megatron)."""
     dp = world // (tp * pp)
     grid = torch.arange(world).reshape(pp, dp, tp)
     groups = {
@@ -76,8 +47,7 @@ def rank_groups(world: int, tp: int, pp: int, kv_replicas: int = 1, tied: bool =
 
 @dataclass
 class Grid:
-    """Where this rank sits: its coordinates and its process groups. A group is None when its
-    degree is 1 (nothing to communicate), so every collective on it is a no-op."""
+    """This rank's coordinates and process groups; a group of degree 1 is None (collectives no-op)."""
     world: int = 1
     rank: int = 0
     tp: int = 1
@@ -104,24 +74,18 @@ class Grid:
         return "cuda" if self.backend == "nccl" else "cpu"
 
 
-def check_layout(cfg: Config, world: int, backend: str = "") -> None:
-    """Every reason a layout cannot work, raised as ConfigError before any process group exists."""
-    configs.validate(cfg, world, backend)
-
-
 def backend_for(device_type: str) -> str:
     """The collective backend follows the device: gloo on CPU, nccl on CUDA, xla on Trainium."""
     return {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}[device_type]
 
 
 def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
-    """Validate the layout, then create the process groups of this torchrun process, with the
-    backend of `device` (train.pick_device decides it). Reads RANK and WORLD_SIZE (and
-    MASTER_ADDR/PORT through env://) from torchrun. World 1: Grid()."""
+    """Validate the layout, then create this torchrun process's groups on the backend of `device`
+    (train.pick_device decides it). World 1: Grid(), no process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     backend = backend_for(torch.device(device).type)
-    check_layout(cfg, world, backend)        # bad input fails here, before any process group work
+    configs.validate(cfg, world, backend)     # bad input fails here, before any process group work
     if world == 1:
         return Grid()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -137,10 +101,8 @@ def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
     else:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # A key prefix per torchrun restart where the workers use the agent's store (torchrun's
-        # default): after --max-restarts relaunches them it still holds the dead attempt's addresses
-        # and gloo would connect to them. Without it (env.sh, multi-node) each rendezvous round has a
-        # fresh store, and a replaced node's agent (0 restarts) meets survivors that restarted: no prefix.
+        # A key prefix per torchrun restart where workers share the agent's store (the default): it
+        # still holds the dead attempt's addresses. env.sh (multi-node): a fresh store, no prefix.
         store, _, _ = next(dist.rendezvous("env://"))
         shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "-"
@@ -153,29 +115,21 @@ def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
 
 
 def new_host_group(timeout: datetime.timedelta | None = None):
-    """A gloo group over all ranks for host-side barriers and agreement on XLA (whose own barrier
-    is a no-op). Built eagerly, gloo connects every pair: 4095 sockets per rank at 4096 ranks,
-    131k per trn1 node. Built lazily (TORCH_GLOO_LAZY_INIT, read when a group is constructed), a
-    rank connects to a peer the first time it talks to it; gloo's barrier is a dissemination
-    barrier (rank r with r +- 2^k) and a one-number all-reduce is a ring, so a rank opens at most
-    2*log2(world) sockets: 24 at 4096 ranks. (NxD uses xm.rendezvous, a device all-gather, for
-    its checkpoint barriers: trainer/checkpoint.py; this keeps one host-side path with gloo.)"""
+    """A gloo group over all ranks for host-side barriers on XLA (whose own barrier is a no-op). Lazy
+    (TORCH_GLOO_LAZY_INIT): barriers and one-number all-reduces open ~2*log2(world) sockets, 24 at
+    4096 ranks, not 4095. (NxD uses xm.rendezvous, a device all-gather: trainer/checkpoint.py.)"""
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def group_options(backend: str, mesh: list[list[int]]):
-    """pg_options of a new group, one of `mesh` (all the groups of its kind, as plain lists).
-    XLA compiles each collective with the replica groups of ALL ranks: without the full mesh a
-    sub-group collective would be compiled with this group alone, which XLA's verifier rejects
-    (trainium.md; NxD passes the mesh the same way). Other backends take no options.
-    tests/xla_rules.py replaces this function to create gloo groups in their XLA form."""
+    """pg_options of a group of `mesh` (all groups of its kind): XLA's verifier wants every rank's
+    replica groups (trainium.md; NxD's mesh). tests/xla_rules.py replaces it to check gloo groups."""
     return {"xla_pg_options": {"mesh": mesh}} if backend == "xla" else None
 
 
 def new_grid(world: int, rank: int, tp: int, pp: int, kv_reps: int, backend: str, tied: bool = False) -> Grid:
-    """Create every group of every kind (new_group is collective: all ranks create all groups, in
-    the same order) and keep the ones this rank belongs to."""
+    """Create every group (new_group is collective: all ranks, same order); keep this rank's."""
     dp = world // (tp * pp)
     mine = {}
     for kind, lists in rank_groups(world, tp, pp, kv_reps, tied).items():
@@ -203,58 +157,18 @@ def destroy(grid: Grid) -> None:
 
 
 # ----------------------------------------------------------------------------- 2. collectives
-# Every collective of this file (and ZeRO-1's) goes through these functions, so a test or a benchmark can
-# count one step's communication per kind (count_collectives). Bytes counted: the full tensor
-# (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the input).
-
-_counters: list[list] = []   # open count_collectives() logs; empty (and unused) in normal runs
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """with count_collectives() as log: ... -> log is a list of (op, group, bytes)."""
-    log = []
-    _counters.append(log)
-    try:
-        yield log
-    finally:
-        _counters.remove(log)
-
-
-def _record(op: str, group, t: torch.Tensor):
-    for log in _counters:
-        log.append((op, group, t.numel() * t.element_size()))
-
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (SUM by default) over group; returns t. A no-op when group is None."""
-    if group is None:
-        return t
-    _record("all_reduce", group, t)
-    dist.all_reduce(t, op=op, group=group)
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
     return t
-
-
-def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
-    """SUM x over group into out, this rank's 1/n of it (dim 0); returns out. ZeRO-1's bucket."""
-    _record("reduce_scatter", group, x)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
-
-
-def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's x, concatenated along dim 0 into out; returns out. ZeRO-1's bucket."""
-    _record("all_gather", group, out)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate every rank's x along dim (collectives concatenate along dim 0: move dim there)."""
-    n = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    _record("all_gather", group, out)
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
     dist.all_gather_into_tensor(out, x, group=group)
     return out.movedim(0, dim)
 
@@ -267,7 +181,6 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
                          f"tp {n}; use a sequence length that is a multiple of tp")
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    _record("reduce_scatter", group, x)
     dist.reduce_scatter_tensor(out, x, group=group)
     return out.movedim(0, dim)
 
@@ -280,8 +193,7 @@ SEQ = 1
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: identity forward; backward all-reduces, because each rank's column-parallel linear gives
-    only its output shard's share of the input gradient."""
+    """f: identity forward; backward all-reduces the column-parallel ranks' input-gradient shares."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -303,39 +215,10 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather the last dim forward (e.g. full logits for sampling); split backward."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(n, dim=-1)[r].contiguous(), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """SP: all-gather the sequence forward; backward reduce-scatters, summing the ranks' partial
-    input gradients and keeping this rank's shard. (Not before a linear: see the next one.)"""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, dim=SEQ)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, dim=SEQ), None
-
-
 class _LinearWithSequenceParallel(torch.autograd.Function):
-    """SP column-parallel linear, y = all_gather(x) @ W.T, saving for backward only this rank's
-    sequence shard x [B, T/tp, in], not the gathered [B, T, in] that all_gather + F.linear saves:
-    tp times less saved input for each of the 2L+1 column-parallel linears (lm_head included).
-    Backward all-gathers x again for grad_W and reduce-scatters grad_x: one more all-gather each,
-    Megatron's price (LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel;
-    NxD's linear_with_async_allreduce with sequence_parallel_enabled)."""
+    """SP column-parallel linear y = all_gather(x) @ W.T that saves only x's sequence shard, tp times
+    less than the gathered input, and all-gathers it again for grad_W in backward (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication; NxD's linear_with_async_allreduce)."""
     @staticmethod
     def forward(ctx, x, weight, group):
         ctx.group = group
@@ -352,8 +235,7 @@ class _LinearWithSequenceParallel(torch.autograd.Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """SP after a row-parallel linear: reduce-scatter forward (sum partial outputs, keep this rank's
-    sequence shard); backward all-gathers the sequence."""
+    """SP after a row-parallel linear: reduce-scatter to sequence shards; backward all-gathers."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -367,8 +249,6 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 # Megatron's functional names, each (x, group) -> tensor.
 copy_to_tensor_parallel_region = _CopyToTensorParallelRegion.apply
 reduce_from_tensor_parallel_region = _ReduceFromTensorParallelRegion.apply
-gather_from_tensor_parallel_region = _GatherFromTensorParallelRegion.apply
-gather_from_sequence_parallel_region = _GatherFromSequenceParallelRegion.apply
 reduce_scatter_to_sequence_parallel_region = _ReduceScatterToSequenceParallelRegion.apply
 linear_with_sequence_parallel = _LinearWithSequenceParallel.apply    # (x, weight, group)
 
@@ -376,9 +256,7 @@ linear_with_sequence_parallel = _LinearWithSequenceParallel.apply    # (x, weigh
 # ----------------------------------------------------------------------------- 4. parallel layers
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., shard] = x @ W[shard].T: this rank holds `out_local` rows of W (output features).
-    Input: replicated [B, T, in] (f operator), or with SP a sequence shard [B, T/tp, in], gathered
-    here but saved as the shard. Output: this rank's output features over the full sequence."""
+    """y[..., shard] = x @ W[shard].T on `out_local` rows of W; input replicated, or a sequence shard (SP)."""
     def __init__(self, in_features: int, out_local: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -391,9 +269,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x[..., shard] @ W[:, shard].T: this rank holds `in_local` columns of W
-    and its input is already split the same way (the output of a column-parallel layer). The partial
-    outputs are all-reduced (g), or with SP reduce-scattered back to sequence shards."""
+    """y = sum over ranks of x[..., shard] @ W[:, shard].T on `in_local` columns of W; the partial
+    outputs are all-reduced (g) or, with SP, reduce-scattered back to sequence shards."""
     def __init__(self, in_local: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -407,9 +284,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [rank * V_local, (rank + 1) * V_local) of the (padded) embedding table. Each rank looks up
-    the tokens it owns, writes zeros for the others, and the sum over ranks is the full lookup:
-    all-reduced, or with SP reduce-scattered straight into sequence shards."""
+    """This rank's V_local rows of the padded table: its tokens looked up, zeros for the others,
+    summed over ranks (all-reduce, or with SP reduce-scatter into sequence shards)."""
     def __init__(self, vocab_local: int, dim: int, tp_rank: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -426,9 +302,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """lm_head split over the vocabulary: logits [B, T, V_local], this rank's slice of the padded
-    vocabulary. Padding columns (vocab rounded up to a TP multiple) are set to model.MASK_VALUE
-    (finite, as every mask: no infinity on trn1), so no softmax, loss or sampler gives them probability. loss_sum: the vocab-parallel cross entropy."""
+    """lm_head split over the vocabulary: logits [B, T, V_local]. Padding columns get model.MASK_VALUE
+    (finite, as every mask on trn1), so no softmax, loss or sampler gives them probability."""
     def __init__(self, dim: int, vocab_local: int, n_real: int, vocab_start: int, group, sequence_parallel: bool):
         super().__init__(dim, vocab_local, group, sequence_parallel)
         self.n_real = n_real          # real (non-padding) vocabulary entries in this rank's slice
@@ -446,7 +321,7 @@ class VocabParallelHead(ColumnParallelLinear):
         return _VocabParallelCrossEntropy.apply(self(h), targets, self.group, self.vocab_start)
 
 
-# ----------------------------------------------------------------------------- 6. building the model (5: sharding.py)
+# ----------------------------------------------------------------------------- 5. building the model
 
 def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) -> llama.Llama:
     """Swap the Llama's layers for their TP (and SP) versions, holding this rank's share."""
@@ -469,18 +344,15 @@ def tensor_parallelize(model: llama.Llama, grid: Grid, sequence_parallel: bool) 
 
 
 def tie_embeddings(model: nn.Module) -> None:
-    """Make the head's weight the embedding's Parameter again, where the model holds both and the
-    config ties them (Llama 3.2; a pipeline stage only when it has both: PP=1). Module.to_empty()
-    from meta and .to() to another device type make a new Parameter per module, so a tied pair
-    comes out as two tensors that start equal and then train apart (issue 26): after every move."""
+    """Make a tied head's weight the embedding's Parameter again (Llama 3.2): Module.to_empty() and
+    .to() make a Parameter per module, and the two would train apart (issue 26)."""
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     if model.cfg.tie_embeddings and embed is not None and head is not None:
         head.weight = embed.weight
 
 
 def check_tied(model: nn.Module) -> None:
-    """Raise unless a tied head and embedding are one Parameter on one storage (train.py calls it
-    before the first step; the optimizer, the gradient sums and the export count on it)."""
+    """Raise unless a tied head and embedding are one Parameter on one storage."""
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     if model.cfg.tie_embeddings and embed is not None and head is not None and not (
             head.weight is embed.weight and head.weight.data_ptr() == embed.weight.data_ptr()):
@@ -489,8 +361,7 @@ def check_tied(model: nn.Module) -> None:
 
 
 def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Host tensors onto device. XLA: one batched host-to-device call for all of them (the one
-    torch-xla's data loader uses), not one synchronous .to() per tensor."""
+    """Host tensors onto device; on XLA in one batched transfer, as torch-xla's loader does."""
     device = torch.device(device)
     if device.type == "xla" and all(t.device.type == "cpu" for t in tensors):
         import torch_xla.core.xla_model as xm
@@ -550,7 +421,7 @@ def build_model(cfg: Config, grid: Grid, device, stage=None, dtype: torch.dtype 
 def init_weights(model: nn.Module, cfg: Config, grid: Grid) -> nn.Module:
     """Fill build_model's weights from cfg.seed: every layout holds the same full weights. Each rank
     generates only its shard, from the stream that generates the full tensor (the same values as
-    cutting it from init_param's full tensor, bit for bit: tests/test_parallel.py)."""
+    cutting it from init_param's full tensor, bit for bit: tests/test_sharding.py)."""
     full = llama.param_shapes(cfg.model)
     for name, p in model.named_parameters():      # a tied matrix once, as embed.weight
         rows, cols = sharding.index(name, full[name], cfg.model, grid.tp, grid.tp_rank)
@@ -558,12 +429,11 @@ def init_weights(model: nn.Module, cfg: Config, grid: Grid) -> nn.Module:
     return model
 
 
-# ----------------------------------------------------------------------------- 7. loss
+# ----------------------------------------------------------------------------- 6. loss
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy from logits split over the vocabulary, without gathering them (Megatron):
-    the softmax needs only the global max and the global sum of exponentials, and the target logit
-    lives on exactly one rank. Two all-reduces of [B, T] numbers instead of [B, T, V]."""
+    """Cross entropy of vocabulary-split logits without gathering them (Megatron): the global max and
+    sum of exponentials, and the target logit from its one rank: two all-reduces of [B, T] numbers."""
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start):
         ctx.dtype = logits.dtype
@@ -593,7 +463,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (g * grad).to(ctx.dtype), None, None, None
 
 
-# ----------------------------------------------------------------------------- 8. gradients
+# ----------------------------------------------------------------------------- 7. gradients
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int):
     """Consecutive runs of same-dtype tensors of at most bucket_bytes (a larger tensor goes alone)."""
@@ -620,18 +490,16 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float = 1.0) -> 
 
 
 def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
-    """The gradient to reduce, clip and apply: the fp32 buffer that mixed precision accumulates
-    into (optim.accumulate_grads_in_fp32: p.main_grad), else p.grad."""
+    """The gradient to reduce, clip and apply: mixed precision's fp32 p.main_grad, else p.grad."""
     g = getattr(p, "main_grad", None)
     return g if g is not None else p.grad
 
 
 @torch.no_grad()
 def reduce_tp_replicated_gradients(model: nn.Module, grid: Grid) -> None:
-    """Sum over TP the gradients of weights that several TP ranks hold copies of:
-    - SP norm weights: each rank saw only its sequence shard (NxD allreduce_sequence_parallel_gradients);
-    - replicated KV heads (tp > n_kv_heads): each copy got the gradient of its own q heads only.
-    Once per step, after the last microbatch (gradients add up linearly). Also needed with ZeRO-1."""
+    """Sum over TP the gradients of weights TP ranks hold copies of: SP norm weights (each saw its
+    sequence shard; NxD allreduce_sequence_parallel_gradients) and replicated KV heads (each copy saw
+    its own q heads). Once per step, after the last microbatch; ZeRO-1 too."""
     params = [p for p in model.parameters() if grad_of(p) is not None]
     sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
     if sp and grid.tp_group is not None:
@@ -643,11 +511,9 @@ def reduce_tp_replicated_gradients(model: nn.Module, grid: Grid) -> None:
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Once per step, after the last microbatch's backward (never on the others):
-    the TP sums above, then the DP all-reduce: SUM over the DP group only, in flat buckets, each
-    scaled by 1/DP. Never 1/world: xm.reduce_gradients divides by the world size even with DP
-    groups, which is the bug that made HLAT's run diverge (the blog). With TP=8, 1/world would
-    shrink every gradient 8 times."""
+    """Once per step, after the last microbatch: the TP sums above, then SUM over the DP group in
+    flat buckets scaled 1/DP. Never 1/world: xm.reduce_gradients divides by the world size even
+    with DP groups, the bug that made HLAT's run diverge (the blog): 8 times too small at TP=8."""
     reduce_tp_replicated_gradients(model, grid)
     if grid.dp_group is None:
         return
@@ -657,9 +523,8 @@ def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BY
 
 
 def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
-    """L2 norm of a whole-model quantity from this rank's pieces [(tensor, weight), ...] (weights
-    from tp_pieces: each element counts once over TP). Partial sums of squares are added over TP
-    and PP, and over DP when each DP rank holds a disjoint shard (ZeRO-1)."""
+    """L2 norm of a whole-model quantity from this rank's [(tensor, weight)] (sharding.tp_pieces'
+    weights), summed over TP and PP, and over DP when DP ranks hold disjoint shards (ZeRO-1)."""
     total = torch.zeros((), dtype=torch.float32, device=pieces[0][0].device if pieces else "cpu")
     for t, weight in pieces:
         if weight:
@@ -683,9 +548,7 @@ def param_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
 
 @torch.no_grad()
 def replica_spread(value: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """max - min of a per-rank scalar over the DP group (the parameter norm: the DP replicas should
-    hold identical weights). One all-reduce of two numbers (MAX of [v, -v]); train.py calls it at
-    log intervals only. 0 without data parallelism."""
+    """max - min of a per-rank scalar (the parameter norm) over the DP replicas: MAX of [v, -v]."""
     t = torch.stack([value.float(), -value.float()])
     all_reduce(t, grid.dp_group, op=dist.ReduceOp.MAX)
     return t[0] + t[1]
@@ -693,9 +556,7 @@ def replica_spread(value: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
-    """Scale gradients so the global L2 norm (tp_pieces: each weight counted once) is at most
-    max_norm; returns the norm before clipping as a tensor (no host sync). DP ranks already hold
-    identical reduced gradients."""
+    """Scale gradients to a global L2 norm of at most max_norm; returns the norm before (no host sync)."""
     params = [p for p in parameters if grad_of(p) is not None]
     if not params:
         return torch.zeros(())
@@ -708,14 +569,12 @@ def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
     return norm
 
 
-# ----------------------------------------------------------------------------- 9. full state dicts
+# ----------------------------------------------------------------------------- 8. full state dicts
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full-shape weights (or gradients, grads=True) of this rank's model, on every rank of its TP
-    group: each TP-split tensor is all-gathered and put back together (vocab padding dropped).
-    Holds one full model per rank: fine for tests, HF export and tiny runs; for 7B, export from a
-    checkpoint instead."""
+    """Full-shape weights (or gradients) on every rank of the TP group: a full model per rank, for
+    tests, HF export and tiny runs (export 7B from a checkpoint)."""
     out = {}
     for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
         t = grad_of(p) if grads else p

@@ -6,10 +6,13 @@ Two tiers (the `slow` marker is registered in pytest.ini):
     make test         everything: also the tests marked @pytest.mark.slow, which start processes that
                       load torch (train.py, torchrun, gloo worlds of 2-8 ranks, XLA) or soak
 """
+import contextlib
+import inspect
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -65,3 +68,27 @@ def seeded_model(cfg, grid, device="cpu", build=None, dtype=None):
     import parallel
     model = (build or parallel.build_model)(cfg, grid, device, dtype=dtype)
     return parallel.move_model(parallel.init_weights(model, cfg, grid), device)
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """with count_collectives() as log: the (op, group, bytes) of every all-reduce, all-gather and
+    reduce-scatter the block issues, torch.distributed's functions wrapped for its duration. Bytes:
+    the all-reduced tensor, the gathered output, the scattered input."""
+    log, real = [], {}
+    for name, op, arg in (("all_reduce", "all_reduce", "tensor"), ("reduce_scatter_tensor", "reduce_scatter", "input"),
+                          ("all_gather_into_tensor", "all_gather", "output_tensor")):
+        real[name] = getattr(dist, name)
+        sig = inspect.signature(getattr(dist.distributed_c10d, name))
+
+        def counted(*a, _call=real[name], _op=op, _arg=arg, _sig=sig, **k):
+            bound = _sig.bind(*a, **k).arguments
+            t = bound[_arg]
+            log.append((_op, bound.get("group"), t.numel() * t.element_size()))
+            return _call(*a, **k)
+        setattr(dist, name, counted)
+    try:
+        yield log
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)

@@ -18,6 +18,7 @@ from conftest import seeded_model  # noqa: E402
 import sharding  # noqa: E402
 from parallel import Grid  # noqa: E402
 from conftest import loss_sum  # noqa: E402
+from conftest import count_collectives  # noqa: E402
 
 BF16_ULP_AT_1 = 2.0 ** -7          # bf16 keeps 8 significant bits: the gap between 1 and the next value
 
@@ -577,7 +578,7 @@ def _zero1_bucket_worker(rank: int, world: int, store_file: str):
             for step in range(3):
                 tokens, targets = batch(step, n=4)
                 scale = targets.numel() / world           # the train.py rule: local sum * dp / global tokens
-                with parallel.count_collectives() as log:
+                with count_collectives() as log:
                     backward(model, tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2], scale=scale)
                     opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
                     opt.step()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import assert_close, packed_batch, seeded_model  # noqa: E402
+from conftest import assert_close, count_collectives, packed_batch, seeded_model  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -122,7 +122,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         logits = model(b0["tokens"], b0["positions"], b0["doc_ids"])
     res["logits_local"] = logits
     if grid.tp > 1:
-        logits = parallel.gather_from_tensor_parallel_region(logits, grid.tp_group)
+        logits = parallel._all_gather(logits, grid.tp_group, dim=-1)
     res["logits"], res["logit_rows"] = logits, grid.dp_rank * (GLOBAL_BATCH // grid.dp)
     opt = RecordingAdamW(model, grid)
     for step in range(STEPS):
@@ -134,8 +134,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         parallel.check_tied(model)
         with torch.no_grad():
             logits = model(b0["tokens"], torch.arange(SEQ).expand_as(b0["tokens"]))
-        res["logits_trained"] = parallel.gather_from_tensor_parallel_region(logits, grid.tp_group) \
-            if grid.tp > 1 else logits
+        res["logits_trained"] = parallel._all_gather(logits, grid.tp_group, dim=-1) if grid.tp > 1 else logits
     # load_full_state_dict is the inverse: load the reference init into a differently seeded model.
     cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.model.tie_embeddings)
     cfg2.seed = 8
@@ -149,7 +148,7 @@ def count_step_collectives(cfg, grid, bucket_bytes=parallel.BUCKET_BYTES):
     """One step's collectives, as (kind, op) -> [count, bytes]."""
     model = seeded_model(cfg, grid)
     kinds = {id(grid.tp_group): "tp", id(grid.dp_group): "dp"}
-    with parallel.count_collectives() as log:
+    with count_collectives() as log:
         forward_backward(model, rank_batches(0, grid), grid)
         parallel.reduce_gradients(model, grid, bucket_bytes)
         parallel.clip_grad_norm_(model.parameters(), 1.0, grid)
@@ -193,13 +192,25 @@ def saved_for_backward(fn, params):
     return out, saved
 
 
+class GatherSequence(torch.autograd.Function):
+    """Megatron's gather_from_sequence_parallel_region: all-gather the sequence forward,
+    reduce-scatter backward (the sum of the ranks' partial input gradients, this rank's shard)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return parallel._all_gather(x, group, dim=parallel.SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return parallel._reduce_scatter(grad, ctx.group, dim=parallel.SEQ), None
+
+
 @contextlib.contextmanager
 def gather_then_linear():
     """ColumnParallelLinear's SP forward as it was before _LinearWithSequenceParallel: all-gather,
     then F.linear, which saves the gathered [B, T, in] input. The baseline of the memory tests."""
     fixed = parallel.ColumnParallelLinear.forward
-    parallel.ColumnParallelLinear.forward = \
-        lambda self, x: F.linear(parallel.gather_from_sequence_parallel_region(x, self.group), self.weight)
+    parallel.ColumnParallelLinear.forward = lambda self, x: F.linear(GatherSequence.apply(x, self.group), self.weight)
     try:
         yield
     finally:
