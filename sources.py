@@ -182,8 +182,11 @@ def progress(total: int, desc: str, unit: str = "B"):
     """A tqdm bar with ETA for a long build (a large corpus's indexes), on a terminal only: never in
     logs or tests' output. One process of a node builds (the others wait at its lock): one bar."""
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
-                leave=False, delay=PROGRESS_DELAY, mininterval=1.0, dynamic_ncols=True)
+
+    class Bar(tqdm):
+        monitor_interval = 0      # tqdm starts its monitor thread even for a disabled bar: none in a loader
+    return Bar(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
+               leave=False, delay=PROGRESS_DELAY, mininterval=1.0, dynamic_ncols=True)
 
 
 def mapped(path: str, dtype=np.uint8) -> np.ndarray:
