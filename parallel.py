@@ -115,9 +115,8 @@ def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
 
 
 def new_host_group(timeout: datetime.timedelta | None = None):
-    """A gloo group over all ranks for host-side barriers on XLA (whose own barrier is a no-op). Lazy
-    (TORCH_GLOO_LAZY_INIT): barriers and one-number all-reduces open ~2*log2(world) sockets, 24 at
-    4096 ranks, not 4095. (NxD uses xm.rendezvous, a device all-gather: trainer/checkpoint.py.)"""
+    """Gloo over all ranks for host-side barriers on XLA (its own is a no-op); lazy, so a rank opens
+    ~2*log2(world) sockets, 24 at 4096 ranks, not 4095 (NxD: xm.rendezvous, trainer/checkpoint.py)."""
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     return dist.new_group(backend="gloo", timeout=timeout)
 
@@ -269,8 +268,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x[..., shard] @ W[:, shard].T on `in_local` columns of W; the partial
-    outputs are all-reduced (g) or, with SP, reduce-scattered back to sequence shards."""
+    """y = sum over ranks of x[..., shard] @ W[:, shard].T on `in_local` columns of W: g, or SP's reduce-scatter."""
     def __init__(self, in_local: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -284,8 +282,7 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's V_local rows of the padded table: its tokens looked up, zeros for the others,
-    summed over ranks (all-reduce, or with SP reduce-scatter into sequence shards)."""
+    """V_local rows of the padded table: own tokens looked up, zeros for others, summed over ranks."""
     def __init__(self, vocab_local: int, dim: int, tp_rank: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -573,8 +570,7 @@ def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full-shape weights (or gradients) on every rank of the TP group: a full model per rank, for
-    tests, HF export and tiny runs (export 7B from a checkpoint)."""
+    """Full-shape weights (or gradients) on every TP rank: tests, HF export, tiny runs (7B: from a checkpoint)."""
     out = {}
     for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
         t = grad_of(p) if grads else p
