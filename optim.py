@@ -1,43 +1,26 @@
-"""AdamW written out, four precision modes (with software stochastic rounding), the cosine
-learning-rate schedule, and ZeRO-1 (optimizer states sharded over the data-parallel group).
+"""AdamW written out, four precision modes, the cosine learning-rate schedule, and ZeRO-1
+(optimizer states sharded over the data-parallel group).
 
-Precision modes (`--optim.precision`), bytes of optimizer state per parameter in brackets:
-
-    fp32     params, grads, moments fp32                                   [8]
-    mixed    bf16 params and grads for compute; the optimizer keeps an fp32 master copy and
-             fp32 moments, and copies the master back into the bf16 params (round to nearest)  [12];
-             the gradients accumulate over microbatches and are reduced in fp32 (see below)
-    bf16     params, grads and moments bf16, every write rounded to nearest [4]
-    bf16_sr  as bf16, but every write of an updated value rounds stochastically [4]
-
-Why stochastic rounding (SR) matters (the blog: plain BF16 diverged, BF16 + SR converged like mixed
-precision with more throughput and less memory): bf16 keeps 8 significant bits, so a weight of 1.0
-can only move in steps of 2^-7. An Adam update of lr=3e-4 is far below half of that step, so round
-to nearest throws it away every time and the weight never moves. SR rounds up with probability
-(distance to the lower neighbour / gap), so the expected value of the rounded weight is exactly the
-fp32 value: small updates accumulate on average, with noise instead of bias.
-
-In every mode the update itself is computed in fp32; the modes differ only in what is stored and how
-it is rounded when written back.
-
-The call sequence train.py uses:
-
-    model.to(param_dtype(cfg.optim.precision))
-    opt = build_optimizer(model, cfg, grid)
-    opt.set_lr(lr_at(step, cfg.optim))
-    # without ZeRO-1: DP all-reduce and clipping in parallel.py, then opt.step(); opt.zero_grad()
-    # with ZeRO-1:    parallel.reduce_tp_replicated_gradients(model, grid)   # SP norms, KV copies
-    #                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip); opt.step(); opt.zero_grad()
+--optim.precision, with the bytes of optimizer state per parameter:
+    fp32     params, grads and moments fp32                                             [8]
+    mixed    bf16 params and grads; an fp32 master copy and fp32 moments, the master
+             copied back into the params (round to nearest); grads accumulate in fp32     [12]
+    bf16     params and moments bf16, every write rounded to nearest                    [4]
+    bf16_sr  as bf16, every write rounded stochastically                                [4]
+The update itself is fp32 arithmetic in every mode. Why stochastic rounding (the blog: plain bf16
+diverged, bf16 + SR converged like mixed): near 1.0 bf16 moves in steps of 2^-7, far above an
+update of lr = 3e-4, so round to nearest drops the update every time; SR rounds up with the
+probability of the distance, so the rounded weight equals the fp32 one in expectation.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from configs import Config, ConfigError, OptimConfig
 import parallel
@@ -68,9 +51,8 @@ def _check_precision(precision: str):
 # ----------------------------------------------------------------------------- schedule
 
 def lr_at(step: int, o: OptimConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to o.lr over warmup_steps,
-    hold o.lr for constant_steps (the blog's "constant step"), cosine from o.lr to o.min_lr over
-    decay_steps, then o.min_lr for the rest of training."""
+    """Learning rate of optimizer step `step` (0-based): linear warmup, o.lr held for constant_steps
+    (the blog's "constant step"), cosine to o.min_lr over decay_steps, then o.min_lr."""
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps      # step 0 already trains (lr/warmup, not 0)
     step -= o.warmup_steps + o.constant_steps
@@ -84,74 +66,48 @@ def lr_at(step: int, o: OptimConfig) -> float:
 
 # ----------------------------------------------------------------------------- stochastic rounding
 
-def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """fp32 -> bf16, rounding to the upper or lower bf16 neighbour at random, with probability
-    proportional to closeness, so that E[result] == x.
+def stochastic_round_(dsts: list, values: list, generator: torch.Generator | None) -> None:
+    """dst.copy_(value) rounded fp32 -> bf16 with E[result] == value, for each pair in turn. bf16 is
+    the top 16 bits of an fp32: a uniform integer in [0, 2^16) added to the bit pattern carries into
+    bit 16 with probability (low 16 bits) / 2^16, the fraction of the way from the lower neighbour
+    in magnitude; truncating the low bits gives the bf16 (exactly, inside copy_). NaN stays NaN (a
+    quiet NaN's top mantissa bit survives). On CPU one draw serves all the pairs (a serial Mersenne
+    Twister: one draw equals the draws in turn); CUDA's and XLA's generators advance per call, so
+    there each tensor draws its own."""
+    cpu = values[0].device.type == "cpu"
+    for pairs in [list(zip(dsts, values))] if cpu else [[pair] for pair in zip(dsts, values)]:
+        bits = sr_noise(sum(v.numel() for _, v in pairs), values[0].device, generator)
+        for (dst, value), b in zip(pairs, bits.split([v.numel() for _, v in pairs])):
+            b += value.float().reshape(-1).view(torch.int32)      # in place: one temporary for all
+            b &= -65536                           # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
+            dst.copy_(b.view(torch.float32).view(dst.shape))
 
-    bf16 is the top 16 bits of an fp32. Adding a uniform random integer in [0, 2^16) to the fp32 bit
-    pattern carries into bit 16 with probability (low 16 bits) / 2^16, i.e. exactly the fraction of
-    the way x lies from its lower neighbour (lower in magnitude: floats are sign-magnitude, so this
-    is symmetric for negative numbers). Truncating the low 16 bits then gives the bf16 value.
-    """
-    x = x.float()
-    bits = sr_noise(x.numel(), x.device, generator).view(x.shape)
-    bits += x.view(torch.int32)                    # in place: one temporary for the whole rounding
-    bits &= -65536                                 # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
-    # NaN stays NaN: a quiet NaN has the top mantissa bit set, which the truncation keeps.
-    return bits.view(torch.float32).to(torch.bfloat16)   # exact: the low 16 bits are already zero
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x rounded stochastically to a new bf16 tensor (stochastic_round_)."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    stochastic_round_([out], [x], generator)
+    return out
 
 
 def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
-    """n uniform integers in [0, 2^16), int32: torch.randint(0, 2^16, (n,)). On CPU the same numbers
-    from the same draws another way (tests/test_optim.py): randint's kernel reduces each 32-bit
-    draw modulo the range, a division by a value known only at run time; random_() reduces modulo
-    2^31, a constant the compiler turns into a mask, and the low 16 bits of either are the draw's.
-    The draws stay serial (one Mersenne Twister per generator): the floor of software SR on CPU."""
+    """torch.randint(0, 2^16, (n,), int32). On CPU the same numbers from the same draws, faster:
+    random_() reduces modulo 2^31 (a mask) where randint divides by a run-time range, and the low
+    16 bits of either are the draw's (tests/test_optim.py)."""
     if torch.device(device).type != "cpu":
         return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=device, generator=generator)
     bits = torch.empty(n, dtype=torch.int32).random_(generator=generator)
     return bits.bitwise_and_(0xFFFF)
 
 
-def stochastic_round_(dsts: list, values: list, generator: torch.Generator) -> None:
-    """dst.copy_(stochastic_round(value, generator)) for each pair in turn, bit for bit, with one
-    draw for all of them (the draws are consumed in the same order) and no bf16 temporary: the
-    rounded fp32 pattern, its low 16 bits zero, converts to bf16 exactly inside copy_. One draw
-    equals the tensors' draws in turn only for CPU's serial Mersenne Twister; CUDA's and XLA's
-    generators advance per call, so there each tensor keeps its own draw, as stochastic_round's."""
-    if values[0].device.type != "cpu":
-        for dst, value in zip(dsts, values):
-            dst.copy_(stochastic_round(value, generator))
-        return
-    bits = sr_noise(sum(v.numel() for v in values), values[0].device, generator)
-    for dst, value, b in zip(dsts, values, bits.split([v.numel() for v in values])):
-        b += value.reshape(-1).view(torch.int32)
-        b &= -65536
-        dst.copy_(b.view(torch.float32).view(dst.shape))
-
-
-def _write(dst: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None):
-    """Store an fp32 result into dst: nothing to do when it was updated in place, stochastic
-    rounding when a generator is given and dst is bf16, otherwise round to nearest (copy_)."""
-    if dst is value:
-        return
-    if generator is not None and dst.dtype == torch.bfloat16:
-        dst.copy_(stochastic_round(value, generator))
-    else:
-        dst.copy_(value)
-
-
 # ----------------------------------------------------------------------------- fp32 gradient accumulation
 
 def accumulate_grads_in_fp32(params) -> list:
-    """NxD's `use_fp32_grad_acc` (its default with ZeRO-1; HLAT 70B set USE_GRAD_ACC_HOOK=1):
-    after autograd has added a microbatch's bf16 gradient into p.grad, add it into an fp32 buffer
-    p.main_grad and free p.grad (torch_xla's ZeroRedundancyOptimizer._make_param_hook, which NxD
-    turns on with use_grad_acc_hook=True and higher_cc_precision=True: trainer/trainer.py). The
-    DP reduction, clipping and update then read main_grad (parallel.grad_of), in fp32.
-    Why: a bf16 running sum keeps 8 significant bits, so over the 64 microbatches of the 70B preset
-    each addition rounds the sum again and the late microbatches' small contributions are partly
-    lost (tests/test_optim.py measures it). Costs 4 bytes per parameter instead of 2."""
+    """NxD's use_fp32_grad_acc (HLAT 70B: USE_GRAD_ACC_HOOK=1; torch_xla's
+    ZeroRedundancyOptimizer._make_param_hook): each microbatch's bf16 p.grad is added into an fp32
+    p.main_grad and freed; reduction, clipping and update read main_grad (parallel.grad_of). A bf16
+    running sum over the 70B preset's 64 microbatches loses the late ones' small contributions
+    (tests/test_optim.py measures it). Costs 4 bytes per parameter instead of 2."""
     def hook(p):
         if p.grad is None:       # another optimizer's hook on this parameter already took it
             return
@@ -168,9 +124,8 @@ def accumulate_grads_in_fp32(params) -> list:
 
 @dataclass
 class _Slot:
-    """One run of elements the optimizer updates: a parameter, or a piece of one. Pieces exist
-    where elements differ in how they are shared over TP (a replicated KV head inside qkv_proj)
-    and, under ZeRO-1, where the rank's shard starts or ends inside a parameter."""
+    """A run of elements the optimizer updates: a parameter, or the piece of one that is shared over
+    TP in one way (a replicated KV head inside qkv_proj) or lies in this rank's ZeRO-1 shard."""
     name: str
     param: torch.nn.Parameter
     value: torch.Tensor               # a flat view into the param's data: updated in place
@@ -185,18 +140,11 @@ class _Slot:
 
 
 class AdamW:
-    """AdamW (Loshchilov & Hutter) with decoupled weight decay, step by step (see `_update`), in one
-    of four precision modes. Matches torch.optim.AdamW in fp32.
-
-    named_params: model.named_parameters() (names key the state_dict and the SR streams).
-      "mixed" copies its fp32 master from these params here: load pretrained weights before
-      building the optimizer (a resume restores the master from the optimizer state instead).
-    software_sr: round bf16_sr writes stochastically in software. Pass False on Trainium: there
-      bf16_sr means bf16 params with the hardware's stochastic rounding, switched on for every
-      fp32 -> bf16 conversion by NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the launch environment, and
-      the plain copy_ below is what the hardware rounds (torch-xla has no seeded randint path worth
-      paying for in the graph). build_optimizer turns it off for XLA params.
-    """
+    """AdamW (Loshchilov & Hutter, decoupled weight decay) in one of four precision modes; equals
+    torch.optim.AdamW in fp32. named_params: names key the state_dict and the SR streams; "mixed"
+    copies its master from the params here (load pretrained weights first). software_sr=False on
+    Trainium: its hardware rounds every fp32 -> bf16 copy_ stochastically
+    (NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the launch environment)."""
     zero1 = False
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid | None = None, seed: int = 0,
@@ -229,10 +177,8 @@ class AdamW:
 
     # --------------------------------------------------------------- state layout
     def _sr_key(self, name: str, sharing: str, offset: int, p=None) -> str:
-        # Each run gets its own random stream, a function of (seed, step, this key) only, so DP
-        # replicas round identically and stay identical, as do the TP copies of a norm weight or
-        # of a KV head; TP shards and pipeline stages draw independent noise. The stream state is
-        # therefore (seed, step), and the state_dict saves both.
+        # A run's random stream is a function of (seed, step, this key) only: DP replicas and the TP
+        # copies of a norm weight or KV head round identically; TP shards and stages independently.
         # The last stage's copy of a tied embedding rounds as the embedding on stage 0 does.
         if getattr(p, "tied_copy", False):
             return f"embed.weight|{sharing}|pp0|{offset}"
@@ -268,56 +214,25 @@ class AdamW:
 
     # --------------------------------------------------------------- the update
     def _step_scalars(self) -> dict[int, torch.Tensor]:
-        """This step's scalars of each param group, [1 - lr * wd, -lr / bias1, sqrt(bias2)], sent to
-        the device in one tensor: id(group) -> its row. As Python floats they would enter the XLA
-        graph as constants whenever they hit a special value (sqrt(1 - 0.95^t) rounds to 1.0 in fp32
-        from t ~ 326), and each such step would compile a new graph (minutes of neuronx-cc on trn1)."""
+        """id(group) -> [1 - lr * wd, -lr / bias1, sqrt(bias2)], one device tensor: as Python floats
+        they would enter the XLA graph as constants at special values (sqrt(1 - 0.95^t) rounds to 1
+        from t ~ 326), a new graph each time (minutes of neuronx-cc on trn1)."""
         c, t = self.cfg, self.step_count
         bias1, bias2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t      # both moments start at 0
         rows = [[1.0 - g["lr"] * g["weight_decay"], -g["lr"] / bias1, math.sqrt(bias2)] for g in self.param_groups]
         table = torch.tensor(rows, dtype=torch.float32, device=self.named[0][1].device if self.named else None)
         return {id(g): row for g, row in zip(self.param_groups, table)}
 
-    @torch.no_grad()
-    def _update(self, s: _Slot, grad: torch.Tensor, k: torch.Tensor):
-        """One slot's AdamW step; k: its group's row of _step_scalars. The reference, read step by
-        step: training runs the same arithmetic over many slots at once (_update_all)."""
-        c = self.cfg
-        # Everything below is fp32 arithmetic. `.float()` returns the tensor itself when it is
-        # already fp32, so fp32 state (and the mixed master) is updated in place; bf16 state is
-        # upcast into temporaries that `_write` rounds back at the end.
-        g = grad.float()
-        m, v = s.exp_avg.float(), s.exp_avg_sq.float()
-        w = s.master if s.master is not None else s.value.float()
-        # 1. decoupled weight decay: shrink the weight directly, outside the adaptive scaling
-        #    (AdamW's fix of Adam + L2, whose decay the 1/sqrt(v) factor would rescale per weight).
-        w.mul_(k[0])                                  # 1 - lr * wd
-        # 2. moments: running means of the gradient and of its square.
-        m.lerp_(g, 1.0 - c.beta1)
-        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-        # 3. bias correction, then the step lr * m_hat / (sqrt(v_hat) + eps), rounded as torch.optim's
-        #    w.addcdiv_(m, denom, value=-lr / bias1), which computes (value * m) / denom.
-        denom = (v.sqrt() / k[2]).add_(c.eps)
-        w.addcdiv_(m * k[1], denom)
-        # 4. write back: moments and weight, each rounded as the precision mode says.
-        gen = self._generator_for(s)
-        _write(s.exp_avg, m, gen)
-        _write(s.exp_avg_sq, v, gen)
-        _write(s.value, w, gen)
-
-    # Elements of fp32 temporaries one foreach batch may hold: its upcast gradients, moments, weights
-    # and two more (about 24 bytes per element in bf16 modes, 400 MB at 2^24), as the slot-by-slot
-    # reference held them for one parameter at a time.
+    # Elements one foreach batch may hold as fp32 temporaries (~24 bytes each in bf16 modes: 400 MB).
     FOREACH_ELEMENTS = 1 << 24
 
     @torch.no_grad()
     def _update_all(self, runs: list, k: dict):
-        """`_update` for many slots at once: runs is [(slot, its gradient)], k the _step_scalars.
-        The same fp32 arithmetic, as torch._foreach_* kernels over lists of the slots of one param
-        group (one kernel per operation on CUDA, instead of one per operation and parameter), in
-        batches of at most FOREACH_ELEMENTS; then each slot's write-back, stochastic rounding with
-        its own stream, as in _update. On CPU the foreach ops run the per-tensor kernels: the result
-        is bit-equal to _update's (tests/test_optim.py), on every precision."""
+        """The AdamW step of every slot: runs is [(slot, its gradient)], k the _step_scalars. fp32
+        arithmetic as torch._foreach_* kernels over one param group's slots (one kernel per operation
+        on CUDA), FOREACH_ELEMENTS at a time; bf16 state is upcast into temporaries and rounded back,
+        fp32 state (and the mixed master) is updated in place. On CPU bit-equal to the slot-by-slot
+        arithmetic (tests/test_optim.py)."""
         c = self.cfg
         batches, size = {}, {}
         for s, grad in runs:
@@ -335,7 +250,7 @@ class AdamW:
                 m = [s.exp_avg.float() for s in slots]
                 v = [s.exp_avg_sq.float() for s in slots]
                 w = [s.master if s.master is not None else s.value.float() for s in slots]
-                torch._foreach_mul_(w, kk[0])                          # 1. decoupled weight decay
+                torch._foreach_mul_(w, kk[0])                          # 1. decoupled weight decay: 1 - lr wd
                 torch._foreach_lerp_(m, g, 1.0 - c.beta1)              # 2. moments
                 torch._foreach_mul_(v, c.beta2)
                 torch._foreach_addcmul_(v, g, g, value=1.0 - c.beta2)
@@ -343,39 +258,32 @@ class AdamW:
                 denom = torch._foreach_sqrt(v)                         # 3. the step
                 torch._foreach_div_(denom, kk[2])
                 torch._foreach_add_(denom, c.eps)
-                torch._foreach_addcdiv_(w, torch._foreach_mul(m, kk[1]), denom)
+                torch._foreach_addcdiv_(w, torch._foreach_mul(m, kk[1]), denom)   # as torch.optim rounds it
                 del denom
                 for s, mi, vi, wi in zip(slots, m, v, w):             # 4. write back
-                    gen = self._generator_for(s)
-                    if gen is not None and s.value.dtype == torch.bfloat16 and s.exp_avg.dtype == torch.bfloat16:
+                    gen = self._generator_for(s)          # bf16_sr only: every tensor is bf16 there
+                    if gen is not None:
                         stochastic_round_([s.exp_avg, s.exp_avg_sq, s.value], [mi, vi, wi], gen)
                         continue
-                    _write(s.exp_avg, mi, gen)
-                    _write(s.exp_avg_sq, vi, gen)
-                    _write(s.value, wi, gen)
+                    for dst, value in ((s.exp_avg, mi), (s.exp_avg_sq, vi), (s.value, wi)):
+                        if dst is not value:              # not updated in place: round to nearest
+                            dst.copy_(value)
 
     @torch.no_grad()
     def step(self, apply: torch.Tensor | None = None):
-        """One AdamW step on the (already DP-reduced and clipped) gradients; params without a
-        gradient are skipped, as torch.optim does. apply: see _keep."""
+        """One AdamW step on the reduced and clipped gradients (params without one are skipped, as in
+        torch.optim). apply: see _keep."""
         keep = self._keep(apply)
         self.step_count += 1
-        runs = []
-        for s in self.slots:
-            grad = parallel.grad_of(s.param)
-            if grad is not None:
-                runs.append((s, grad.view(-1)[s.lo:s.hi]))
+        runs = [(s, g.view(-1)[s.lo:s.hi]) for s in self.slots if (g := parallel.grad_of(s.param)) is not None]
         self._update_all(runs, self._step_scalars())
         self._select(apply, keep)
 
     def _keep(self, apply: torch.Tensor | None) -> list:
-        """apply, a boolean tensor on the device (--log.on_nonfinite=skip on XLA: is the step's loss
-        and gradient norm finite?), decides on the device whether the update lands: the weights
-        and states before it are kept and a select puts them back where apply is False, so the host
-        never waits for the flag (it reads it with the logged metrics). On XLA the kept copies are
-        the graph's input buffers: no extra memory. The step count (Adam's t) advances either way:
-        a skipped step shifts the bias correction by one step, which fp32 no longer resolves after
-        t ~ 330 (1 - 0.95^t rounds to 1)."""
+        """apply, a boolean tensor (--log.on_nonfinite=skip on XLA), decides on the device whether the
+        update lands: a select restores the kept weights and states where it is False, so the host
+        never waits for the flag (on XLA the kept copies are the graph's inputs: no extra memory).
+        Adam's t advances either way (fp32 no longer resolves the shift after t ~ 330)."""
         if apply is None:
             return []
         return [(t, t.clone()) for t in [p.data for _, p in self.named] + list(self._state_tensors().values())]
@@ -411,18 +319,15 @@ class AdamW:
         return {"kind": "full"}
 
     def state_dict(self) -> dict:
-        """Moments, master weights, step and the SR stream state (seed; the stream of each tensor
-        is a function of seed and step). Tensors are returned by reference, as torch.optim does."""
+        """Moments, master weights, step and the SR streams' state (seed and step), by reference."""
         return {"precision": self.precision, "step": self.step_count, "sr_seed": self.sr_seed,
                 "lr": [g["lr"] for g in self.param_groups], "layout": self._layout(),
                 "state": self._state_tensors()}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):
-        """sd: a state_dict of this very layout, or a per-parameter one ("kind": "full": every
-        "<param name>.<moment>" this rank holds, shaped like its parameter here) from which any
-        layout takes its part; reshard.py rebuilds one from any saved layout, reading a tensor
-        only when it is asked for (sd["state"] may be a lazy mapping)."""
+        """sd: a state_dict of this very layout, or a per-parameter one ("kind": "full", from
+        reshard.py; sd["state"] may be a lazy mapping) from which any layout takes its part."""
         if sd["precision"] != self.precision:
             raise ConfigError(f"optimizer state was saved with precision {sd['precision']!r}, this run "
                               f"uses {self.precision!r}; resume with --optim.precision={sd['precision']}")
@@ -432,10 +337,9 @@ class AdamW:
             raise ConfigError(f"optimizer state layout {sd['layout']} does not match this run's "
                              f"{self._layout()}; load ZeRO-1 shards at another layout through "
                              f"reshard.py, which reshards them")
-        # Filled on the host, then each state tensor goes to the device whole, replacing the old one
-        # (and the slots are views into the new ones). Copied into views of the device tensors, the
-        # loaded state reached the next step's graph as slices of them: a graph of its own, one
-        # more compile (minutes of neuronx-cc) after every resume (issue 26).
+        # Filled on the host, then each state tensor goes to the device whole (the slots are views
+        # into the new ones): copied into views of device tensors, the loaded state reached the next
+        # step's graph as slices, one more compile (minutes of neuronx-cc) per resume (issue 26).
         now = self._state_tensors()
         host = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in now.items()}
         wanted = self._wanted(host) if full else AdamW._wanted(self, host)
@@ -455,9 +359,8 @@ class AdamW:
             g["lr"] = lr
 
     def _wanted(self, tensors: dict) -> dict:
-        """What a per-parameter state fills in `tensors` (shaped as _state_tensors()): "<param>.<moment>"
-        -> (flat destination, start and end of its part in the parameter's flat elements, the
-        parameter's numel)."""
+        """"<param>.<moment>" -> (flat destination in `tensors`, start and end of its part in the
+        parameter's flat elements, the parameter's numel)."""
         return {k: (t.view(-1), 0, t.numel(), t.numel()) for k, t in tensors.items()}
 
     def _set_state_tensors(self, tensors: dict) -> None:
@@ -469,36 +372,20 @@ class AdamW:
 # ----------------------------------------------------------------------------- ZeRO-1
 
 class Zero1AdamW(AdamW):
-    """ZeRO stage 1 (HLAT 70B, NxD's NeuronZero1Optimizer): each DP rank keeps the optimizer state
-    (moments, and the fp32 master in "mixed") of only 1/DP of the parameters.
-
-    All local params are laid end to end in one flat index space of N elements, padded to a
-    multiple of DP; DP rank r owns [r*S, (r+1)*S) with S = ceil(N / DP). Per step:
-      1. reduce_scatter_and_clip: grads scaled by 1/DP (divide by the DP degree, not the world size:
-         HLAT diverged with xm's 1/world scaling), reduce-scattered over the DP group so each rank
-         receives the summed grads of its shard only; global norm over TP, PP and DP; clip.
-      2. step: AdamW on the shard, then all-gather the updated params over the DP group.
-    It replaces the DP all-reduce: the same bytes move (reduce-scatter + all-gather == all-reduce),
-    but optimizer memory drops by DP. The TP sums of parallel.reduce_tp_replicated_gradients must
-    still run before step 1. A param without a gradient counts as a zero gradient here (it is
-    still decayed), where the unsharded AdamW skips it.
-
-    Buckets (issue 26). Both collectives run in buckets of at most bucket_bytes (the reduce-scatter's
-    input, the all-gather's output), never over one flat copy of every gradient (1.1 GB in fp32
-    for the 70B preset's local model, 2 GB for llama3_8b): NxD caps ZeRO-1's buckets at 130 MB
-    (neuronx_distributed/trainer/trainer.py, initialize_optimizer_from_class: "Bucket cap >140MB
-    causes NaN at step 3 (known issue)"; ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB, passed to
-    torch_xla's ZeroRedundancyOptimizer as bucket_cap_mb_reduce_scatter and, divided by DP for its
-    input, bucket_cap_mb_all_gather; that one coalesces whole parameters per bucket, each sharded
-    on its own). Here the shard layout stays the one above (so checkpoints and reshard.py do not
-    change): view the flat space as a [DP, S] grid, rank r's shard is row r, and bucket j is the
-    column band [j*b, (j+1)*b) of every row, b = bucket_bytes / (DP * element size). A
-    reduce-scatter of that band gives rank r exactly columns j*b.. of its own row; the all-gather
-    of each rank's band rebuilds it. The transient memory is one bucket, not the whole model.
-    Cost: a band is DP runs of b elements, cut where parameters end, so a bucket is gathered from
-    about DP + (parameters in it) slices: per rank the bytes moved stay those of its local model
-    whatever DP, the slices grow with DP. At 4096 ranks (llama2_7b, TP 8, DP 512, fp32 gradients):
-    about 27 buckets of 130 MB, 512 runs of ~250 KB each, ~14k slices traced once per graph.
+    """ZeRO stage 1 (HLAT 70B, NxD's NeuronZero1Optimizer): each DP rank keeps the optimizer state of
+    1/DP of the parameters. All local params lie end to end in one flat space of N elements; rank r
+    owns [r*S, (r+1)*S), S = ceil(N / DP). reduce_scatter_and_clip replaces the DP all-reduce (grads
+    x 1/DP: the DP degree, not the world size, where HLAT diverged), then the global norm and the
+    clip; step updates the shard and all-gathers the params (the same bytes as an all-reduce; state
+    memory / DP). The TP sums (reduce_tp_replicated_gradients) run first. A param without a
+    gradient counts as zero here (it is still decayed), where AdamW skips it.
+    Buckets (issue 26): both collectives move at most bucket_bytes at a time, never one flat copy of
+    every gradient (1.1 GB for the 70B preset's local model). NxD caps them at 130 MB
+    (trainer/trainer.py: "Bucket cap >140MB causes NaN at step 3"). With the flat space as a [DP, S]
+    grid (rank r's shard is row r), bucket j is the column band [j*b, (j+1)*b) of every row: its
+    reduce-scatter gives rank r its own row's columns, so checkpoints and reshard.py keep one
+    layout. Per rank the bytes stay those of the local model whatever DP; the slices grow with DP.
+    At 4096 ranks (llama2_7b, TP 8, DP 512): ~27 buckets of 512 runs each, ~14k slices traced once.
     """
     zero1 = True
 
@@ -513,12 +400,9 @@ class Zero1AdamW(AdamW):
         for n, p in self.named:
             if not p.is_contiguous():
                 raise ValueError(f"ZeRO-1 needs contiguous parameters; {n} is not")
-        self.offsets, off = [], 0
-        for _, p in self.named:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
-        self.shard = -(-off // dp)                       # S = ceil(N / DP)
+        sizes = [p.numel() for _, p in self.named]
+        self.offsets, self.numel = [0, *itertools.accumulate(sizes)][:-1], sum(sizes)
+        self.shard = -(-self.numel // dp)                # S = ceil(N / DP)
         lo, hi = r * self.shard, (r + 1) * self.shard
         device = self.named[0][1].device
         sdt = state_dtype(self.precision)
@@ -590,9 +474,8 @@ class Zero1AdamW(AdamW):
 
     @torch.no_grad()
     def reduce_scatter_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Replace the DP all-reduce: sum the grads over the DP group into this rank's shard
-        (scaled 1/DP), bucket by bucket, then clip on the true global norm. Returns the norm
-        before clipping."""
+        """The DP all-reduce's replacement: the grads x 1/DP summed into this rank's shard, bucket by
+        bucket, then clipped on the global norm. Returns the norm before clipping."""
         g = self.grid
         # fp32 gradient accumulation reduce-scatters in fp32 too (NxD: higher_cc_precision)
         dtype = torch.float32 if self.fp32_grads else self.named[0][1].dtype
@@ -644,10 +527,9 @@ class Zero1AdamW(AdamW):
 # ----------------------------------------------------------------------------- the guarded update
 
 def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
-    """optimizer.step() under the non-finite policy's verdict (monitor.Monitor.check_finite): True
-    or False decided on the host, or a boolean tensor decided on the device (XLA, skip: no host
-    read), which the update applies by a select. Returns whether the step was skipped, of the same
-    kind (the monitor reads a tensor with the step's other metrics)."""
+    """optimizer.step() under the non-finite verdict (monitor.Monitor.check_finite): a bool from the
+    host, or a boolean tensor on the device (XLA: no host read), applied by a select. Returns
+    whether the step was skipped, of the same kind."""
     if torch.is_tensor(verdict):
         optimizer.step(apply=verdict)
         return ~verdict

@@ -1,34 +1,18 @@
-"""Pipeline parallelism: the Llama cut into stages over PP ranks, trained with a 1F1B or GPipe schedule.
+"""Pipeline parallelism (HLAT 70B: TP=32 x PP=8): the Llama cut into stages over PP ranks, trained
+with a 1F1B or GPipe schedule. Top to bottom:
 
-HLAT trained its 70B model at TP=32 x PP=8. This module is the PP part. It lives beside parallel.py
-(tensor, sequence and data parallelism, already ~700 lines) rather than inside it, and only uses
-parallel.py's public pieces: the rank grid and its groups, the TP/SP layers, the vocab-parallel
-loss, the DP gradient all-reduce and the global-norm clipping (which already adds over PP).
-
-The pieces, top to bottom:
-
-1. Stages. Layers are split evenly over the PP ranks, or at `--parallel.pp_cuts`. The embedding
-   lives on the first stage, the final norm, the head and the loss on the last. Parameters keep the
-   names they have in the whole model (`layers.{i}` with the GLOBAL i), so the layout-independent
-   init of model.init_param, full state dicts and checkpoints do not depend on the stage layout.
-2. Point-to-point between neighbouring stages: one function, `p2p`, two implementations.
-   "send" uses torch.distributed isend/irecv (gloo, nccl). "allgather" is what NxD does on XLA,
-   where send/recv lowers to an inefficient collective-permute: the two neighbours all-gather over
-   their own two-rank group and each keeps the peer's half. Activation shapes are fixed by the
-   config (micro_batch, seq_len, or seq_len / tp under SP, dim), so no shape messages are needed.
-3. Schedules. GPipe: every forward, then every backward; a stage holds all microbatches'
-   activations at once. 1F1B: stage s runs PP - s - 1 warm-up forwards, then alternates one
-   forward and one backward, then drains the remaining backwards; it never holds more than PP
-   microbatches' activations. Both have the same bubble: (PP - 1) / (microbatches + PP - 1).
-4. The training step. Same contract and same loss normalization as train.train_step: the loss is
-   the sum of token losses over the valid tokens of the whole global batch. Every stage reads the
-   same microbatches (PP ranks share a DP rank), so every stage counts the valid tokens itself and
-   no extra message is needed; only the last stage computes the loss. Each microbatch's backward
-   is scaled by dp / global_tokens, the DP all-reduce (SUM, x 1/dp) runs once per step, and the
-   global gradient norm is summed over TP and PP. So PP and non-PP gradients are identical (the
-   bug of torchtitan issue #2972 and of picotron's PP path, grad_acc times larger, is ruled out
-   by tests/test_pipeline.py).
-5. Full state dicts (for export), and evaluation through the pipeline.
+1. Stages: layers split evenly or at --parallel.pp_cuts; the embedding on the first stage, norm,
+   head and loss on the last. Parameters keep their whole-model names (layers.{global i}), so init,
+   state dicts and checkpoints do not depend on the stage layout.
+2. Point-to-point between neighbours, `p2p`: "send" (isend/irecv: gloo, nccl) or "allgather"
+   (NxD's on XLA, where send/recv lowers to a slow collective-permute: the pair all-gathers over
+   its own two-rank group). Message shapes follow from the config: no shape messages.
+3. Schedules: GPipe (all forwards, then all backwards) and 1F1B (never more than PP microbatches'
+   activations alive); both idle (PP - 1) / (m + PP - 1) of the time.
+4. A step's gradients (train.train_step does the rest): each backward scaled as train.py scales it,
+   so PP and non-PP gradients are identical (not grad_acc times larger, the bug of torchtitan
+   #2972 and picotron's PP path: tests/test_pipeline.py).
+5. Full state dicts (export) and evaluation through the pipeline.
 """
 from __future__ import annotations
 
@@ -75,12 +59,10 @@ def stage_of(name: str, bounds: list[tuple[int, int]]) -> int:
 
 
 class PipelineStage(nn.Module):
-    """One stage of the Llama: the embedding if first, layers [start, end), norm and head if last.
-    Layers sit in a ModuleDict keyed by their global index, so the parameter names are those of the
-    whole model. forward: tokens (first stage) or the previous stage's hidden states -> hidden
-    states; on the last stage logits, or given targets their summed loss. Every stage computes
-    RoPE and the document mask itself from positions and doc_ids (all stages read the same batch),
-    so only hidden states travel."""
+    """The embedding if first, layers [start, end) keyed by their global index, norm and head if
+    last. forward: tokens or the previous stage's hidden states -> hidden states, or on the last
+    stage logits (summed loss given targets). Each stage computes RoPE and the document mask from
+    the batch (every stage reads it), so only hidden states travel."""
 
     def __init__(self, model: llama.Llama, bounds: list[tuple[int, int]], pp_rank: int):
         super().__init__()
@@ -113,9 +95,8 @@ class PipelineStage(nn.Module):
 
 
 def build_model(cfg: Config, grid: Grid, device, dtype: torch.dtype | None = None) -> PipelineStage:
-    """This rank's stage, TP/SP-parallelized and empty as parallel.build_model builds it (filled by
-    the caller with the whole model's parameter names), and its point-to-point links.
-    Collective: every rank must call it (the two-rank groups of "allgather" are created here)."""
+    """This rank's stage, empty as parallel.build_model builds it (the caller fills it, by the whole
+    model's parameter names), and its links. Collective: the "allgather" pairs' groups are made here."""
     bounds = stage_bounds(cfg)
     # Only this stage's layers are ever materialized: no rank holds the whole model.
     stage = parallel.build_model(cfg, grid, device, stage=lambda model: PipelineStage(model, bounds, grid.pp_rank),
@@ -128,10 +109,9 @@ def build_model(cfg: Config, grid: Grid, device, dtype: torch.dtype | None = Non
 
 @torch.no_grad()
 def reduce_tied_embedding(model: PipelineStage, grid: Grid) -> None:
-    """Tied embeddings across stages: the first stage holds the embedding, the last a copy in its
-    head; each gets only its own use's gradient, so the two are summed over the pair (Megatron's
-    embedding group, _allreduce_embedding_grads) and both copies take the same update. Once per
-    step, before the DP reduction; one [V/TP, dim] all-reduce between two ranks, whatever the scale."""
+    """Tied embeddings across stages: the first stage's embedding and the last stage's copy each get
+    only their own use's gradient; summed over the pair (Megatron's _allreduce_embedding_grads),
+    both take the same update. One [V/TP, dim] all-reduce between two ranks, whatever the scale."""
     if grid.embed_group is None:
         return
     p = model.embed.weight if model.first else model.lm_head.weight
@@ -144,8 +124,7 @@ def reduce_tied_embedding(model: PipelineStage, grid: Grid) -> None:
 
 @dataclass
 class Comm:
-    """How this rank exchanges activations with its neighbours in its pipeline (the ranks with the
-    same TP and DP coordinates on the stages before and after it)."""
+    """How this rank exchanges activations with its neighbours (same TP and DP coordinates)."""
     impl: str                                    # "send" | "allgather"
     prev: int | None                             # global rank of the previous stage; None on the first
     next: int | None                             # global rank of the next stage; None on the last
@@ -160,7 +139,7 @@ class Comm:
     received: int = 0
 
     def reset(self, model: nn.Module, cut) -> None:
-        """Before a step: take the params' dtype and device and the caller's graph cut, zero the counters."""
+        """Before a step: the params' dtype and device, the caller's graph cut, counters at zero."""
         p = next(model.parameters())
         self.dtype, self.device, self.cut = p.dtype, p.device, cut
         self.wait_s, self.sent, self.received = 0.0, 0, 0
@@ -179,22 +158,18 @@ class Comm:
 
 
 def pair_meshes(world: int, tp: int, pp: int) -> list[list[list[int]]]:
-    """The two-rank groups of the "allgather" point-to-point as plain lists, in two meshes, exactly
-    as NxD's get_pipeline_model_parallel_sr_group (parallel_layers/parallel_state.py) builds them:
-    for each pipeline ranks r_0..r_(pp-1), the pairs [r_i, r_((i+1) % pp)] for i of one parity.
-    The wrap-around pair [r_(pp-1), r_0] never carries data, but without it the odd mesh would
-    leave out the first and last stages, and XLA's replica-group verifier wants a collective's
-    groups to name every rank exactly once. With an even pp (configs.validate requires it on xla)
-    no rank appears twice in a mesh. The link between stages s and s+1 lives in mesh s % 2."""
+    """The "allgather" pairs as two meshes, as NxD's get_pipeline_model_parallel_sr_group builds
+    them: for each pipeline r_0..r_(pp-1), [r_i, r_((i+1) % pp)] for i of one parity; the link of
+    stages s, s+1 lies in mesh s % 2. The wrap-around pair never carries data, but XLA's verifier
+    wants each mesh to name every rank exactly once (an even pp: configs.validate on xla)."""
     pp_groups = parallel.rank_groups(world, tp, pp)["pp"]
     return [[[g[i], g[(i + 1) % pp]] for g in pp_groups for i in range(parity, pp, 2)] for parity in (0, 1)]
 
 
 def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
-    """This rank's two-rank groups, keyed by the peer's global rank: (group, peer's index in it).
-    new_group is collective: every rank creates every pair, in the same order. On XLA each group
-    gets its whole mesh (XLA compiles a collective with the replica groups of all ranks,
-    trainium.md). The wrap-around pairs are created (they complete their mesh) but never used."""
+    """peer's global rank -> (two-rank group, peer's index in it). Every rank creates every pair in
+    the same order (new_group is collective), each with its whole mesh (XLA compiles a collective
+    with all ranks' replica groups: trainium.md)."""
     mine = {}
     for mesh in pair_meshes(grid.world, grid.tp, grid.pp):
         opts = parallel.group_options(grid.backend, mesh)
@@ -207,11 +182,9 @@ def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
 
 
 def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> torch.Tensor | None:
-    """Send `send` to `peer` and/or receive one message from it, in one blocking exchange.
-    Returns the received tensor (comm.shape, comm.dtype), or None.
-    peer None (no stage there: before the first, after the last) does nothing.
-    Both neighbours call p2p in the same order (the schedules guarantee it), which the
-    "allgather" form needs: it is a collective of the pair."""
+    """Send `send` to `peer` and/or receive one message (comm.shape) from it, in one blocking
+    exchange; peer None (past either end) does nothing. Both neighbours call p2p in the same order
+    (the schedules do): "allgather" is a collective of the pair."""
     if peer is None or (send is None and not recv):
         return None
     t0 = time.perf_counter()
@@ -225,20 +198,16 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     else:
-        # NxD on XLA: all-gather over the two-rank group; the side with nothing to send
-        # contributes zeros (the shapes must match), and a side that expects nothing ignores its half.
+        # NxD on XLA: all-gather over the pair; a side with nothing to send contributes zeros.
         group, peer_index = comm.pairs[peer]
         mine = send if send is not None else torch.zeros(comm.shape, dtype=comm.dtype, device=comm.device)
         both = torch.empty(2 * mine.numel(), dtype=mine.dtype, device=mine.device)
-        # The one call that crosses processes here (with the pair groups' new_group): the seam where
-        # scripts/pp_graphs.py stands in for the neighbour, to trace every stage's graphs in one process.
+        # The seam where scripts/pp_graphs.py stands in for the neighbour (one process, all stages).
         dist.all_gather_into_tensor(both, mine.contiguous().view(-1), group=group)
         buf = both.view(2, *comm.shape)[peer_index].clone() if recv else None   # only the peer's half stays alive
-    # Each exchange is its own graph, as NxD's NxDPPModel does (pipeline/model.py: _mark_step()
-    # after every send and recv task; pipeline/comm.py: "Isolate the CC graph to prevent hanging":
-    # every rank of a collective's replica group must load the graph holding it, and neighbours
-    # enter the steady state at different microbatches, so a collective fused with compute would
-    # sit in graphs the peer never runs).
+    # Each exchange is its own graph, as in NxD's NxDPPModel (pipeline/comm.py: "Isolate the CC graph
+    # to prevent hanging": neighbours reach the steady state at different microbatches, so a
+    # collective fused with compute would sit in graphs the peer never runs).
     comm.cut()
     comm.wait_s += time.perf_counter() - t0
     comm.sent += send is not None
@@ -249,10 +218,8 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
 # ----------------------------------------------------------------------------- 3. schedules
 
 class _Microbatches:
-    """One step's forward/backward bookkeeping on this stage: the activations kept for backward
-    (input leaf and output of each microbatch in flight), their peak count, the summed loss.
-    cut() after each forward and each backward: one graph per task, as NxDPPModel (pipeline/model.py,
-    _mark_step() at the end of its forward and backward step tasks)."""
+    """One step's forward/backward on this stage: the microbatches in flight (input leaf, output),
+    their peak count, the summed loss. cut() after each task: a graph each, as NxDPPModel."""
 
     def __init__(self, stage: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid, cut):
         self.stage, self.batches, self.scale, self.grid, self.cut = stage, batches, scale, grid, cut
@@ -262,8 +229,7 @@ class _Microbatches:
         self.loss_sum = torch.zeros((), device=scale.device)
 
     def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward the next microbatch; x is the previous stage's output (None on the first stage).
-        Returns what goes to the next stage (None on the last)."""
+        """The next microbatch, from x (the previous stage's output; None on the first stage)."""
         b = self.batches[self.next_fwd]
         self.next_fwd += 1
         if self.stage.first:
@@ -280,8 +246,7 @@ class _Microbatches:
         return None if self.stage.last else out.detach()
 
     def backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Backward the oldest microbatch in flight; grad is d loss / d output from the next stage
-        (None on the last stage). Returns d loss / d input for the previous stage (None on the first)."""
+        """The oldest microbatch in flight, from d loss / d output (None on the last stage)."""
         inp, out = self.live.pop(0)
         torch.autograd.backward(out, grad_tensors=grad)
         self.cut()
@@ -299,12 +264,10 @@ def gpipe(mb: _Microbatches, comm: Comm) -> None:
 
 
 def one_f_one_b(mb: _Microbatches, comm: Comm) -> None:
-    """1F1B (PipeDream-flush, Megatron's non-interleaved schedule). Stage s first runs PP - s - 1
-    warm-up forwards, so that when the first backward arrives from the last stage it has exactly
-    the microbatches in flight that the pipeline needs; then each forward is followed by one
-    backward (steady state), so at most PP - s microbatches are alive; then the last backwards.
-    Sends and receives that happen at the same moment go as one exchange (send the forward output,
-    receive the next backward gradient), so neighbours always meet in the same order."""
+    """1F1B (PipeDream-flush, Megatron's non-interleaved): stage s runs PP - s - 1 warm-up forwards,
+    then one forward and one backward in turn (at most PP - s microbatches alive), then the last
+    backwards. A send and a receive at the same moment go as one exchange, so neighbours always
+    meet in the same order."""
     m, grid = len(mb.batches), mb.grid
     warmup = min(grid.pp - grid.pp_rank - 1, m)
     for _ in range(warmup):
@@ -358,19 +321,14 @@ def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Ten
 
 # ----------------------------------------------------------------------------- 5. state dicts, evaluation
 
-def _my_pp_ranks(grid: Grid) -> list[int]:
-    return next(g for g in parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"] if grid.rank in g)
-
-
 @torch.no_grad()
 def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full-shape weights (or gradients) of the WHOLE model on every rank: each stage gathers its
-    TP shards (parallel.gather_full_state_dict), then broadcasts each tensor over the PP group.
-    Plain tensor broadcasts, so it runs on XLA too. Holds one full model per rank (tests, export)."""
+    """Full-shape weights (or gradients) of the WHOLE model on every rank: each stage gathers its TP
+    shards, then broadcasts each tensor over PP (plain broadcasts: XLA too). One full model a rank."""
     mine = parallel.gather_full_state_dict(model, grid, grads)
     cfg = model.cfg
     shapes = llama.param_shapes(cfg)                  # tied: both names
-    ranks = _my_pp_ranks(grid)
+    ranks = next(g for g in parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"] if grid.rank in g)
     p = next(model.parameters())
     out = {}
     for name, shape in shapes.items():
@@ -382,19 +340,10 @@ def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False
 
 
 @torch.no_grad()
-def load_full_state_dict(model: PipelineStage, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
-    """Copy this stage's TP shard of full-shape weights into it (the inverse of gather_full_state_dict)."""
-    names = model.state_dict().keys()
-    parallel.load_full_state_dict(model, {k: v for k, v in full_sd.items() if k in names}, grid)
-
-
-@torch.no_grad()
 def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: torch.device,
              cut=no_cut) -> torch.Tensor:
-    """train.evaluate through the pipeline: mean token loss over n_batches held-out microbatches
-    (the same ones every time), the same value on every rank. Each batch goes forward stage by
-    stage; only the last stage computes the loss, the others add zeros. cut() after each forward
-    and each exchange (p2p), as in training."""
+    """train.evaluate through the pipeline, the same value on every rank: the last stage computes
+    the loss, the others add zeros. cut() after each forward and each exchange, as in training."""
     model.eval()
     loader.reset()
     comm = model.comm

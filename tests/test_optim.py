@@ -126,16 +126,29 @@ def test_precision_modes_dtypes_and_state_bytes(precision, bytes_per_param, pdty
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16", "bf16_sr"])
 def test_foreach_update_is_bit_equal_to_the_slot_by_slot_reference(precision, monkeypatch):
-    """AdamW.step runs _update_all (foreach kernels, batches of slots, stochastic rounding per
-    slot); the reference is _update, one slot at a time: 4 steps, weights and both moments
-    bit-equal. Batches of at most 3000 elements, so that each group is cut into several."""
+    """AdamW.step runs _update_all (foreach kernels, batches of slots, stochastic rounding of a
+    slot's three tensors from one draw); the reference is AdamW written out one slot at a time, each
+    tensor rounded by stochastic_round in turn: 4 steps, weights and both moments bit-equal.
+    Batches of at most 3000 elements, so that each group is cut into several."""
     cfg = tiny_config(precision, decay_norms=False, lr=1e-2)
     models = [tiny_model(cfg), tiny_model(cfg)]
     opts = [optim.build_optimizer(m, cfg) for m in models]
 
     def slot_by_slot(self, runs, k):
+        c = self.cfg
         for s, grad in runs:
-            self._update(s, grad, k[id(s.group)])
+            kk = k[id(s.group)]                    # [1 - lr * wd, -lr / bias1, sqrt(bias2)]
+            g = grad.float()
+            m, v = s.exp_avg.float(), s.exp_avg_sq.float()     # fp32 state: the tensor itself
+            w = s.master if s.master is not None else s.value.float()
+            w.mul_(kk[0])                                      # decoupled weight decay
+            m.lerp_(g, 1.0 - c.beta1)
+            v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+            w.addcdiv_(m * kk[1], (v.sqrt() / kk[2]).add_(c.eps))
+            gen = self._generator_for(s)
+            for dst, value in ((s.exp_avg, m), (s.exp_avg_sq, v), (s.value, w)):
+                if dst is not value:
+                    dst.copy_(value if gen is None else optim.stochastic_round(value, gen))
     monkeypatch.setattr(opts[0], "_update_all", slot_by_slot.__get__(opts[0]))
     monkeypatch.setattr(opts[1], "FOREACH_ELEMENTS", 3000)
     for step in range(4):
