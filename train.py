@@ -450,10 +450,12 @@ def main(argv: list[str]) -> None:
             totals = data_warnings(batches.stats(), grid)
             log("data: this run " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
-        if ckpt is not None:
-            with dog.phase("the last save"):
-                ckpt.close()                            # waits for the save in flight
-        dog.close()
+        try:
+            if ckpt is not None:
+                with dog.phase("the last save"):
+                    ckpt.close()                        # waits for the save in flight
+        finally:        # even when that save failed: the watchdog's backstop timer exits the process
+            dog.close()
         for x in (mon, train_loader, val_loader):
             if x is not None:
                 x.close()

@@ -305,6 +305,23 @@ def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypa
     assert set(seen) == set(saved) and all(torch.equal(seen[k], v) for k, v in saved.items())
 
 
+def test_a_failed_last_save_still_closes_the_hang_watchdog(tmp_path, monkeypatch):
+    """train.main's error from its last save (ckpt.close: a full disk, a lost rank) still closes the
+    watchdog: its thread and faulthandler backstop (exit=True) would end the process minutes later."""
+    import monitor
+    import train
+    closed, close = [], monitor.Watchdog.close
+    monkeypatch.setattr(monitor.Watchdog, "close", lambda self: closed.append(self) or close(self))
+
+    def fails(self):
+        raise checkpoint.CheckpointError("the last save failed")
+    monkeypatch.setattr(checkpoint.Checkpointer, "close", fails)
+    with pytest.raises(checkpoint.CheckpointError, match="the last save failed"):
+        train.main([f"--out_dir={tmp_path}", f"--ckpt.dir={tmp_path}/ckpt", *ARGS, "--ckpt.async_save=false",
+                    "--log.peak_tflops=1", "--steps=1"])
+    assert len(closed) == 1 and closed[0].factor > 0 and closed[0]._closed
+
+
 # ----------------------------------------------------------------------------- reads per rank
 
 def _count_reads_worker(rank: int, port: int, root: str):
