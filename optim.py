@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from configs import Config, ConfigError, OptimConfig
 import parallel
