@@ -186,7 +186,7 @@ def _init_worker(q):
     _QUEUE = q
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)       # pool.terminate() must end a worker, whatever
-    # handler the parent had (a forked worker inherits train.py's stop-at-step-boundary one)
+    # handler the parent had (a forked worker would inherit train.py's stop-at-step-boundary one)
 
 
 def _work(args):
@@ -254,8 +254,10 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         tasks = [(i, p, t, text_field, doc_per_line, strict) for i, (p, t) in enumerate(zip(paths, targets))]
         if workers == 1:
             results = (convert(p, t, text_field, doc_per_line, strict, progress) for _, p, t, *_ in tasks)
-        else:       # fork: the parent has read nothing yet, so no pyarrow thread is copied mid-work
-            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        else:       # forkserver, not fork: a trainer or a test process has threads (torch's, Arrow's) whose
+            # locks a forked child would copy held; a worker imports only this module's light imports.
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
             q = ctx.Queue()
             pool = ctx.Pool(workers, _init_worker, (q,))
             pending = pool.imap(_work, tasks)       # in shard order, whatever order they finish in
