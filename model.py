@@ -145,6 +145,9 @@ def recompute(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
+checkpoint = recompute      # its name before issue 29 (it sat next to checkpoint.py), kept for forks
+
+
 def use_xla_checkpointing(model: nn.Module) -> None:
     """Swap every `recompute_fn` for torch-xla's checkpoint, whose optimization barrier keeps XLA
     from merging the recomputation with the forward (and so keeping the activations after all)."""

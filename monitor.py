@@ -477,6 +477,8 @@ class Watchdog:
 if __name__ == "__main__":
     # python monitor.py plot out/tb out/curves.png
     if len(sys.argv) == 4 and sys.argv[1] == "plot":
+        if not os.path.isdir(sys.argv[2]):
+            sys.exit(f"error: {sys.argv[2]} is not a directory of TensorBoard event files (the run's --log.tensorboard)")
         print(plot_curves(sys.argv[2], sys.argv[3]))
     else:
         sys.exit("usage: python monitor.py plot TB_DIR PNG")

@@ -227,3 +227,13 @@ def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
     assert sum("is above the peak" in l for l in lines) == 1, lines
     mfu = [v for _, v in monitor.read_scalars(cfg.log.tensorboard)["perf/mfu"]]
     assert len(mfu) == 2 and mfu[0] == 1.0 and max(mfu) <= 1.0, mfu
+
+
+@pytest.mark.slow
+def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", str(tmp_path / "no_tb"),
+                        str(tmp_path / "c.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"error: {tmp_path / 'no_tb'} is not a directory of TensorBoard event files " \
+                               "(the run's --log.tensorboard)"
+    assert not (tmp_path / "c.png").exists()
