@@ -255,7 +255,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         if workers == 1:
             results = (convert(p, t, text_field, doc_per_line, strict, progress) for _, p, t, *_ in tasks)
         else:       # forkserver, not fork: a trainer or a test process has threads (torch's, Arrow's) whose
-            # locks a forked child would copy held; a worker imports only this module's light imports.
+            # locks a forked child would copy held; the server forks workers from a fresh process that ran no work.
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
                                               else "spawn")
             q = ctx.Queue()
