@@ -271,20 +271,20 @@ class PackedLoader:
         self.deals = [Deal(lo, hi - lo, self.n_streams * n, split == "train", cfg.seed, g, keep)
                       for g, ((lo, hi), n) in enumerate(zip(ranges, self.lanes))]
         self.cum_weights = np.cumsum(self.weights / self.weights.sum())
-        self.lane_ids = [self.lane_id(s, g, c) for s in self.streams
+        self.global_lanes = [self.global_lane(s, g, c) for s in self.streams
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
         self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
         self.read = SpanReader(self.corpus, idx, tok, cfg.bos, cfg.eos, threads)
         # Read blocks of ~8 windows: a block's work is paid over many tokens (~70-token documents: 2
         # windows a block packed at 0.74x the raw tokenizer, 8 at 0.85x); the blog's rank holds ~2 MB.
-        self.want = max(8 * (cfg.seq_len + 1), 262144 // len(self.lane_ids))
+        self.want = max(8 * (cfg.seq_len + 1), 262144 // len(self.global_lanes))
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,
                             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
                             "shuffle": self.lanes_max, "mixture": [round(float(w), 12) for w in self.weights]}
         start = {"i": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
         self._start_state = {"format": FORMAT, "split": split, "n_streams": self.n_streams, "dp_size": dp_size,
-                             **self.fingerprint, "streams": {str(s): start for s in self.lane_ids}}
+                             **self.fingerprint, "streams": {str(s): start for s in self.global_lanes}}
         self._state, self._it = self._start_state, None
         for g, (name, *_) in enumerate(self.corpus.groups if split == "train" else [(cfg.data,)]):
             self._check_tokens(self.deals[g], name)
@@ -300,17 +300,17 @@ class PackedLoader:
         raise DataError(f"the {self.split} split of {name!r} has 0 tokens ({deal.n:,} spans of empty documents "
                         f"or unreadable records); check --data and --data.text_field")
 
-    def lane_id(self, stream: int, group: int, lane: int) -> int:
+    def global_lane(self, stream: int, group: int, lane: int) -> int:
         """A stream's lanes are contiguous ids, so DP ranks own whole blocks."""
         return (stream * len(self.lanes) + group) * self.lanes_max + lane
 
     def _deal_of(self, lane: int) -> tuple[Deal, int]:
-        """The deal of lane `lane` (a lane_id) and its index among that deal's lanes."""
+        """The deal of lane `lane` (a global_lane) and its index among that deal's lanes."""
         stream, rest = divmod(lane, len(self.lanes) * self.lanes_max)
         g, c = divmod(rest, self.lanes_max)
         return self.deals[g], stream * self.lanes[g] + c
 
-    def choose(self, streams, b) -> tuple[np.ndarray, np.ndarray]:
+    def draw_source_and_lane(self, streams, b) -> tuple[np.ndarray, np.ndarray]:
         """(source, lane) of window b of each stream: by a hash of (seed, stream, b), the source by
         weight, then one of its lanes uniformly. Arrays broadcast."""
         g = np.minimum(np.searchsorted(self.cum_weights, uniform(self.cfg.seed, 1, streams, b), side="right"),
@@ -325,7 +325,7 @@ class PackedLoader:
             done, counts = 0, np.zeros_like(counts)
         for b0 in range(done, n_batches, 4096):
             b = np.arange(b0, min(n_batches, b0 + 4096))
-            g, _ = self.choose(np.arange(self.n_streams)[:, None], b[None, :])
+            g, _ = self.draw_source_and_lane(np.arange(self.n_streams)[:, None], b[None, :])
             counts = counts + np.bincount(g.ravel(), minlength=len(self.lanes))
         self._mix_counts = (n_batches, counts)
         return counts
@@ -333,21 +333,21 @@ class PackedLoader:
     # ---------------------------------------------------------------- producer
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever from `state`: this rank's streams round-robin."""
-        positions_ = {lane: state["streams"][str(lane)] for lane in self.lane_ids}
+        positions_ = {lane: state["streams"][str(lane)] for lane in self.global_lanes}
         what, L1 = f"{self.split} split of {self.cfg.data!r}", self.cfg.seq_len + 1
         packers = {lane: pack(read_lane(self.read, *self._deal_of(lane), p["i"], p["offset"], self.want, what), L1, p)
                    for lane, p in positions_.items()}
-        per = len(self.lane_ids) // len(self.streams)       # lanes per stream, contiguous
-        done = [sum(positions_[lane]["stats"]["windows"] for lane in self.lane_ids[k * per:(k + 1) * per])
+        per = len(self.global_lanes) // len(self.streams)       # lanes per stream, contiguous
+        done = [sum(positions_[lane]["stats"]["windows"] for lane in self.global_lanes[k * per:(k + 1) * per])
                 for k in range(len(self.streams))]          # windows each stream has handed out
         i, wins = sum(n > min(done) for n in done), []      # mid-round: the streams ahead come first
         ahead = [(0, [], [])] * len(self.streams)          # (first window, sources, lanes) per stream
         while True:
             b0, gs, cs = ahead[i]
             if not b0 <= done[i] < b0 + len(gs):          # the next AHEAD choices of stream i, in one call
-                b0, gs, cs = ahead[i] = (done[i], *(a.tolist() for a in self.choose(
+                b0, gs, cs = ahead[i] = (done[i], *(a.tolist() for a in self.draw_source_and_lane(
                     self.streams[i], np.arange(done[i], done[i] + AHEAD))))
-            lane = self.lane_id(self.streams[i], gs[done[i] - b0], cs[done[i] - b0])
+            lane = self.global_lane(self.streams[i], gs[done[i] - b0], cs[done[i] - b0])
             tokens, starts, positions_[lane] = next(packers[lane])
             wins.append((tokens, starts))
             done[i] += 1
@@ -381,12 +381,12 @@ class PackedLoader:
         for p in parts:
             self._check(p)
             streams.update(p["streams"])
-        missing = [s for s in self.lane_ids if str(s) not in streams]
+        missing = [s for s in self.global_lanes if str(s) not in streams]
         if missing:
             raise DataError(f"the data state holds no position for streams {missing[:8]} of this rank: it "
                             f"was saved by another DP rank; give every saved DP rank's state")
         self.close()
-        self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.lane_ids}}
+        self._state = {**self._start_state, "streams": {str(s): streams[str(s)] for s in self.global_lanes}}
 
     def _check(self, sd: dict):
         if sd.get("format") != FORMAT:

@@ -213,7 +213,7 @@ def test_shuffle_and_mixture_same_at_any_layout_and_resume_across_dp(files, tok)
     # over the DP ranks' states) are what mixture_counts() recomputes from the hash for the log.
     loaders = [data.PackedLoader(cfg(mix, micro_batch=2, shuffle=2), tok, r, 2, prefetch=0) for r in range(2)]
     lo1 = loaders[0].index.groups[1][0]                # source 1's spans come after source 0's
-    assert all(((lane_spans(loaders[0], lane, 40) >= lo1) == (lane % 4 >= 2)).all() for lane in loaders[0].lane_ids)
+    assert all(((lane_spans(loaders[0], lane, 40) >= lo1) == (lane % 4 >= 2)).all() for lane in loaders[0].global_lanes)
     take(loaders[0], 30)
     take(loaders[1], 30)
     by_source = np.sum([x.stats()["windows_by_source"] for x in loaders], axis=0)
@@ -369,7 +369,7 @@ def test_val_split_by_document_hash_in_a_big_corpus(tok, tmp_path):
     c = cfg(str(tmp_path / "t.jsonl"), seq_len=16, global_batch=4, val_fraction=0.05)
     train, val = data.PackedLoader(c, tok, prefetch=0), data.PackedLoader(c, tok, split="val", prefetch=0)
     assert train.index.hashed
-    tr = np.unique(np.concatenate([lane_spans(train, lane, 600) for lane in train.lane_ids]))
+    tr = np.unique(np.concatenate([lane_spans(train, lane, 600) for lane in train.global_lanes]))
     va = np.unique(lane_spans(val, 0, 2000)[val.index.is_val(lane_spans(val, 0, 2000))])
     assert not set(tr) & set(va) and len(tr) + len(va) == 2000 and 60 < len(va) < 140
     take(train, 10)
@@ -497,7 +497,7 @@ def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path)
     take(loaders[0], 60)
     take(loaders[1], 60)
     for x in loaders:
-        for lane in x.lane_ids:
+        for lane in x.global_lanes:
             assert (np.asarray(x.index.rows[lane_spans(x, lane, 20), 0]) == len(tiny)).any()
         x.close()
 
