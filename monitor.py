@@ -424,9 +424,13 @@ class Watchdog:
         if self._since is not None:
             self.times.append(now - self._since)
         self._since = now
-        n = len(self.times)
-        median = f" ({self.factor:g} x the median step time, {statistics.median(self.times):.3g} s)" if n >= 3 else ""
-        self._arm(self.limit(), f"no training step finished in {self.limit():.0f} s{median}")
+        if len(self.times) < 3:
+            self._arm(self.startup_s, f"no training step finished in {self.startup_s:.0f} s")
+            return
+        med = statistics.median(self.times)     # once a step: limit() would sort the 100 times again
+        limit = max(self.min_s, self.factor * med)
+        self._arm(limit, f"no training step finished in {limit:.0f} s ({self.factor:g} x the median step time, "
+                         f"{med:.3g} s)")
 
     @contextlib.contextmanager
     def phase(self, what: str):
