@@ -32,6 +32,7 @@ from collections import deque
 import torch
 
 from configs import INSTANCES, Config
+import sharding
 
 
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)
@@ -41,12 +42,12 @@ def matmul_shapes(cfg: Config, tp: int = 1) -> list[tuple[int, int, int]]:
     one rank (x @ W.T, g @ W, g.T @ x per linear layer, TP-split). The attention scores are left
     out: counted in flops_per_token, they run at head_dim, slower, so can only lower the MFU."""
     m, rows = cfg.model, cfg.data.micro_batch * cfg.data.seq_len
-    kv = max(m.n_kv_heads // tp, 1)
+    kv = sharding.kv_heads_per_rank(m, tp)
     linears = [(m.dim, (m.n_heads // tp + 2 * kv) * m.head_dim),        # qkv_proj (column)
                (m.n_heads // tp * m.head_dim, m.dim),                    # o_proj (row)
                (m.dim, 2 * m.ffn_dim // tp),                             # gate_up_proj (column)
                (m.ffn_dim // tp, m.dim),                                 # down_proj (row)
-               (m.dim, -(-m.vocab_size // tp))]                          # lm_head (vocab-parallel)
+               (m.dim, sharding.padded_vocab(m.vocab_size, tp) // tp)]  # lm_head (vocab-parallel)
     return [shape for fan_in, fan_out in linears
             for shape in ((rows, fan_in, fan_out), (rows, fan_out, fan_in), (fan_out, rows, fan_in))]
 
