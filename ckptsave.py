@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -65,17 +66,20 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(v) for v in items)
 
 
-def map_tensors(obj, fn, key: tuple = ()):
-    """obj with fn(tensor, key) in place of each tensor in its dicts, lists and (named) tuples (key:
-    the path to it), every other value deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj, key)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn, key + (k,)) for k, v in obj.items()}
+def map_tree(obj, fn, key: tuple = ()):
+    """obj with fn(leaf, key) for each leaf of its mappings (lazy ones read), lists and (named) tuples
+    (key: the path to the leaf)."""
+    if isinstance(obj, Mapping):
+        return {k: map_tree(v, fn, key + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [map_tensors(v, fn, key + (i,)) for i, v in enumerate(obj)]
+        items = [map_tree(v, fn, key + (i,)) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return copy.deepcopy(obj)
+    return fn(obj, key)
+
+
+def map_tensors(obj, fn, key: tuple = ()):
+    """obj with fn(tensor, key) in place of each tensor, every other value deep-copied."""
+    return map_tree(obj, lambda x, k: fn(x, k) if isinstance(x, torch.Tensor) else copy.deepcopy(x), key)
 
 
 def to_host(obj):

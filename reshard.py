@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ckptdir import CheckpointError
+from ckptsave import map_tree
 from configs import ModelConfig
 import sharding
 from parallel import Grid
@@ -166,16 +167,6 @@ def reader_dp_rank(g: Grid) -> int:
     return k * g.dp // n
 
 
-def _map(obj, fn):
-    """obj with fn(leaf) for each leaf in its mappings (lazy ones read: LazyMap), lists and (named) tuples."""
-    if isinstance(obj, Mapping):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_map(v, fn) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return fn(obj)
-
-
 def broadcast_state(obj, g: Grid, device=None):
     """obj (a state dict) as the DP group's reader holds it, on every rank of the group (obj: None
     elsewhere). Only broadcasts of plain int32 tensors (the xla backend's rules): the pickled
@@ -199,7 +190,7 @@ def broadcast_state(obj, g: Grid, device=None):
         tensors.append((t, len(buckets) - 1, off, n))
         return _TensorRef(t.dtype, tuple(t.shape), len(buckets) - 1, off)
 
-    head = pickle.dumps((_map(obj, strip), buckets)) if mine else b""
+    head = pickle.dumps((map_tree(obj, lambda x, _: strip(x)), buckets)) if mine else b""
     head = _broadcast_bytes(head, src, g, device)
     skeleton, buckets = pickle.loads(head)
     data = []
@@ -217,7 +208,7 @@ def broadcast_state(obj, g: Grid, device=None):
             return o
         n = int(np.prod(o.shape, dtype=np.int64)) * torch.empty((), dtype=o.dtype).element_size()
         return data[o.bucket][o.offset:o.offset + n].view(o.dtype).view(o.shape)
-    return _map(skeleton, build)
+    return map_tree(skeleton, lambda x, _: build(x))
 
 
 @dataclass(frozen=True)
