@@ -3,6 +3,7 @@ estimate for each row (`python plan.py --validate` prints them) and the fit of t
 no datasheet gives.
 
     python -m planner.calibrate           # prints the fitted constants and the rows they came from
+    python -m planner.calibrate --help    # this text; the command takes no other arguments
 
 planner/cost.py prices a training step from datasheets and measurements (HBM and NeuronLink
 bandwidth, the 128 x 128 TensorEngine, collective latency, each cited there) and leaves three numbers
@@ -22,9 +23,11 @@ cost.py ships: tests/test_plan.py reruns this fit and compares.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import os
+import sys
 
 from configs import INSTANCES, check_layout, from_args
 from planner.cost import MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES, Estimate, Layout, estimate
@@ -155,7 +158,14 @@ def fit(rows: list[dict] | None = None) -> tuple[float, float, float]:
     return eff, round(overhead, 4), round(passes, 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # argparse for --help (this module's docstring); anything else is refused in one line before the fit runs
+    parser = argparse.ArgumentParser(prog="python -m planner.calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sys.exit(f"config error: python -m planner.calibrate takes no arguments (got {' '.join(unknown)}); "
+                 "it fits the 'fit' rows of planner/trn1_training.csv: run it alone, or with --help")
     rows = [r for r in published_rows() if r["role"] == "fit"]
     fitted = fit()
     shipped = (MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES)

@@ -8,6 +8,7 @@ layouts fit, fastest first. Arithmetic on the config only: no model is built, no
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
@@ -82,6 +83,14 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
 
 
 def main(argv: list[str]) -> None:
+    try:
+        _main(argv)
+    except BrokenPipeError:             # `python plan.py --help | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _main(argv: list[str]) -> None:
     if "--validate" in argv:                # the published trn1 rows: their own layouts, nothing to override
         if argv != ["--validate"]:
             sys.exit(f"config error: --validate takes no other arguments (got {' '.join(argv)}); "
