@@ -272,7 +272,18 @@ def iter_pieces(text: str, limit: int = PIECE_CHARS):
 
 
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
-TOKENIZER_RECIPE = "bpe-v1"   # bump when the training settings below change (invalidates caches)
+TOKENIZER_RECIPE = "bpe-v2"   # bump when the training settings below change (invalidates caches)
+
+
+def line_chunks(line: str, n: int = 2000):
+    """A line in pieces of at most n characters, cut at a space where there is one: sentencepiece
+    skips longer sentences, and cutting them short instead trained a one-line corpus (a book without
+    newlines, minified text) on its first 2,000 characters alone."""
+    while len(line) > n:
+        cut = line.rfind(" ", n // 2, n)
+        yield line[:cut if cut > 0 else n]
+        line = line[cut + 1 if cut > 0 else n:]        # the space dropped: the next word opens a sentence
+    yield line
 
 
 def load_tokenizer(path: str):
@@ -337,9 +348,13 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
         if by_hash(n, val_fraction):
             order = order[~held_out(order, val_fraction)]
         docs = corpus.read(order, quiet=True)
-        lines += [line[:2000] for text, _, _ in docs for line in (text or "").split("\n") if line.strip()]
         bad += sum(repl for _, repl, _ in docs)
-        chars = sum(map(len, lines))
+        for c in (c for text, _, _ in docs for line in (text or "").split("\n") if line.strip()
+                  for c in line_chunks(line)):
+            lines.append(c)
+            chars += len(c)
+            if chars >= TOKENIZER_CHARS:    # bounded: a 1 GB one-line document gives 8M chars, not 1 GB
+                break
         if chars >= TOKENIZER_CHARS:
             break
     if not lines:

@@ -731,3 +731,15 @@ def test_checkpoint_of_the_older_data_format_resumes_model_and_restarts_the_stre
     out = capsys.readouterr().out
     assert "older nanotrn (format 1" in out and "the data stream restarts from its beginning" in out, out
     assert re.search(r"step\s+4 \|", out) and not re.search(r"step\s+1 \|", out), out
+
+
+def test_tokenizer_trains_on_a_one_line_corpus_beyond_its_first_2000_characters(tmp_path):
+    """A book or a corpus without newlines is one long line: the tokenizer's sample took its first
+    2,000 characters alone, and a 4096-piece tokenizer could not be trained on a 0.8 MB file."""
+    words = " ".join(open(p).read() for p in sorted(stdlib_files())[:40]).split()
+    (tmp_path / "input.txt").write_text(" ".join(words)[:300_000])           # one line
+    path = str(tmp_path / "one.model")
+    train_tokenizer(data.Corpus(str(tmp_path / "input.txt")), 0.01, 2048, path)
+    tok = data.Tokenizer(path)
+    tail = " ".join(words)[250_000:251_000]                 # text from far past the first 2,000 characters
+    assert tok.vocab_size == 2048 and tok.decode(tok.encode(tail)) == tail
