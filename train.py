@@ -124,6 +124,8 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
              cut=pipeline.no_cut) -> torch.Tensor:
     """Mean token loss over a fixed number of held-out batches: the same ones every time.
     cut() after each batch: one forward graph, whatever n_batches."""
+    if grid.pp > 1:
+        return pipeline.evaluate(model, loader, n_batches, grid, device, cut)
     model.eval()
     loader.reset()
     total, count = 0.0, 0
@@ -323,9 +325,9 @@ def main(argv: list[str]) -> None:
         # applies: this run's newest complete checkpoint (a resume, at any layout), --init_from (a
         # Hugging Face folder: this rank's rows only), else the seed (the same full weights at every
         # layout). Filled before the optimizer is built: "mixed" copies its fp32 master from them.
-        pp = grid.pp > 1                 # pipeline parallelism: this rank holds one stage (pipeline.py)
+        layout = pipeline if grid.pp > 1 else parallel   # PP: this rank builds and exports one stage
         dtype = optim.param_dtype(cfg.optim.precision)
-        model = (pipeline.build_model if pp else parallel.build_model)(cfg, grid, device, dtype=dtype)
+        model = layout.build_model(cfg, grid, device, dtype=dtype)
         loaded = ckpt.load_latest(names=set(model.state_dict()))
         if loaded is not None:
             model.load_state_dict(loaded.model)
@@ -402,13 +404,12 @@ def main(argv: list[str]) -> None:
                     if n and kind not in said:     # (every rank notes it: the totals below are a collective)
                         said.append(kind)
                         log(corpus.warning(kind, n))
-            if pp and log_now:
+            if grid.pp > 1 and log_now:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
                 with dog.phase(f"the evaluation at step {step}"):
-                    mon.eval(step, (pipeline.evaluate if pp else evaluate)(model, val_loader, len(val_loader), grid,
-                                                                           device, cut=cut))
+                    mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
             if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
                                            else step == cfg.optim.max_steps):
                 counts = train_loader.mixture_counts(step)    # a weighted --data mixture's realized shares
@@ -480,7 +481,7 @@ def main(argv: list[str]) -> None:
         # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
     else:           # the end: the full model exported in Hugging Face format, and a short sample
-        full = (pipeline.gather_full_state_dict if pp else parallel.gather_full_state_dict)(model, grid)
+        full = layout.gather_full_state_dict(model, grid)
         if grid.is_main:
             final = llama.Llama(cfg.model)
             final.load_state_dict({k: v.float() for k, v in full.items()})
