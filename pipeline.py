@@ -351,7 +351,8 @@ def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: t
     total = torch.zeros((), device=device)
     count = torch.zeros((), dtype=torch.long, device=device)
     for _ in range(n_batches):
-        b = {k: v.to(device) for k, v in next(loader).items()}
+        b = next(loader)
+        b = dict(zip(b, parallel.to_device(list(b.values()), device)))     # XLA: one batched transfer
         x = p2p(comm, None, comm.prev, recv=True)
         out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"), b["targets"])
         if model.last:

@@ -130,7 +130,8 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
     loader.reset()
     total, count = 0.0, 0
     for _ in range(n_batches):
-        b = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+        b = next(loader)
+        b = dict(zip(b, parallel.to_device(list(b.values()), device)))     # XLA: one batched transfer
         total = total + model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])
         count = count + (b["targets"] != -100).sum()
         cut()
