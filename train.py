@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=32 train.py --preset llama2_7b --data train.arrow --tokenizer tokenizer.model
     torchrun --nproc_per_node=32 train.py --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
 
-The order of a run (main): parse and validate the whole config (bad input fails here, before any
+The order of a run (run): parse and validate the whole config (bad input fails here, before any
 work); pick the device; create the process groups; claim the checkpoint directory; tokenizer and
 data; the model, built empty and filled from the newest complete checkpoint, --init_from or the
 seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating, saving.
@@ -265,7 +265,7 @@ def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> boo
 
 # ----------------------------------------------------------------------------- the run
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> None:
     # The whole config, checked before any work: every key's domain, the model's shape, the layout
     # (the xla backend has rules of its own), every path's kind, the memory, the export folder.
     if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
@@ -494,6 +494,19 @@ def main(argv: list[str]) -> None:
                 sample = final.generate(prompt, cfg.log.sample_tokens)[0].tolist()
                 log("sample:\n" + tok.decode([i for i in sample if i < tok.vocab_size]))   # not the padding ids
     parallel.destroy(grid)
+
+
+def main(argv: list[str]) -> None:
+    """run(argv), then the signal handlers as they were before StopSignal replaced them: train.main
+    in a test or a notebook leaves SIGINT (Ctrl-C) and SIGTERM to their owner when it returns or raises."""
+    before = {sig: signal.getsignal(sig) for sig in StopSignal.SIGNALS}
+    try:
+        run(argv)
+    finally:
+        if threading.current_thread() is threading.main_thread():     # as StopSignal installs them
+            for sig, handler in before.items():
+                if handler is not None:         # None: one set outside Python, which cannot be put back
+                    signal.signal(sig, handler)
 
 
 def cli(argv: list[str]) -> None:

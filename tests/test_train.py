@@ -73,3 +73,25 @@ def test_injected_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert loaded is not None and loaded.step == 3
     import torch
     assert all(torch.isfinite(v).all() for v in loaded.model.values())
+
+
+def test_main_in_process_gives_back_the_signal_handlers(tmp_path, monkeypatch):
+    """train.main in a test or a notebook: the handlers StopSignal installs (SIGTERM, SIGUSR1, SIGINT:
+    stop at the next step boundary) are the caller's again when it returns, and when it raises."""
+    import signal
+    import monitor
+    import train
+    mine = lambda signum, frame: None                  # noqa: E731
+    before = {sig: signal.signal(sig, mine) for sig in train.StopSignal.SIGNALS}
+    try:
+        args = [*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+                "--log.tensorboard=", "--device=cpu"]
+        train.main(args)
+        assert all(signal.getsignal(sig) is mine for sig in before)
+        monkeypatch.setenv("NANOTRN_FAULT", "nan:1")
+        with pytest.raises(monitor.NonFiniteError):
+            train.main([*args, f"--out_dir={tmp_path}/o2", f"--ckpt.dir={tmp_path}/o2/ckpt", "--log.on_nonfinite=stop"])
+        assert all(signal.getsignal(sig) is mine for sig in before)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
