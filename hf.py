@@ -208,7 +208,8 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
     st = SafetensorsFolder(folder)
     full = param_shapes(cfg)
-    want = {s for n in full for s in _hf_rows(n, cfg)[0]}
+    tables = {name: _hf_rows(name, cfg) for name in full}      # tied: both names, one source
+    want = {s for srcs, _ in tables.values() for s in srcs}
     missing = sorted(want - set(st.where))
     extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
                    and not (n == "lm_head.weight" and cfg.tie_embeddings))
@@ -218,8 +219,8 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     if extra:
         raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
                       f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
-    for name, p in model.state_dict(keep_vars=True).items():
-        srcs, table = _hf_rows(name, cfg)
+    for name, p in model.named_parameters():       # a tied matrix once, as embed.weight
+        srcs, table = tables[name]
         for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
             n_rows = int((table[:, 0] == i).sum())
             want = [n_rows, full[name][1]] if p.dim() == 2 else [n_rows]
