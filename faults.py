@@ -72,9 +72,11 @@ class Faults:
         print(f"NANOTRN_FAULT: {line}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def _fired_before(self) -> bool:     # faults.log has this rank's fault of this spec: an earlier attempt's
+        return any(l.startswith(f"rank {self.rank} ") and f"({self.spec})" in l for l in self.fired)
+
     def _fixed(self, step: int, in_save: bool) -> bool:
-        return (self.at == (self.rank, step) and self.in_save == in_save
-                and not any(l.startswith(f"rank {self.rank} ") and f"({self.spec})" in l for l in self.fired))
+        return self.at == (self.rank, step) and self.in_save == in_save and not self._fired_before()
 
     def maybe_crash(self, step: int):
         if self._fixed(step, in_save=False):
@@ -84,7 +86,7 @@ class Faults:
                 self.die(f"step {step} at random")
 
     def maybe_hang(self, step: int):
-        if self.hang_at != (self.rank, step) or any(f"({self.spec})" in l for l in self.fired):
+        if self.hang_at != (self.rank, step) or self._fired_before():
             return
         with open(self.log, "a") as f:
             f.write(f"rank {self.rank} hangs at step {step} ({self.spec})\n")

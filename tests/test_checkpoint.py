@@ -405,6 +405,17 @@ def test_fault_hooks_fire_only_where_asked(tmp_path):
     assert not Faults("", 0, tmp_path).file(2, "optim_tp00_pp00.pt", sizes)
 
 
+def test_hang_fires_once_where_asked_and_a_restart_goes_through_it(tmp_path):
+    """NANOTRN_FAULT=hang:1:5: only rank 1, only as step 5 begins, it enters the world barrier (here,
+    with no process group, that raises); noted in faults.log, so the restarted run does not hang again."""
+    Faults("hang:1:5", 0, tmp_path).maybe_hang(5)                  # another rank: nothing
+    Faults("hang:1:5", 1, tmp_path).maybe_hang(4)                  # another step: nothing
+    with pytest.raises((RuntimeError, ValueError), match="process group"):
+        Faults("hang:1:5", 1, tmp_path).maybe_hang(5)
+    assert (tmp_path / "faults.log").read_text() == "rank 1 hangs at step 5 (hang:1:5)\n"
+    Faults("hang:1:5", 1, tmp_path).maybe_hang(5)                  # the restart: goes through
+
+
 def _dies(fi, step, killed, log=True) -> bool:
     if not log:       # only ask whether it would fire, leaving faults.log as it is
         def die(what):
