@@ -135,44 +135,41 @@ def records(path: str, field: str, doc_per_line: bool):
 def convert(path: str, dst: str, field: str = "text", doc_per_line: bool = False, strict: bool = False,
             report=lambda nbytes, ndocs: None) -> dict:
     """Write the documents of shard `path` to the Arrow file `dst`, streaming; report(input bytes,
-    documents) about twice a second. Returns the counts and the first MAX_EXAMPLES bad records."""
+    documents) about twice a second. Returns the counts and the first MAX_EXAMPLES bad records.
+    dst is a temporary name, renamed by the caller once complete (prepare; build_once for the cache):
+    a killed conversion leaves no half file under a final name."""
     counts, examples = collections.Counter(), []
-    tmp, texts, size, done, docs, last = f"{dst}.tmp{os.getpid()}", [], 0, 0, 0, time.monotonic()
-    try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
-            def flush():
-                writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=SCHEMA))
-                texts.clear()
-            for where, text, problem, repl, pos in records(path, field, doc_per_line):
-                counts["utf8_replacements"] += repl
-                if problem is not None:
-                    if strict:
-                        raise DataError(f"{where}: {problem} (--strict stops at the first bad record; without "
-                                        f"it bad records are skipped and counted)")
-                    counts["bad_records"] += 1
-                    if len(examples) < MAX_EXAMPLES:
-                        examples.append(f"{where}: {problem}")
-                elif not text or text.isspace():
-                    counts["empty_docs"] += 1
-                else:
-                    texts.append(text)
-                    size += len(text)
-                    counts["documents"] += 1
-                    counts["chars"] += len(text)
-                    docs += 1
-                    if size >= BATCH_BYTES:
-                        flush()
-                        size = 0
-                if time.monotonic() - last > 0.5:
-                    report(int(pos) - done, docs)
-                    done, docs, last = int(pos), 0, time.monotonic()
-            if texts:
-                flush()
-        report(os.path.getsize(path) - done, docs)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    texts, size, done, docs, last = [], 0, 0, 0, time.monotonic()
+    with pa.OSFile(dst, "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+        def flush():
+            writer.write_batch(pa.record_batch([pa.array(texts, pa.large_string())], schema=SCHEMA))
+            texts.clear()
+        for where, text, problem, repl, pos in records(path, field, doc_per_line):
+            counts["utf8_replacements"] += repl
+            if problem is not None:
+                if strict:
+                    raise DataError(f"{where}: {problem} (--strict stops at the first bad record; without "
+                                    f"it bad records are skipped and counted)")
+                counts["bad_records"] += 1
+                if len(examples) < MAX_EXAMPLES:
+                    examples.append(f"{where}: {problem}")
+            elif not text or text.isspace():
+                counts["empty_docs"] += 1
+            else:
+                texts.append(text)
+                size += len(text)
+                counts["documents"] += 1
+                counts["chars"] += len(text)
+                docs += 1
+                if size >= BATCH_BYTES:
+                    flush()
+                    size = 0
+            if time.monotonic() - last > 0.5:
+                report(int(pos) - done, docs)
+                done, docs, last = int(pos), 0, time.monotonic()
+        if texts:
+            flush()
+    report(os.path.getsize(path) - done, docs)
     return {"counts": dict(counts), "examples": examples}
 
 
@@ -228,6 +225,8 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     os.makedirs(folder, exist_ok=True)
     parts = f"{out}.parts{os.getpid()}" if one else folder
     targets = [os.path.join(parts, shard_name(i, p)) for i, p in enumerate(paths)]
+    # each shard converted under a temporary name, renamed when complete (one file: the parts folder is temporary)
+    written = targets if one else [f"{t}.tmp{os.getpid()}" for t in targets]
     existed = {t for t in targets if os.path.exists(t)}
     if existed and not force:
         raise DataError(f"{sorted(existed)[0]} exists; pass --force to replace the shards already in {out}")
@@ -251,7 +250,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         bar.update(nbytes)
     try:
         os.makedirs(parts, exist_ok=True)
-        tasks = [(i, p, t, text_field, doc_per_line, strict) for i, (p, t) in enumerate(zip(paths, targets))]
+        tasks = [(i, p, w, text_field, doc_per_line, strict) for i, (p, w) in enumerate(zip(paths, written))]
         if workers == 1:
             results = (convert(p, t, text_field, doc_per_line, strict, progress) for _, p, t, *_ in tasks)
         else:       # forkserver, not fork: a trainer or a test process has threads (torch's, Arrow's) whose
@@ -266,14 +265,16 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         if one:
             sink = pa.OSFile(tmp, "wb")
             writer = pa.ipc.new_stream(sink, SCHEMA)
-        for (i, p, t, *_), r in zip(tasks, results):
+        for (i, p, w, *_), t, r in zip(tasks, targets, results):
             counts.update(r["counts"])
             examples += r["examples"][:MAX_EXAMPLES - len(examples)]
             if one:                                 # append the shard, then free its disk space
-                with pa.memory_map(t) as src:
+                with pa.memory_map(w) as src:
                     for batch in pa.ipc.open_stream(src):
                         writer.write_batch(batch)
-                os.remove(t)
+                os.remove(w)
+            else:
+                os.replace(w, t)
         if one:
             writer.close()
             sink.close()
@@ -289,7 +290,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         if pool is not None:
             pool.terminate()                        # ends and joins the workers
             pool = None
-        for t in ([] if one else set(targets) - existed):    # the shards this run began, no others
+        for t in ([] if one else set(targets) - existed | set(written)):    # the shards this run began, no others
             if os.path.exists(t):
                 os.remove(t)
         raise

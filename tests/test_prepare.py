@@ -79,6 +79,10 @@ def test_strict_stops_at_the_first_bad_record_and_writes_nothing(shards, tmp_pat
     with pytest.raises(SystemExit, match=r"a.jsonl:6: not JSON .*--strict"):
         data.main(["prepare", str(shards), "--out", str(tmp_path / "x.arrow"), "--strict", "-j", "2"])
     assert sorted(os.listdir(tmp_path)) == ["src"]
+    for j in ("1", "2"):                     # one .arrow per shard: no shard, no temporary is left either
+        with pytest.raises(SystemExit, match=r"a.jsonl:6: not JSON .*--strict"):
+            data.main(["prepare", str(shards), "--out", f"{tmp_path}/dir{j}/", "--strict", "-j", j])
+        assert os.listdir(tmp_path / f"dir{j}") == []
 
 
 def test_wrong_text_field_and_broken_gzip_are_one_line_errors_before_any_output(shards, tmp_path):
