@@ -36,6 +36,7 @@ import configs  # noqa: E402
 import model as llama  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+import pipeline  # noqa: E402
 import reshard  # noqa: E402
 import sharding  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError  # noqa: E402
@@ -599,3 +600,33 @@ def test_precompile_pass_writes_no_checkpoint_and_no_export(tmp_path):
     assert ref.returncode == 0 and (tmp_path / "ref" / "ckpt" / "step_00000006").is_dir()
     loss = lambda out: [l for l in out.splitlines() if "| loss" in l and l.startswith("step")]   # noqa: E731
     assert [l.split("|")[1] for l in loss(run.stdout)] == [l.split("|")[1] for l in loss(ref.stdout)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tied_model_saved_without_pp_resumes_at_pp2_with_the_heads_moments(tmp_path, tp):
+    """A tied matrix is saved once without PP (embed.weight); at PP=2 the last stage holds a copy
+    of it (lm_head.weight), whose moments are the embedding's. The resume refused: "optimizer state
+    does not match the model: missing ['lm_head.weight.exp_avg', ...]" (found by a black-box run:
+    train.py --model.tie_embeddings=true saved in one process, resumed under torchrun --pp=2)."""
+    cfg = tiny_cfg(tmp_path, tie_embeddings=True)
+    cfg.ckpt.async_save = False
+    model, opt = trained(cfg)
+    c = Checkpointer(cfg, parallel.Grid())
+    c.claim()
+    c.save(2, model.state_dict(), opt.state_dict(), data={"d": 0})
+    c.close()
+    saved = opt.state_dict()["state"]
+    cfg.parallel.pp, cfg.parallel.tp = 2, tp
+    for tp_rank in range(tp):
+        g = parallel.Grid(world=2 * tp, rank=tp + tp_rank, tp=tp, pp=2, pp_rank=1, tp_rank=tp_rank)
+        bounds = pipeline.stage_bounds(cfg)
+        last = parallel.build_model(cfg, g, "cpu", stage=lambda m: pipeline.PipelineStage(m, bounds, 1))
+        got = Checkpointer(cfg, g).load_latest(names=set(last.state_dict()))
+        last.load_state_dict(got.model)
+        resumed = optim.build_optimizer(last, cfg, g)
+        resumed.load_state_dict(got.optim)
+        state = resumed.state_dict()["state"]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            want = sharding.cut("embed.weight", saved[f"embed.weight.{moment}"], cfg.model, tp, tp_rank)
+            assert torch.equal(state[f"lm_head.weight.{moment}"], want)
+        assert torch.equal(last.lm_head.weight, sharding.cut("embed.weight", model.embed.weight, cfg.model, tp, tp_rank))
