@@ -67,6 +67,15 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         raise HFError(f"sliding_window={window} is shorter than the sequence ({max_len}): nanotrn has no "
                       f"sliding-window attention; train with sequences of at most {window} tokens "
                       f"(--model.max_seq_len={window}) or use a checkpoint without one")
+    # The shape as whole numbers, the rest as numbers: else a ZeroDivisionError or a TypeError later.
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for key in (*required, "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        if (key in required or hf.get(key) is not None) and not (type(hf.get(key)) is int and hf[key] >= 1):
+            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a whole number >= 1" if key in hf else
+                          f"no {key}: a Llama config.json gives {', '.join(required)}")
+    for key in ("rms_norm_eps", "initializer_range", "rope_theta"):
+        if hf.get(key) is not None and type(hf[key]) not in (int, float):
+            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a number")
     rope = _rope(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
@@ -79,6 +88,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
                   **rope)
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _rope(hf: dict) -> dict:
@@ -96,6 +108,9 @@ def _rope(hf: dict) -> dict:
     if kind != "llama3" or params.get("attention_factor", 1.0) != 1.0:
         raise HFError(f"rope scaling {kind!r} ({params}) is not implemented: nanotrn implements none and "
                       f"'llama3' (Llama 3.1 and later); load a checkpoint that uses one of them")
+    if missing := [k for k in LLAMA3_ROPE if not isinstance(params.get(k), (int, float))]:
+        raise HFError(f"rope scaling 'llama3' without a number for {', '.join(missing)} ({params}): "
+                      f"config.json is incomplete; give all of {', '.join(LLAMA3_ROPE)}")
     return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
             "rope_low_freq_factor": float(params["low_freq_factor"]),
             "rope_high_freq_factor": float(params["high_freq_factor"]),
@@ -172,8 +187,17 @@ def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)")
-    with open(path) as f:
-        return model_config_from_hf(json.load(f), **overrides)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
+        raise HFError(f"{path} is not a readable JSON file ({e}): give a Hugging Face model folder") from None
+    if not isinstance(hf, dict):
+        raise HFError(f"{path} holds a JSON {type(hf).__name__}, not a config object: give a Hugging Face model folder")
+    try:
+        return model_config_from_hf(hf, **overrides)
+    except HFError as e:
+        raise HFError(f"{path}: {e}") from None
 
 
 class SafetensorsFolder:
@@ -183,14 +207,22 @@ class SafetensorsFolder:
         from safetensors import safe_open
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):         # the files transformers reads (Mistral also ships consolidated.*)
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:
+                with open(index, encoding="utf-8") as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HFError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-download "
+                              f"it or give another --init_from") from None
         else:
             files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("consolidated"))
         if not files:
             raise HFError(f"no .safetensors files in {folder} (a .bin checkpoint: re-save it with "
                           f"save_pretrained(..., safe_serialization=True))")
-        self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
+        try:
+            self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
+        except Exception as e:          # safetensors' own error type: a truncated or foreign file
+            raise HFError(f"{folder}: cannot read its weights ({e}); re-download them or give another "
+                          f"--init_from") from None
         self.where = {k: f for f in self.files.values() for k in f.keys()}
 
     def shape(self, name: str) -> list[int]:
@@ -206,27 +238,10 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     """Copy the weights of `folder` into this rank's model (a Llama, its TP shard or a pipeline
     stage, with the whole model's parameter names), reading only this rank's rows and columns
     (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
-    st = SafetensorsFolder(folder)
+    st, tables = check_weights(folder, cfg)
     full = param_shapes(cfg)
-    tables = {name: _hf_rows(name, cfg) for name in full}      # tied: both names, one source
-    want = {s for srcs, _ in tables.values() for s in srcs}
-    missing = sorted(want - set(st.where))
-    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
-                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
-    if missing:
-        raise HFError(f"{folder} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
-                      f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
-    if extra:
-        raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
-                      f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
     for name, p in model.named_parameters():       # a tied matrix once, as embed.weight
         srcs, table = tables[name]
-        for i, s in enumerate(srcs):        # the shapes the config implies, before reading anything
-            n_rows = int((table[:, 0] == i).sum())
-            want = [n_rows, full[name][1]] if p.dim() == 2 else [n_rows]
-            if st.shape(s) != want:
-                raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
-                              f"and config.json do not belong together")
         # This rank's rows: the (source, row) table indexed by the TP rule's row numbers; padding
         # rows (-1) stay zero. Row-parallel weights keep every row and take this rank's columns.
         rows, cols = sharding.index(name, full[name], cfg, tp, tp_rank)
@@ -240,6 +255,31 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
                 lo, hi = int(r.min()), int(r.max()) + 1        # a rank's rows of one source are contiguous
                 out[sel] = st.rows(s, lo, hi, cols)[r - lo].to(p.dtype)
         p.copy_(out.to(p.device))
+
+
+def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dict]:
+    """The folder's tensors are exactly those of a Llama of cfg, in the shapes it implies: checked from
+    the safetensors headers alone (apply_init_from: before any work; each rank reads them, kilobytes)."""
+    st, full = SafetensorsFolder(folder), param_shapes(cfg)
+    tables = {name: _hf_rows(name, cfg) for name in full}      # tied: both names, one source
+    want = {s for srcs, _ in tables.values() for s in srcs}
+    missing = sorted(want - set(st.where))
+    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
+                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
+    if missing:
+        raise HFError(f"{folder} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
+                      f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
+    if extra:
+        raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
+                      f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
+    for name, (srcs, table) in tables.items():
+        for i, s in enumerate(srcs):        # the shapes the config implies
+            n_rows = int((table[:, 0] == i).sum())
+            want = [n_rows, *full[name][1:]]
+            if st.shape(s) != want:
+                raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
+                              f"and config.json do not belong together")
+    return st, tables
 
 
 EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
@@ -446,6 +486,7 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
                       f"drop it (a run may set only --model.{', --model.'.join(RUN_MODEL_KEYS)})")
     run = {k: getattr(cfg.model, k) for k in RUN_MODEL_KEYS if k in given or k != "max_seq_len"}
     cfg.model = read_config(cfg.init_from, **run)
+    check_weights(cfg.init_from, cfg.model)
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = cfg.init_from
 
