@@ -95,9 +95,10 @@ class Corpus:
             ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])
             total = sum(w for _, w in entries)
             self.groups = [(e, w / total, int(lo), int(hi)) for (e, w), lo, hi in zip(entries, [0, *ends[:-1]], ends)]
-            empty = [g[0] for g in self.groups if g[2] == g[3]]
+            empty = [(g[0], ps) for g, ps in zip(self.groups, per_entry) if g[2] == g[3]]
             if empty:
-                raise DataError(f"mixture source {empty[0]!r} holds no documents")
+                raise DataError(f"mixture source {empty[0][0]!r} holds no documents" + ("" if empty[0][1] else
+                                "; its files are an earlier source's too: name each file in one source only"))
 
     def warn(self, kind: str, msg: str):
         """Count a data problem, keeping the first of each kind as its example. Not printed: the packing
@@ -378,7 +379,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
             character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=8192,
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:             # ValueError: a vocab_size beyond int32
         if m := re.search(r"smaller than required_chars. (\d+) vs (\d+)", str(e)):
             raise DataError(f"{corpus.spec!r} has {m[2]} distinct characters, more than a {vocab_size}-piece "
                             f"tokenizer holds; raise --model.vocab_size above {m[2]}, or pass --data.tokenizer") from None

@@ -126,7 +126,10 @@ def records(path: str, field: str, doc_per_line: bool):
     else:                                           # the whole file is one document
         raw, stream = _open(path)
         with raw, stream:
-            text, repl = decode(stream.read())
+            try:
+                text, repl = decode(stream.read())
+            except OSError as e:                    # a truncated or corrupt gzip/zstd stream
+                raise DataError(f"{path}: cannot be decompressed ({e}); re-download it or leave it out") from None
         yield path, text, None, repl, os.path.getsize(path)
 
 
@@ -220,6 +223,11 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         raise DataError(f"--out {out} is also one of the sources")
     if not one and any(os.path.realpath(p).startswith(os.path.realpath(folder) + os.sep) for p in paths):
         raise DataError(f"--out {out} holds some of the sources; write the shards to another directory")
+    inside = [d for d in ",".join(sources).split(",") if os.path.isdir(d.strip()) and
+              (os.path.realpath(folder) + os.sep).startswith(os.path.realpath(d.strip()) + os.sep)]
+    if inside:          # --data=that directory would then read every document twice
+        raise DataError(f"--out {out} is inside the source directory {inside[0]}: write it outside, so that "
+                        f"--data={inside[0]} does not read its documents twice")
     empty = [p for p in paths if os.path.getsize(p) == 0]
     paths = [p for p in paths if os.path.getsize(p) > 0]
     os.makedirs(folder, exist_ok=True)
