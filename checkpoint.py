@@ -360,6 +360,8 @@ def cli(argv: list[str]):
     import hf
     usage = ("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] "
              "CKPT_DIR HF_OUT_DIR")
+    if "-h" in argv or "--help" in argv:
+        return print(f"{usage}\n\n{cli.__doc__}")
     flags = [a for a in argv if a.startswith("--")]
     argv = [a for a in argv if not a.startswith("--")]
     dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")
@@ -378,11 +380,15 @@ def cli(argv: list[str]):
             check_dir("HF_OUT_DIR", out)
         except ConfigError as e:
             raise CheckpointError(str(e).replace("--HF_OUT_DIR=", "")) from None
+        if Path(out).resolve().is_relative_to(Path(root).resolve()):     # --overwrite would remove its files
+            raise CheckpointError(f"{out} is inside the checkpoint directory {root}: export to a folder outside it")
         if os.path.isdir(out) and os.listdir(out) and "--overwrite" not in flags:
             raise CheckpointError(f"{out} is not empty: export into a new folder, or pass --overwrite to "
                                   f"replace what is there")
     found = ckptdir.scan(Path(root))
     if not found:
+        if ckptdir.STEP_DIR.match(Path(root).resolve().name):     # one checkpoint, not the directory of them
+            raise CheckpointError(f"{root} is one checkpoint: give the directory that holds it, {Path(root).resolve().parent}")
         raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
     for _, d in found:
         verdict, problem, files = ckptdir.check(d)
