@@ -14,18 +14,37 @@ reference run side by side in the same process, on this machine.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
+
+from configs import ConfigError, check_dir
 
 from benchmarks.ckpt import bench_ckpt
 from benchmarks.layouts import bench_parallel, bench_pp
 from benchmarks.step import bench_step, bench_train
-from benchmarks.stream import bench_data
+from benchmarks.stream import CORPORA, DATA_SHAPES, bench_data
 from benchmarks.studies import bench_init, bench_precision
 from benchmarks.xla import bench_xla
 
 BENCHES = {"step": bench_step, "train": bench_train, "data": bench_data, "precision": bench_precision,
            "init": bench_init, "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Every flag's domain, before a benchmark builds a corpus or a model (parser.error: one line, exit 2)."""
+    for flag, ok, what in (("threads", args.threads >= 1, ">= 1"), ("steps", args.steps >= 0, ">= 0 (0: the default)"),
+                           ("layers", args.layers >= 1, ">= 1"), ("lr", 0 < args.lr < math.inf, "a positive number")):
+        if not ok:
+            parser.error(f"--{flag}={getattr(args, flag)}: give {what}")
+    for flag, names in (("data_shapes", DATA_SHAPES), ("data_corpora", CORPORA)):
+        bad = [n for n in getattr(args, flag).split(",") if n not in names]
+        if bad:
+            parser.error(f"--{flag}: unknown {bad[0]!r}; give a comma-separated list of {', '.join(names)}")
+    try:
+        check_dir("out", args.out)
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 def main(argv: list[str]) -> None:
@@ -45,5 +64,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--data_corpora", default="files,paragraphs,paragraphs_b1000,paragraphs_b8", help="data: the "
                         "packing part's corpora (paragraphs_bN: the paragraphs in N-row record batches)")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     torch.set_num_threads(args.threads)
     BENCHES[args.which](args)

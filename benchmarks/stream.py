@@ -175,8 +175,7 @@ def bench_data(args):
     # The paragraphs also in 1,000-row record batches (as prepare and datasets write), and in 8-row
     # ones: there nearly every document of a read lies in a record batch of its own, as at 1e9
     # documents in 1,000-row batches (a read's ~230 documents among a million batches).
-    corpora = {"files": (files, 1 << 30), "paragraphs": (paragraphs, 1 << 30),
-               "paragraphs_b1000": (paragraphs, 1000), "paragraphs_b8": (paragraphs, 8)}
+    corpora = dict(zip(CORPORA, ((files, 1 << 30), (paragraphs, 1 << 30), (paragraphs, 1000), (paragraphs, 8))))
     for name in args.data_corpora.split(","):
         texts, rows = corpora[name]
         file = f"stdlib_eighth_{name.split('_')[0]}{'' if rows > len(texts) else f'_b{rows}'}.arrow"
@@ -218,6 +217,7 @@ def bench_data(args):
     write_json(os.path.join(args.out, "data.json"), {"speed": speed, **memory, "wall_s": time.perf_counter() - t_all})
 
 
+CORPORA = ("files", "paragraphs", "paragraphs_b1000", "paragraphs_b8")   # the packing part's (--data_corpora)
 DOCUMENTS = (1 << 20, 1 << 22, 1 << 24)        # the memory part's corpus sizes: 1M, 4M, 16M
 # Corpus shapes of the memory part (--data_shapes): the file, by its number of documents, and how it is written.
 DATA_SHAPES = {"arrow": ("docs_{}M.arrow", 1 << 17, "Arrow, 131k-row record batches"),
