@@ -252,7 +252,7 @@ def _parse_value(key: str, text: str, typ) -> object:
             return BOOLS[text.lower()]
         return int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
     except (KeyError, ValueError):
-        raise ConfigError(f"--{key}={text!r}: expected a {typ.__name__}") from None
+        raise ConfigError(f"--{key}={text!r}: expected {({int: 'an int', float: 'a number'}).get(typ, 'true or false')}") from None
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:

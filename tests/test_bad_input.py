@@ -5,6 +5,7 @@ input could be refused early, and that every file that existed before is byte-id
 Cases run in-process through each command line's own main() (SystemExit and stderr captured);
 only Ctrl-C and one plain launch spawn a real Python."""
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
+from benchmarks import cli as bench  # noqa: E402
 import configs  # noqa: E402
 import corpus  # noqa: E402
 import data  # noqa: E402
@@ -85,6 +87,24 @@ def W(tmp_path_factory):
     (w / "hfout" / "model.safetensors").write_bytes(b"weights")
     (w / "prev").mkdir()                            # an earlier run's export, and no checkpoint
     shutil.copytree(w / "run" / "hf", w / "prev" / "hf")
+    (w / "bad.txt.gz").write_bytes(b"not gzip at all")
+    # --init_from folders: the run's export with one thing wrong.
+    conf = json.loads((w / "run" / "hf" / "config.json").read_text())
+    rope = {"rope_type": "llama3", "factor": 8.0}
+    for name, text in (("notjson", "{not json"), ("list", "[1, 2]"), ("latin1", b"\xff\xfe{}"),
+                       *[(n, json.dumps({k: v for k, v in {**conf, **change}.items() if v is not None}))
+                         for n, change in (("nohidden", {"hidden_size": None}), ("zeroheads", {"num_attention_heads": 0}),
+                                           ("strdim", {"hidden_size": "32"}), ("ropepart", {"rope_scaling": rope}),
+                                           ("twolayers", {"num_hidden_layers": 2}))]):
+        shutil.copytree(w / "run" / "hf", w / f"init_{name}")
+        (w / f"init_{name}" / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    shutil.copytree(w / "run" / "hf", w / "init_truncated")
+    f = w / "init_truncated" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:3000])
+    shutil.copytree(w / "run" / "hf", w / "init_badindex")
+    (w / "init_badindex" / "model.safetensors.index.json").write_text('{"weight_map": 3}')
+    shutil.copytree(w / "run" / "hf", w / "init_noweights")
+    os.remove(w / "init_noweights" / "model.safetensors")
     return w
 
 
@@ -118,7 +138,7 @@ class Spy:
 
 
 ENTRY = {"train": train.cli, "data": data.main, "checkpoint": checkpoint.main, "configs": configs.main,
-         "plan": plan.main}
+         "plan": plan.main, "bench": bench.main}
 
 
 def run_entry(entry, argv, capsys):
@@ -135,6 +155,12 @@ def T(*args):
     """train.py with the tiny model, writing only inside the case's own directory {t}."""
     return ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model", "--out_dir={t}/out",
                       "--ckpt.dir={t}/out/ckpt", "--data.cache_dir={t}/cache", *args])
+
+
+def TI(*args):
+    """train.py from a Hugging Face folder (--init_from sets the model: no --model.* key)."""
+    run = [a for a in TINY if not a.startswith("--model.")]
+    return ("train", [*run, "--data={W}/corpus", "--out_dir={t}/out", "--data.cache_dir={t}/cache", *args])
 
 
 # (id, (entry, argv), strings the message must hold, exit code, refused before any tokenizer or model)
@@ -248,6 +274,22 @@ CASES = [
     ("new corpus, new tokenizer", ("train", [*TINY, "--data={W}/other", "--out_dir={t}/o", "--ckpt.dir={t}/ck",
                                              "--data.cache_dir={W}/tokcache2", "--steps=3", "--ckpt.reset_data"]),
      ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
+    # ---- train.py --init_from: a folder that is not a Llama export, refused before any work
+    ("init: config not JSON", TI("--init_from={W}/init_notjson"), ["init_notjson/config.json", "not a readable JSON"], 1, True),
+    ("init: config a list", TI("--init_from={W}/init_list"), ["init_list/config.json", "JSON list"], 1, True),
+    ("init: config not UTF-8", TI("--init_from={W}/init_latin1"), ["init_latin1/config.json", "utf-8"], 1, True),
+    ("init: no hidden_size", TI("--init_from={W}/init_nohidden"), ["init_nohidden/config.json", "no hidden_size"], 1, True),
+    ("init: zero heads", TI("--init_from={W}/init_zeroheads"), ["num_attention_heads=0", ">= 1"], 1, True),
+    ("init: dim a string", TI("--init_from={W}/init_strdim"), ["hidden_size='32'", "whole number"], 1, True),
+    ("init: llama3 rope incomplete", TI("--init_from={W}/init_ropepart"), ["low_freq_factor", "incomplete"], 1, True),
+    ("init: weights truncated", TI("--init_from={W}/init_truncated"), ["init_truncated", "cannot read its weights"], 1, True),
+    ("init: bad index", TI("--init_from={W}/init_badindex"), ["model.safetensors.index.json", "not a safetensors index"],
+     1, True),
+    ("init: no weights", TI("--init_from={W}/init_noweights"), ["no .safetensors files", "init_noweights"], 1, True),
+    ("init: weights of another model", TI("--init_from={W}/init_twolayers"), ["lacks 9 tensors", "do not belong"], 1, True),
+    # ---- train.py: data that cannot be used (2)
+    ("corrupt .txt.gz", T("--data={W}/bad.txt.gz"), ["bad.txt.gz", "cannot be decompressed"], 1, True),
+    ("mixture names a folder twice", T("--data={W}/corpus:1,{W}/corpus:1"), ["earlier source", "one source only"], 1, True),
     # ---- data.py
     ("data: no command", ("data", []), ["usage"], 2, True),
     ("data: prepare without --out", ("data", ["prepare", "{W}/corpus"]), ["--out"], 2, True),
@@ -276,7 +318,20 @@ CASES = [
      ["--cache-dir", "afile"], 1, True),
     ("data: vocab above corpus", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "100000",
                                            "--cache-dir", "{t}/c"]), ["100000", "<= ", "lower --vocab"], 1, False),
+    ("data: --out inside a source", ("data", ["prepare", "{W}/corpus", "--out", "{W}/corpus/all.arrow"]),
+     ["inside the source directory", "read its documents twice"], 1, True),
+    ("data: corrupt .txt.gz", ("data", ["prepare", "{W}/bad.txt.gz", "--out", "{t}/x.arrow"]),
+     ["bad.txt.gz", "cannot be decompressed"], 1, True),
+    ("data: vocab beyond int32", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "99999999999999999999",
+                                           "--cache-dir", "{t}/c"]), ["99999999999999999999", "lower --vocab"], 1, False),
     # ---- checkpoint.py
+    ("ckpt: ls one step", ("checkpoint", ["ls", "{W}/run/ckpt/step_00000002"]), ["is one checkpoint", "run/ckpt"], 1, True),
+    ("ckpt: export into the checkpoints", ("checkpoint", ["export", "--overwrite", "{W}/run/ckpt", "{W}/run/ckpt/tokenizer"]),
+     ["inside the checkpoint directory", "outside it"], 1, True),
+    # ---- bench.py
+    *[(f"bench: {a}", ("bench", [w, a]), [a.split("=")[0], "give"], 2, True) for w, a in (
+        ("step", "--threads=0"), ("init", "--layers=0"), ("init", "--lr=nan"), ("step", "--steps=-1"),
+        ("data", "--data_shapes=arrow,foo"), ("data", "--data_corpora=files,foo"), ("ckpt", "--out={W}/afile"))],
     ("ckpt: no arguments", ("checkpoint", []), ["usage: python checkpoint.py"], 1, True),
     ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
     ("ckpt: unknown command", ("checkpoint", ["show", "x"]), ["'show'", "usage"], 1, True),
@@ -344,6 +399,11 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
     after = snapshot(W, t)
     changed = [p for p, h in before.items() if after.get(p) != h and not p.endswith("run.lock")]  # the run's lock: ours
     assert not changed, changed
+
+
+def test_checkpoint_help_is_not_an_error(capsys):
+    checkpoint.main(["--help"])
+    assert "usage: python checkpoint.py" in capsys.readouterr().out
 
 
 def test_at_least_80_kinds_of_bad_input_are_checked():

@@ -56,7 +56,7 @@ def test_overrides_are_typed():
                            "--data.global_batch=1_024"])
     assert c.model.n_layers == 2 and c.optim.lr == 3e-3 and c.parallel.sp is True
     assert c.parallel.tp == 2 and c.data.global_batch == 1024
-    with pytest.raises(ConfigError, match="expected a int"):
+    with pytest.raises(ConfigError, match="expected an int"):
         configs.from_args(["--model.n_layers=two"])
     with pytest.raises(ConfigError, match="choose one of fp32, mixed, bf16, bf16_sr"):
         configs.from_args(["--optim.precision=fp16"])
