@@ -100,7 +100,7 @@ class DataConfig:
 class CheckpointConfig:
     dir: str = "out/ckpt"        # follows --out_dir unless given: <out_dir>/ckpt
     interval: int = 0            # steps between saves; 0 = only at the end
-    keep: int = 3                # keep the last K complete checkpoints
+    keep: int = 3                # keep the last K complete checkpoints (0 = keep them all)
     async_save: bool = True      # write checkpoints from a background thread after staging them in host memory
     resume: bool = True          # continue from the newest complete checkpoint if there is one
     reset_data: bool = False     # on resume, start the data stream afresh (needed after a change of global batch)

@@ -468,6 +468,18 @@ def test_train_py_process_prints_one_line(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
+def test_torchrun_says_a_config_error_once_per_node(tmp_path):
+    """Every rank refuses --dp=3 on 2 processes before the process group exists; the line is said
+    once (by local rank 0), not once per rank."""
+    from gloo_spawn import run_train
+    r = run_train([*TINY, "--dp=3", f"--out_dir={tmp_path}/o"], nproc=2, timeout=120)
+    said = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and said == ["error: world size 2 != tp*pp*dp = 1*1*3; launch 3 processes or set "
+                                          "--dp=2 (or -1 to infer it)"], r.stderr
+    assert not os.listdir(tmp_path)
+
+
 def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     """The documented route: the run's own tokenizer (kept beside its checkpoints) and
     --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
