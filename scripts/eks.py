@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from configs import INSTANCES, ConfigError, from_args, validate  # noqa: E402  (the planner's table)
+from configs import INSTANCES, ConfigError, from_args, path_kind, validate  # noqa: E402  (the planner's table)
 
 WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
 CONTAINER = "nanotrn"
@@ -77,7 +78,6 @@ def parse(argv: list[str]):
 
 
 def dns_name(flag: str, value: str, limit: int) -> str:
-    import re
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > limit:
         fail(f"{flag} {value!r} is not a Kubernetes name: lower-case letters, digits and '-', "
              f"at most {limit} characters")
@@ -91,6 +91,17 @@ def check(args, train_args: list[str]):
     # Job names become pod host names <job>-<index> (63 characters) and label values.
     dns_name("--name", args.name, 63 - len("-compile-") - len(str(args.nodes - 1)))
     dns_name("--namespace", args.namespace, 63)
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", args.fsx_claim) or len(args.fsx_claim) > 253:
+        fail(f"--fsx-claim {args.fsx_claim!r} is not a PersistentVolumeClaim name: lower-case letters, digits, "
+             f"'-' and '.' (kubectl get pvc lists them)")
+    if not args.image.strip() or any(c.isspace() for c in args.image):
+        fail(f"--image {args.image!r}: give the image as a registry reference, e.g. ECR_URI:TAG")
+    if not 1 <= args.port <= 65535:
+        fail(f"--port {args.port}: give a TCP port, 1 to 65535")
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?", args.shm):
+        fail(f"--shm {args.shm!r} is not a Kubernetes quantity: give e.g. 64Gi")
+    if args.out and (kind := path_kind(args.out)) not in ("nothing", "a directory"):
+        fail(f"--out {args.out} is {kind}: give a directory")
     if args.max_restarts < 0:
         fail(f"--max-restarts {args.max_restarts}: give 0 or more")
     if args.grace_period < TORCHRUN_STOP_S + 5:

@@ -20,7 +20,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import checkpoint  # noqa: E402
+import eks  # noqa: E402
 from benchmarks import cli as bench  # noqa: E402
 import configs  # noqa: E402
 import corpus  # noqa: E402
@@ -138,7 +140,7 @@ class Spy:
 
 
 ENTRY = {"train": train.cli, "data": data.main, "checkpoint": checkpoint.main, "configs": configs.main,
-         "plan": plan.main, "bench": bench.main}
+         "plan": plan.main, "bench": bench.main, "eks": eks.main}
 
 
 def run_entry(entry, argv, capsys):
@@ -345,6 +347,13 @@ CASES = [
      ["hfout", "not empty", "--overwrite"], 1, True),
     ("ckpt: export to a file", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/afile"]), ["afile", "is a file"], 1, True),
     ("ckpt: export extra args", ("checkpoint", ["export", "{W}/run/ckpt", "{t}/a", "{t}/b"]), ["usage"], 1, True),
+    # ---- scripts/eks.py: a manifest Kubernetes would refuse at apply time
+    *[(f"eks: {flag} {value!r}", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", flag, value]),
+       [flag, value, "give"], 1, True) for flag, value in (
+        ("--port", "0"), ("--port", "99999"), ("--shm", "lots"), ("--image", ""), ("--image", "a b"),
+        ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"))],
+    ("eks: --fsx-claim", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "FSx_Claim"]),
+     ["--fsx-claim 'FSx_Claim'", "PersistentVolumeClaim name"], 1, True),
     # ---- configs.py and plan.py
     ("configs: no command", ("configs", []), ["usage: python configs.py show"], 1, True),
     ("configs: plan moved", ("configs", ["plan"]), ["python plan.py"], 1, True),
