@@ -150,7 +150,7 @@ def tiny() -> Config:
 
 def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
             precision: str = "bf16_sr") -> Config:
-    """The blog's table (and HLAT's; docs/trn1.md cites each). Log every 10 steps: a log line waits for the device."""
+    """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device."""
     return Config(
         preset=name, model=model, parallel=parallel,
         optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=480_000,

@@ -93,7 +93,7 @@ def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
         raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
                           "collectives between processes; use --device=cpu to train with gloo")
     # A collective that waits longer than --parallel.timeout_s raises (gloo, nccl) instead of
-    # hanging forever; the xla backend has no such timeout (train.py's watchdog covers it).
+    # hanging forever; the xla backend has no such timeout (monitor.Watchdog covers it).
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if backend == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers "xla" and patches new_group
@@ -123,7 +123,7 @@ def new_host_group(timeout: datetime.timedelta | None = None):
 
 def group_options(backend: str, mesh: list[list[int]]):
     """pg_options of a group of `mesh` (all groups of its kind): XLA's verifier wants every rank's
-    replica groups (trainium.md; NxD's mesh). tests/xla_rules.py replaces it to check gloo groups."""
+    replica groups (XLA's CheckReplicaGroups; NxD's mesh). tests/xla_rules.py replaces it to check gloo groups."""
     return {"xla_pg_options": {"mesh": mesh}} if backend == "xla" else None
 
 

@@ -169,7 +169,7 @@ def pair_meshes(world: int, tp: int, pp: int) -> list[list[list[int]]]:
 def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
     """peer's global rank -> (two-rank group, peer's index in it). Every rank creates every pair in
     the same order (new_group is collective), each with its whole mesh (XLA compiles a collective
-    with all ranks' replica groups: trainium.md)."""
+    with all ranks' replica groups: tests/xla_rules.py)."""
     mine = {}
     for mesh in pair_meshes(grid.world, grid.tp, grid.pp):
         opts = parallel.group_options(grid.backend, mesh)

@@ -1,7 +1,7 @@
 """The pipeline step's graphs on XLA:CPU, in one process: the graph census of train.train_step at PP 2.
 
 On trn1 a pipeline step is PP processes, each tracing its own stage's graphs and exchanging
-activations with its neighbours. XLA:CPU has no collectives between processes (trainium.md), so
+activations with its neighbours. XLA:CPU runs no collectives between processes (torch-xla's CPU client), so
 this runs the stages one after another in ONE process, each exactly as its rank runs it in
 train.py: pipeline.build_model, torch-xla's activation checkpointing, optim.build_optimizer,
 train.train_step (its pipeline branch) with train.sync as the graph cut after every task, and
