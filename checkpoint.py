@@ -417,6 +417,9 @@ def main(argv: list[str]) -> None:
         sys.exit(f"checkpoint error: {e}" if not str(e).startswith("usage") else str(e))
     except KeyboardInterrupt:
         sys.exit("interrupted")
+    except BrokenPipeError:         # `python checkpoint.py ... | head`: the reader left (as plan.py); no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

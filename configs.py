@@ -302,6 +302,8 @@ def from_args(argv: list[str]) -> Config:
             raise ConfigError("--preset needs a name: " + ", ".join(PRESETS))
         name = argv[i].split("=", 1)[1] if "=" in argv[i] else argv.pop(i + 1)
         del argv[i]
+    if again := [a for a in argv if a == "--preset" or a.startswith("--preset=")]:     # else it sets only the name
+        raise ConfigError(f"--preset {name} and {again[0]}: give one preset, then --section.key=value overrides")
     if name not in PRESETS:
         close = difflib.get_close_matches(name, PRESETS, n=2)
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
@@ -416,8 +418,7 @@ def check_values(cfg: Config) -> None:
         if key in DOMAINS and not DOMAINS[key][0](value):
             raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
         if key in NON_EMPTY and not str(value).strip():
-            section, _, name = key.rpartition(".")
-            default = getattr(getattr(Config(), section) if section else Config(), name)
+            default = _all_keys(Config())[key][1].default
             raise ConfigError(f"--{key} is empty: give a value (default {default!r})")
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
@@ -583,8 +584,7 @@ INSTANCES = {
 
 def main(argv: list[str]) -> None:
     if wants_help(argv):
-        print(help_text(__doc__, [a for a in argv if a != "show"]))
-        return
+        return print(help_text(__doc__, [a for a in argv if a != "show"]))
     if not argv or argv[0] != "show":
         sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
                  "  (the planner: python plan.py [--preset NAME] ...)")

@@ -522,6 +522,9 @@ def cli(argv: list[str]) -> None:
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:         # `python train.py ... | head`: the reader left (as plan.py); no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 def exit_now(code) -> None:
@@ -533,7 +536,10 @@ def exit_now(code) -> None:
     if isinstance(code, str):                          # sys.exit("error: ...")
         print(code, file=sys.stderr)
         code = 1
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:                            # `| head`: the reader left; the rest goes nowhere
+        pass
     sys.stderr.flush()
     os._exit(code or 0)
 

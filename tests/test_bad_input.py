@@ -190,6 +190,8 @@ CASES = [
     ("unknown key", T("--model.n_layer=4"), ["--model.n_layer", "did you mean --model.n_layers"], 1, True),
     ("unknown preset", ("train", ["--preset=llama2_7B"]), ["llama2_7B", "llama2_7b"], 1, True),
     ("preset without name", ("train", ["--preset"]), ["--preset needs a name"], 1, True),
+    ("preset twice", ("train", ["--preset=tiny", "--preset=llama2_7b"]), ["--preset tiny", "--preset=llama2_7b",
+                                                                         "give one preset"], 1, True),
     ("stray argument", T("foo"), ["'foo'", "--model.n_layers=4"], 1, True),
     # ---- train.py: the model's shape and the layout
     ("tp splits heads", T("--tp=3"), ["n_heads 2", "tp 3"], 1, True),
@@ -487,6 +489,16 @@ def test_torchrun_says_a_config_error_once_per_node(tmp_path):
     assert r.returncode != 0 and said == ["error: world size 2 != tp*pp*dp = 1*1*3; launch 3 processes or set "
                                           "--dp=2 (or -1 to infer it)"], r.stderr
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["train.py", "--help"], ["checkpoint.py", "--help"]])
+def test_output_into_a_closed_pipe_is_no_traceback(argv):
+    """`python train.py --help | head -1`: the reader is gone before the text is written."""
+    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) != 0 and "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
