@@ -34,6 +34,15 @@ MAX_RESTARTS="${MAX_RESTARTS:-3}"
 COMPILE_STEPS="${COMPILE_STEPS:-10}"
 PYTHON="${PYTHON:-python3}"
 TORCHRUN="${TORCHRUN:-torchrun}"
+# Whole numbers, else a Python traceback (int('x'), a division by zero) or torchrun's own below.
+for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT; do
+    value="${!var:-}" least=1
+    [[ "$var" == MAX_RESTARTS ]] && least=0
+    if [[ -n "$value" && (! "$value" =~ ^[0-9]+$ || 10#$value -lt $least) ]]; then
+        echo "error: $var=$value: give a whole number >= $least" >&2
+        exit 2
+    fi
+done
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
 # for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before

@@ -501,6 +501,20 @@ def test_output_into_a_closed_pipe_is_no_traceback(argv):
     assert p.wait(timeout=120) != 0 and "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+@pytest.mark.parametrize("var,value", [("NNODES", "x"), ("NNODES", "0"), ("NPROC_PER_NODE", "0"),
+                                       ("NPROC_PER_NODE", "-3"), ("MAX_RESTARTS", "-1"), ("COMPILE_STEPS", "ten"),
+                                       ("MASTER_PORT", "abc")])
+def test_launch_sh_refuses_a_bad_number_in_its_environment(var, value):
+    """scripts/launch.sh's environment: one line naming the variable (was int('x')'s traceback, or
+    a ZeroDivisionError from NPROC_PER_NODE=0), exit 2 as a config error, nothing run."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
+           "DRY_RUN": "1", var: value}
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", "--preset=llama2_7b"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd="/tmp")
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {var}={value}: give a whole number >= " \
+        f"{0 if var == 'MAX_RESTARTS' else 1}" and not r.stdout, (r.stderr, r.stdout)
+
+
 def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     """The documented route: the run's own tokenizer (kept beside its checkpoints) and
     --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
