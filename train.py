@@ -243,6 +243,11 @@ def check_export(cfg: configs.Config) -> None:
     """A fresh run (no checkpoint to continue from) must not replace the model an earlier run
     exported to <out_dir>/hf; continuing a run updates its own export."""
     folder = os.path.join(cfg.out_dir, "hf")
+    for key, path in (("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard),
+                      ("data.cache_dir", cfg.data.cache_dir)):
+        if path and (os.path.abspath(path) + os.sep).startswith(os.path.abspath(folder) + os.sep):
+            raise configs.ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
+                                      f"next run would refuse the mixed folder; give another --{key}")
     ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
     if os.path.exists(os.path.join(folder, "config.json")) and not any(checkpoint.STEP_DIR.match(n) for n in ckpts):
         raise configs.ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts "

@@ -253,6 +253,8 @@ CASES = [
     ("resume=false over checkpoints", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
                                                  "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false"]),
      ["--ckpt.resume=false", "run/ckpt"], 1, True),
+    ("ckpt.dir is the export folder", T("--ckpt.dir={t}/out/hf"), ["--ckpt.dir", "inside the export folder"], 1, True),
+    ("tensorboard in the export folder", T("--log.tensorboard={t}/out/hf/tb"), ["--log.tensorboard", "out/hf"], 1, True),
     ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
     ("start_fresh while resuming", T("--ckpt.start_fresh"), ["--ckpt.start_fresh", "--ckpt.resume=false"], 1, True),
     # ---- train.py: a checkpoint directory holding what is not nanotrn's, or nothing valid (issue 25)
