@@ -392,7 +392,7 @@ DOMAINS = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_dim", "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps",
                      "data.seq_len", "data.global_batch", "data.micro_batch", "log.interval",
-                     "log.eval_windows", "model.rope_original_max_len"), _AT_LEAST_1),
+                     "log.eval_windows", "model.rope_original_max_len", "data.shuffle"), _AT_LEAST_1),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr", "optim.eps",
                      "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps",
@@ -465,8 +465,8 @@ def check_values(cfg: Config) -> None:
         except ValueError:
             raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be comma-separated layer indices, e.g. 3,6") from None
         if len(cuts) != p.pp - 1 or cuts != sorted(set(cuts)) or not (0 < cuts[0] and cuts[-1] < m.n_layers):
-            raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be {p.pp - 1} increasing layer indices "
-                              f"strictly between 0 and n_layers {m.n_layers}")
+            raise ConfigError(f"pp_cuts {p.pp_cuts!r} must be {p.pp - 1} increasing layer indices (for --pp={p.pp} "
+                              f"stages) strictly between 0 and n_layers {m.n_layers}")
     elif m.n_layers % p.pp != 0:
         raise ConfigError(f"n_layers {m.n_layers} is not divisible by pp {p.pp}; change pp or give "
                           f"explicit stage boundaries with --parallel.pp_cuts")

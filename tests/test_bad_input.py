@@ -178,7 +178,8 @@ CASES = [
         "--optim.beta1=-0.1", "--optim.lr=0.0", "--optim.lr=nan", "--optim.lr=inf", "--optim.eps=0.0",
         "--optim.min_lr=-1.0", "--optim.weight_decay=-0.1", "--optim.grad_clip=-1.0", "--optim.warmup_steps=-1",
         "--optim.decay_steps=-5", "--optim.constant_steps=-1", "--optim.max_steps=0", "--ckpt.interval=-1",
-        "--ckpt.keep=-1", "--data.val_fraction=1.0", "--data.val_fraction=-0.1", "--parallel.cores=-32")],
+        "--ckpt.keep=-1", "--data.val_fraction=1.0", "--data.val_fraction=-0.1", "--parallel.cores=-32",
+        "--data.shuffle=0", "--data.shuffle=-1")],
     ("min_lr above lr", T("--optim.min_lr=0.5"), ["--optim.min_lr=0.5", "lower min_lr"], 1, True),
     *[(f"empty:{k}", T(f"--{k}="), [f"--{k}", "empty"], 1, True)
       for k in ("data.text_field", "data.data", "out_dir", "ckpt.dir", "data.cache_dir")],
@@ -200,6 +201,7 @@ CASES = [
     ("kv groups", T("--model.n_kv_heads=3", "--model.n_heads=4"), ["--model.n_kv_heads=3"], 1, True),
     ("pp above layers", T("--pp=2"), ["--pp=2", "--model.n_layers=1"], 1, True),
     ("pp_cuts", T("--model.n_layers=4", "--pp=2", "--parallel.pp_cuts=x"), ["'x'"], 1, True),
+    ("pp_cuts without pp", T("--model.n_layers=2", "--parallel.pp_cuts=1"), ["'1'", "--pp=1"], 1, True),
     ("seq above max", T("--seq_len=64"), ["--seq_len=64", "--model.max_seq_len=32"], 1, True),
     ("batch split", T("--global_batch=3"), ["global batch 3", "micro_batch*dp = 2*1"], 1, True),
     ("dp vs world", T("--dp=2"), ["--dp=1"], 1, True),
