@@ -19,6 +19,7 @@ import argparse
 import collections
 import dataclasses
 import queue
+import re
 import signal
 import sys
 import threading
@@ -534,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
             tok = build_tokenizer(cfg.data, args.vocab)
             print(tok.path)
     except ConfigError as e:
-        sys.exit(f"data error: {str(e).replace('--model.vocab_size', '--vocab').replace('--data.cache_dir', '--cache-dir')}")
+        msg = str(e).replace("--model.vocab_size", "--vocab").replace("--data.cache_dir", "--cache-dir")
+        sys.exit("data error: " + (re.sub(r",? or pass --data\.tokenizer", "", msg) if args.cmd == "tokenizer" else msg))
     except KeyboardInterrupt:
         sys.exit("interrupted")
 

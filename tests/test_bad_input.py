@@ -416,6 +416,13 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
     assert not changed, changed
 
 
+def test_data_tokenizer_says_only_its_own_flags(W, tmp_path, capsys):
+    """`data.py tokenizer` has --vocab and no --data.tokenizer: its fix names only what it takes."""
+    code, text = run_entry("data", ["tokenizer", "--data", str(W / "corpus"), "--vocab", "10",
+                                    "--cache-dir", str(tmp_path / "c")], capsys)
+    assert code == 1 and "raise --vocab above" in text and "--data.tokenizer" not in text, text
+
+
 def test_checkpoint_help_is_not_an_error(capsys):
     checkpoint.main(["--help"])
     assert "usage: python checkpoint.py" in capsys.readouterr().out
