@@ -521,9 +521,12 @@ def cli(argv: list[str]) -> None:
         main(argv)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
         # Before the process group, each rank of a node checked the same arguments and files: the
-        # node's first rank says it (torchrun prints every rank's stderr: 32 copies on a trn1).
-        said_by_local_rank_0 = os.environ.get("LOCAL_RANK", "0") != "0" and not torch.distributed.is_initialized()
-        sys.exit(1 if said_by_local_rank_0 else f"error: {e}")
+        # node's first rank says it (torchrun prints every rank's stderr: 32 copies on a trn1). The
+        # others wait to exit: torchrun stops every worker at the first exit, which must be rank 0's.
+        if os.environ.get("LOCAL_RANK", "0") != "0" and not torch.distributed.is_initialized():
+            time.sleep(30)
+            sys.exit(1)
+        sys.exit(f"error: {e}")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -56,6 +56,7 @@ def W(tmp_path_factory):
     cfg = configs.DataConfig(data=str(w / "corpus"), cache_dir=str(w / "tokcache"))
     tok = data.build_tokenizer(cfg, VOCAB)
     shutil.copy(tok.path, w / "tok.model")
+    shutil.copy(data.build_tokenizer(cfg, 1024).path, w / "tok1024.model")      # another model's
     (w / "other").mkdir()                           # another corpus: a "new" one for continuing a run
     for name in ("pprint.py", "difflib.py", "calendar.py", "locale.py", "gettext.py"):
         shutil.copy(os.path.join(stdlib, name), w / "other" / name)
@@ -294,6 +295,8 @@ CASES = [
     ("init: bad index", TI("--init_from={W}/init_badindex"), ["model.safetensors.index.json", "not a safetensors index"],
      1, True),
     ("init: no weights", TI("--init_from={W}/init_noweights"), ["no .safetensors files", "init_noweights"], 1, True),
+    ("init: another vocabulary's tokenizer", TI("--init_from={W}/run/hf", "--data.tokenizer={W}/tok1024.model"),
+     ["tok1024.model has 1024 pieces", "vocab_size is 512", "leave --data.tokenizer empty"], 1, True),
     ("init: weights of another model", TI("--init_from={W}/init_twolayers"), ["lacks 9 tensors", "do not belong"], 1, True),
     # ---- train.py: data that cannot be used (2)
     ("corrupt .txt.gz", T("--data={W}/bad.txt.gz"), ["bad.txt.gz", "cannot be decompressed"], 1, True),
