@@ -11,11 +11,40 @@ import inspect
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# The environment as the session got it, read before any test module is imported. Importing
+# torch_xla sets PJRT_DEVICE=CPU (and XLA_FLAGS, ...) in os.environ: test_xla.py does at collection,
+# test_tied.py and test_data.py in a test. train.pick_device follows PJRT_DEVICE (--device=auto), so
+# a later train.main in this process, or a train.py child that inherits it, ran on XLA:CPU instead of
+# CPU depending on which files were collected or ran first; after a CPU backward, in-process XLA
+# fails (test_model, test_tied, then test_bad_input: an autograd engine INTERNAL ASSERT).
+SESSION_ENV = dict(os.environ)
+
+
+def restore_environ():
+    """os.environ as SESSION_ENV, but for pytest's own PYTEST_CURRENT_TEST (it sets and deletes it)."""
+    for k in set(os.environ) - set(SESSION_ENV) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[k]
+    os.environ.update(SESSION_ENV)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_environ():
+    """Undo what collection set (torch_xla's import) before the first test and its fixtures."""
+    restore_environ()
+
+
+@pytest.fixture(autouse=True)
+def _environ():
+    """Undo what a test set (an in-process import of torch_xla) before the next one's fixtures."""
+    yield
+    restore_environ()
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
