@@ -287,14 +287,19 @@ def line_chunks(line: str, n: int = 2000):
     yield line
 
 
+def find_tokenizer(folder: str) -> str | None:
+    """The tokenizer a model folder holds: tokenizer.model first (Llama 2's original), else tokenizer.json."""
+    return next((p for p in (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json"))
+                 if os.path.isfile(p)), None)
+
+
 def load_tokenizer(path: str):
     """A sentencepiece .model (Llama 2), a Hugging Face tokenizer.json (Llama 3; hf.HFTokenizer),
-    or a model folder holding one of them (tokenizer.model first: Llama 2's original)."""
+    or a model folder holding one of them."""
     if os.path.isdir(path):
-        found = [os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(path, n))]
-        if not found:
+        if (found := find_tokenizer(path)) is None:
             raise DataError(f"tokenizer folder {path!r} holds neither tokenizer.model nor tokenizer.json")
-        path = found[0]
+        path = found
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path!r} does not exist; give a sentencepiece .model, a tokenizer.json "
                         f"or a folder with one, or leave --data.tokenizer empty to train one on the corpus")

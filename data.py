@@ -33,7 +33,7 @@ import torch
 from configs import Config, ConfigError, DataConfig, check_paths, check_values
 
 # data.py is what train.py and benchmarks/ read: the names they need from the other modules come from here.
-from corpus import Corpus, DataError, Tokenizer, build_tokenizer, load_tokenizer  # noqa: F401
+from corpus import Corpus, DataError, Tokenizer, build_tokenizer, find_tokenizer, load_tokenizer  # noqa: F401
 from prepare import prepare
 from spans import Deal, SpanIndex, held_out, lanes_per_stream, positions, uniform
 

@@ -12,6 +12,7 @@ seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, 
 """
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import os
 import signal
@@ -317,8 +318,14 @@ def run(argv: list[str]) -> None:
         corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
         data.check_size(d, index, grid.dp)
+        # A resumed run takes the tokenizer kept beside its checkpoints, unless one is given: one
+        # trained again (on a new corpus, or by a newer nanotrn's recipe) would mean other token ids.
+        own = os.path.join(cfg.ckpt.dir, "tokenizer")
+        if not d.tokenizer and cfg.ckpt.resume and ckpt.has_checkpoints() and data.find_tokenizer(own):
+            log(f"tokenizer: the run's own, kept in {own}")
+            d = dataclasses.replace(d, tokenizer=own)
         tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
-        kept = check_kept_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"), ckpt)
+        kept = check_kept_tokenizer(tok, own, ckpt)
         if grid.is_main and not kept and not compile_only:   # beside the checkpoints: `checkpoint.py export` ships it
             hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)

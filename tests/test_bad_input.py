@@ -60,6 +60,8 @@ def W(tmp_path_factory):
     (w / "other").mkdir()                           # another corpus: a "new" one for continuing a run
     for name in ("pprint.py", "difflib.py", "calendar.py", "locale.py", "gettext.py"):
         shutil.copy(os.path.join(stdlib, name), w / "other" / name)
+    other = configs.DataConfig(data=str(w / "other"), cache_dir=str(w / "tokcache"))
+    shutil.copy(data.build_tokenizer(other, VOCAB).path, w / "tokother.model")   # the new corpus's own
     # A finished tiny run: its checkpoint and its export.
     run = [*TINY, f"--data={w}/corpus", f"--data.tokenizer={w}/tok.model", f"--out_dir={w}/run",
            f"--ckpt.dir={w}/run/ckpt", f"--data.cache_dir={w}/tokcache"]
@@ -280,8 +282,8 @@ CASES = [
     ("new corpus, same layout", ("train", [*TINY, "--data={W}/other", "--data.tokenizer={W}/tok.model",
                                            "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
      ["corpus=", "--ckpt.reset_data", "--data.tokenizer"], 1, False),
-    ("new corpus, new tokenizer", ("train", [*TINY, "--data={W}/other", "--out_dir={t}/o", "--ckpt.dir={t}/ck",
-                                             "--data.cache_dir={W}/tokcache2", "--steps=3", "--ckpt.reset_data"]),
+    ("new corpus, new tokenizer", ("train", [*TINY, "--data={W}/other", "--data.tokenizer={W}/tokother.model",
+                                             "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3", "--ckpt.reset_data"]),
      ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
     # ---- train.py --init_from: a folder that is not a Llama export, refused before any work
     ("init: config not JSON", TI("--init_from={W}/init_notjson"), ["init_notjson/config.json", "not a readable JSON"], 1, True),
@@ -537,6 +539,18 @@ def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
                 f"--ckpt.dir={tmp_path}/ck", "--steps=3", "--ckpt.reset_data"])
     out = capsys.readouterr().out
     assert "resuming from" in out and "the data stream starts afresh" in out, out
+    assert os.path.isdir(tmp_path / "ck" / "step_00000003")
+
+
+def test_a_resume_without_a_tokenizer_takes_the_runs_own(W, tmp_path, capsys):
+    """Not the one a new corpus (or a newer nanotrn's recipe) would train: the one kept beside the
+    checkpoints, so every token id keeps its meaning; no tokenizer is trained."""
+    shutil.copytree(W / "run" / "ckpt", tmp_path / "ck")
+    train.main([*TINY, f"--data={W}/other", f"--out_dir={tmp_path}/o", f"--ckpt.dir={tmp_path}/ck",
+                f"--data.cache_dir={tmp_path}/cache", "--steps=3", "--ckpt.reset_data"])
+    out = capsys.readouterr().out
+    assert f"tokenizer: the run's own, kept in {tmp_path}/ck/tokenizer" in out and "resuming from" in out, out
+    assert not list((tmp_path / "cache").glob("tokenizer-*.model")), "a tokenizer was trained"
     assert os.path.isdir(tmp_path / "ck" / "step_00000003")
 
 
