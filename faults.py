@@ -3,12 +3,15 @@ where a test asks, so that resume, the watchdog and the non-finite policy run on
 The product calls two hooks, Faults.step (train.py) and Faults.file (a save's writes); with
 NANOTRN_FAULT unset, both do nothing.
 
-    NANOTRN_FAULT=1:7           rank 1 dies (SIGKILL to itself, like a dead node) as step 7 begins
-    NANOTRN_FAULT=0:4:save      rank 0 dies halfway through writing its largest file of step 4
+    NANOTRN_FAULT=1:7           rank 1 dies (SIGKILL to itself, like a dead node) once 7 steps are done
+    NANOTRN_FAULT=0:4:save      rank 0 dies halfway through writing its largest file of step 4's save
     NANOTRN_FAULT=p=0.01        every rank, every step, dies with probability 0.01
     NANOTRN_FAULT=p=0.05,seed=3,max=2   ... with a seed, and at most 2 deaths in this ckpt.dir
-    NANOTRN_FAULT=nan:5         step 5's gradients become NaN on every rank (--log.on_nonfinite)
-    NANOTRN_FAULT=hang:1:5      rank 1 waits, as step 5 begins, in a barrier no other rank joins
+    NANOTRN_FAULT=nan:5         the step after 5 gets NaN gradients on every rank (--log.on_nonfinite)
+    NANOTRN_FAULT=hang:1:5      rank 1 waits, once 5 steps are done, in a barrier no other rank joins
+
+Steps count as the log and the checkpoints count them: 1:7 fires after the line "step 7" (and
+step 7's save), as the step logged "step 8" begins.
 
 Each death is first appended (fsynced) to <ckpt.dir>/faults.log, and a fixed fault fires only if
 it is not there yet: the restarted run goes through the step that killed it (torchrun

@@ -407,7 +407,7 @@ def test_fault_hooks_fire_only_where_asked(tmp_path):
 
 
 def test_hang_fires_once_where_asked_and_a_restart_goes_through_it(tmp_path):
-    """NANOTRN_FAULT=hang:1:5: only rank 1, only as step 5 begins, it enters the world barrier (here,
+    """NANOTRN_FAULT=hang:1:5: only rank 1, only once 5 steps are done, it enters the world barrier (here,
     with no process group, that raises); noted in faults.log, so the restarted run does not hang again."""
     Faults("hang:1:5", 0, tmp_path).maybe_hang(5)                  # another rank: nothing
     Faults("hang:1:5", 1, tmp_path).maybe_hang(4)                  # another step: nothing
