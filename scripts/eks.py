@@ -129,7 +129,7 @@ def check(args, train_args: list[str]):
                  + ", ".join(str(t) for t in (1, 2, 4, 8, 16, 32, 64) if hw.cores % t == 0))
         validate(cfg, args.nodes * hw.cores, "xla")          # launch.sh's own check, for this world size
     except ConfigError as e:
-        fail(f"config error: {e}")
+        fail(str(e))                    # "error: <what and the fix>", one line
     for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard)):
         if path and not under(path, mount):
             fail(f"--{key}={path} is not on the FSx mount {mount}: a pod's own disk is gone when the pod "
