@@ -49,10 +49,16 @@ class StaleDataState(DataError):
     """A data state written before the current format: the run resumes its model, not its stream."""
 
 
-def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1) -> None:
+def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int = 0) -> None:
     """Refuse a corpus smaller than one global batch before a tokenizer is trained on it: tokens <=
-    bytes (byte fallback) + BOS/EOS, so only when certainly too small, naming the settings that pass."""
+    bytes (byte fallback) + BOS/EOS, so only when certainly too small, naming the settings that pass.
+    Likewise more evaluation windows than the whole corpus holds (EvalWindows would cycle the
+    held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it)."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
+    if eval_windows * L1 > index.bytes + ends * index.corpus.n_docs:
+        raise DataError(f"--log.eval_windows={eval_windows} windows of seq_len {cfg.seq_len} + 1 tokens are more than "
+                        f"all of {cfg.data!r} holds (at most {index.bytes + ends * index.corpus.n_docs:,} tokens), "
+                        f"let alone its held-out share: lower --log.eval_windows")
     if index.bytes + ends * index.corpus.n_docs >= gb * L1:
         return
     # Small enough to read (under one global batch of bytes): documents of only whitespace make no token.

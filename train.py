@@ -317,7 +317,7 @@ def run(argv: list[str]) -> None:
         d = cfg.data
         corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
-        data.check_size(d, index, grid.dp)
+        data.check_size(d, index, grid.dp, cfg.log.eval_windows if cfg.log.eval_interval else 0)
         # A resumed run takes the tokenizer kept beside its checkpoints, unless one is given: one
         # trained again (on a new corpus, or by a newer nanotrn's recipe) would mean other token ids.
         own = os.path.join(cfg.ckpt.dir, "tokenizer")

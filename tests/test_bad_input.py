@@ -245,6 +245,8 @@ CASES = [
                                       "--data={W}/corpus", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
                                       "--data.cache_dir={t}/c", "--log.tensorboard="]),
      ["100000", "lower --model.vocab_size"], 1, False),
+    ("eval windows above corpus", T("--log.eval_windows=1000000", "--log.eval_interval=1"),
+     ["--log.eval_windows=1000000", "lower --log.eval_windows"], 1, True),
     ("random tokenizer", T("--data.tokenizer={W}/random.model"), ["random.model", "not a sentencepiece"], 1, True),
     ("tokenizer below vocab", T("--model.vocab_size=4096"), ["tok.model", "512 pieces", "4096",
                                                              "--model.vocab_size=512"], 1, True),
