@@ -388,7 +388,8 @@ def cli(argv: list[str]):
     found = ckptdir.scan(Path(root))
     if not found:
         if ckptdir.STEP_DIR.match(Path(root).resolve().name):     # one checkpoint, not the directory of them
-            raise CheckpointError(f"{root} is one checkpoint: give the directory that holds it, {Path(root).resolve().parent}")
+            raise CheckpointError(f"{root} is one checkpoint: give the directory that holds it, "
+                                  f"{Path(root).resolve().parent}")
         raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
     for _, d in found:
         verdict, problem, files = ckptdir.check(d)

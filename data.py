@@ -410,8 +410,7 @@ class PackedLoader:
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has "
                                 f"{key}={want!r}: the saved position means nothing here; restore the "
                                 f"original setting, or keep the model and optimizer and start the data "
-                                f"stream afresh with --ckpt.reset_data" + (" (a new corpus: also pass the "
-                                "run's tokenizer with --data.tokenizer)" if key == "corpus" else ""))
+                                f"stream afresh with --ckpt.reset_data")
 
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""
@@ -542,7 +541,9 @@ def main(argv: list[str] | None = None) -> None:
             print(tok.path)
     except ConfigError as e:
         msg = str(e).replace("--model.vocab_size", "--vocab").replace("--data.cache_dir", "--cache-dir")
-        sys.exit("data error: " + (re.sub(r",? or pass --data\.tokenizer", "", msg) if args.cmd == "tokenizer" else msg))
+        if args.cmd == "tokenizer":         # its own flags only: this command takes no --data.tokenizer
+            msg = re.sub(r",? or pass --data\.tokenizer", "", msg)
+        sys.exit("data error: " + msg)
     except KeyboardInterrupt:
         sys.exit("interrupted")
 

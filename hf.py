@@ -499,8 +499,9 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     n, v = load_tokenizer(cfg.data.tokenizer).vocab_size, cfg.model.vocab_size
     if not n <= v <= -(-n // 128) * 128:
         raise HFError(f"the tokenizer {cfg.data.tokenizer} has {n} pieces but {cfg.init_from}/config.json's vocab_size "
-                      f"is {v}: they do not belong together; use the model's own tokenizer"
-                      + (" (leave --data.tokenizer empty)" if cfg.data.tokenizer != cfg.init_from else ""))
+                      f"is {v}: they do not belong together; " + ("use the model's own tokenizer (leave "
+                      "--data.tokenizer empty)" if cfg.data.tokenizer != cfg.init_from else "give its tokenizer "
+                      "with --data.tokenizer"))
 
 
 def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:

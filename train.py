@@ -264,8 +264,8 @@ def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> boo
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
     if kept and not same and ckpt.c.resume and ckpt.has_checkpoints():
         raise checkpoint.CheckpointError(
-            f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and this run's {tok.path} differs "
-            f"(a new corpus trains a new one): continue with --data.tokenizer={kept[0]}")
+            f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and --data.tokenizer={tok.path} "
+            f"differs: leave --data.tokenizer out (a resume takes the run's own) or give {kept[0]}")
     return same
 
 
@@ -327,7 +327,7 @@ def run(argv: list[str]) -> None:
         tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
         kept = check_kept_tokenizer(tok, own, ckpt)
         if grid.is_main and not kept and not compile_only:   # beside the checkpoints: `checkpoint.py export` ships it
-            hf.keep_tokenizer(tok, os.path.join(cfg.ckpt.dir, "tokenizer"))
+            hf.keep_tokenizer(tok, own)
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
         # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
         if cfg.log.eval_interval:
@@ -527,12 +527,13 @@ def cli(argv: list[str]) -> None:
     try:
         main(argv)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
-        # Before the process group, each rank of a node checked the same arguments and files: the
-        # node's first rank says it (torchrun prints every rank's stderr: 32 copies on a trn1). The
-        # others wait to exit: torchrun stops every worker at the first exit, which must be rank 0's.
-        if os.environ.get("LOCAL_RANK", "0") != "0" and not torch.distributed.is_initialized():
+        # Before the process group, each rank of a node checked the same arguments and files: under
+        # torchrun the node's first rank says it (torchrun prints every rank's stderr: 32 copies on
+        # a trn1). The others wait: torchrun stops every worker at the first exit, which must be
+        # rank 0's, printed. One still alive after 30 s (rank 0 saw no error) says its own.
+        if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0" \
+                and not torch.distributed.is_initialized():
             time.sleep(30)
-            sys.exit(1)
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
