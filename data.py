@@ -58,7 +58,7 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     if eval_windows * L1 > index.bytes + ends * index.corpus.n_docs:
         raise DataError(f"--log.eval_windows={eval_windows} windows of seq_len {cfg.seq_len} + 1 tokens are more than "
                         f"all of {cfg.data!r} holds (at most {index.bytes + ends * index.corpus.n_docs:,} tokens), "
-                        f"let alone its held-out share: lower --log.eval_windows")
+                        f"let alone its held-out share: lower --log.eval_windows (or --log.eval_interval=0)")
     if index.bytes + ends * index.corpus.n_docs >= gb * L1:
         return
     # Small enough to read (under one global batch of bytes): documents of only whitespace make no token.
