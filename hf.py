@@ -489,19 +489,6 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     check_weights(cfg.init_from, cfg.model)
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = cfg.init_from
-    # The vocabulary is the folder's: a tokenizer that does not fit it cannot be fixed with
-    # --model.vocab_size (refused above), as build_tokenizer's message would say later.
-    # (A folder of weights only, with no --data.tokenizer: build_tokenizer says so where the run needs one.)
-    if cfg.data.tokenizer == cfg.init_from and not any(
-            os.path.isfile(os.path.join(cfg.init_from, n)) for n in ("tokenizer.model", "tokenizer.json")):
-        return
-    from corpus import load_tokenizer      # here: corpus imports this module
-    n, v = load_tokenizer(cfg.data.tokenizer).vocab_size, cfg.model.vocab_size
-    if not n <= v <= -(-n // 128) * 128:
-        raise HFError(f"the tokenizer {cfg.data.tokenizer} has {n} pieces but {cfg.init_from}/config.json's vocab_size "
-                      f"is {v}: they do not belong together; " + ("use the model's own tokenizer (leave "
-                      "--data.tokenizer empty)" if cfg.data.tokenizer != cfg.init_from else "give its tokenizer "
-                      "with --data.tokenizer"))
 
 
 def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:

@@ -256,6 +256,20 @@ def check_export(cfg: configs.Config) -> None:
                                   f"end; move it away or give another --out_dir")
 
 
+def check_init_from_tokenizer(cfg: configs.Config) -> None:
+    """--init_from: the vocabulary is the folder's, so a tokenizer that does not fit it cannot be fixed
+    with --model.vocab_size (refused there), as build_tokenizer's message would say later. A folder of
+    weights only, with no --data.tokenizer: build_tokenizer says so where the run needs one."""
+    folder, tok = cfg.init_from, cfg.data.tokenizer
+    if not folder or (tok == folder and data.find_tokenizer(folder) is None):
+        return
+    n, v = data.load_tokenizer(tok).vocab_size, cfg.model.vocab_size
+    if not n <= v <= -(-n // 128) * 128:
+        raise hf.HFError(f"the tokenizer {tok} has {n} pieces but {folder}/config.json's vocab_size is {v}: they "
+                         f"do not belong together; " + ("use the model's own tokenizer (leave --data.tokenizer "
+                         "empty)" if tok != folder else "give its tokenizer with --data.tokenizer"))
+
+
 def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> bool:
     """A run continues with the tokenizer kept beside its checkpoints: one trained on a new corpus
     would give every token id another meaning. True: this run's is kept there already."""
@@ -279,6 +293,7 @@ def run(argv: list[str]) -> None:
         return
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
+    check_init_from_tokenizer(cfg)
     device = pick_device(cfg.device)
     configs.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), parallel.backend_for(device.type))
     configs.check_paths(cfg)
