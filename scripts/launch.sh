@@ -38,7 +38,7 @@ TORCHRUN="${TORCHRUN:-torchrun}"
 for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT; do
     value="${!var:-}" least=1
     [[ "$var" == MAX_RESTARTS ]] && least=0
-    if [[ -n "$value" && (! "$value" =~ ^[0-9]+$ || 10#$value -lt $least) ]]; then
+    if [[ -n "$value" ]] && { [[ ! "$value" =~ ^[0-9]+$ ]] || (( 10#$value < least )); }; then
         echo "error: $var=$value: give a whole number >= $least" >&2
         exit 2
     fi
