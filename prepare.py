@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -221,10 +222,10 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     paths = resolve_paths(",".join(sources))
     if one and os.path.realpath(out) in {os.path.realpath(p) for p in paths}:
         raise DataError(f"--out {out} is also one of the sources")
-    if not one and any(os.path.realpath(p).startswith(os.path.realpath(folder) + os.sep) for p in paths):
+    if not one and any(Path(p).resolve().is_relative_to(Path(folder).resolve()) for p in paths):
         raise DataError(f"--out {out} holds some of the sources; write the shards to another directory")
     inside = [d for d in ",".join(sources).split(",") if os.path.isdir(d.strip()) and
-              (os.path.realpath(folder) + os.sep).startswith(os.path.realpath(d.strip()) + os.sep)]
+              Path(folder).resolve().is_relative_to(Path(d.strip()).resolve())]
     if inside:          # --data=that directory would then read every document twice
         raise DataError(f"--out {out} is inside the source directory {inside[0]}: write it outside, so that "
                         f"--data={inside[0]} does not read its documents twice")

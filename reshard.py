@@ -146,8 +146,8 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
     stage = {k: p for (t, p), s in src.items() if t == tps[0] for k in s.index}
     # A tied matrix is saved without PP once, as embed.weight; a last stage's copy of it
     # (pipeline.py: the same gradients, rounded alike) has the embedding's moments.
-    alias = {"lm_head" + k[len("embed"):]: k for k in stage if m.tie_embeddings and k.startswith("embed.weight.")}
-    alias = {k: v for k, v in alias.items() if k not in stage}
+    alias = {"lm_head" + k[len("embed"):]: k for k in stage if m.tie_embeddings and k.startswith("embed.weight.")
+             and "lm_head" + k[len("embed"):] not in stage}
     stage.update({k: stage[v] for k, v in alias.items()})
 
     def get(key: str) -> torch.Tensor:

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
@@ -246,7 +247,7 @@ def check_export(cfg: configs.Config) -> None:
     folder = os.path.join(cfg.out_dir, "hf")
     for key, path in (("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard),
                       ("data.cache_dir", cfg.data.cache_dir)):
-        if path and (os.path.abspath(path) + os.sep).startswith(os.path.abspath(folder) + os.sep):
+        if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
             raise configs.ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
                                       f"next run would refuse the mixed folder; give another --{key}")
     ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
