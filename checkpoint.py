@@ -152,11 +152,6 @@ def agree(grid: Grid, value: int) -> int:
     return int(t.item())
 
 
-def barrier(grid: Grid):
-    if grid.world > 1 and dist.is_initialized():
-        parallel.barrier(grid)
-
-
 def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Path | None, list]:
     """(the newest complete, valid step folder or None, [(newer folder, verdict, problem)] skipped).
     On every rank: each checks a 1/world share of the markers and files, then all agree on the
@@ -326,10 +321,10 @@ class Checkpointer:
                                   self.device)
         where = {}
         if skipped:
-            barrier(self.grid)                  # every rank is done looking at them
+            parallel.barrier(self.grid)         # every rank is done looking at them
             if self.grid.rank == 0:
                 where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
-            barrier(self.grid)
+            parallel.barrier(self.grid)
         kept = lambda x: f" (kept as {where[x].name})" if x in where else ""
         if loaded is None:
             self.warn(f"no complete checkpoint in {self.root}: " + "; ".join(
