@@ -84,13 +84,6 @@ def stochastic_round_(dsts: list, values: list, generator: torch.Generator | Non
             dst.copy_(b.view(torch.float32).view(dst.shape))
 
 
-def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """x rounded stochastically to a new bf16 tensor (stochastic_round_)."""
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    stochastic_round_([out], [x], generator)
-    return out
-
-
 def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
     """torch.randint(0, 2^16, (n,), int32). On CPU the same numbers from the same draws, faster:
     random_() reduces modulo 2^31 (a mask) where randint divides by a run-time range, and the low
@@ -343,6 +336,7 @@ class AdamW:
         # step's graph as slices, one more compile (minutes of neuronx-cc) per resume (issue 26).
         now = self._state_tensors()
         host = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in now.items()}
+        # per-parameter state: this layout's part of each (_wanted; ZeRO-1: its shard); its own: whole
         wanted = self._wanted(host) if full else AdamW._wanted(self, host)
         missing = [k for k in wanted if k not in sd["state"]]
         if missing:
