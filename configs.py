@@ -130,7 +130,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    seed: int = 1337             # the model's init and every other random stream
+    seed: int = 1337             # the model's init, stochastic rounding, the global RNGs (the data order: --data.seed)
     device: str = "auto"         # auto | cpu | cuda | xla
     out_dir: str = "out"         # the final Hugging Face export (<out_dir>/hf); ckpt.dir and log.tensorboard follow it
     preset: str = "tiny"         # the named starting values (PRESETS), given as --preset NAME

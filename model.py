@@ -541,6 +541,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:
+    """embeddings=False: without the embedding table, a lookup, not a matmul (the head stays)."""
     d, L, f, v = cfg.dim, cfg.n_layers, cfg.ffn_dim, cfg.vocab_size
     qkv = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     per_layer = qkv + cfg.n_heads * cfg.head_dim * d + 3 * d * f + 2 * d

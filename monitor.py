@@ -27,7 +27,6 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -121,7 +120,7 @@ class SpikeDetector:
 
     def __init__(self, window: int = 20, margin: float = 0.1, growth: float = 3.0, persist: int = 5):
         self.window, self.margin, self.growth, self.persist = window, margin, growth, persist
-        self.history = deque(maxlen=window)
+        self.history = collections.deque(maxlen=window)
         self.spikes: list[tuple[int, int]] = []     # (first step, length) of every finished spike
         self.current: list[int] | None = None       # [first step, length so far] of an open spike
         self.lowest_mean = math.inf

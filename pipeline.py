@@ -131,8 +131,8 @@ class Comm:
     shape: tuple[int, ...]                       # every message: [micro_batch, seq (/tp with SP), dim]
     group: object = None                         # the PP group ("send")
     pairs: dict = field(default_factory=dict)    # peer -> (two-rank group, peer's index in it) ("allgather")
-    dtype: torch.dtype = torch.float32           # of the stage's parameters (set by reset: the model
-    device: torch.device = torch.device("cpu")   #   may be cast to bf16 after it is built)
+    dtype: torch.dtype = torch.float32           # of the stage's parameters (set by reset: on XLA the
+    device: torch.device = torch.device("cpu")   #   stage is built on the host, then moved)
     cut: object = None                           # ends the traced graph after each exchange (reset)
     wait_s: float = 0.0                          # seconds spent in p2p since the last reset
     sent: int = 0                                # messages sent / received since the last reset

@@ -86,18 +86,15 @@ def forward_backward(model, batches: list[dict], scale: torch.Tensor, cut) -> to
 
 def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
                guard=None, cut=pipeline.no_cut) -> dict:
-    """Forward and backward over this rank's microbatches, reduce gradients, clip, update. With PP
-    only the gradients are computed otherwise (pipeline.forward_backward: the stage's schedule).
-
-    Loss normalization follows torchtitan: the step's loss is the sum of token losses over the
-    number of valid tokens in the WHOLE global batch. Each rank back-propagates
-    local_sum * dp / global_tokens; reduce_gradients sums over DP and divides by the DP degree
-    (never the world size: HLAT diverged when the all-reduce divided by world size). Every layout
-    and every gradient accumulation therefore yields the same gradient, reduced once per step.
-    guard(loss, grad_norm) -> bool runs between clipping and the update (the non-finite policy):
-    False skips it. cut() ends the traced graph (train.sync on XLA): after the token count and
-    inside forward_backward; the caller's sync ends the reduce/clip/update graph. Returns tensors
-    only (and the pipeline's statistics): nothing here forces a host sync (XLA)."""
+    """Forward and backward over this rank's microbatches (under PP pipeline.forward_backward, the
+    stage's schedule), then reduce, clip and update. The loss is torchtitan's: the sum of token
+    losses over the valid tokens of the WHOLE global batch. Each rank back-propagates
+    local_sum * dp / global_tokens, and the gradients are summed over DP once per step and divided
+    by the DP degree, never the world size (HLAT diverged when torch-xla divided by it): every layout
+    and accumulation gives one process's gradient. guard(loss, grad_norm) -> bool runs between
+    clipping and the update (the non-finite policy): False skips it. cut() ends the traced graph
+    (train.sync on XLA) after the token count and each microbatch; the caller's sync ends the
+    reduce/clip/update graph. Returns tensors (and the pipeline's statistics): no host sync on XLA."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
