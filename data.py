@@ -40,7 +40,7 @@ from spans import Deal, SpanIndex, held_out, lanes_per_stream, positions, unifor
 # ----------------------------------------------------------------------------- packing
 
 STAT_KEYS = ("spans", "documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
-COUNTERS = STAT_KEYS + ("windows", "boundary_targets")
+COUNTERS = STAT_KEYS + ("windows",)
 AHEAD = 256     # reads / windows whose order a lane / stream computes at once (pure functions: any batching)
 FORMAT = 2      # of the data state: 2 = lanes of spans (reads, offset); none = documents (before spans)
 
@@ -103,8 +103,7 @@ def pack(blocks, L1: int, position: dict):
             i[-1], off[-1] = after
         done = np.searchsorted(pending, i)                  # reads fully behind each position
         total = np.concatenate((np.zeros((1, len(STAT_KEYS)), np.int64), np.cumsum(counts, 0)))[done]
-        rows = np.concatenate((stats[:len(STAT_KEYS)] + total, stats[-2:] + np.stack(
-            [np.arange(1, m + 1), np.cumsum(starts[:, 1:].sum(1))], 1)), 1)     # + windows, targets masked
+        rows = np.concatenate((stats[:-1] + total, stats[-1:] + np.arange(1, m + 1)[:, None]), 1)   # + windows
         for k, (ik, ok, row) in enumerate(zip(i.tolist(), off.tolist(), rows.tolist())):
             yield tok[k * L1:(k + 1) * L1], starts[k], {"i": ik, "offset": ok, "stats": dict(zip(COUNTERS, row))}
         stats, live = rows[-1], ends > cut[-1]
