@@ -497,10 +497,10 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
 
-def check_export_dir(folder: str, overwrite: bool) -> None:
+def check_export_dir(folder: str) -> None:
     """A run replaces its export folder only when it holds nothing but an earlier export's files."""
     there = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-    if there and not overwrite and not there <= EXPORT_FILES:
+    if there and not there <= EXPORT_FILES:
         raise HFError(f"{folder} holds files that are not a nanotrn export ({', '.join(sorted(there - EXPORT_FILES)[:3])}): "
                       f"move them, or choose another --out_dir")
 

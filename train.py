@@ -296,7 +296,7 @@ def run(argv: list[str]) -> None:
     configs.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), parallel.backend_for(device.type))
     configs.check_paths(cfg)
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
-    hf.check_export_dir(out_dir, overwrite=False)
+    hf.check_export_dir(out_dir)
     check_memory(cfg, device)
     check_export(cfg)
     if int(os.environ.get("RANK", "0")) == 0:

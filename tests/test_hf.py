@@ -438,12 +438,12 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
 def test_a_run_replaces_only_its_own_export(tmp_path):
     """train.py checks out/hf before any work: an earlier export's files may be replaced, anything else not."""
     (tmp_path / "hf").mkdir()
-    hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)                  # empty
+    hf_io.check_export_dir(str(tmp_path / "hf"))      # empty
     (tmp_path / "hf" / "config.json").write_text("{}")
-    hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)                  # an earlier export
+    hf_io.check_export_dir(str(tmp_path / "hf"))      # an earlier export
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
-        hf_io.check_export_dir(str(tmp_path / "hf"), overwrite=False)
+        hf_io.check_export_dir(str(tmp_path / "hf"))
 
 
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
