@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -45,6 +46,8 @@ WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in th
 CONTAINER = "nanotrn"
 TORCHRUN_STOP_S = 30            # torchrun SIGKILLs its workers 30 s after passing on a SIGTERM: a
                                 # constant in torch (elastic/multiprocessing/api.py, close(timeout=30))
+STOP_MARGIN_S = 5               # of the pod's grace period, for passing the stop on and the workers' exit:
+                                # train.py's final save gets the rest (--ckpt.grace_s, train.stop_budget)
 CONFIG_ERROR = 2                # launch.sh's exit status for a bad configuration: no retry can help
 
 
@@ -119,9 +122,16 @@ def check(args, train_args: list[str]):
         # Inside a pod only the FSx mount outlives the pod: the run's outputs go there by default.
         given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in train_args)  # noqa: E731
         extra = ([] if given("--out_dir") else [f"--out_dir={mount}/{args.name}"]) + \
-                ([] if given("--data.cache_dir") else [f"--data.cache_dir={mount}/{args.name}/cache"])
+                ([] if given("--data.cache_dir") else [f"--data.cache_dir={mount}/{args.name}/cache"]) + \
+                ([] if given("--ckpt.grace_s") else [f"--ckpt.grace_s={args.grace_period - STOP_MARGIN_S}"])
         train_args = [*train_args, *extra]
         cfg = from_args(train_args)
+        # The kubelet SIGKILLs the pod terminationGracePeriodSeconds after its SIGTERM: a final save
+        # budgeted beyond that is killed half-written (train.stop_budget trusts --ckpt.grace_s).
+        if cfg.ckpt.grace_s > args.grace_period - STOP_MARGIN_S:
+            fail(f"--ckpt.grace_s={cfg.ckpt.grace_s:g} does not fit the pod's --grace-period {args.grace_period} "
+                 f"(minus {STOP_MARGIN_S} s to stop): give --grace-period {math.ceil(cfg.ckpt.grace_s) + STOP_MARGIN_S} "
+                 f"or more, or leave --ckpt.grace_s out (it follows --grace-period)")
         hw = INSTANCES[cfg.parallel.instance]
         if hw.cores % cfg.parallel.tp:
             fail(f"--tp {cfg.parallel.tp} does not divide the {hw.cores} NeuronCores of a {hw.name}: a TP "

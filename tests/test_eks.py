@@ -153,6 +153,25 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
     assert (tmp_path / "held" / "nanotrn-train.yaml").read_text() == "mine\n"       # never overwritten
 
 
+def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
+    """terminationGracePeriodSeconds is what train.py's stop_budget may spend (--ckpt.grace_s): a
+    longer --grace-period must reach train.py (else it skips a final save the pod has time for) and a
+    --ckpt.grace_s beyond the pod's would start a save the kubelet kills half-written."""
+    for args, budget in (([], 60 - eks.STOP_MARGIN_S), (["--grace-period=300"], 300 - eks.STOP_MARGIN_S),
+                         (["--grace-period=300", "--ckpt.grace_s=40"], 40)):
+        docs = generate(tmp_path, *ARGS_7B, *args, nodes=2)
+        for mode, (_, job) in docs.items():
+            pod = job["spec"]["template"]["spec"]
+            launch = shlex.split(pod["containers"][0]["command"][2].strip().splitlines()[-1])
+            assert launch[:3] == ["exec", "scripts/launch.sh", mode]
+            assert configs.from_args(launch[3:]).ckpt.grace_s == budget, (args, launch)
+            assert pod["terminationGracePeriodSeconds"] - budget >= eks.STOP_MARGIN_S
+    r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B, "--ckpt.grace_s=100"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr
+    assert "--ckpt.grace_s=100" in r.stderr and "--grace-period" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_dockerfile_is_the_release_env_sh_pins():
     env_sh = (SCRIPTS / "env.sh").read_text()
     sdk = re.search(r"^NANOTRN_NEURON_SDK=(\S+)$", env_sh, re.M).group(1)
