@@ -43,6 +43,15 @@ for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT; do
         exit 2
     fi
 done
+# In range too: torchrun would fail on every node, as a retried error (a port: its traceback).
+if ((10#$MASTER_PORT > 65535)); then
+    echo "error: MASTER_PORT=$MASTER_PORT: give a TCP port, 1 to 65535" >&2
+    exit 2
+fi
+if [[ -n "$NODE_RANK" ]] && { [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || ((10#$NODE_RANK >= 10#$NNODES)); }; then
+    echo "error: NODE_RANK=$NODE_RANK: give a whole number below NNODES=$NNODES" >&2
+    exit 2
+fi
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
 # for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before

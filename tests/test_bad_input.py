@@ -533,6 +533,19 @@ def test_launch_sh_refuses_a_bad_number_in_its_environment(var, value):
         f"{0 if var == 'MAX_RESTARTS' else 1}" and not r.stdout, (r.stderr, r.stdout)
 
 
+@pytest.mark.parametrize("env,message", [({"MASTER_PORT": "70000"}, "error: MASTER_PORT=70000: give a TCP port, 1 to 65535"),
+                                         ({"NODE_RANK": "2"}, "error: NODE_RANK=2: give a whole number below NNODES=2"),
+                                         ({"SLURM_NODEID": "x"}, "error: NODE_RANK=x: give a whole number below NNODES=2")])
+def test_launch_sh_refuses_a_port_or_node_rank_out_of_range(env, message):
+    """Out of range for torchrun: its ValueError traceback (port) or ranks past the world on every node,
+    as a retried failure (exit 1) on each; launch.sh says it in one line with the config error's 2."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
+           "DRY_RUN": "1", "NNODES": "2", "MASTER_ADDR": "node-0", **env}
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", "--preset=llama2_7b"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd="/tmp")
+    assert r.returncode == 2 and r.stderr.strip() == message and not r.stdout, (r.stderr, r.stdout)
+
+
 def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     """The documented route: the run's own tokenizer (kept beside its checkpoints) and
     --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
