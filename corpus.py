@@ -7,7 +7,6 @@ corpus once and cached.
 """
 from __future__ import annotations
 
-import collections
 import fcntl
 import hashlib
 import json
@@ -52,7 +51,7 @@ class Corpus:
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
                  split: str = "train", cache_dir: str = ".cache"):
-        self.spec, self.sources, self.warned, self.examples = spec, [], collections.Counter(), {}
+        self.spec, self.sources, self.examples = spec, [], {}
         entries = parse_mixture(spec)
         seen, per_entry = set(), []             # a file named by two entries counts in the first
         for entry, _ in entries:
@@ -101,9 +100,8 @@ class Corpus:
                                 "; its files are an earlier source's too: name each file in one source only"))
 
     def warn(self, kind: str, msg: str):
-        """Count a data problem, keeping the first of each kind as its example. Not printed: the packing
-        thread's line would cut into the step lines (train.py says each kind once, on rank 0)."""
-        self.warned[kind] += 1
+        """Keep the first data problem of each kind as its example (the loader's stats count them). Not
+        printed: the packing thread's line would cut into the step lines (train.py says each kind once)."""
         self.examples.setdefault(kind, msg)
 
     def warning(self, kind: str, count: int) -> str:
