@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from configs import Config, ConfigError, OptimConfig
+from configs import CHOICES, Config, ConfigError, OptimConfig
 import parallel
 from parallel import Grid
 import sharding
 
-PRECISIONS = ("fp32", "mixed", "bf16", "bf16_sr")
+PRECISIONS = CHOICES["optim.precision"]      # fp32, mixed, bf16, bf16_sr: the table above
 BUCKET_BYTES = 130 * 2**20      # ZeRO-1's collective bucket cap (NxD's; --parallel.zero1_bucket_mb)
 
 
@@ -143,7 +143,6 @@ class AdamW:
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid | None = None, seed: int = 0,
                  software_sr: bool = True):
-        _check_precision(cfg.precision)
         self.cfg, self.grid = cfg, grid or Grid()
         self.precision = cfg.precision
         named = [(n, p) for n, p in named_params if p.requires_grad]
