@@ -582,13 +582,3 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
         out[name] = t.clone()
     return out
 
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], grid: Grid) -> None:
-    """Copy this rank's shard of full-shape weights into the model (inverse of gather_full_state_dict)."""
-    params = model.state_dict(keep_vars=True)           # tied: both names, as state_dict
-    missing, unexpected = params.keys() - full_sd.keys(), full_sd.keys() - params.keys()
-    if missing or unexpected:
-        raise KeyError(f"load_full_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, p in params.items():
-        p.copy_(sharding.cut(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))

@@ -99,6 +99,17 @@ def seeded_model(cfg, grid, device="cpu", build=None, dtype=None):
     return parallel.move_model(parallel.init_weights(model, cfg, grid), device)
 
 
+@torch.no_grad()
+def load_full_state_dict(model, full_sd: dict, grid) -> None:
+    """This rank's shard of full-shape weights copied into the model (sharding.cut): the inverse of
+    parallel.gather_full_state_dict, which the layout tests check."""
+    import sharding
+    params = model.state_dict(keep_vars=True)           # tied: both names, as state_dict
+    assert params.keys() == full_sd.keys(), sorted(params.keys() ^ full_sd.keys())
+    for name, p in params.items():
+        p.copy_(sharding.cut(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))
+
+
 @contextlib.contextmanager
 def count_collectives():
     """with count_collectives() as log: the (op, group, bytes) of every all-reduce, all-gather and

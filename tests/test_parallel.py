@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import assert_close, count_collectives, packed_batch, seeded_model  # noqa: E402
+from conftest import assert_close, count_collectives, load_full_state_dict, packed_batch, seeded_model  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -139,7 +139,7 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     cfg2 = tiny_cfg(cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.model.tie_embeddings)
     cfg2.seed = 8
     other = seeded_model(cfg2, grid)
-    parallel.load_full_state_dict(other, res["init"], grid)
+    load_full_state_dict(other, res["init"], grid)
     res["reloaded"] = parallel.gather_full_state_dict(other, grid)
     torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import assert_close, count_collectives, packed_batch, seeded_model  # noqa: E402
+from conftest import assert_close, count_collectives, load_full_state_dict, packed_batch, seeded_model  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -147,13 +147,13 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         plain = [dict(b, doc_ids=torch.zeros_like(b["doc_ids"]), positions=torch.arange(SEQ).expand_as(b["tokens"]))
                  for b in rank_batches(99, grid, cfg)]
         res["eval_plain"] = pipeline.evaluate(model, FixedLoader(plain), len(plain), grid, torch.device("cpu"))
-    # A stage loads its TP shard of full weights (parallel.load_full_state_dict on the stage's own
+    # A stage loads its TP shard of full weights (load_full_state_dict on the stage's own
     # names): the inverse of the gather. Load the initial weights into another seed.
     cfg2 = tiny_cfg(grid.pp, grid.tp, grid.dp, cfg.parallel.sp, cfg.parallel.pp_schedule, cfg.parallel.pp_p2p,
                     cfg.data.micro_batch, cfg.parallel.pp_cuts, cfg.model.tie_embeddings)
     cfg2.seed = 8
     other = seeded_model(cfg2, grid, build=pipeline.build_model)
-    parallel.load_full_state_dict(other, {k: v for k, v in res["init"].items() if k in other.state_dict()}, grid)
+    load_full_state_dict(other, {k: v for k, v in res["init"].items() if k in other.state_dict()}, grid)
     res["reloaded"] = pipeline.gather_full_state_dict(other, grid)
     torch.save(res, os.path.join(out_dir, f"{name}.rank{grid.rank}.pt"))
 
