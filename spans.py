@@ -204,6 +204,10 @@ class SpanIndex:
         self.tail = tail_spans(corpus.n_docs, self.n_spans, val_fraction)
         # A mixture's sources as ranges of spans: a binary search (np.searchsorted copies the column).
         self.groups = [(self.first_span(lo), self.first_span(hi)) for _, _, lo, hi in corpus.groups]
+        # The tail comes off the end of the last source, or, where that would leave it no training span
+        # (a mixture's small last source), off the end of the largest: every source still trains.
+        sizes = [hi - lo for lo, hi in self.groups]
+        self.tail_end = self.groups[-1 if sizes[-1] > self.tail else int(np.argmax(sizes))][1]
 
     @staticmethod
     def path_for(corpus, seq_len: int, cache_dir: str) -> str:
@@ -252,15 +256,15 @@ class SpanIndex:
         spans = np.asarray(spans, np.int64)
         if self.hashed:
             return held_out(self.rows[spans, 0], self.val_fraction)
-        return spans >= self.n_spans - self.tail
+        return (spans >= self.tail_end - self.tail) & (spans < self.tail_end)
 
     def train_range(self, g: int) -> tuple[int, int]:
         """Source g's spans for training: its range less the held-out tail (by hash: skipped as read)."""
         lo, hi = self.groups[g]
-        return lo, min(hi, self.n_spans - self.tail)
+        return lo, hi - self.tail if hi == self.tail_end else hi
 
     def val_range(self) -> tuple[int, int]:
-        return (0, self.n_spans) if self.hashed else (self.n_spans - self.tail, self.n_spans)
+        return (0, self.n_spans) if self.hashed else (self.tail_end - self.tail, self.tail_end)
 
     def has_val(self) -> bool:
         return self.val_fraction > 0 and (self.hashed or self.tail > 0)
