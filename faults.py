@@ -9,6 +9,7 @@ NANOTRN_FAULT unset, both do nothing.
     NANOTRN_FAULT=p=0.05,seed=3,max=2   ... with a seed, and at most 2 deaths in this ckpt.dir
     NANOTRN_FAULT=nan:5         the step after 5 gets NaN gradients on every rank (--log.on_nonfinite)
     NANOTRN_FAULT=hang:1:5      rank 1 waits, once 5 steps are done, in a barrier no other rank joins
+                                (alone in the run: for ever)
 
 Steps count as the log and the checkpoints count them: 1:7 fires after the line "step 7" (and
 step 7's save), as the step logged "step 8" begins.
@@ -25,6 +26,7 @@ import os
 import random
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch.distributed as dist
@@ -95,7 +97,10 @@ class Faults:
             f.write(f"rank {self.rank} hangs at step {step} ({self.spec})\n")
         print(f"NANOTRN_FAULT: rank {self.rank} hangs at step {step} in a barrier no other rank joins",
               file=sys.stderr, flush=True)
-        dist.barrier()          # the world group: the others wait in their step's collectives
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()      # the world group: the others wait in their step's collectives
+        else:                   # one process: a barrier would return (or raise, with no group)
+            threading.Event().wait()
 
     @contextlib.contextmanager
     def step(self, step: int, model):

@@ -84,3 +84,16 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
         assert armed[-1] == 20                       # the C-level backstop: twice the limit
     finally:
         dog.close()
+
+
+@pytest.mark.slow
+def test_a_hang_in_a_single_process_run_ends_by_the_watchdog_too(tmp_path):
+    """NANOTRN_FAULT=hang:0:STEP in `python train.py` (no process group, or a world of one, where a
+    barrier returns at once): the rank waits for ever and its watchdog ends the run (was
+    dist.barrier()'s "Default process group has not been initialized" traceback)."""
+    r = run_train([f"--out_dir={tmp_path}", *ARGS, "--optim.max_steps=50", "--ckpt.interval=0",
+                   "--log.hang_factor=2", "--log.hang_min_s=4"], env={"NANOTRN_FAULT": "hang:0:4"}, timeout=240)
+    assert r.returncode == monitor.EXIT_HUNG and "Traceback (most recent call last)" not in r.stderr, r.stderr[-3000:]
+    assert "NANOTRN_FAULT: rank 0 hangs at step 4" in r.stderr
+    assert "[rank 0] watchdog: no training step finished in 4 s" in r.stderr, r.stderr[-3000:]
+    assert "step      4 |" in r.stdout and "step      5 |" not in r.stdout
