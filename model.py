@@ -550,6 +550,7 @@ def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight, plus causal attention's 6 * n_layers * seq_len * dim."""
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention's 6 * n_layers * seq_len *
+    n_heads * head_dim (the scores' width: dim unless config.json gives another head_dim)."""
     matmul_weights = num_params(cfg, embeddings=False) - (2 * cfg.n_layers + 1) * cfg.dim   # minus norms
-    return 6 * matmul_weights + 6 * cfg.n_layers * seq_len * cfg.dim
+    return 6 * matmul_weights + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

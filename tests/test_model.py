@@ -216,6 +216,25 @@ def test_flops_per_token_counts_matmul_weights():
     assert llama.flops_per_token(cfg, 32) == 6 * matmul_weights + 6 * cfg.n_layers * 32 * cfg.dim
 
 
+def test_flops_per_token_attention_is_the_score_matmuls_counted(monkeypatch):
+    """The attention term is what torch's FLOP counter sees the explicit path's score and value
+    matmuls (bmm) do, forward and backward, halved for causality (T <= one query block: the whole
+    T x T square is computed). Their width is heads x head_dim, which an explicit head_dim (a
+    config.json's) makes differ from dim."""
+    from torch.utils.flop_counter import FlopCounterMode
+    T = 64
+    monkeypatch.setattr(llama.ExplicitAttention, "QUERY_BLOCK", T)        # one block: the full square
+    for kw in ({}, {"head_dim_override": 32}, {"head_dim_override": 8, "n_kv_heads": 2}):
+        cfg = tiny_cfg(attention="explicit", **kw)
+        m = llama.Llama(cfg).init_weights(0)
+        tokens = torch.randint(0, cfg.vocab_size, (1, T))
+        with FlopCounterMode(display=False) as counter:
+            m(tokens, targets=tokens).backward()
+        bmm = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
+        matmul_weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith("embed"))
+        assert llama.flops_per_token(cfg, T) == 6 * matmul_weights + bmm / T / 2, kw
+
+
 # ----------------------------------------------------------------------------- hand-written backwards
 
 def test_rms_norm_function_is_torch_rms_norm():
