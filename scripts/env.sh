@@ -57,8 +57,9 @@ export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
 # nodes a slow first step, a checkpoint save on some ranks or a late node exceeds 30 s without
 # anything being wrong. The HLAT scripts set 4000.
 export NEURON_RT_EXEC_TIMEOUT=4000
-# bf16 weights with stochastic rounding in hardware (XLA_USE_BF16 is gone since Neuron 2.24: the
-# model is cast with model.to(torch.bfloat16) in train.py). Explicitly off for other precisions.
+# bf16 weights with stochastic rounding in hardware (not XLA_USE_BF16: deprecated, torch-xla 2.9
+# still reads it with a warning; the model is cast with model.to(torch.bfloat16) in train.py).
+# Explicitly off for other precisions.
 if [[ "${NANOTRN_PRECISION:-}" == "bf16_sr" ]]; then
     export NEURON_RT_STOCHASTIC_ROUNDING_EN=1
 else
