@@ -358,5 +358,8 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> st
         if r["counts"].get("bad_records"):
             print(f"[data] {path}: {r['counts']['bad_records']:,} bad records skipped: " + "; ".join(r["examples"]),
                   file=sys.stderr, flush=True)
+        if r["counts"].get("utf8_replacements"):    # the copy is valid UTF-8: the loader's count sees none
+            print(f"[data] {path}: {r['counts']['utf8_replacements']:,} invalid UTF-8 sequences replaced by U+FFFD",
+                  file=sys.stderr, flush=True)
     build_once(dst, build)
     return dst

@@ -155,3 +155,13 @@ def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_pat
     assert "invalid UTF-8" not in r.stderr and "skipped" not in r.stderr, r.stderr[-2000:]
     total = [x for x in lines if x.startswith("data: this run")]
     assert len(total) == 1 and "bad records" in total[0] and "utf8 replacements" in total[0], total
+
+
+def test_training_cache_of_a_compressed_shard_says_its_invalid_utf8(tmp_path, capsys):
+    """A .txt.gz / .jsonl.gz is read through an Arrow copy whose text is already valid: the conversion
+    must say how many invalid UTF-8 sequences it replaced, since the loader's count sees none."""
+    with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
+        f.write(b"caf\xe9 au lait \xff and more text")
+    out = prepare.cached(str(tmp_path / "a.txt.gz"), "text", False, str(tmp_path / "cache"))
+    assert read(out) == ["caf\ufffd au lait \ufffd and more text"]
+    assert "2 invalid UTF-8 sequences replaced by U+FFFD" in capsys.readouterr().err
