@@ -314,7 +314,12 @@ def main(argv: list[str]) -> None:
     neuron_env = env_sh(cfg, args.nodes, args.cache_dir)
     docs = {mode: dump(manifests(args, mode, cfg, hw, train_args, neuron_env)) for mode in ("compile", "train")}
     if not args.out:
-        sys.stdout.write(docs[args.job])
+        try:
+            sys.stdout.write(docs[args.job])
+            sys.stdout.flush()
+        except BrokenPipeError:     # `| kubectl apply -f -` and kubectl left first: its message says why
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         return
     out = Path(args.out)
     paths = {mode: out / f"{args.name}-{mode}.yaml" for mode in docs}

@@ -172,6 +172,16 @@ def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
     assert "--ckpt.grace_s=100" in r.stderr and "--grace-period" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_reader_that_leaves_is_no_traceback():
+    """`python scripts/eks.py ... | kubectl apply -f -` where kubectl exits first (no cluster
+    configured, a bad context): one failed status, no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) != 0 and "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_dockerfile_is_the_release_env_sh_pins():
     env_sh = (SCRIPTS / "env.sh").read_text()
     sdk = re.search(r"^NANOTRN_NEURON_SDK=(\S+)$", env_sh, re.M).group(1)
