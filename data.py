@@ -520,8 +520,11 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--doc-per-line", "--force", "--strict"):
         a.add_argument(flag, action="store_true", help="stop at the first bad record" if flag == "--strict" else None)
     t = sub.add_parser("tokenizer", help="train and cache the default tokenizer (once, before a launch)")
-    for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache")):
+    # train.py's --data.* keys the trained tokenizer depends on, so that it finds this one in the cache
+    for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache"), ("--text-field", "text"),
+                          ("--split", "train"), ("--val-fraction", DataConfig.val_fraction)):
         t.add_argument(flag, default=default, type=type(default))
+    t.add_argument("--doc-per-line", action="store_true")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -532,16 +535,18 @@ def main(argv: list[str] | None = None) -> None:
                 raise DataError(f"--workers {args.workers}: give a number of processes >= 1 (0: one per core)")
             prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force, args.workers, args.strict)
         else:
-            cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir))
+            cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir, text_field=args.text_field,
+                                         doc_per_line=args.doc_per_line, split=args.split, val_fraction=args.val_fraction))
             cfg.model.vocab_size = args.vocab
             check_values(cfg)                           # the checks train.py runs on the same keys
             check_paths(cfg)
             tok = build_tokenizer(cfg.data, args.vocab)
             print(tok.path)
     except ConfigError as e:
-        msg = str(e).replace("--model.vocab_size", "--vocab").replace("--data.cache_dir", "--cache-dir")
+        msg = str(e)
         if args.cmd == "tokenizer":         # its own flags only: this command takes no --data.tokenizer
-            msg = re.sub(r",? or pass --data\.tokenizer", "", msg)
+            msg = re.sub(r",? or pass --data\.tokenizer", "", msg.replace("--model.vocab_size", "--vocab"))
+            msg = re.sub(r"--data\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), msg)
         sys.exit("data error: " + msg)
     except KeyboardInterrupt:
         sys.exit("interrupted")

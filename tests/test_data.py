@@ -593,6 +593,25 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
 
 
+def test_tokenizer_command_caches_the_one_training_finds(tmp_path, capsys):
+    """`python data.py tokenizer` takes the settings a trained tokenizer depends on (text field, one
+    document per line, split, val_fraction): a corpus whose text is not in 'text' gets one, the one
+    train.py then finds in the cache, and a wrong field's fix names this command's own flag."""
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in make_docs(300)))
+    cache, spec = str(tmp_path / "cache"), str(tmp_path / "c.jsonl")
+    with pytest.raises(SystemExit, match="set --text-field to the one"):
+        data.main(["tokenizer", "--data", spec, "--vocab", str(VOCAB), "--cache-dir", cache])
+    data.main(["tokenizer", "--data", spec, "--text-field", "content", "--val-fraction", "0.05",
+               "--vocab", str(VOCAB), "--cache-dir", cache])
+    path = capsys.readouterr().out.strip()
+    got = data.build_tokenizer(DataConfig(data=spec, text_field="content", val_fraction=0.05, cache_dir=cache), VOCAB)
+    assert got.path == path and "training" not in capsys.readouterr().err
+    (tmp_path / "l.txt").write_text("\n".join(make_docs(300)) + "\n")
+    data.main(["tokenizer", "--data", str(tmp_path / "l.txt"), "--doc-per-line", "--vocab", str(VOCAB), "--cache-dir", cache])
+    path = capsys.readouterr().out.strip()
+    assert data.build_tokenizer(DataConfig(data=str(tmp_path / "l.txt"), doc_per_line=True, cache_dir=cache), VOCAB).path == path
+
+
 def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
     out = str(tmp_path / "all.arrow")
     data.main(["prepare", files["jsonl"], files["parquet"], "--out", out])
