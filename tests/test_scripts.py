@@ -5,6 +5,7 @@ a Trainium job). The health check really runs: 4 gloo ranks under torchrun, one 
 """
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -141,6 +142,20 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     # static node ranks under SLURM: torchrun does not restart, the sbatch loop starts the step again
     assert "--node_rank=0" in train and "--max-restarts=0" in train and "--max-restarts=0" in compile_
     assert "for ((attempt = 0; attempt <= MAX_RESTARTS" in (SCRIPTS / "slurm_train.sbatch").read_text()
+
+
+def test_sbatch_gives_the_final_save_its_early_warning():
+    """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
+    not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, train.stop_budget)
+    must be those N s, or it refuses exactly the saves the early warning is there for. A value the
+    user gives stays."""
+    early = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (SCRIPTS / "slurm_train.sbatch").read_text(), re.M).group(1))
+    for extra, budget in (([], early), (["--ckpt.grace_s=40"], 40)):
+        r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B, *extra], DRY_RUN="1", SLURM_JOB_NUM_NODES="16",
+                       SLURM_JOB_ID="42", SLURM_SUBMIT_DIR=str(ROOT), MASTER_ADDR="trn001")
+        assert r.returncode == 0, r.stderr
+        (train,) = parse_dry_run(r.stdout.split("# srun")[-1].split("\n", 1)[1])[1]
+        assert flat_config(train[train.index("train.py") + 1:])["ckpt.grace_s"] == budget, train
 
 
 @pytest.mark.parametrize("nodes", [16, 128])
