@@ -487,7 +487,7 @@ class LMHead(nn.Linear):
         super().__init__(dim, vocab_size, bias=False)
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten())
+        return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten(), torch.is_grad_enabled())
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -507,8 +507,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         return -(-n_rows // chunks)
 
     @staticmethod
-    def forward(ctx, h, w, targets):
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, h, w, targets, grad_enabled: bool = True):
+        # grad_enabled: the caller's grad mode (a Function's forward always runs without grad, and its
+        # needs_input_grad stays True under no_grad): evaluation skips the gradients and their buffers.
+        want_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         rows = LinearCrossEntropy.chunk_rows(h.shape[0], w.shape[0], w.shape[1])
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         gh = torch.empty_like(h) if want_grad else None
@@ -537,7 +539,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gh, gw = ctx.saved_tensors
-        return gh.mul_(grad.to(gh.dtype)), gw.mul_(grad.to(gw.dtype)), None
+        return gh.mul_(grad.to(gh.dtype)), gw.mul_(grad.to(gw.dtype)), None, None
 
 
 def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:

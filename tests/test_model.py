@@ -352,6 +352,22 @@ def test_fused_loss_is_loss_sum(monkeypatch):
     assert h.grad is None and grads[0][1, 5:17].abs().max() == 0
 
 
+def test_fused_loss_without_grad_costs_the_logits_matmul_only():
+    """Evaluation (train.evaluate, under no_grad) takes the loss the fused way too: it must run only
+    the head's forward matmul, not the two gradient matmuls training folds into the forward, nor
+    allocate the [vocab, dim] weight gradient (Llama 3's 128k x 4096: 2 GiB in fp32)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(14)
+    head = llama.LMHead(32, 101)
+    h, targets = torch.randn(3, 40, 32, requires_grad=True), torch.randint(0, 101, (3, 40))
+    with torch.no_grad(), FlopCounterMode(display=False) as logits_only:
+        head(h)
+    with torch.no_grad(), FlopCounterMode(display=False) as fused:
+        loss = head.loss_sum(h, targets)
+    assert fused.get_total_flops() == logits_only.get_total_flops() == 2 * 3 * 40 * 32 * 101
+    assert loss.item() == pytest.approx(loss_sum(head(h), targets).item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("vocab", [512, 32000, 128256])
 def test_fused_loss_equals_log_softmax_nll(vocab, dtype):
