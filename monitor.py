@@ -483,6 +483,9 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "plot":
         if not os.path.isdir(sys.argv[2]):
             sys.exit(f"error: {sys.argv[2]} is not a directory of TensorBoard event files (the run's --log.tensorboard)")
+        if not read_scalars(sys.argv[2]).get("train/loss"):      # else a blank figure, silently
+            sys.exit(f"error: {sys.argv[2]} holds no train/loss scalars: give the run's --log.tensorboard "
+                     f"folder (default <out_dir>/tb)")
         print(plot_curves(sys.argv[2], sys.argv[3]))
     else:
         sys.exit("usage: python monitor.py plot TB_DIR PNG")

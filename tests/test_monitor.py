@@ -159,6 +159,17 @@ def test_tensorboard_scalars_read_back_and_curves(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+@pytest.mark.slow
+def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path):
+    """`python monitor.py plot out curves.png` (the run's folder, not its out/tb), or an empty one:
+    one line naming the folder to give, and no empty figure written (was: a blank PNG, exit 0)."""
+    (tmp_path / "out" / "tb").mkdir(parents=True)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", str(tmp_path / "out"),
+                        str(tmp_path / "c.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and not (tmp_path / "c.png").exists(), r.stderr
+    assert r.stderr.startswith(f"error: {tmp_path / 'out'} holds no train/loss") and r.stderr.count("\n") == 1, r.stderr
+
+
 def _drift_worker(rank, ports, out_dir):
     import torch.distributed as dist
     import model as llama
