@@ -13,6 +13,7 @@ seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import filecmp
 import os
 import signal
@@ -339,8 +340,15 @@ def run(argv: list[str]) -> None:
             d = dataclasses.replace(d, tokenizer=own)
         tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
         kept = check_kept_tokenizer(tok, own, ckpt)
+        problem = None
         if grid.is_main and not kept and not compile_only:   # beside the checkpoints: `checkpoint.py export` ships it
-            hf.keep_tokenizer(tok, own)
+            try:
+                hf.keep_tokenizer(tok, own)
+            except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
+                problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
+                           f"free space, or point --ckpt.dir at a writable disk with room for the checkpoints")
+        if not checkpoint.agree(grid, problem is None):
+            raise checkpoint.CheckpointError(problem or f"rank 0 could not keep the tokenizer in {own} (see its message)")
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
         # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
         if cfg.log.eval_interval:

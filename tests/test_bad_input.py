@@ -546,6 +546,27 @@ def test_launch_sh_refuses_a_port_or_node_rank_out_of_range(env, message):
     assert r.returncode == 2 and r.stderr.strip() == message and not r.stdout, (r.stderr, r.stdout)
 
 
+def test_a_checkpoint_disk_too_full_for_the_tokenizer_is_one_line(W, tmp_path, monkeypatch):
+    """The run keeps its tokenizer beside the checkpoints before its first step: on a disk with room
+    for run.lock and no more (an 8 KiB tmpfs; a simulated ENOSPC where mounting is not allowed) that
+    copy failing is "disk full" by name, a CheckpointError (one line), not an OSError's traceback."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(shutil, "copyfile", full)
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match="could not keep the tokenizer in .*tokenizer .disk full."):
+            train.main([*TINY, f"--data={W}/corpus", f"--data.tokenizer={W}/tok.model", f"--out_dir={tmp_path}/o",
+                        f"--ckpt.dir={small}/ck", f"--data.cache_dir={W}/tokcache"])
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)])
+
+
 def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     """The documented route: the run's own tokenizer (kept beside its checkpoints) and
     --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
