@@ -353,5 +353,10 @@ class CkptDir:
             except (OSError, ValueError):
                 continue
         for d in ours[keep:]:
+            theirs = [p.name for p in d.iterdir() if not OURS.match(p.name)]
+            if theirs:          # a user's file put inside (notes, an eval): the whole folder stays
+                self.say(f"not pruning {d.name}: it holds files nanotrn did not write ({', '.join(theirs[:3])}); "
+                         f"delete it yourself when you no longer need them")
+                continue
             (d / MANIFEST).unlink(missing_ok=True)     # first: a crash mid-delete leaves an interrupted
             shutil.rmtree(d, ignore_errors=True)       # folder, never a "complete" one with files missing

@@ -189,6 +189,23 @@ def test_prune_deletes_only_this_lineages_complete_checkpoints(tmp_path):
                                                           "step_00000007"]
 
 
+def test_prune_keeps_a_checkpoint_holding_a_users_file(tmp_path, capsys):
+    """A file nanotrn did not write, put inside one of this lineage's step folders (a user's notes):
+    pruning passes that folder over, saying so, and deletes the others beyond --ckpt.keep."""
+    root = tmp_path / "run"
+    ck = Checkpointer(cfg_for(root, "--ckpt.keep=1"))
+    ck.save(1, {"w": torch.ones(4)})
+    ck.save(2, {"w": torch.ones(4)})
+    (root / "step_00000002" / "NOTES.txt").write_text("eval at step 2: keep")
+    before = tree(root / "step_00000002")
+    ck.save(3, {"w": torch.ones(4)})
+    ck.save(4, {"w": torch.ones(4)})
+    ck.close()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert tree(root / "step_00000002") == before
+    assert "not pruning step_00000002: it holds files nanotrn did not write (NOTES.txt)" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- item 3
 
 def test_a_rank_that_never_writes_its_marker_leaves_the_step_incomplete_and_training_goes_on(tmp_path, capsys):
