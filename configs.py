@@ -205,8 +205,7 @@ def llama3_2_1b() -> Config:
                    ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4)
 
 
-PRESETS = {"tiny": tiny, "llama2_7b": llama2_7b, "llama2_70b": llama2_70b, "llama3_8b": llama3_8b,
-           "llama3_2_1b": llama3_2_1b}
+PRESETS = {f.__name__: f for f in (tiny, llama2_7b, llama2_70b, llama3_8b, llama3_2_1b)}
 
 CHOICES = {
     "model.checkpointing": ("none", "selective", "full"), "model.attention": ("sdpa", "explicit"),
@@ -317,9 +316,7 @@ def wants_help(argv: list[str]) -> bool:
 
 def field_comments() -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the field's end-of-line comment here: help written next to its field."""
-    import ast
-    import io
-    import tokenize
+    import ast, io, tokenize
     with open(__file__, encoding="utf-8") as f:
         src = f.read()
     comments = {t.start[0]: t.string.lstrip("#").strip()
@@ -520,8 +517,8 @@ def path_kind(path: str) -> str:
     import stat
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "nothing"
+    except FileNotFoundError:           # a link to nothing is not nothing: makedirs would fail on it
+        return f"a broken symbolic link (to {os.readlink(path)})" if os.path.islink(path) else "nothing"
     except OSError as e:
         return f"unreadable ({e.strerror})"
     return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else
@@ -530,11 +527,13 @@ def path_kind(path: str) -> str:
 
 def check_dir(key: str, path: str) -> None:
     """path is a directory this process can create or write into."""
+    if not path.strip():                # "" or spaces: the current directory, or a folder named "   " in it
+        raise ConfigError(f"--{key}={path!r} names no directory: give one")
     kind = path_kind(path)
     if kind != "nothing" and kind != "a directory":
         raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")
     parent = os.path.abspath(path)
-    while not os.path.exists(parent):          # the nearest existing ancestor is what gets written
+    while not os.path.lexists(parent):         # the nearest existing ancestor is what gets written
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")

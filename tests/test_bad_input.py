@@ -74,6 +74,7 @@ def W(tmp_path_factory):
     (w / "empties" / "a.txt").write_text("")
     (w / "empties" / "b.txt").write_text("   \n\n")
     os.mkfifo(w / "fifo.txt")
+    os.symlink(w / "nowhere", w / "dangling")      # a symbolic link to nothing: not "nothing there"
     rng = np.random.default_rng(0)
     (w / "random.arrow").write_bytes(rng.bytes(100_000))
     (w / "random.parquet").write_bytes(rng.bytes(50_000))
@@ -382,6 +383,16 @@ CASES = [
      ["world size 4", "tp*pp = 8*1"], 1, True),
     ("plan: unknown preset", ("plan", ["--preset", "llama4_8b"]), ["llama4_8b"], 1, True),
     ("plan: ffn by tp", ("plan", ["--preset", "llama2_7b", "--model.ffn_dim=11001"]), ["ffn_dim=11001"], 1, True),
+    # ---- found by fuzzing every entry point (vinput): a link to nothing, a name of spaces
+    *[(f"dangling --{k}", T(f"--{k}={{W}}/dangling"), [f"--{k}=", "dangling", "broken symbolic link"], 1, True)
+      for k in ("out_dir", "ckpt.dir", "log.tensorboard", "data.cache_dir")],
+    ("tensorboard of spaces", T("--log.tensorboard=   "), ["--log.tensorboard='   '", "names no directory"], 1, True),
+    ("data: cache-dir dangling", ("data", ["tokenizer", "--data", "{W}/corpus", "--cache-dir", "{W}/dangling"]),
+     ["--cache-dir", "broken symbolic link"], 1, True),
+    ("ckpt: export to a dangling link", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/dangling"]),
+     ["dangling", "broken symbolic link"], 1, True),
+    ("ckpt: export to ''", ("checkpoint", ["export", "{W}/run/ckpt", ""]), ["''", "names no directory"], 1, True),
+    ("bench: --out dangling", ("bench", ["ckpt", "--out={W}/dangling"]), ["--out", "broken symbolic link"], 2, True),
 ]
 
 
