@@ -53,9 +53,9 @@ class Loaded:
     meta: dict                 # {"step", "layout", "config", "extra", ...} as saved
     model: dict                # this rank's model state dict, resharded to this run's layout if needed
     optim: dict | None         # this rank's optimizer state, idem (None if load_optim=False or none saved)
-    data: object               # this rank's data-loader state (None if the DP degree changed)
+    data: object               # this rank's data-loader state, or at another DP degree every saved DP
+                               # rank's (a LazyList: each read when indexed), as PackedLoader takes it
     rng: dict | None           # this rank's RNG streams (None at another layout: not comparable)
-    data_states: Sequence | None   # every saved DP rank's loader state (read when indexed), at another DP degree
 
     @property
     def extra(self) -> dict:
@@ -113,7 +113,7 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
             if shared:
                 optim = broadcast_state(optim, g, device)
     rank_file = lambda r: load_file(d / f"rank{r:05d}.pt", weights_only=False)
-    rng, data, data_states = None, None, None
+    rng, data = None, None
     if saved == now:
         mine = rank_file(g.rank)
         rng, data = mine["rng"], mine["data"]
@@ -122,12 +122,12 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     else:
         # Read on first use: a data loader takes only the saved ranks owning its streams (one or
         # two at any scale), not all DP ranks' files on every rank.
-        data_states = LazyList(saved["dp"], lambda r: rank_file(r * saved["tp"])["data"])
+        data = LazyList(saved["dp"], lambda r: rank_file(r * saved["tp"])["data"])
     if saved != now:
         say(f"{d.name} was saved at layout {saved}, this run is {now}: model"
-            f"{' and optimizer' if optim is not None else ''} resharded; RNG streams start from "
-            f"the seed" + ("" if data is not None else "; data loaders take the saved positions of their streams"))
-    return Loaded(meta["step"], d, meta, model, optim, data, rng, data_states)
+            f"{' and optimizer' if optim is not None else ''} resharded; RNG streams start from the seed"
+            + ("; data loaders take the saved positions of their streams" if isinstance(data, LazyList) else ""))
+    return Loaded(meta["step"], d, meta, model, optim, data, rng)
 
 
 def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dict:

@@ -387,7 +387,7 @@ def run(argv: list[str]) -> None:
                 log("--ckpt.reset_data: the model and optimizer continue, the data stream starts afresh")
             else:
                 try:
-                    train_loader.load_state_dict(loaded.data if loaded.data is not None else loaded.data_states)
+                    train_loader.load_state_dict(loaded.data)
                 except data.StaleDataState as e:     # a checkpoint of an older data format: keep the model
                     log(f"{e}; the model and optimizer continue, the data stream restarts from its beginning")
             if loaded.rng is not None:

@@ -307,8 +307,8 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"cannot be resharded.*load_optim=False"):
         Checkpointer(cfg, parallel.Grid()).load_latest()
     one = Checkpointer(cfg, parallel.Grid()).load_latest(load_optim=False)
-    assert one.optim is None and one.data is None and one.rng is None
-    assert list(one.data_states) == [{"dp_rank": 0}, {"dp_rank": 1}]
+    assert one.optim is None and one.rng is None
+    assert list(one.data) == [{"dp_rank": 0}, {"dp_rank": 1}]
     # On resume each rank checks only its 1/world share of the markers (then all ranks agree): the
     # share of rank 2 finds a marker lost after the save; rank 0's does not even look at it.
     ranks_save(cfg, 2, world=4, tp=2, dp=2, make_state=state)
@@ -456,7 +456,7 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     loaded = Checkpointer(cfg, grid).load_latest()
     model.load_state_dict(loaded.model)
     opt.load_state_dict(loaded.optim)
-    assert loaded.step == 2 and loaded.data is None and list(loaded.data_states) == [{"pos": 7}]
+    assert loaded.step == 2 and list(loaded.data) == [{"pos": 7}]
     # What this rank holds is exactly its shard of the 1-process state.
     full = reshard.full_model_state(loaded.path, cfg.model)
     for name, t in parallel.gather_full_state_dict(model, grid).items():
@@ -485,7 +485,7 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     cfg.ckpt.dir = str(tmp_path / "b")
     loaded = Checkpointer(cfg).load_latest()
     assert loaded.step == 3 and loaded.meta["layout"] == {"world": 4, "tp": 2, "pp": 1, "dp": 2, "zero1": False}
-    assert list(loaded.data_states) == [{"pos": 8}, {"pos": 9}]
+    assert list(loaded.data) == [{"pos": 8}, {"pos": 9}]
     assert_state_equal(model.state_dict(), loaded.model)
     want = opt.state_dict()
     assert_state_equal(want["state"], loaded.optim["state"])
