@@ -530,6 +530,8 @@ def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
         return ~verdict
     if verdict:
         optimizer.step()
+    else:
+        optimizer.step_count += 1   # Adam's t advances either way, as on the device (AdamW._keep)
     return not verdict
 
 

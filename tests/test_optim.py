@@ -170,6 +170,27 @@ def test_foreach_update_is_bit_equal_to_the_slot_by_slot_reference(precision, mo
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
+def test_a_skip_decided_on_the_host_or_on_the_device_trains_alike(precision):
+    """--log.on_nonfinite=skip decides on the host on CPU and CUDA (optim.guarded_step with a bool)
+    and on the device on XLA (a boolean tensor, applied by a select). The run must go on alike after
+    a skipped step: only the device path advanced Adam's t, so XLA:CPU and eager CPU trained apart
+    after a NaN (tiny run, NANOTRN_FAULT=nan:5, skip: loss 8.0621 vs 8.0573 at step 10)."""
+    cfg = tiny_config(precision, lr=1e-2)
+    models = [tiny_model(cfg), tiny_model(cfg)]
+    opts = [optim.build_optimizer(m, cfg) for m in models]
+    for step in range(4):
+        tokens, targets = batch(step)
+        for m, opt, verdict in zip(models, opts, (step != 1, torch.tensor(step != 1))):
+            backward(m, tokens, targets)
+            assert bool(optim.guarded_step(opt, verdict)) == (step == 1)        # step 1 skipped
+            opt.zero_grad()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), n
+    sa, sb = opts[0].state_dict(), opts[1].state_dict()
+    assert sa["step"] == sb["step"] and all(torch.equal(sa["state"][k], sb["state"][k]) for k in sa["state"])
+
+
 def test_wrong_param_dtype_and_precision_are_rejected():
     cfg = tiny_config("mixed")
     with pytest.raises(ValueError, match="param_dtype"):
