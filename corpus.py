@@ -52,6 +52,7 @@ class Corpus:
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
                  split: str = "train", cache_dir: str = ".cache"):
         self.spec, self.sources, self.examples = spec, [], {}
+        self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
         entries = parse_mixture(spec)
         seen, per_entry = set(), []             # a file named by two entries counts in the first
         for entry, _ in entries:
@@ -168,8 +169,11 @@ class Corpus:
         for j in np.flatnonzero(~whole):
             d, start, stop = (int(x) for x in rows[j])
             (src, local, _), = self._where([d])
-            if src.jsonl:
-                b = self.raw([d])[0]
+            if src.jsonl:       # the record's text, parsed once for all its spans (the last record kept;
+                rec = self._record                  # read once: the packing and evaluation threads share it)
+                if rec[0] != d:
+                    rec = self._record = (d, self.raw([d])[0])
+                b = rec[1]
                 raw = b[start:stop if stop >= 0 else len(b)]
             else:
                 raw = src.read_range(int(local[0]), start, stop)

@@ -533,6 +533,22 @@ def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path)
     assert not thread.is_alive()
 
 
+def test_a_long_json_record_is_parsed_once_not_once_per_span(tmp_path, monkeypatch):
+    """A .jsonl record cut into many spans: reading a span parses the record's JSON (its text's bytes
+    are what the span index points into). Once per span made a document of n spans cost n parses of
+    all of it (a 31 MB record packed at 1/7 of the same text in a .txt); the last one is kept."""
+    rng = np.random.default_rng(2)
+    huge = " ".join(w for w in rng.choice(WORDS, 40000) if w.strip())
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": huge}) + "\n" + json.dumps({"text": "tiny"}) + "\n")
+    corpus = data.Corpus(str(tmp_path / "d.jsonl"), cache_dir=str(tmp_path))
+    rows = np.asarray(data.SpanIndex(corpus, SEQ, str(tmp_path)).rows)
+    src, parses = corpus.sources[0], []
+    read = src.read
+    monkeypatch.setattr(src, "read", lambda ids: parses.append(list(ids)) or read(ids))
+    texts = [corpus.read_spans(rows[[s]])[0][0] for s in range(len(rows) - 1)]     # one span a read, as lanes read
+    assert len(rows) > 30 and "".join(texts) == huge and len(parses) == 1
+
+
 @pytest.mark.parametrize("factor", [1, 2, 4])
 def test_one_to_four_global_batches_of_documents(tok, tmp_path, factor):
     """global_batch 16 (the default) and 16 to 64 short documents: it trains (no document per
