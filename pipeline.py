@@ -135,14 +135,11 @@ class Comm:
     device: torch.device = torch.device("cpu")   #   stage is built on the host, then moved)
     cut: object = None                           # ends the traced graph after each exchange (reset)
     wait_s: float = 0.0                          # seconds spent in p2p since the last reset
-    sent: int = 0                                # messages sent / received since the last reset
-    received: int = 0
 
     def reset(self, model: nn.Module, cut) -> None:
-        """Before a step: the params' dtype and device, the caller's graph cut, counters at zero."""
+        """Before a step: the params' dtype and device, the caller's graph cut, the wait at zero."""
         p = next(model.parameters())
-        self.dtype, self.device, self.cut = p.dtype, p.device, cut
-        self.wait_s, self.sent, self.received = 0.0, 0, 0
+        self.dtype, self.device, self.cut, self.wait_s = p.dtype, p.device, cut, 0.0
 
     @staticmethod
     def create(cfg: Config, grid: Grid) -> "Comm":
@@ -210,8 +207,6 @@ def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> 
     # collective fused with compute would sit in graphs the peer never runs).
     comm.cut()
     comm.wait_s += time.perf_counter() - t0
-    comm.sent += send is not None
-    comm.received += recv
     return buf
 
 
