@@ -381,10 +381,10 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
 
 # Every numeric key's domain: (test, what it must be). Checked first: a zero divisor or a negative seed is a
 # message naming the key, never a ZeroDivisionError deep inside a run.
-_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
-_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
-_POSITIVE = (lambda v: v > 0, "> 0")
-_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+_AT_LEAST_1, _NON_NEGATIVE = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+_POSITIVE, _FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v < 1, "in [0, 1)")
+# Seconds: a timedelta, faulthandler's timer and a thread's wait overflow past ~9.2e9 (2 * hang_startup_s included).
+_SECONDS = (lambda v: 0 < v <= 1e9, "> 0 and at most 1e9 (about 30 years)")
 DOMAINS = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_dim", "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps",
@@ -396,11 +396,11 @@ DOMAINS = {
                      "optim.decay_steps", "optim.constant_steps", "optim.weight_decay", "optim.grad_clip",
                      "ckpt.interval", "parallel.zero1_bucket_mb", "ckpt.keep", "log.eval_interval",
                      "log.sample_tokens", "log.peak_tflops"), _NON_NEGATIVE),
-    **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _POSITIVE),
+    **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _SECONDS),
     "log.hang_factor": (lambda v: v == 0 or v >= 2, ">= 2 (median step times), or 0 to turn the watchdog off"),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
     "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),
-    "data.seed": (lambda v: v >= 0, ">= 0 (numpy's generators take no negative seed)"),
+    "data.seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63) (the data order hashes it as a 64-bit integer)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (numpy's global seed range)"),
 }
 NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_dir")

@@ -446,6 +446,7 @@ class Watchdog:
     def _arm(self, seconds: float, why: str) -> None:
         if self.factor <= 0:
             return
+        seconds = min(seconds, 1e9)     # factor x median may pass what the timer and wait() take (~9.2e9 s)
         with self._cv:
             self.deadline, self.why = time.monotonic() + seconds, why
             self._cv.notify()

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -30,6 +31,7 @@ import data  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
 import plan  # noqa: E402
+import monitor  # noqa: E402
 import train  # noqa: E402
 
 VOCAB = 512
@@ -393,6 +395,10 @@ CASES = [
      ["dangling", "broken symbolic link"], 1, True),
     ("ckpt: export to ''", ("checkpoint", ["export", "{W}/run/ckpt", ""]), ["''", "names no directory"], 1, True),
     ("bench: --out dangling", ("bench", ["ckpt", "--out={W}/dangling"]), ["--out", "broken symbolic link"], 2, True),
+    # ---- numbers past what the clock, a timedelta or the data order's 64-bit hash can hold (were OverflowError)
+    *[(f"domain: {a}", T(a), [a.split("=")[0] + "=1e+", "at most 1e9"], 1, True) for a in (
+        "--log.hang_startup_s=1e308", "--log.hang_min_s=1e16", "--parallel.timeout_s=1e17", "--ckpt.grace_s=1e300")],
+    ("domain: data.seed 2**63", T("--data.seed=9223372036854775808"), ["--data.seed=9223372036854775808", "2**63"], 1, True),
 ]
 
 
@@ -606,3 +612,13 @@ def test_warmup_longer_than_the_run_is_said_out_loud():
     said = configs.warnings(configs.from_args(["--steps=8"]))
     assert len(said) == 1 and "--optim.warmup_steps=20" in said[0] and "never reaches its peak" in said[0]
     assert configs.warnings(configs.from_args(["--steps=20"])) == []
+
+
+def test_a_hang_limit_beyond_the_clocks_range_is_no_traceback():
+    """--log.hang_factor times the median step can exceed what faulthandler's timer and a thread's wait
+    take (~9.2e9 s): the limit is capped, not an OverflowError at the fourth step, hours in."""
+    dog = monitor.Watchdog(0, 1e308, 300.0, 300.0)
+    for _ in range(5):
+        dog.step_done()
+    assert dog.limit() == 1e308 * statistics.median(dog.times)     # the limit asked for: only the timers are capped
+    dog.close()
