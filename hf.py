@@ -17,7 +17,7 @@ import shutil
 import torch
 
 import sharding
-from configs import ConfigError, ModelConfig
+from configs import ConfigError, ModelConfig, path_kind
 from model import num_params, param_shapes
 
 
@@ -499,6 +499,8 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
 
 def check_export_dir(folder: str) -> None:
     """A run replaces its export folder only when it holds nothing but an earlier export's files."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):     # else makedirs fails after the whole run
+        raise HFError(f"{folder} is {path_kind(folder)}, where the export goes: move it, or choose another --out_dir")
     there = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     if there and not there <= EXPORT_FILES:
         raise HFError(f"{folder} holds files that are not a nanotrn export ({', '.join(sorted(there - EXPORT_FILES)[:3])}): "

@@ -399,6 +399,7 @@ CASES = [
     *[(f"domain: {a}", T(a), [a.split("=")[0] + "=1e+", "at most 1e9"], 1, True) for a in (
         "--log.hang_startup_s=1e308", "--log.hang_min_s=1e16", "--parallel.timeout_s=1e17", "--ckpt.grace_s=1e300")],
     ("domain: data.seed 2**63", T("--data.seed=9223372036854775808"), ["--data.seed=9223372036854775808", "2**63"], 1, True),
+    ("export folder is a file", T(), ["out/hf is a file", "--out_dir"], 1, True),    # was a traceback after training
 ]
 
 
@@ -419,6 +420,9 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
         f.write_bytes(f.read_bytes()[:1000])
     if name == "data: --out a directory":
         (t / "d.arrow").mkdir()
+    if name == "export folder is a file":
+        (t / "out").mkdir()
+        (t / "out" / "hf").write_text("a user's file where the export would go")
     if name == "fault spec":
         monkeypatch.setenv("NANOTRN_FAULT", "boom")
     argv = [a.replace("{W}", str(W)).replace("{t}", str(t)) for a in argv]
