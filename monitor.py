@@ -200,8 +200,9 @@ class Monitor:
         self.writer = None
         if is_main and cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            # purge_step: after a resume, TensorBoard hides what a crashed run logged past the checkpoint.
-            self.writer = SummaryWriter(cfg.log.tensorboard, purge_step=start_step or None)
+            # purge_step: after a restart (from a checkpoint or from scratch), TensorBoard hides what a
+            # crashed run logged past it: every step from the first one this run logs.
+            self.writer = SummaryWriter(cfg.log.tensorboard, purge_step=start_step + 1)
 
     # -------------------------------------------------------------- non-finite policy
     def check_finite(self, step: int, loss, grad_norm) -> bool:

@@ -159,6 +159,22 @@ def test_tensorboard_scalars_read_back_and_curves(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+@pytest.mark.parametrize("restart_from", [0, 3])
+def test_tensorboard_hides_what_a_crashed_run_logged_past_the_restart(tmp_path, restart_from):
+    """A run killed after step 6 restarts from its checkpoint of step 3, or from scratch (it died
+    before any checkpoint was complete): the event files then show each step once, the restarted
+    run's. From scratch the crashed run's steps 1-6 stayed beside the new ones (start_step 0 asked
+    for no purge), so TensorBoard and `monitor.py plot` drew both."""
+    cfg = small_cfg(tmp_path, interval=1)
+    for start, end, loss in ((0, 6, 9.0), (restart_from, 8, 5.0)):
+        mon = Monitor(cfg, 1e6, 1e12, print_fn=lambda *a: None, start_step=start)
+        for s in range(start + 1, end + 1):
+            mon.step(s, loss=torch.tensor(loss), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=torch.tensor(64))
+        mon.close()
+    got = monitor.read_scalars(cfg.log.tensorboard)["train/loss"]
+    assert got == [(s, 9.0) for s in range(1, restart_from + 1)] + [(s, 5.0) for s in range(restart_from + 1, 9)], got
+
+
 @pytest.mark.slow
 def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path):
     """`python monitor.py plot out curves.png` (the run's folder, not its out/tb), or an empty one:
