@@ -68,6 +68,8 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     most = text + sum(int(cfg.bos) * (r[1] == 0) + int(cfg.eos) * (r[2] < 0) for _, r in kept)
     fits = most // L1 // step * step
     fix = " or ".join(([f"--global_batch={fits}"] if fits else []) + ([f"--seq_len={most // gb - 1}"] if most // gb > 1 else []))
+    if fix and eval_windows and not index.has_val():      # else the next refusal: 'no held-out split'
+        fix += ", with --log.eval_interval=0 (under one span of text, nothing is held out to evaluate on)"
     raise DataError(f"{cfg.data!r} holds {text:,} bytes of text, at most {most:,} tokens, but one global batch "
                     f"is global_batch {gb} x (seq_len {cfg.seq_len} + 1) = {gb * L1:,} tokens: add data"
                     + (f", or set {fix}" if fix else ""))

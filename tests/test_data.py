@@ -594,6 +594,23 @@ def test_refusals_before_training(files, tok, cache, tmp_path):
         data.build_tokenizer(DataConfig(data=files["jsonl"], cache_dir=cache), 100000)
 
 
+def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing_out(tok, tmp_path):
+    """A corpus under one span (4 KiB) holds no held-out split: the size refusal's global_batch /
+    seq_len would only lead to the next refusal ('no held-out split'), so it names
+    --log.eval_interval=0 as well, and what it names then passes."""
+    (tmp_path / "s.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS[:20], 600)))
+    c = cfg(str(tmp_path / "s.txt"), global_batch=512, micro_batch=2)
+    idx = data.SpanIndex(data.Corpus(c.data), SEQ, CACHE[0], c.val_fraction)
+    assert idx.n_spans == 1 and not idx.has_val()
+    with pytest.raises(data.DataError, match=r"--global_batch=(\d+) .*--log.eval_interval=0") as e:
+        data.check_size(c, idx, eval_windows=8)
+    fits = int(re.search(r"--global_batch=(\d+)", str(e.value))[1])
+    data.check_size(cfg(c.data, global_batch=fits, micro_batch=2), idx, eval_windows=0)
+    with pytest.raises(data.DataError) as e:                   # without evaluation it does not say so
+        data.check_size(c, idx)
+    assert "eval_interval" not in str(e.value).split("add data")[1]
+
+
 # ----------------------------------------------------------------------------- tokenizer, prepare, device
 
 def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, tmp_path, capsys):
