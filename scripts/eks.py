@@ -148,7 +148,9 @@ def check(args, train_args: list[str]):
 
 
 def under(path: str, mount: str) -> bool:
-    return os.path.normpath(path).startswith(os.path.normpath(mount).rstrip("/") + "/")
+    """path is the mount itself or inside it."""
+    path, mount = os.path.normpath(path), os.path.normpath(mount)
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
 
 
 def env_sh(cfg, nodes: int, cache_dir: str) -> dict[str, str]:

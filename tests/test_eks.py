@@ -153,6 +153,20 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
     assert (tmp_path / "held" / "nanotrn-train.yaml").read_text() == "mine\n"       # never overwritten
 
 
+def test_the_mount_itself_is_on_fsx(tmp_path):
+    """--cache-dir=/fsx is the shared file system (and a second volume at the FSx mount's path,
+    which the API server rejects): refused; --out_dir=/fsx is on it: accepted (was the reverse,
+    with 'is not on the FSx mount /fsx')."""
+    r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B, "--cache-dir=/fsx/"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == "" and "not on FSx" in r.stderr, r.stderr
+    (_, job) = generate(tmp_path, *ARGS_7B, "--out_dir=/fsx", nodes=2)["train"]
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert "--out_dir=/fsx" in c["command"][2]
+    mounts = [m["mountPath"] for m in c["volumeMounts"]]
+    assert len(set(mounts)) == len(mounts)
+
+
 def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
     """terminationGracePeriodSeconds is what train.py's stop_budget may spend (--ckpt.grace_s): a
     longer --grace-period must reach train.py (else it skips a final save the pod has time for) and a
