@@ -208,6 +208,8 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     """Convert every shard of `sources` (as --data names them) into the one file `out` (*.arrow) or
     one file per shard in the directory `out`, in `workers` processes (0: one per core). Returns the counts."""
     from tqdm import tqdm
+    if not out.strip():                 # else the working directory: one shard file per source dropped into it
+        raise DataError(f"--out {out!r} is empty; give an .arrow file to write, or a directory (ending in /)")
     one = out.endswith(".arrow")
     if (kind := path_kind(out.rstrip("/") or "/")) not in ("nothing", "a file", "a directory") or \
             (one and kind == "a directory") or (not one and kind == "a file"):

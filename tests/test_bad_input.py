@@ -400,6 +400,7 @@ CASES = [
         "--log.hang_startup_s=1e308", "--log.hang_min_s=1e16", "--parallel.timeout_s=1e17", "--ckpt.grace_s=1e300")],
     ("domain: data.seed 2**63", T("--data.seed=9223372036854775808"), ["--data.seed=9223372036854775808", "2**63"], 1, True),
     ("export folder is a file", T(), ["out/hf is a file", "--out_dir"], 1, True),    # was a traceback after training
+    ("data: --out ''", ("data", ["prepare", "{W}/corpus", "--out", ""]), ["--out ''", "is empty"], 1, True),
 ]
 
 
