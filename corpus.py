@@ -390,8 +390,10 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
             num_threads=min(16, os.cpu_count() or 1), minloglevel=2)
     except (RuntimeError, ValueError) as e:             # ValueError: a vocab_size beyond int32
         if m := re.search(r"smaller than required_chars. (\d+) vs (\d+)", str(e)):
-            raise DataError(f"{corpus.spec!r} has {m[2]} distinct characters, more than a {vocab_size}-piece "
-                            f"tokenizer holds; raise --model.vocab_size above {m[2]}, or pass --data.tokenizer") from None
+            need = int(m[2])        # a piece per distinct character, + 256 byte pieces + unk/bos/eos (above)
+            raise DataError(f"{corpus.spec!r} needs at least {need} pieces ({need - 259} distinct characters, 256 bytes, "
+                            f"unk/bos/eos), more than a {vocab_size}-piece tokenizer holds; set --model.vocab_size={need} "
+                            f"or more, or pass --data.tokenizer") from None
         raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {_spm_message(e)}; "
                         f"lower --model.vocab_size, add data, or pass --data.tokenizer") from None
     finally:

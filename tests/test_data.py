@@ -626,6 +626,20 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
 
 
+def test_vocab_below_the_corpus_characters_names_the_size_that_trains(tmp_path):
+    """sentencepiece needs a piece per distinct character plus the 256 byte pieces and unk/bos/eos:
+    the refusal says so (not that the corpus has that many distinct characters) and the size it
+    names trains."""
+    text = "".join(chr(0x4E00 + i) + " " for i in range(100)) * 20          # 101 distinct characters
+    (tmp_path / "c.txt").write_text(text)
+    corpus = data.Corpus(str(tmp_path / "c.txt"))
+    with pytest.raises(data.DataError, match=r"needs at least (\d+) pieces .*101 distinct characters") as e:
+        train_tokenizer(corpus, 0.0, 300, str(tmp_path / "a.model"))
+    need = int(re.search(r"at least (\d+)", str(e.value))[1])
+    assert f"--model.vocab_size={need}" in str(e.value)
+    train_tokenizer(corpus, 0.0, need, str(tmp_path / "a.model"))
+
+
 def test_tokenizer_command_caches_the_one_training_finds(tmp_path, capsys):
     """`python data.py tokenizer` takes the settings a trained tokenizer depends on (text field, one
     document per line, split, val_fraction): a corpus whose text is not in 'text' gets one, the one
