@@ -116,6 +116,11 @@ def check(args, train_args: list[str]):
     if not args.cache_dir.startswith("/") or under(args.cache_dir, args.mount):
         fail(f"--cache-dir {args.cache_dir!r}: the compile cache must be an absolute path on each node's "
              f"local disk, not on FSx ({args.mount}): a shared cache caused timeouts in the blog's run")
+    # A volume over the image's code hides scripts/launch.sh, and two at one path are rejected.
+    for flag, path in (("--mount", args.mount), ("--cache-dir", args.cache_dir)):
+        for other, what in ((WORKDIR, "the image's code"), ("/dev/shm", "the shared-memory volume")):
+            if under(path, other) or under(other, path):
+                fail(f"{flag} {path!r} overlaps {other} ({what}): give another path")
     mount = args.mount.rstrip("/")
     try:
         cfg = from_args(train_args)

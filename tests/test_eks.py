@@ -136,6 +136,9 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
         (["--nodes=2", *ARGS_7B, "--cache-dir=/fsx/neuron-cache"], "not on FSx"),
         (["--nodes=2", *ARGS_7B, "--grace-period=30"], "--grace-period 30"),
         (["--nodes=2", *ARGS_7B, "--name=Big_Run"], "not a Kubernetes name"),
+        (["--nodes=2", *ARGS_7B, "--cache-dir=/dev/shm"], "--cache-dir '/dev/shm' overlaps /dev/shm"),
+        (["--nodes=2", *ARGS_7B, "--mount=/opt"], "--mount '/opt' overlaps /opt/nanotrn"),      # hides the code
+        (["--nodes=2", *ARGS_7B, "--cache-dir=/opt/nanotrn/cache"], "overlaps /opt/nanotrn"),
     ]
     for args, message in cases:
         r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), *BASE, *args, "--out", str(out)],
