@@ -269,17 +269,34 @@ def check_init_from_tokenizer(cfg: configs.Config) -> None:
                          "empty)" if tok != folder else "give its tokenizer with --data.tokenizer"))
 
 
-def check_kept_tokenizer(tok, folder: str, ckpt: checkpoint.Checkpointer) -> bool:
-    """A run continues with the tokenizer kept beside its checkpoints: one trained on a new corpus
-    would give every token id another meaning. True: this run's is kept there already."""
+def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint.Checkpointer,
+                      grid: parallel.Grid, log) -> data.Tokenizer:
+    """--data.tokenizer; else on a resume the run's own, kept beside its checkpoints (one trained again,
+    on a new corpus or by a newer recipe, would give token ids other meanings: a resume given another
+    is refused); else trained on the corpus (cached). Kept there by rank 0: `checkpoint.py export` ships it."""
+    d, own = cfg.data, os.path.join(cfg.ckpt.dir, "tokenizer")
+    resuming = cfg.ckpt.resume and ckpt.has_checkpoints()
+    if not d.tokenizer and resuming and data.find_tokenizer(own):
+        log(f"tokenizer: the run's own, kept in {own}")
+        d = dataclasses.replace(d, tokenizer=own)
+    tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
-    kept = [k for k in (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(k)]
+    kept = [k for k in (os.path.join(own, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(k)]
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
-    if kept and not same and ckpt.c.resume and ckpt.has_checkpoints():
+    if kept and not same and resuming:
         raise checkpoint.CheckpointError(
             f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and --data.tokenizer={tok.path} "
             f"differs: leave --data.tokenizer out (a resume takes the run's own) or give {kept[0]}")
-    return same
+    problem = None
+    if grid.is_main and not same and not ckpt.compile_only:
+        try:
+            hf.keep_tokenizer(tok, own)
+        except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
+            problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
+                       f"free space, or point --ckpt.dir at a writable disk with room for the checkpoints")
+    if not checkpoint.agree(grid, problem is None):
+        raise checkpoint.CheckpointError(problem or f"rank 0 could not keep the tokenizer in {own} (see its message)")
+    return tok
 
 
 # ----------------------------------------------------------------------------- the run
@@ -332,23 +349,7 @@ def run(argv: list[str]) -> None:
         corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
         data.check_size(d, index, grid.dp, cfg.log.eval_windows if cfg.log.eval_interval else 0)
-        # A resumed run takes the tokenizer kept beside its checkpoints, unless one is given: one
-        # trained again (on a new corpus, or by a newer nanotrn's recipe) would mean other token ids.
-        own = os.path.join(cfg.ckpt.dir, "tokenizer")
-        if not d.tokenizer and cfg.ckpt.resume and ckpt.has_checkpoints() and data.find_tokenizer(own):
-            log(f"tokenizer: the run's own, kept in {own}")
-            d = dataclasses.replace(d, tokenizer=own)
-        tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
-        kept = check_kept_tokenizer(tok, own, ckpt)
-        problem = None
-        if grid.is_main and not kept and not compile_only:   # beside the checkpoints: `checkpoint.py export` ships it
-            try:
-                hf.keep_tokenizer(tok, own)
-            except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
-                problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
-                           f"free space, or point --ckpt.dir at a writable disk with room for the checkpoints")
-        if not checkpoint.agree(grid, problem is None):
-            raise checkpoint.CheckpointError(problem or f"rank 0 could not keep the tokenizer in {own} (see its message)")
+        tok = tokenizer_for_run(cfg, corpus, ckpt, grid, log)   # given, the run's own, or trained
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
         # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
         if cfg.log.eval_interval:
