@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, progress,
+from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, progress,
                      resolve_paths, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
@@ -59,6 +59,8 @@ def _lines(path: str):
                                 f"or leave it out") from None
             if not block:
                 break
+            if n == 0 and not tail:
+                block = block.removeprefix(BOM)
             parts = (tail + block).split(b"\n")
             tail = parts.pop()
             pos = raw.tell()

@@ -34,9 +34,10 @@ JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
 STRUCTURED = (".arrow", ".parquet") + JSON_LINES
 SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
-INDEX_VERSION = {"lines": 1, "batches": 2}      # per kind of offsets index: a change rebuilds that kind
+INDEX_VERSION = {"lines": 2, "batches": 2}      # per kind of offsets index: a change rebuilds that kind
 BATCHES = 4     # Arrow record batches a reader keeps open (reads come grouped by batch): ~1 KB each
 PROGRESS_DELAY = 2.0        # seconds a build runs before its progress bar shows
+BOM = b"\xef\xbb\xbf"         # UTF-8 byte order mark: Windows tools open files with it; RFC 8259 lets it be ignored
 
 
 class DataError(ConfigError):
@@ -238,7 +239,8 @@ class FileDocs(Source):
 
 class LineDocs(Source):
     """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The index
-    holds -1, then where each line ends: line i is bytes bounds[i] + 1 .. bounds[i + 1] of the file."""
+    holds -1 (2 after a UTF-8 byte order mark), then where each line ends: line i is bytes
+    bounds[i] + 1 .. bounds[i + 1] of the file."""
 
     def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache"):
         self.path, self.jsonl, self.field = path, jsonl, field
@@ -252,8 +254,9 @@ class LineDocs(Source):
     def scan(path, f, block: int = 1 << 22):
         """Every newline, found with numpy 4 MiB at a time (held: the block, 8 bytes a newline of it)."""
         size, last = os.path.getsize(path), -1
-        f.write(np.int64(-1).tobytes())
         with open(path, "rb") as src, progress(size, f"[data] indexing {os.path.basename(path)}") as bar:
+            f.write(np.int64(2 if src.read(3) == BOM else -1).tobytes())    # a BOM is not line 1's text
+            src.seek(0)
             for s in range(0, size, block):
                 ends = np.flatnonzero(np.frombuffer(src.read(block), np.uint8) == 10).astype(np.int64) + s
                 f.write(ends.tobytes())

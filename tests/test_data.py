@@ -502,6 +502,22 @@ def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
         data.Corpus(str(p))
 
 
+def test_a_byte_order_mark_opens_a_file_not_its_first_document(tmp_path):
+    """JSON lines or text lines saved with a UTF-8 byte order mark (Windows tools write one; RFC 8259
+    lets a parser ignore it): the first line is a record like the others, in place and via prepare."""
+    lines = [json.dumps({"text": t}) for t in ("first", "second", "third")]
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbffirst\nsecond\nthird\n")
+    for name, per_line in (("b.jsonl", False), ("b.txt", True)):
+        corpus = data.Corpus(str(tmp_path / name), doc_per_line=per_line, cache_dir=str(tmp_path / "c"))
+        assert [t for t, _, _ in corpus.read(range(3))] == ["first", "second", "third"]
+        assert corpus.doc_lengths(0, 3)[1] - corpus.doc_lengths(0, 3)[0] == 1         # no BOM in line 1's size
+        out = str(tmp_path / f"{name}.arrow")
+        counts = data.prepare([str(tmp_path / name)], out, doc_per_line=per_line, workers=1)
+        assert counts.get("bad_records", 0) == 0
+        assert data.Corpus(out).read([0])[0][0] == "first"
+
+
 def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path):
     """One document of 10x the rest of the corpus beside tiny ones (today's failure: one stream held
     it all, or a rank held only a 1-token document): every stream of every rank trains on, and the
