@@ -317,6 +317,17 @@ class Monitor:
         if self.writer:
             self.writer.flush()
 
+    @contextlib.contextmanager
+    def off_the_clock(self):
+        """Evaluation and checkpoint saves are not training: tok/s and MFU leave them out (Megatron
+        stops its interval timer around evaluate and save_checkpoint). The flush ends the steps'
+        interval once the device has finished them (it reads their values; a poisoned state raises)."""
+        self.flush()
+        try:
+            yield
+        finally:
+            self._t_flush = time.perf_counter()
+
     def eval(self, step: int, val_loss):
         """Validation loss on the held-out windows, and its perplexity."""
         v = float(val_loss)

@@ -443,7 +443,7 @@ def run(argv: list[str]) -> None:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
             if val_loader is not None and step % cfg.log.eval_interval == 0:
-                with dog.phase(f"the evaluation at step {step}"):
+                with dog.phase(f"the evaluation at step {step}"), mon.off_the_clock():
                     mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
             if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
                                            else step == cfg.optim.max_steps):
@@ -454,8 +454,8 @@ def run(argv: list[str]) -> None:
             stopping = stop.requested(step)             # every rank agrees: stop after this step?
             periodic = (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps
             if periodic or stopping:
-                with dog.phase(f"the checkpoint save of step {step}"):
-                    mon.flush()                         # raises on a poisoned state: it is never saved
+                with dog.phase(f"the checkpoint save of step {step}"), mon.off_the_clock():
+                    # (off_the_clock's flush raises on a poisoned state: it is never saved)
                     fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s)
                     if fits:
                         # On a CPU host the weights and moments are copied while the next step's

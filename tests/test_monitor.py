@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,20 @@ def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path):
     assert r.stderr.strip() == f"error: {tmp_path / 'no_tb'} is not a directory of TensorBoard event files " \
                                "(the run's --log.tensorboard)"
     assert not (tmp_path / "c.png").exists()
+
+
+def test_evaluation_and_saves_are_off_the_clock(monkeypatch):
+    """tok/s and MFU count the training steps' time only: an evaluation or a save inside a log
+    interval (here 30 s of it on a fake clock) leaves the interval's rate as if it had not run."""
+    now = [0.0]
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    lines = []
+    mon = Monitor(small_cfg(None, interval=2), flops_per_token=1.0, peak_flops=0.0, print_fn=lines.append)
+    for s in range(1, 5):
+        now[0] += 1.0                       # a step: 1 s for 1,000 tokens
+        mon.step(s, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=1000)
+        if s == 3:
+            with mon.off_the_clock():       # flushes step 3 (its own line), then 30 s of evaluation
+                now[0] += 30.0
+    rates = [part for line in lines for part in line.split(" | ") if part.endswith("tok/s")]
+    assert rates == ["1,000 tok/s"] * 3, lines
