@@ -79,11 +79,21 @@ def backend_for(device_type: str) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}[device_type]
 
 
+def launch_env() -> tuple[int, int]:
+    """(WORLD_SIZE, RANK) from torchrun (unset: one process), checked: else int('x'), a ZeroDivisionError or a hang."""
+    env = {k: os.environ.get(k, "0" if k == "RANK" else "1") for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not (all(v.isdigit() for v in env.values()) and int(env["RANK"]) < int(env["WORLD_SIZE"]) > 0
+            and int(env["LOCAL_WORLD_SIZE"]) > 0 and (int(env["WORLD_SIZE"]) == 1 or addr and port.isdigit())):
+        raise ConfigError(", ".join(f"{k}={v!r}" for k, v in {**env, "MASTER_ADDR": addr, "MASTER_PORT": port}.items()) +
+                          ": torchrun sets these (RANK below WORLD_SIZE; a rendezvous host and port); or unset them")
+    return int(env["WORLD_SIZE"]), int(env["RANK"])
+
+
 def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
     """Validate the layout, then create this torchrun process's groups on the backend of `device`
     (train.pick_device decides it). World 1: Grid(), no process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    world, rank = launch_env()
     backend = backend_for(torch.device(device).type)
     configs.validate(cfg, world, backend)     # bad input fails here, before any process group work
     if world == 1:

@@ -311,7 +311,7 @@ def run(argv: list[str]) -> None:
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     check_init_from_tokenizer(cfg)
     device = pick_device(cfg.device)
-    configs.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), parallel.backend_for(device.type))
+    configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
     configs.check_paths(cfg)
     out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
     hf.check_export_dir(out_dir)

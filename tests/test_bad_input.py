@@ -401,6 +401,11 @@ CASES = [
     ("domain: data.seed 2**63", T("--data.seed=9223372036854775808"), ["--data.seed=9223372036854775808", "2**63"], 1, True),
     ("export folder is a file", T(), ["out/hf is a file", "--out_dir"], 1, True),    # was a traceback after training
     ("data: --out ''", ("data", ["prepare", "{W}/corpus", "--out", ""]), ["--out ''", "is empty"], 1, True),
+    # ---- torchrun's environment set by hand (ENV below): was int()'s ValueError, a ZeroDivisionError, torch's
+    # "MASTER_ADDR expected" traceback, or (RANK >= WORLD_SIZE) a rank waiting forever for peers
+    *[(f"env: {e}", T("--global_batch=4", "--parallel.timeout_s=5"), [e.split(", ")[-1], "torchrun sets these"], 1, True) for e in (
+        "WORLD_SIZE='x'", "WORLD_SIZE='0'", "WORLD_SIZE=''", "RANK='-1'", "LOCAL_WORLD_SIZE='0'", "LOCAL_WORLD_SIZE='x'",
+        "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'")],
 ]
 
 
@@ -429,6 +434,10 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
     argv = [a.replace("{W}", str(W)).replace("{t}", str(t)) for a in argv]
     expect = [e.replace("{W}", str(W)) for e in expect]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if name.startswith("env: "):            # a rendezvous that is never reached, unless the case takes it away
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **eval(f"dict({name[5:]})")}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v) if v is not None else monkeypatch.delenv(k, raising=False)
     before = snapshot(W, t)
     spy = Spy(monkeypatch)
     got, text = run_entry(entry, argv, capsys)
