@@ -12,6 +12,7 @@ import difflib
 import json
 import math
 import os
+import signal
 import sys
 from dataclasses import dataclass, field, fields
 
@@ -212,8 +213,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "llama3"), "parallel.pp_schedule": ("1f1b", "gpipe"),
     "parallel.pp_p2p": ("send", "allgather"), "parallel.instance": ("trn1", "trn1n", "trn2"),
     "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"), "log.on_nonfinite": ("stop", "skip"),
-    "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16"),
-}
+    "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16")}
 
 # Short flags a reader types most; each maps to one dotted key.
 ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
@@ -596,4 +596,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)     # `show | head`: ends as cat does, not with a BrokenPipeError
     main(sys.argv[1:])

@@ -541,7 +541,8 @@ def test_torchrun_says_a_config_error_once_per_node(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [["train.py", "--help"], ["checkpoint.py", "--help"]])
+@pytest.mark.parametrize("argv", [["train.py", "--help"], ["checkpoint.py", "--help"], ["configs.py", "show"],
+                                  ["configs.py", "--help"]])
 def test_output_into_a_closed_pipe_is_no_traceback(argv):
     """`python train.py --help | head -1`: the reader is gone before the text is written."""
     p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
