@@ -49,6 +49,9 @@ def pick_device(name: str) -> torch.device:
         try:
             import torch_xla
             return torch_xla.device()
+        except RuntimeError as e:           # "No PjRtPlugin registered for: X"
+            raise configs.ConfigError(f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}: {str(e).split('. ')[0]}; use "
+                                      f"NEURON on Trainium, CPU for XLA:CPU, or unset it") from None
         except ImportError:
             if name == "xla":
                 raise configs.ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None

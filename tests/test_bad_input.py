@@ -637,3 +637,13 @@ def test_a_hang_limit_beyond_the_clocks_range_is_no_traceback():
         dog.step_done()
     assert dog.limit() == 1e308 * statistics.median(dog.times)     # the limit asked for: only the timers are capped
     dog.close()
+
+
+@pytest.mark.slow
+def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path):
+    """PJRT_DEVICE=BOGUS (torch-xla's own variable): was torch_xla's RuntimeError traceback ('No PjRtPlugin
+    registered for: BOGUS'). A process: importing torch_xla here would change the device later tests pick."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120, env={**os.environ, "PJRT_DEVICE": "BOGUS"})
+    assert r.returncode == 1 and r.stderr.startswith("error: PJRT_DEVICE='BOGUS'") and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not os.listdir(tmp_path), r.stderr
