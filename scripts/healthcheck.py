@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import rank_groups  # noqa: E402  (the repository root, where parallel.py lives)
+from parallel import launch_env, rank_groups  # noqa: E402  (the repository root, where parallel.py lives)
 
 OPS = ("all_reduce", "all_gather")
 
@@ -93,6 +94,28 @@ def setup(backend: str, timeout_s: float):
         torch.cuda.set_device(device)
         return backend, device, torch.cuda.synchronize, dist.new_group(backend="gloo", timeout=timeout)
     return backend, torch.device("cpu"), lambda: None, dist.group.WORLD
+
+
+def check_args(args) -> None:
+    """Every flag and torchrun's environment, before any process group: one line each, not a traceback from
+    a division by zero, int('x') or init_process_group (run bare, without torchrun, it has no rendezvous)."""
+    least = {"tp": 1, "pp": 1, "reps": 1, "warmup": 0, "ranks_per_node": 0, "min_gap_ms": 0.0}
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)}: give a number >= {v}" for k, v in least.items()
+           if not getattr(args, k) >= v]
+    bad += [f"--{k.replace('_', '-')} {getattr(args, k)}: give a finite number > {v}" for k, v in
+            (("mb", 0), ("timeout_s", 0), ("factor", 1)) if not v < getattr(args, k) < float("inf")]
+    if args.inject_delay and not re.fullmatch(r"\d+:\d+(\.\d*)?", args.inject_delay):
+        bad.append(f"--inject-delay {args.inject_delay}: give RANK:SECONDS, e.g. 3:0.5")
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        bad.append(f"--json {args.json}: give a file name in an existing directory")
+    if "WORLD_SIZE" not in os.environ:
+        bad.append("no WORLD_SIZE: run it under torchrun (scripts/launch.sh health does), which sets the rendezvous")
+    try:
+        launch_env()
+    except ValueError as e:                 # configs.ConfigError
+        bad.append(str(e))
+    if bad:
+        sys.exit(f"healthcheck error: {bad[0]}")
 
 
 def measure(kinds, backend, device, sync, host_group, nbytes: int, warmup: int, reps: int,
@@ -256,6 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inject-delay", default="", metavar="RANK:SECONDS",
                     help="testing only: this rank sleeps before each collective")
     args = ap.parse_args(argv)
+    check_args(args)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend, device, sync, host_group = setup(args.backend, args.timeout_s)

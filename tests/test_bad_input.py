@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import checkpoint  # noqa: E402
 import eks  # noqa: E402
+import healthcheck  # noqa: E402
 from benchmarks import cli as bench  # noqa: E402
 import configs  # noqa: E402
 import corpus  # noqa: E402
@@ -146,7 +147,7 @@ class Spy:
 
 
 ENTRY = {"train": train.cli, "data": data.main, "checkpoint": checkpoint.main, "configs": configs.main,
-         "plan": plan.main, "bench": bench.main, "eks": eks.main}
+         "plan": plan.main, "bench": bench.main, "eks": eks.main, "health": healthcheck.main}
 
 
 def run_entry(entry, argv, capsys):
@@ -406,6 +407,10 @@ CASES = [
     *[(f"env: {e}", T("--global_batch=4", "--parallel.timeout_s=5"), [e.split(", ")[-1], "torchrun sets these"], 1, True) for e in (
         "WORLD_SIZE='x'", "WORLD_SIZE='0'", "WORLD_SIZE=''", "RANK='-1'", "LOCAL_WORLD_SIZE='0'", "LOCAL_WORLD_SIZE='x'",
         "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'")],
+    # ---- scripts/healthcheck.py: every flag was a traceback (init_process_group's first, run bare)
+    *[(f"health: {' '.join(a)}", ("health", a), [" ".join(a[:2]) if a else "torchrun", "give" if a else "WORLD_SIZE"], 1, True)
+      for a in (["--tp", "0"], ["--pp", "-1"], ["--reps", "0"], ["--mb", "nan"], ["--mb", "0"], ["--timeout-s", "0"],
+                ["--factor", "1"], ["--inject-delay", "x"], ["--json", "{W}/emptydir"], [])],
 ]
 
 
