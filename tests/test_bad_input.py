@@ -463,7 +463,7 @@ def test_data_tokenizer_says_only_its_own_flags(W, tmp_path, capsys):
     """`data.py tokenizer` has --vocab and no --data.tokenizer: its fix names only what it takes."""
     code, text = run_entry("data", ["tokenizer", "--data", str(W / "corpus"), "--vocab", "10",
                                     "--cache-dir", str(tmp_path / "c")], capsys)
-    assert code == 1 and "raise --vocab above" in text and "--data.tokenizer" not in text, text
+    assert code == 1 and "set --vocab=" in text and "--data.tokenizer" not in text, text
 
 
 def test_checkpoint_help_is_not_an_error(capsys):
