@@ -35,7 +35,7 @@ import reshard
 from ckptdir import CheckpointError  # noqa: F401  (callers use checkpoint.CheckpointError)
 from ckptsave import Writer, to_host  # noqa: F401  (to_host: for train.py)
 from faults import Faults
-from reshard import Loaded
+from reshard import Loaded, writer_dp_rank  # noqa: F401  (tests ask checkpoint.writer_dp_rank)
 
 STEP_DIR = ckptdir.STEP_DIR
 MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
@@ -76,16 +76,6 @@ def set_rng_state(s: dict, device: torch.device | str | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------- who writes what
-
-def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
-    """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of g's (tp, pp)
-    position: file k of the n = kinds x TP x PP goes to replica k * DP // n, evenly over the DP group
-    and so over the nodes. Each rank decides alone: nothing grows with the ranks."""
-    kinds = 1 if zero1 else 2
-    n = kinds * g.tp * g.pp
-    k = kind * g.tp * g.pp + g.pp_rank * g.tp + g.tp_rank
-    return k * g.dp // n
-
 
 def rank_files(step: int, g: Grid, layout: dict, cfg: Config, model, optim, data, extra, device) -> dict:
     """This rank's files of the checkpoint of `step`: name -> bytes or a torch-saveable object."""

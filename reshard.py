@@ -5,8 +5,8 @@ At the same layout each rank reads only its own files. At another TP degree, eve
 stage is joined and re-split (sharding.join / cut), the model's and the optimizer moments';
 ZeRO-1 flat shards record their index, so they are cut back into per-parameter tensors
 (SavedOptim), each read when the optimizer asks for it. What DP replicas share is read by ONE of
-them and broadcast over the DP group: at 7B on 128 trn1 nodes (TP=8, DP=512), 8 readers of the
-shared file system, not 4096.
+them, its writer (which checksummed it just before), and broadcast over the DP group: at 7B on 128
+trn1 nodes (TP=8, DP=512), 16 readers of the shared file system, not 4096.
 """
 from __future__ import annotations
 
@@ -88,13 +88,14 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     saved = meta["layout"]
     load = lambda name: load_file(d / name, mmap=True)
     shared = g.dp > 1 and g.dp_group is not None and dist.is_initialized()
-    reads = not shared or g.dp_rank == reader_dp_rank(g)
+    readers = [writer_dp_rank(kind, g, now["zero1"]) for kind in (0, 1)]     # model, replicated optimizer
+    reads = [not shared or g.dp_rank == r for r in readers]
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
     # at another TP degree, every TP shard of the stage, joined and re-split. After a change of
     # PP degree every saved stage is looked at (mmap: only the names this rank has are read).
     stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
     model = {}
-    for p in stages if reads else ():
+    for p in stages if reads[0] else ():
         if saved["tp"] == now["tp"]:
             model.update(load(f"model_{tag(g.tp_rank, p)}.pt"))
         else:
@@ -103,15 +104,15 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     if names is not None and saved["pp"] != now["pp"]:
         model = {k: v for k, v in model.items() if k in names}
     if shared:
-        model = broadcast_state(model if reads else None, g, device)
+        model = broadcast_state(model if reads[0] else None, g, readers[0], device)
     optim = None
     if load_optim and (d / optim_name(0, tag(0, 0), saved["zero1"])).exists():   # was one saved?
         if now["zero1"]:                       # this rank's own shard: read by its owner only
             optim = _read_optim(d, saved, now, g, m)
         else:                                  # the same on every replica: one reads, all receive
-            optim = _read_optim(d, saved, now, g, m) if reads else None
+            optim = _read_optim(d, saved, now, g, m) if reads[1] else None
             if shared:
-                optim = broadcast_state(optim, g, device)
+                optim = broadcast_state(optim, g, readers[1], device)
     rank_file = lambda r: load_file(d / f"rank{r:05d}.pt", weights_only=False)
     rng, data = None, None
     if saved == now:
@@ -166,21 +167,27 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
 BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (a larger tensor: alone)
 
 
-def reader_dp_rank(g: Grid) -> int:
-    """The DP replica that reads the shared files of g's (TP, PP) position: position k of the n =
-    TP x PP on replica k * DP // n, spread over the nodes as checkpoint.writer_dp_rank's writers."""
-    n, k = g.tp * g.pp, g.pp_rank * g.tp + g.tp_rank
+def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
+    """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of g's (tp, pp)
+    position, and at the same layout reads it back: file k of the n = kinds x TP x PP goes to
+    replica k * DP // n, evenly over the DP group and so over the nodes. Each rank decides alone:
+    nothing grows with the ranks. The writer verifies the file's crc32 at resume (each rank checks
+    its own marker's files), so the load reads it from that node's page cache: the shared file
+    system serves each byte once, not once to the verifier and again to another node's reader."""
+    kinds = 1 if zero1 else 2
+    n = kinds * g.tp * g.pp
+    k = kind * g.tp * g.pp + g.pp_rank * g.tp + g.tp_rank
     return k * g.dp // n
 
 
-def broadcast_state(obj, g: Grid, device=None):
-    """obj (a state dict) as the DP group's reader holds it, on every rank of the group (obj: None
+def broadcast_state(obj, g: Grid, reader: int, device=None):
+    """obj (a state dict) as the DP group's reader (DP rank) holds it, on every rank of the group (obj: None
     elsewhere). Only broadcasts of plain int32 tensors (the xla backend's rules): the pickled
     structure, then the tensors' bytes in buckets of BUCKET_BYTES (one XLA graph for all full ones).
     Receivers start from zeros: xla broadcasts by an all-reduce of root x 1 + others x 0 (float
     garbage x 0 can be NaN). Cost per rank: the state's bytes once, whatever the DP degree."""
     device = torch.device(device or "cpu")
-    src = g.pp_rank * g.tp * g.dp + reader_dp_rank(g) * g.tp + g.tp_rank      # its global rank
+    src = g.pp_rank * g.tp * g.dp + reader * g.tp + g.tp_rank      # its global rank
     mine = g.rank == src
     tensors, buckets = [], []
 

@@ -371,13 +371,17 @@ def _count_reads_worker(rank: int, port: int, root: str):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
-    counts = {}
-    real = reshard.load_file
+    counts, crcs = {}, {}
+    real, real_crc = reshard.load_file, ckptdir.crc_of
 
     def counting(path, *a, **k):
         counts.setdefault(kind, []).append([Path(path).name, Path(path).stat().st_size])
         return real(path, *a, **k)
-    reshard.load_file = counting
+
+    def counting_crc(path):                  # the checksum pass reads every byte of a file too
+        crcs.setdefault(kind, []).append(Path(path).name)
+        return real_crc(path)
+    reshard.load_file, ckptdir.crc_of = counting, counting_crc
     for kind in ("replicated", "zero1"):
         cfg = tiny_cfg(f"{root}/{kind}")
         cfg.parallel.tp, cfg.parallel.zero1, cfg.ckpt.async_save = 2, kind == "zero1", False
@@ -397,30 +401,37 @@ def _count_reads_worker(rank: int, port: int, root: str):
         assert_state_equal(want_optim["state"], loaded.optim["state"])
         assert loaded.data == {"dp_rank": grid.dp_rank}
     Path(f"{root}/reads{rank}.json").write_text(json_.dumps(counts))
+    Path(f"{root}/crcs{rank}.json").write_text(json_.dumps(crcs))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_resume_reads_each_shared_file_once_per_dp_group_and_zero1_shards_by_their_owners(tmp_path):
-    """A counting wrapper around every checkpoint read (reshard.load_file), at TP=2 x DP=2: each
-    model file, and without ZeRO-1 each optimizer file, is read by ONE rank of its DP group and
-    broadcast to the other (before: by both); a ZeRO-1 shard only by its owner; every rank reads
-    its own rank file. The resumed state equals the saved one, tensor for tensor."""
+    """A counting wrapper around every checkpoint read (reshard.load_file) and every checksum pass
+    (ckptdir.crc_of), at TP=2 x DP=2: each model file, and without ZeRO-1 each optimizer file, is
+    read by ONE rank of its DP group and broadcast to the other (before: by both); a ZeRO-1 shard
+    only by its owner; every rank reads its own rank file. The rank that loads a file is the one
+    that checksummed it (its writer), so the second read is that node's page cache: no file's bytes
+    go from the shared file system to two ranks (before: the verifier and another replica's reader).
+    The resumed state equals the saved one, tensor for tensor."""
     import torch.multiprocessing as mp
     from gloo_spawn import free_ports
     mp.start_processes(_count_reads_worker, args=(free_ports(1)[0], str(tmp_path)), nprocs=4, start_method="spawn")
     reads = {r: json.loads((tmp_path / f"reads{r}.json").read_text()) for r in range(4)}
-    # rank = dp_rank * tp + tp_rank; reader_dp_rank: position tp k reads on replica k * 2 // 2 = k
+    crcs = {r: json.loads((tmp_path / f"crcs{r}.json").read_text()) for r in range(4)}
+    # rank = dp_rank * tp + tp_rank; writer_dp_rank: file k of n (model files, then optimizer files
+    # without ZeRO-1) on replica k * 2 // n: replicated, the models on 0 and 1, the optimizers on 2 and 3
+    want = {"replicated": [["model_tp00_pp00.pt"], ["model_tp01_pp00.pt"], ["optim_tp00_pp00.pt"], ["optim_tp01_pp00.pt"]],
+            "zero1": [["model_tp00_pp00.pt", "optim_dp000_tp00_pp00.pt"], ["optim_dp000_tp01_pp00.pt"],
+                      ["optim_dp001_tp00_pp00.pt"], ["model_tp01_pp00.pt", "optim_dp001_tp01_pp00.pt"]]}
     for kind in ("replicated", "zero1"):
         names = {r: sorted(n for n, _ in reads[r][kind]) for r in range(4)}
-        assert names[0] == ["model_tp00_pp00.pt"] + (["optim_tp00_pp00.pt"] if kind == "replicated" else
-                                                     ["optim_dp000_tp00_pp00.pt"]) + ["rank00000.pt"], names
-        assert names[3] == ["model_tp01_pp00.pt"] + (["optim_tp01_pp00.pt"] if kind == "replicated" else
-                                                     ["optim_dp001_tp01_pp00.pt"]) + ["rank00003.pt"], names
-        assert names[1] == (["optim_dp000_tp01_pp00.pt"] if kind == "zero1" else []) + ["rank00001.pt"], names
-        assert names[2] == (["optim_dp001_tp00_pp00.pt"] if kind == "zero1" else []) + ["rank00002.pt"], names
+        assert names == {r: sorted(want[kind][r] + [f"rank{r:05d}.pt"]) for r in range(4)}, names
         files = [n for r in range(4) for n, _ in reads[r][kind]]
         assert len(files) == len(set(files))          # no file read twice, on any rank
+        for r in range(4):                            # checksummed where loaded, nowhere else
+            shards = {n for n in crcs[r].get(kind, []) if n.startswith(("model_", "optim_"))}
+            assert shards == set(want[kind][r]), (r, crcs[r])
 
 
 # ----------------------------------------------------------------------------- the rare abort at resume
