@@ -70,6 +70,7 @@ class RecordingAdamW(torch.optim.AdamW):
     def __init__(self, model, grid):
         super().__init__(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
         self.model, self.grid, self.grads = model, grid, None
+        self.step_count = 0         # Adam's t: optim.guarded_step advances it on a skipped step
 
     def step(self, closure=None):
         if self.grads is None:
