@@ -365,6 +365,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def run_layers(model: nn.Module, layers, x, positions, doc_ids=None):
+    """x through the decoder layers (all of Llama's, or a pipeline stage's): RoPE and the mask once;
+    under full checkpointing each layer recomputed in the backward, by model.recompute_fn."""
+    cos, sin = rope_cos_sin(positions, model.cfg, x.dtype)
+    mask = attention_mask(doc_ids, model.cfg.attention == "explicit")
+    full = model.cfg.checkpointing == "full" and torch.is_grad_enabled()
+    for layer in layers:
+        x = model.recompute_fn(layer, x, cos, sin, mask) if full else layer(x, cos, sin, mask)
+    return x
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -383,14 +394,7 @@ class Llama(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        x = self.embed(tokens)
-        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
-        mask = attention_mask(doc_ids, self.cfg.attention == "explicit")
-        for layer in self.layers:
-            if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = self.recompute_fn(layer, x, cos, sin, mask)
-            else:
-                x = layer(x, cos, sin, mask)
+        x = run_layers(self, self.layers, self.embed(tokens), positions, doc_ids)
         if targets is not None:
             return self.lm_head.loss_sum(self.norm(x), targets)
         return self.lm_head(self.norm(x))

@@ -80,13 +80,7 @@ class PipelineStage(nn.Module):
         # The same steps as model.Llama.forward, restricted to this stage's part.
         if self.first:
             x = self.embed(x)
-        cos, sin = llama.rope_cos_sin(positions, self.cfg, x.dtype)
-        mask = llama.attention_mask(doc_ids, self.cfg.attention == "explicit")
-        for layer in self.layers.values():
-            if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
-                x = self.recompute_fn(layer, x, cos, sin, mask)
-            else:
-                x = layer(x, cos, sin, mask)
+        x = llama.run_layers(self, self.layers.values(), x, positions, doc_ids)
         if not self.last:
             return x
         if targets is not None:
