@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import torch
 
 import sharding
-from configs import ConfigError, ModelConfig, path_kind
+from ckptdir import STEP_DIR
+from configs import Config, ConfigError, ModelConfig, path_kind
 from model import num_params, param_shapes
 
 
@@ -497,14 +499,28 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
 
-def check_export_dir(folder: str) -> None:
-    """A run replaces its export folder only when it holds nothing but an earlier export's files."""
+def check_export_dir(cfg: Config) -> str:
+    """<out_dir>/hf, where the run's final export goes (returned), checked before any work: a folder
+    holding nothing but an earlier export's files, none of the run's other folders inside it, and a
+    model there only if this run continues from a checkpoint (a fresh run would replace another's)."""
+    folder = os.path.join(cfg.out_dir, "hf")
     if os.path.lexists(folder) and not os.path.isdir(folder):     # else makedirs fails after the whole run
         raise HFError(f"{folder} is {path_kind(folder)}, where the export goes: move it, or choose another --out_dir")
     there = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     if there and not there <= EXPORT_FILES:
         raise HFError(f"{folder} holds files that are not a nanotrn export ({', '.join(sorted(there - EXPORT_FILES)[:3])}): "
                       f"move them, or choose another --out_dir")
+    for key, path in (("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard),
+                      ("data.cache_dir", cfg.data.cache_dir)):
+        if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
+            raise ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
+                              f"next run would refuse the mixed folder; give another --{key}")
+    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
+    if os.path.exists(os.path.join(folder, "config.json")) and not any(STEP_DIR.match(n) for n in ckpts):
+        raise ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts "
+                          f"afresh (no checkpoint in {cfg.ckpt.dir}): it would be overwritten at the "
+                          f"end; move it away or give another --out_dir")
+    return folder
 
 
 def keep_tokenizer(tok, folder: str) -> None:

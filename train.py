@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
     signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
@@ -242,22 +241,6 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
             f"GiB) but this host has {have / 2**30:,.0f} GiB per process; shrink the model or raise --tp/--pp")
 
 
-def check_export(cfg: configs.Config) -> None:
-    """A fresh run (no checkpoint to continue from) must not replace the model an earlier run
-    exported to <out_dir>/hf; continuing a run updates its own export."""
-    folder = os.path.join(cfg.out_dir, "hf")
-    for key, path in (("ckpt.dir", cfg.ckpt.dir), ("log.tensorboard", cfg.log.tensorboard),
-                      ("data.cache_dir", cfg.data.cache_dir)):
-        if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
-            raise configs.ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
-                                      f"next run would refuse the mixed folder; give another --{key}")
-    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
-    if os.path.exists(os.path.join(folder, "config.json")) and not any(checkpoint.STEP_DIR.match(n) for n in ckpts):
-        raise configs.ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts "
-                                  f"afresh (no checkpoint in {cfg.ckpt.dir}): it would be overwritten at the "
-                                  f"end; move it away or give another --out_dir")
-
-
 def check_init_from_tokenizer(cfg: configs.Config) -> None:
     """--init_from: the vocabulary is the folder's, so a tokenizer that does not fit it cannot be fixed
     with --model.vocab_size (refused there), as build_tokenizer's message would say later. A folder of
@@ -316,10 +299,8 @@ def run(argv: list[str]) -> None:
     device = pick_device(cfg.device)
     configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
     configs.check_paths(cfg)
-    out_dir = os.path.join(cfg.out_dir, "hf")          # the final export; never over someone's files
-    hf.check_export_dir(out_dir)
+    out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
-    check_export(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         for w in configs.warnings(cfg):
             print(f"warning: {w}", file=sys.stderr)

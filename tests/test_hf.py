@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 import hf as hf_io  # noqa: E402
 from conftest import load_hf, max_rel_err  # noqa: E402
 import model as llama  # noqa: E402
-from configs import ModelConfig  # noqa: E402
+from configs import Config, ConfigError, ModelConfig  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -436,14 +436,21 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
 
 
 def test_a_run_replaces_only_its_own_export(tmp_path):
-    """train.py checks out/hf before any work: an earlier export's files may be replaced, anything else not."""
+    """train.py checks out/hf before any work: a continued run's earlier export may be replaced, anything else not."""
+    cfg = Config(out_dir=str(tmp_path))
+    cfg.ckpt.dir = str(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)     # a run that continues
     (tmp_path / "hf").mkdir()
-    hf_io.check_export_dir(str(tmp_path / "hf"))      # empty
+    assert hf_io.check_export_dir(cfg) == str(tmp_path / "hf")      # empty
     (tmp_path / "hf" / "config.json").write_text("{}")
-    hf_io.check_export_dir(str(tmp_path / "hf"))      # an earlier export
+    hf_io.check_export_dir(cfg)      # an earlier export
+    fresh = Config(out_dir=str(tmp_path))
+    fresh.ckpt.dir = str(tmp_path / "new")
+    with pytest.raises(ConfigError, match="starts afresh"):      # not a fresh run's to replace
+        hf_io.check_export_dir(fresh)
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
-        hf_io.check_export_dir(str(tmp_path / "hf"))
+        hf_io.check_export_dir(cfg)
 
 
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
