@@ -378,6 +378,9 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     tmp = f"{path}.tmp{os.getpid()}"
     # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
     # process at once (the model file is only ever renamed into place).
+    if vocab_size < 260:            # sentencepiece's own error for these is an empty message
+        raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
+                        f"--model.vocab_size=260 or more (the corpus's characters add to that), or pass --data.tokenizer")
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:

@@ -407,6 +407,8 @@ CASES = [
     *[(f"env: {e}", T("--global_batch=4", "--parallel.timeout_s=5"), [e.split(", ")[-1], "torchrun sets these"], 1, True) for e in (
         "WORLD_SIZE='x'", "WORLD_SIZE='0'", "WORLD_SIZE=''", "RANK='-1'", "LOCAL_WORLD_SIZE='0'", "LOCAL_WORLD_SIZE='x'",
         "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'")],
+    ("data: vocab 1", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "1", "--cache-dir", "{t}/c"]),
+     ["1-piece", "--vocab=260 or more"], 1, True),           # was "could not train ...: ; lower --vocab"
     # ---- scripts/healthcheck.py: every flag was a traceback (init_process_group's first, run bare)
     *[(f"health: {' '.join(a)}", ("health", a), [" ".join(a[:2]) if a else "torchrun", "give" if a else "WORLD_SIZE"], 1, True)
       for a in (["--tp", "0"], ["--pp", "-1"], ["--reps", "0"], ["--mb", "nan"], ["--mb", "0"], ["--timeout-s", "0"],
