@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,6 +137,7 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
     from xla_check import GraphLog, snapshot
 
     cfg = configs.from_args(cfg_args + [f"--data.global_batch={microbatches * 2}"])
+    configs.check_values(cfg)                     # a bad argument: one line (__main__), before a model is built
     dev = torch_xla.device()
     log = GraphLog(graph_file)
     log.new()                                     # skip what earlier runs left in the file
@@ -246,6 +248,9 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py arguments replacing the tiny model's")
     args = ap.parse_args()
+    if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.microbatches) or args.steps < 1 or args.resume_steps < 0:
+        sys.exit(f"error: --microbatches {args.microbatches!r} --steps {args.steps} --resume-steps {args.resume_steps}: "
+                 f"give whole numbers >= 1 (comma-separated microbatches), resume steps >= 0")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     # torch-xla writes every graph it runs (HLO and the Python frames) here, when set before its import.
     os.environ["XLA_SAVE_TENSORS_FILE"], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
@@ -269,4 +274,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import ConfigError
+    try:
+        main()
+    except ConfigError as e:            # a bad train.py argument: one line, as train.py says it, not a traceback
+        sys.exit(f"error: {e}")

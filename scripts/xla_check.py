@@ -189,6 +189,9 @@ def main() -> None:
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
     args = ap.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
+    for k, least in (("threads", 1), ("eager_steps", 0), ("resume_steps", 0), ("precompile_steps", 0)):
+        if getattr(args, k) < least:
+            sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     if args.graphs:
         os.environ[GRAPH_FILE], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
@@ -243,4 +246,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import ConfigError
+    try:
+        main()
+    except ConfigError as e:            # a bad train.py argument: one line, as train.py says it, not a traceback
+        sys.exit(f"error: {e}")

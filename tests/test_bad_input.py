@@ -654,3 +654,17 @@ def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path):
                        text=True, cwd=ROOT, timeout=120, env={**os.environ, "PJRT_DEVICE": "BOGUS"})
     assert r.returncode == 1 and r.stderr.startswith("error: PJRT_DEVICE='BOGUS'") and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not os.listdir(tmp_path), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,says", [(["xla_check.py", "--threads", "0"], "--threads 0"),
+                                       (["xla_check.py", "--", "--tp=3"], "tp 3"),
+                                       (["pp_graphs.py", "--microbatches", "0"], "--microbatches '0'"),
+                                       (["pp_graphs.py", "--", "--model.n_heads=0"], "--model.n_heads=0")])
+def test_the_xla_check_scripts_refuse_bad_arguments_in_one_line(argv, says):
+    """scripts/xla_check.py and pp_graphs.py: were set_num_threads' RuntimeError, ConfigError's traceback from
+    inside train.main, an AttributeError (no microbatches) and a ZeroDivisionError in the model's head_dim."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", argv[0]), *argv[1:]], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1 and says in lines[0], r.stderr
