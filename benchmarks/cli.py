@@ -33,7 +33,9 @@ BENCHES = {"step": bench_step, "train": bench_train, "data": bench_data, "precis
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every flag's domain, before a benchmark builds a corpus or a model (parser.error: one line, exit 2)."""
-    for flag, ok, what in (("threads", args.threads >= 1, ">= 1"), ("steps", args.steps >= 0, ">= 0 (0: the default)"),
+    # --threads: torch's pool hangs near 3,000 threads and segfaults at 4,096 (set_num_threads, torch 2.9 on CPU)
+    for flag, ok, what in (("threads", 1 <= args.threads <= 1024, ">= 1 and <= 1024"),
+                           ("steps", args.steps >= 0, ">= 0 (0: the default)"),
                            ("layers", args.layers >= 1, ">= 1"), ("lr", 0 < args.lr < math.inf, "a positive number")):
         if not ok:
             parser.error(f"--{flag}={getattr(args, flag)}: give {what}")

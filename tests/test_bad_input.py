@@ -349,7 +349,7 @@ CASES = [
      ["inside the checkpoint directory", "outside it"], 1, True),
     # ---- bench.py
     *[(f"bench: {a}", ("bench", [w, a]), [a.split("=")[0], "give"], 2, True) for w, a in (
-        ("step", "--threads=0"), ("init", "--layers=0"), ("init", "--lr=nan"), ("step", "--steps=-1"),
+        ("step", "--threads=0"), ("step", "--threads=100000"), ("init", "--layers=0"), ("init", "--lr=nan"), ("step", "--steps=-1"),
         ("data", "--data_shapes=arrow,foo"), ("data", "--data_corpora=files,foo"), ("ckpt", "--out={W}/afile"))],
     ("ckpt: no arguments", ("checkpoint", []), ["usage: python checkpoint.py"], 1, True),
     ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
