@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from configs import INSTANCES, Config
+from configs import INSTANCES, Config, path_kind
 import sharding
 
 
@@ -494,11 +494,22 @@ class Watchdog:
 if __name__ == "__main__":
     # python monitor.py plot out/tb out/curves.png
     if len(sys.argv) == 4 and sys.argv[1] == "plot":
+        from matplotlib.backend_bases import FigureCanvasBase
+        png, kind = sys.argv[3], path_kind(sys.argv[3])
+        if kind not in ("nothing", "a file"):       # savefig("d") writes d.png beside a directory d, says d
+            sys.exit(f"error: {png!r} is {kind}, not an image file: give a file path such as "
+                     f"{os.path.join(png, 'curves.png') if kind == 'a directory' else 'curves.png'}")
+        if os.path.splitext(png)[1][1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+            sys.exit(f"error: {png!r} does not end in an image format matplotlib writes: give e.g. curves.png "
+                     f"(or .svg, .pdf)")
         if not os.path.isdir(sys.argv[2]):
             sys.exit(f"error: {sys.argv[2]} is not a directory of TensorBoard event files (the run's --log.tensorboard)")
         if not read_scalars(sys.argv[2]).get("train/loss"):      # else a blank figure, silently
             sys.exit(f"error: {sys.argv[2]} holds no train/loss scalars: give the run's --log.tensorboard "
                      f"folder (default <out_dir>/tb)")
-        print(plot_curves(sys.argv[2], sys.argv[3]))
+        try:
+            print(plot_curves(sys.argv[2], png))
+        except OSError as e:                        # a parent that is a file, a full disk
+            sys.exit(f"error: could not write {png!r}: {e.strerror or e}; give another path")
     else:
         sys.exit("usage: python monitor.py plot TB_DIR PNG")

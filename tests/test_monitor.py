@@ -267,6 +267,27 @@ def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("out,says", [("c.txt", "c.txt' does not end in an image format"),
+                                      ("c", "c' does not end in an image format"),
+                                      ("adir", "adir' is a directory")])
+def test_plot_to_a_path_that_is_no_image_file_is_one_line(tmp_path, out, says):
+    """The PNG argument a directory, without an extension, or one matplotlib cannot write: one line
+    naming it and the fix, before any reading. Was: matplotlib's ValueError traceback for .txt, and
+    exit 0 with c.png / adir.png written beside (and the wrong name printed) for the other two."""
+    tb = str(tmp_path / "tb")
+    mon = Monitor(small_cfg(tmp_path, interval=1), 1e6, 1e12, print_fn=lambda *a: None)
+    mon.step(1, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=torch.tensor(64))
+    mon.close()
+    (tmp_path / "adir").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", tb, str(tmp_path / out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert says in r.stderr and "curves.png" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == before and not os.listdir(tmp_path / "adir")
+
+
 def test_evaluation_and_saves_are_off_the_clock(monkeypatch):
     """tok/s and MFU count the training steps' time only: an evaluation or a save inside a log
     interval (here 30 s of it on a fake clock) leaves the interval's rate as if it had not run."""
