@@ -70,7 +70,7 @@ class Corpus:
             elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (sources.COMPRESSED)
                 self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text", cache_dir))
                 self.sources[-1].path = p
-            elif p.endswith(".jsonl"):
+            elif p.endswith((".jsonl", ".json")):
                 self.sources.append(LineDocs(p, True, text_field, cache_dir))
             elif p.endswith(".arrow"):
                 self.sources.append(ColumnDocs(p, text_field, cache_dir))

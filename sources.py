@@ -26,11 +26,13 @@ import pyarrow.compute as pc
 
 from configs import ConfigError, path_kind
 
-# JSON lines, also compressed as public corpora ship them (C4, Dolma: .json.gz; the Pile: .jsonl.zst).
+# JSON lines, also compressed as public corpora ship them (C4, Dolma: .json.gz; the Pile: .jsonl.zst),
+# and .json: a decompressed .json.gz. A directory's .json files are its metadata (dataset_infos.json,
+# a model's config.json), so a .json is read only when named, alone or by a glob (dataset_files).
 # gzip, zstd and Parquet allow no cheap random access: training reads them through an Arrow copy
 # made once per node (prepare.cached).
 COMPRESSED = (".gz", ".zst")
-JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
+JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
 STRUCTURED = (".arrow", ".parquet") + JSON_LINES
 SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
@@ -76,7 +78,7 @@ def dataset_files(folder: str, split: str = "train") -> list[str]:
     files = []
     for d, dirs, fs in os.walk(folder):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
+        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".") and not f.endswith(".json")]
     data_files = [p for p in files if p.endswith(STRUCTURED)]
     if not data_files:
         return [p for p in files if p.endswith(SUFFIXES)]
@@ -114,7 +116,9 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
             raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
                             f"directories, globs or 'stdlib'")
         if not found:
-            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files")
+            json_in = os.path.isdir(entry) and any(f.endswith(".json") for _, _, fs in os.walk(entry) for f in fs)
+            raise DataError(f"{entry!r} holds no {'/'.join(SUFFIXES)} files" + (f" (a folder's .json files are "
+                            f"read only when named: give {entry.rstrip('/')}/*.json)" if json_in else ""))
         paths += found
     for p in paths:
         if not p.endswith(SUFFIXES):

@@ -518,6 +518,32 @@ def test_a_byte_order_mark_opens_a_file_not_its_first_document(tmp_path):
         assert data.Corpus(out).read([0])[0][0] == "first"
 
 
+def test_plain_json_of_json_lines_reads_as_its_json_gz_does(tmp_path):
+    """A decompressed C4 shard (c4-train.*.json.gz -> .json) is the same JSON lines: read in place, by
+    a glob and via prepare as the .json.gz is. A folder's .json files are its metadata, never documents."""
+    import gzip
+    body = "".join(json.dumps({"text": t, "url": "u"}) + "\n" for t in DOCS[:20]).encode()
+    (tmp_path / "c4.json").write_bytes(body)
+    (tmp_path / "c4.json.gz").write_bytes(gzip.compress(body))
+
+    def texts(spec):
+        c = data.Corpus(spec, cache_dir=str(tmp_path / "c"))
+        return [t for t, _, _ in c.read(np.arange(c.n_docs))]
+    assert texts(str(tmp_path / "c4.json")) == texts(str(tmp_path / "c4.json.gz")) == DOCS[:20]
+    assert texts(str(tmp_path / "*.json")) == DOCS[:20]
+    data.prepare([str(tmp_path / "c4.json")], str(tmp_path / "p.arrow"), workers=1)
+    assert texts(str(tmp_path / "p.arrow")) == DOCS[:20]
+    repo = tmp_path / "repo"
+    os.makedirs(repo / "data")
+    (repo / "dataset_infos.json").write_text(json.dumps({"default": {"features": {}}}, indent=1))
+    (repo / "data" / "train.jsonl").write_bytes(body)
+    assert texts(str(repo)) == DOCS[:20]
+    os.makedirs(tmp_path / "only")
+    (tmp_path / "only" / "c4.json").write_bytes(body)
+    with pytest.raises(data.DataError, match=r"holds no .* files \(a folder's .json files are read only when named: give .*only/\*.json\)"):
+        data.Corpus(str(tmp_path / "only"))
+
+
 def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path):
     """One document of 10x the rest of the corpus beside tiny ones (today's failure: one stream held
     it all, or a rank held only a 1-token document): every stream of every rank trains on, and the
