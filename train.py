@@ -215,9 +215,9 @@ def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.
         # CPU at background priority (a stop's save runs at normal priority); + 1 s: markers, exit
         need = s["blocked_s"] + s.get("deferred_copy_s", 0) + s["write_s"] - s.get("starved_s", 0) + 1.0
     ok = bool(checkpoint.agree(grid, need is None or need < left))
-    why = (f"{left:.1f} s of the {grace_s:g} s grace period are left and this rank's last save "
-           f"({s.get('bytes', 0) / 1e9:.2f} GB) took {need:.1f} s" if need is not None else
-           f"{left:.1f} s of the {grace_s:g} s grace period are left (no earlier save in this run to time)")
+    said = f"{max(left, 0.0):.1f} s of the {grace_s:g} s grace period are left"    # not "-0.0 s": past it
+    why = (f"{said} and this rank's last save ({s.get('bytes', 0) / 1e9:.2f} GB) took {need:.1f} s"
+           if need is not None else f"{said} (no earlier save in this run to time)")
     return ok, why
 
 
