@@ -142,8 +142,10 @@ class Writer:
     caller's. write() returns once the files are in host memory; wait() until they are on disk
     (raising what went wrong); on rank 0, finish(step) runs in the writer thread after its marker."""
 
-    def __init__(self, root: Path, rank: int, world: int, faults, async_save: bool, device=None, finish=None):
+    def __init__(self, root: Path, rank: int, world: int, faults, async_save: bool, device=None, finish=None,
+                 keep: int = 0):
         self.root, self.rank, self.world, self.faults, self.async_save = Path(root), rank, world, faults, async_save
+        self.keep = keep                                # --ckpt.keep: for the advice when the disk is full
         self.device, self.finish = device, finish
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -242,10 +244,13 @@ class Writer:
             free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
             shutil.rmtree(ckptdir.step_dir(self.root, step) / f".tmp-rank{self.rank:05d}", ignore_errors=True)
             if getattr(e, "errno", None) == errno.ENOSPC or free < need:
+                # at keep=1 only the newest is beside a save (pruned once it is complete): nothing to lower
+                fewer = (f"lower --ckpt.keep ({self.keep}), " if self.keep > 1 else
+                         "set --ckpt.keep (0 keeps them all), " if self.keep == 0 else "")
                 raise CheckpointError(
                     f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
                     f"(this rank's part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
-                    f"space, lower --ckpt.keep, or point --ckpt.dir at a larger disk") from None
+                    f"space, {fewer}or point --ckpt.dir at a larger disk") from None
             raise CheckpointError(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
 
     def _write_files(self, step: int, files: dict):

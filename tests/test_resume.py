@@ -316,6 +316,25 @@ def test_a_failed_background_save_stops_the_run_at_the_next_step_boundary(tmp_pa
     assert not (tmp_path / "ck" / "step_00000005" / ".tmp-rank00000").exists()
 
 
+@pytest.mark.parametrize("keep,advice", [(1, "free space, or point --ckpt.dir at a larger disk"),
+                                         (3, "free space, lower --ckpt.keep (3), or point"),
+                                         (0, "free space, set --ckpt.keep (0 keeps them all), or point")])
+def test_disk_full_advises_keeping_fewer_only_where_that_frees_room(tmp_path, monkeypatch, keep, advice):
+    """At --ckpt.keep=1 a new save already has only the newest beside it (it is deleted once the new
+    one is complete): "lower --ckpt.keep" cannot help there and is not said (it was, at any keep)."""
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckptsave, "write_file", full)
+    ck = checkpoint.Checkpointer(configs.from_args([f"--ckpt.dir={tmp_path}/ck", f"--ckpt.keep={keep}",
+                                                    "--ckpt.async_save=false"]))
+    ck.claim()
+    with pytest.raises(checkpoint.CheckpointError, match="disk full") as e:
+        ck.save(1, {"w": torch.ones(4)}, {"m": torch.zeros(4)}, data={"pos": 1})
+    ck.close()
+    assert advice in str(e.value), str(e.value)
+    assert ("--ckpt.keep" in str(e.value)) == (keep != 1), str(e.value)
+
+
 def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypatch):
     """train.py on a resume fills the empty model from the checkpoint and nothing else: no
     parameter is initialized (work thrown away: 5.9 s per restart at 134M, bench.py ckpt) nor read
