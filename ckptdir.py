@@ -262,7 +262,13 @@ class CkptDir:
 
     def foreign(self) -> str | None:
         """What is not nanotrn's and would be replaced or written into: a `latest` that is not its
-        pointer, a step-named file, a step-named folder holding none of its files."""
+        pointer, a step-named file, a step-named folder holding none of its files, a `tokenizer`
+        that is not a folder (the run keeps its tokenizer there: refused here, before it loads)."""
+        tok = self.root / "tokenizer"
+        if os.path.lexists(tok) and not tok.is_dir():
+            return (f"{tok} is {'a link to nothing' if tok.is_symlink() else 'a file'}, not a folder: a run keeps "
+                    f"its tokenizer in that folder for `checkpoint.py export`. Move it out of the checkpoint "
+                    f"directory, or give another --ckpt.dir")
         latest, why = self.root / "latest", None
         if latest.is_symlink() or (latest.exists() and not latest.is_file()):
             why = f"a {'link' if latest.is_symlink() else 'folder'}"

@@ -275,6 +275,10 @@ CASES = [
     ("ckpt: foreign latest", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
                                         "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
      ["ck/latest is not nanotrn's `latest` pointer"], 1, True),
+    # a file where the run keeps its tokenizer: was "could not keep the tokenizer ...: free space", after it loaded
+    *[(f"ckpt: foreign tokenizer file{' (fresh)' * fresh}", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                                                      "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+       ["ck/tokenizer is a file, not a folder", "Move it out of the checkpoint directory"], 1, True) for fresh in (0, 1)],
     ("ckpt: only checkpoint damaged", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
                                                  "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
      ["holds no valid checkpoint", "step_00000002", "--ckpt.resume=false --ckpt.start_fresh"], 1, False),
@@ -428,6 +432,10 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
         (t / "ck" / "step_00000009" / "notes.txt").write_text("a user's own files")
     if name == "ckpt: foreign latest":
         (t / "ck" / "latest").write_text("my own notes")
+    if name.startswith("ckpt: foreign tokenizer file"):
+        shutil.rmtree(t / "ck") if name.endswith("(fresh)") else shutil.rmtree(t / "ck" / "tokenizer")
+        (t / "ck").mkdir(exist_ok=True)
+        (t / "ck" / "tokenizer").write_text("a user's file")
     if name == "ckpt: only checkpoint damaged":
         f = t / "ck" / "step_00000002" / "model_tp00_pp00.pt"
         f.write_bytes(f.read_bytes()[:1000])
