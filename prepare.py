@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, progress,
+from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, not_utf16, progress,
                      resolve_paths, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
@@ -60,7 +60,7 @@ def _lines(path: str):
             if not block:
                 break
             if n == 0 and not tail:
-                block = block.removeprefix(BOM)
+                block = not_utf16(block, path).removeprefix(BOM)
             parts = (tail + block).split(b"\n")
             tail = parts.pop()
             pos = raw.tell()
@@ -130,7 +130,7 @@ def records(path: str, field: str, doc_per_line: bool):
         raw, stream = _open(path)
         with raw, stream:
             try:
-                text, repl = decode(stream.read())
+                text, repl = decode(not_utf16(stream.read(), path))
             except OSError as e:                    # a truncated or corrupt gzip/zstd stream
                 raise DataError(f"{path}: cannot be decompressed ({e}); re-download it or leave it out") from None
         yield path, text, None, repl, os.path.getsize(path)

@@ -40,6 +40,7 @@ INDEX_VERSION = {"lines": 2, "batches": 2}      # per kind of offsets index: a c
 BATCHES = 4     # Arrow record batches a reader keeps open (reads come grouped by batch): ~1 KB each
 PROGRESS_DELAY = 2.0        # seconds a build runs before its progress bar shows
 BOM = b"\xef\xbb\xbf"         # UTF-8 byte order mark: Windows tools open files with it; RFC 8259 lets it be ignored
+UTF16 = (b"\xff\xfe", b"\xfe\xff")     # UTF-16's byte order marks (Notepad's "Unicode"): LE, BE
 
 
 class DataError(ConfigError):
@@ -128,6 +129,16 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
             raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
     seen = set()
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+def not_utf16(head: bytes, path: str) -> bytes:
+    """`head` (a file's first bytes, which its reader has in hand anyway), or a DataError if it opens a
+    UTF-16 file: its ASCII is valid UTF-8 with a NUL between characters, trained on silently as garbage."""
+    if bytes(head[:2]) in UTF16:
+        name, ext = os.path.splitext(path)
+        raise DataError(f"{path} is UTF-16 text (it opens with a UTF-16 byte order mark), not UTF-8: convert "
+                        f"it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8 {path} > {name}.utf8{ext}) or leave it out")
+    return head
 
 
 def decode(raw: bytes) -> tuple[str, int]:
@@ -226,8 +237,8 @@ class FileDocs(Source):
     def __init__(self, paths: list[str]):
         self.paths, self.n = paths, len(paths)
 
-    def read(self, ids):
-        return [pathlib.Path(self.paths[i]).read_bytes() for i in ids]
+    def read(self, ids):        # a file is opened only when read: checked then, not at start (a stat each)
+        return [not_utf16(pathlib.Path(self.paths[i]).read_bytes(), self.paths[i]) for i in ids]
 
     def lengths(self, lo, hi):
         return np.array([os.path.getsize(p) for p in self.paths[lo:hi]], np.int64)
@@ -235,7 +246,8 @@ class FileDocs(Source):
     def read_range(self, i, start, stop):
         with open(self.paths[i], "rb") as f:
             f.seek(start)
-            return f.read(stop - start if stop >= 0 else -1)
+            raw = f.read(stop - start if stop >= 0 else -1)
+        return not_utf16(raw, self.paths[i]) if start == 0 else raw
 
     def where(self, i):
         return self.paths[i]
@@ -248,9 +260,10 @@ class LineDocs(Source):
 
     def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache"):
         self.path, self.jsonl, self.field = path, jsonl, field
+        self.text = mapped(path)                           # the file's bytes, memory-mapped
+        not_utf16(self.text[:2], path)                     # before its newlines are indexed
         self.bounds = offsets_file(path, "lines", cache_dir, self.scan)
         self.n = len(self.bounds) - 1
-        self.text = mapped(path)                           # the file's bytes, memory-mapped
         if jsonl:
             self._check_first_record()
 

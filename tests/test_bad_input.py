@@ -82,6 +82,7 @@ def W(tmp_path_factory):
     (w / "random.arrow").write_bytes(rng.bytes(100_000))
     (w / "random.parquet").write_bytes(rng.bytes(50_000))
     (w / "binary.txt").write_bytes(rng.bytes(300_000))
+    (w / "utf16.txt").write_bytes((w / "corpus" / sorted(os.listdir(w / "corpus"))[0]).read_text().encode("utf-16"))
     (w / "random.model").write_bytes(rng.bytes(5_000))
     write_arrow(w / "good.arrow", pa.table({"text": ["def f(x):\n    return x\n" * 50] * 40}))
     (w / "truncated.arrow").write_bytes((w / "good.arrow").read_bytes()[:3000])
@@ -245,6 +246,7 @@ CASES = [
     ("binary corpus", ("train", ["--data={W}/binary.txt", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
                                  "--data.cache_dir={t}/c", "--log.tensorboard="]),
      ["binary.txt", "invalid UTF-8"], 1, True),
+    ("utf-16 corpus", T("--data={W}/utf16.txt"), ["utf16.txt", "is UTF-16 text", "iconv -f UTF-16 -t UTF-8"], 1, True),
     ("vocab above corpus", ("train", [*TINY[:-8], "--model.vocab_size=100000", "--model.max_seq_len=32",
                                       "--data={W}/corpus", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
                                       "--data.cache_dir={t}/c", "--log.tensorboard="]),

@@ -2,6 +2,7 @@
 over DP ranks, spans joined = the document, corpora of any shape (one document, a huge one beside
 tiny ones, a few global batches over many epochs), exact resume (mid-span, across epochs and DP
 degrees, with the prefetch thread), the held-out split, bad input, prepare, XLA."""
+import codecs
 import json
 import re
 import os
@@ -542,6 +543,26 @@ def test_plain_json_of_json_lines_reads_as_its_json_gz_does(tmp_path):
     (tmp_path / "only" / "c4.json").write_bytes(body)
     with pytest.raises(data.DataError, match=r"holds no .* files \(a folder's .json files are read only when named: give .*only/\*.json\)"):
         data.Corpus(str(tmp_path / "only"))
+
+
+def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
+    """UTF-16 (Notepad's "Unicode") is valid UTF-8 with a NUL between ASCII characters: it trained as
+    garbage. Refused by its byte order mark, in every reader and in prepare, naming file and fix."""
+    import gzip
+    text = "".join(f"line {i} of a note saved as Unicode\n" for i in range(200))
+    for enc in ("utf-16", "utf-16-be"):         # utf-16: Python writes its native order's BOM (FF FE here)
+        body = codecs.BOM_UTF16_BE + text.encode(enc) if enc.endswith("be") else text.encode(enc)
+        d = tmp_path / enc
+        d.mkdir()
+        for name in ("note.txt", "lines.txt", "note.jsonl", "note.txt.gz"):
+            (d / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+        for name, per_line in (("note.txt", False), ("lines.txt", True), ("note.jsonl", False), ("note.txt.gz", False)):
+            path = str(d / name)
+            with pytest.raises(data.DataError, match=re.escape(path) + r" is UTF-16 text .* iconv -f UTF-16 -t UTF-8"):
+                c = data.Corpus(path, doc_per_line=per_line, cache_dir=str(tmp_path / "c"))
+                c.read([0])                     # a whole file is opened only when read
+            with pytest.raises(data.DataError, match=re.escape(path) + r" is UTF-16 text"):
+                data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
 def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path):
