@@ -405,6 +405,9 @@ CASES = [
     # ---- numbers past what the clock, a timedelta or the data order's 64-bit hash can hold (were OverflowError)
     *[(f"domain: {a}", T(a), [a.split("=")[0] + "=1e+", "at most 1e9"], 1, True) for a in (
         "--log.hang_startup_s=1e308", "--log.hang_min_s=1e16", "--parallel.timeout_s=1e17", "--ckpt.grace_s=1e300")],
+    # the sample printed at the end never ended (one forward pass per token): refused before any work
+    ("domain: --log.sample_tokens=10**20", T(f"--log.sample_tokens={10**20}"), [f"--log.sample_tokens={10**20}",
+                                                                                 "at most 10000"], 1, True),
     ("domain: data.seed 2**63", T("--data.seed=9223372036854775808"), ["--data.seed=9223372036854775808", "2**63"], 1, True),
     ("export folder is a file", T(), ["out/hf is a file", "--out_dir"], 1, True),    # was a traceback after training
     ("data: --out ''", ("data", ["prepare", "{W}/corpus", "--out", ""]), ["--out ''", "is empty"], 1, True),
