@@ -279,7 +279,8 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
             hf.keep_tokenizer(tok, own)
         except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
             problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
-                       f"free space, or point --ckpt.dir at a writable disk with room for the checkpoints")
+                       + ("free space, or " if e.errno == errno.ENOSPC else "") +
+                       "point --ckpt.dir at a writable disk with room for the checkpoints")
     if not checkpoint.agree(grid, problem is None):
         raise checkpoint.CheckpointError(problem or f"rank 0 could not keep the tokenizer in {own} (see its message)")
     return tok
