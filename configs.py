@@ -471,8 +471,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"sequence parallelism splits --seq_len={d.seq_len} over --tp={p.tp}: not divisible; "
                           f"pick a seq_len that is a multiple of tp, or --sp=false")
     if d.seq_len > m.max_seq_len:
-        raise ConfigError(f"--seq_len={d.seq_len} exceeds --model.max_seq_len={m.max_seq_len}; raise "
-                          f"max_seq_len or lower seq_len")
+        raise ConfigError(f"--seq_len={d.seq_len} exceeds --model.max_seq_len={m.max_seq_len}; raise max_seq_len or lower seq_len")
 
 
 def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
@@ -537,8 +536,9 @@ def check_dir(key: str, path: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--{key}={path!r}: {parent} is not writable by this user; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):      # a read-only mount: no user's rights would help
+        why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "not writable by this user"
+        raise ConfigError(f"--{key}={path!r}: {parent} is {why}; give another path")
 
 
 def check_paths(cfg: Config) -> None:

@@ -150,3 +150,18 @@ def test_every_short_alias_sets_its_key():
         for argv in ([f"--{alias}={text}"], [f"--{alias}", text]):
             c = configs.from_args(argv)
             assert getattr(getattr(c, section), name) == value, (argv, key)
+
+
+def test_a_read_only_mount_is_named_not_the_users_rights(tmp_path):
+    """--ckpt.dir (any output folder) on a read-only mount says so: "not writable by this user" sent
+    the user (root included, who may write anything) to chmod, which cannot help."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k,ro", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        with pytest.raises(ConfigError, match=f"--ckpt.dir='{ro}/ckpt': {ro} is on a read-only file system; give"):
+            configs.check_dir("ckpt.dir", str(ro / "ckpt"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    configs.check_dir("ckpt.dir", str(ro / "ckpt"))         # the folder under it is writable again
