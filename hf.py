@@ -59,6 +59,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         why = ARCHITECTURES.get(kind, "")
         raise HFError(f"model_type {kind!r} is not supported{' (' + why + ')' if why else ''}: nanotrn "
                       f"loads model_type 'llama' (Llama 2, 3, 3.1, 3.2) and 'mistral' without a sliding window")
+    if hf.get("hidden_act") == "swish":     # transformers' ACT2FN computes "swish" as silu (one module)
+        hf = {**hf, "hidden_act": "silu"}
     for key, (off, what) in UNSUPPORTED.items():
         if hf.get(key) is not None and hf[key] != off:
             raise HFError(f"{key}={hf[key]!r} means {what}, which nanotrn's Llama does not implement; "

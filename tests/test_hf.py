@@ -57,6 +57,19 @@ def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load()
     assert (m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_original_max_len) == (500000.0, "llama3", 4.0, 32)
 
 
+def test_hidden_act_swish_is_silu_and_loads(tmp_path):
+    """transformers computes hidden_act "swish" as silu (activations.ACT2FN: one SiLU module for both):
+    it loads, to transformers' logits, and the export names it silu; "gelu" stays refused."""
+    torch.manual_seed(0)
+    hf = llama3_hf(hidden_act="swish")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, 101, (2, 20))
+    with torch.no_grad():
+        assert max_rel_err(ours(tokens), hf(tokens).logits) < 1e-5
+    assert hf_io.hf_config(ours.cfg)["hidden_act"] == "silu"
+
+
 def test_transformers5_config_file_loads_with_its_theta(tmp_path):
     """A folder whose config.json is in the transformers 5 format (rope_parameters, no rope_theta):
     our logits equal transformers 4's for the same weights at theta 500000, not at the default 10000."""
