@@ -367,9 +367,13 @@ def cli(argv: list[str]):
             raise CheckpointError(str(e).replace("--HF_OUT_DIR=", "")) from None
         if Path(out).resolve().is_relative_to(Path(root).resolve()):     # --overwrite would remove its files
             raise CheckpointError(f"{out} is inside the checkpoint directory {root}: export to a folder outside it")
-        if os.path.isdir(out) and os.listdir(out) and "--overwrite" not in flags:
+        there = set(os.listdir(out)) if os.path.isdir(out) else set()
+        if there and "--overwrite" not in flags:
             raise CheckpointError(f"{out} is not empty: export into a new folder, or pass --overwrite to "
                                   f"replace what is there")
+        if foreign := sorted(there - hf.EXPORT_FILES):     # --overwrite replaces an earlier export, not mixed in
+            raise CheckpointError(f"{out} holds files that are not a nanotrn export ({', '.join(foreign[:3])}): "
+                                  f"--overwrite replaces only an earlier export; move them, or export into a new folder")
     found = ckptdir.scan(Path(root))
     if not found:
         if ckptdir.STEP_DIR.match(Path(root).resolve().name):     # one checkpoint, not the directory of them

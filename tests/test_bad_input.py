@@ -95,6 +95,9 @@ def W(tmp_path_factory):
     (w / "hfout").mkdir()
     (w / "hfout" / "config.json").write_text('{"model_type": "llama"}')
     (w / "hfout" / "model.safetensors").write_bytes(b"weights")
+    (w / "usersdir").mkdir()                        # a user's folder: an export of theirs and their notes
+    shutil.copytree(w / "run" / "hf", w / "usersdir", dirs_exist_ok=True)
+    (w / "usersdir" / "notes.txt").write_text("what this model is")
     (w / "prev").mkdir()                            # an earlier run's export, and no checkpoint
     shutil.copytree(w / "run" / "hf", w / "prev" / "hf")
     (w / "bad.txt.gz").write_bytes(b"not gzip at all")
@@ -368,6 +371,8 @@ CASES = [
     ("ckpt: export missing", ("checkpoint", ["export", "{W}/nope", "{t}/hf"]), ["nope", "missing"], 1, True),
     ("ckpt: export over a model", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/hfout"]),
      ["hfout", "not empty", "--overwrite"], 1, True),
+    ("ckpt: export --overwrite among a user's files", ("checkpoint", ["export", "--overwrite", "{W}/run/ckpt", "{W}/usersdir"]),
+     ["usersdir holds files that are not a nanotrn export (notes.txt)", "move them"], 1, True),    # was mixed in, exit 0
     ("ckpt: export to a file", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/afile"]), ["afile", "is a file"], 1, True),
     ("ckpt: export extra args", ("checkpoint", ["export", "{W}/run/ckpt", "{t}/a", "{t}/b"]), ["usage"], 1, True),
     # ---- scripts/eks.py: a manifest Kubernetes would refuse at apply time
