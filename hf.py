@@ -382,6 +382,12 @@ class HFTokenizer:
             json.dump(conf, f, indent=2)
 
 
+def prompt_ids(tok, text: str) -> list[int]:
+    """The ids AutoTokenizer gives `text` on the export (BOS first, where the tokenizer has one, as
+    every training document starts): a prompt for our generate that matches transformers'."""
+    return [tok.bos_id] * (tok.bos_id >= 0) + tok.encode(text)
+
+
 def special_ids(tok) -> dict:
     """bos/eos/pad ids of a data.Tokenizer or HFTokenizer (None where it has none). pad is only the
     tokenizer's own: transformers never trains config.json's pad row (padding_idx), so never EOS."""

@@ -408,8 +408,12 @@ class Llama(nn.Module):
         return self
 
     @torch.no_grad()
-    def generate(self, tokens, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50):
-        """Sample continuations of tokens [B, T], the whole context recomputed per token (no KV cache)."""
+    def generate(self, tokens, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
+                 eos_id: int | None = None):
+        """Sample continuations of tokens [B, T], the whole context recomputed per token (no KV cache).
+        eos_id: as transformers' generate with it as eos and pad, a row that sampled it goes on with
+        it, and sampling ends once every row has."""
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for _ in range(max_new_tokens):
             context = tokens[:, -self.cfg.max_seq_len:]
             logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
@@ -417,7 +421,12 @@ class Llama(nn.Module):
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            if eos_id is not None:
+                nxt = nxt.masked_fill(done[:, None], eos_id)
+                done |= nxt[:, 0] == eos_id
             tokens = torch.cat((tokens, nxt), dim=1)
+            if done.all():
+                break
         return tokens
 
 

@@ -118,6 +118,24 @@ def test_llama3_both_ways_match_transformers(tmp_path):
     assert torch.allclose(llama.rope_frequencies(ours.cfg), back.model.rotary_emb.inv_freq, rtol=1e-6)
 
 
+def test_generate_stops_at_eos_and_pads_as_transformers_generate(tmp_path):
+    """Greedy generate with an EOS id equals transformers' generate with it as eos and pad: a row
+    that produced EOS goes on with EOS, and generation ends once every row has (train.py's sample
+    stops where transformers' generate on the export would)."""
+    torch.manual_seed(0)
+    ref = llama3_hf()
+    ref.save_pretrained(tmp_path)
+    ours = load_hf(str(tmp_path)).eval()
+    prompt = torch.randint(2, 101, (2, 5))
+    with torch.no_grad():
+        free = ref.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        eos = int(free[0, 5 + 3])                  # row 0's 4th new token: row 0 ends there
+        want = ref.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        got = ours.generate(prompt, 8, temperature=1.0, top_k=1, eos_id=eos)
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(ours.generate(prompt, 8, temperature=1.0, top_k=1), free)     # no EOS: 8 tokens
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
@@ -283,6 +301,7 @@ def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     for text in TEXTS[:5] + ["  two  spaces\tand tab\n\nnew lines", "x"]:
         assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
+    assert hf_io.prompt_ids(tok, "def ") == auto("def ")["input_ids"]     # train.py's sample prompt
     conf = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (1, 2, None)
     gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
@@ -388,6 +407,7 @@ def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     assert auto.config.tie_word_embeddings and auto.config.rope_scaling["rope_type"] == "llama3"
     for text in TEXTS[:4]:
         assert auto_tok(text)["input_ids"] == [tok.bos_id] + tok.encode(text)
+    assert hf_io.prompt_ids(tok, "def ") == auto_tok("def ")["input_ids"]     # train.py's sample prompt
     m = configs.ModelConfig(**json.loads((tmp_path / "run" / "ckpt" / "step_00000002" / "meta.json").read_text())["config"]["model"])
     import reshard
     ours = llama.Llama(m).eval()
