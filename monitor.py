@@ -393,6 +393,40 @@ def plot_curves(tb_dir: str, png: str) -> str:
     return png
 
 
+# ----------------------------------------------------------------------------- a refusal, said once
+
+def say_once(message: str, wait_s: float = 30.0, where=None, out=None) -> int:
+    """Print a refusal reached once the process group exists, once: every rank checks the same
+    corpus and checkpoint, so each would print it (4096 copies at 4096 ranks). Rank 0 prints its
+    own and posts it in the process group's store; another rank prints its own only if rank 0 posted
+    a different one, or none within wait_s (it refused alone), unless its own only points at rank
+    0's ("rank 0 could not ... (see its message)"). Rank 0 stays until all have read it (at most
+    wait_s): with env.sh's multi-node settings the store lives in its process. Costs rank 0's store
+    3 small requests per refusing rank, once. where: (store, rank, world), default the process
+    group's. Returns the exit status, 1 on every rank."""
+    import datetime
+    import torch.distributed as dist
+    store, rank, world = where or (dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                                   dist.get_world_size())
+    out, wait = out or sys.stderr, datetime.timedelta(seconds=wait_s)
+    if rank == 0:
+        print(message, file=out, flush=True)
+    try:
+        if rank == 0:
+            store.set("nanotrn/refusal", message)
+            store.wait(["nanotrn/refusal_read"], wait)
+            return 1
+        store.wait(["nanotrn/refusal"], wait)
+        said = store.get("nanotrn/refusal").decode() == message or message.endswith("(see its message)")
+        if store.add("nanotrn/refusal_readers", 1) == world - 1:
+            store.set("nanotrn/refusal_read", "1")
+    except (Exception, KeyboardInterrupt):      # no post in time, the store gone: say it here
+        said = rank == 0
+    if not said:
+        print(message, file=out, flush=True)
+    return 1
+
+
 # ----------------------------------------------------------------------------- the hang watchdog
 
 EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restarts the run

@@ -536,10 +536,11 @@ def cli(argv: list[str]) -> None:
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
         # Before the process group, each rank of a node checked the same arguments and files: under
         # torchrun the node's first rank says it (torchrun prints every rank's stderr: 32 copies on
-        # a trn1). The others wait: torchrun stops every worker at the first exit, which must be
-        # rank 0's, printed. One still alive after 30 s (rank 0 saw no error) says its own.
-        if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0" \
-                and not torch.distributed.is_initialized():
+        # a trn1); the others wait for torchrun to stop them at its exit, and say their own after 30 s.
+        # After it, rank 0 says what all ranks refuse alike, once (monitor.say_once).
+        if torch.distributed.is_initialized():
+            sys.exit(monitor.say_once(f"error: {e}"))
+        if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0":
             time.sleep(30)
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback

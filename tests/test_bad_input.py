@@ -566,6 +566,17 @@ def test_torchrun_says_a_config_error_once_per_node(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_says_a_refusal_after_the_process_group_once(tmp_path):
+    """A corpus too small for one global batch is refused by every rank once the process group
+    exists (4096 copies at 4096 ranks): rank 0 says it, the others exit 1 quietly (monitor.say_once)."""
+    from gloo_spawn import run_train
+    (tmp_path / "small.txt").write_text("a corpus far too small\n")
+    r = run_train([*TINY, "--dp=2", "--micro_batch=1", f"--data={tmp_path}/small.txt", f"--out_dir={tmp_path}/o"], nproc=2, timeout=120)
+    said = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(said) == 1 and "but one global batch" in said[0], r.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["train.py", "--help"], ["checkpoint.py", "--help"], ["configs.py", "show"],
                                   ["configs.py", "--help"]])
 def test_output_into_a_closed_pipe_is_no_traceback(argv):

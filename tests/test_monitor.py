@@ -232,6 +232,37 @@ def test_replica_drift_is_seen(tmp_path):
         assert "NEURON_RT_STOCHASTIC_ROUNDING_SEED" in warnings[0]
 
 
+def test_a_refusal_all_ranks_share_is_said_once():
+    """Ranks (threads here) on one TCPStore, as torchrun's: a refusal every rank reaches alike is
+    printed by rank 0 only (was once per rank: 4096 copies at 4096 ranks); a different one is said
+    too, one pointing at rank 0's is not; a rank refusing alone says it after the wait. The status
+    is 1 on every rank and nothing waits longer than asked."""
+    import io
+    import threading
+    import time
+    from torch.distributed import TCPStore
+    from gloo_spawn import free_ports
+    port = free_ports(1)[0]
+    server = TCPStore("127.0.0.1", port, 5, is_master=True, wait_for_workers=False)
+    alone, t = io.StringIO(), time.monotonic()     # nobody else refuses: nothing is posted
+    assert monitor.say_once("error: rank 1 alone", 0.5, (server, 1, 5), alone) == 1
+    assert alone.getvalue() == "error: rank 1 alone\n" and time.monotonic() - t < 5
+    said = ["error: same", "error: same", "error: another", "error: rank 0 could not X (see its message)",
+            "error: same"]
+    outs, codes = [io.StringIO() for _ in said], {}
+
+    def rank(r):
+        store = TCPStore("127.0.0.1", port, 5, is_master=False) if r else server
+        codes[r] = monitor.say_once(said[r], 20, (store, r, 5), outs[r])
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert [o.getvalue() for o in outs] == ["error: same\n", "", "error: another\n", "", ""]
+    assert codes == dict.fromkeys(range(5), 1) and time.monotonic() - t < 15
+
+
 def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
     # The measured shapes are exactly the model's weight matmuls: one layer's forward and both
     # backward matmuls, times the layers, plus the head, are flops_per_token less attention.
