@@ -367,7 +367,7 @@ def cli(argv: list[str]):
             raise CheckpointError(str(e).replace("--HF_OUT_DIR=", "")) from None
         if Path(out).resolve().is_relative_to(Path(root).resolve()):     # --overwrite would remove its files
             raise CheckpointError(f"{out} is inside the checkpoint directory {root}: export to a folder outside it")
-        there = set(os.listdir(out)) if os.path.isdir(out) else set()
+        there = set(os.listdir(out)) - {hf.EXPORT_TMP} if os.path.isdir(out) else set()   # (a killed export's)
         if there and "--overwrite" not in flags:
             raise CheckpointError(f"{out} is not empty: export into a new folder, or pass --overwrite to "
                                   f"replace what is there")

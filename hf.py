@@ -10,6 +10,7 @@ lm-evaluation-harness and llama.cpp's converter load with no other argument.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -286,36 +287,53 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
     return st, tables
 
 
+EXPORT_TMP = ".export.tmp"      # save_hf writes into it first: a killed export's is removed by the next
 EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                "tokenizer_config.json", "special_tokens_map.json"}
+                "tokenizer_config.json", "special_tokens_map.json", EXPORT_TMP}
 
 
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
             tokenizer=None, overwrite: bool = False) -> None:
     """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer
-    files. Refuses a non-empty folder unless overwrite=True."""
+    files. Refuses a non-empty folder unless overwrite=True. Written into <folder>/.export.tmp and
+    moved in once complete: a full disk (or a kill) leaves an earlier export there as it was."""
     from safetensors.torch import save_file
-    if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+    if os.path.isdir(folder) and set(os.listdir(folder)) - {EXPORT_TMP} and not overwrite:
         raise HFError(f"{folder} is not empty: export into a new folder, or pass --overwrite "
                       f"(python checkpoint.py export --overwrite ...) to replace what is there")
-    os.makedirs(folder, exist_ok=True)
-    for name in EXPORT_FILES & set(os.listdir(folder)):       # no stale file of an earlier export
-        os.remove(os.path.join(folder, name))
     ids = special_ids(tokenizer) if tokenizer is not None else {}
     sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model_sd.items()}, cfg)
-    save_file(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     conf = hf_config(cfg, dtype, ids.get("bos"), ids.get("eos"), ids.get("pad"))
     # generate pads finished sequences of a batch with EOS when the tokenizer has no pad.
     pad = conf["pad_token_id"] if conf["pad_token_id"] is not None else conf["eos_token_id"]
     gen = {"bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"], "pad_token_id": pad,
            "do_sample": True, "temperature": 0.8, "top_k": 50, "max_length": cfg.max_seq_len}
-    for name, obj in (("config.json", conf), ("generation_config.json", gen)):
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(obj, f, indent=2)
-    if isinstance(tokenizer, HFTokenizer):
-        tokenizer.save_hf(folder, cfg.max_seq_len)
-    elif tokenizer is not None:
-        save_sentencepiece(tokenizer, folder, cfg.max_seq_len)
+    tmp = os.path.join(folder, EXPORT_TMP)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for name, obj in (("config.json", conf), ("generation_config.json", gen)):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=2)
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.save_hf(tmp, cfg.max_seq_len)
+        elif tokenizer is not None:
+            save_sentencepiece(tokenizer, tmp, cfg.max_seq_len)
+    except Exception as e:          # safetensors and tokenizers raise their own types for an I/O error
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError) and "(os error" not in str(e):
+            raise
+        full = getattr(e, "errno", None) == errno.ENOSPC or "(os error 28)" in str(e)
+        raise HFError(f"could not write the export into {folder}: {'disk full' if full else e} (an export is written "
+                      f"whole before it replaces an earlier one, which stays as it was); free space, or export "
+                      f"elsewhere from the checkpoint with python checkpoint.py export CKPT_DIR OUT") from None
+    for name in EXPORT_FILES - set(os.listdir(tmp)):       # no stale file of an earlier export
+        if os.path.isfile(path := os.path.join(folder, name)):
+            os.remove(path)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+    os.rmdir(tmp)
 
 
 def _token_text(t) -> str | None:

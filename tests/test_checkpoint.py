@@ -272,6 +272,43 @@ def test_save_errors_surface(tmp_path):
         ck.close()                               # ...and the training thread hears of it
 
 
+def test_an_export_that_fills_the_disk_is_one_line_and_leaves_the_earlier_export(tmp_path, monkeypatch):
+    """checkpoint.py export --overwrite (train.py's final export is the same hf.save_hf) on a disk
+    that fills up: one line saying so, and the earlier export exactly as it was. It removed the
+    earlier export's files first and then wrote until the disk was full: safetensors' traceback,
+    and a folder of half an export (measured: a model beside a truncated tokenizer.json). Here the
+    earlier export is bf16 and the new one fp32, twice its size: it did not fit even in its room."""
+    cfg = tiny_cfg(tmp_path / "ck")
+    model, opt = trained(cfg, steps=1)
+    ck = Checkpointer(cfg)
+    ck.save(1, model.state_dict(), opt.state_dict())
+    ck.wait()
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        out = small / "hf"
+        checkpoint.main(["export", "--dtype=bf16", str(tmp_path / "ck"), str(out)])
+        earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+        random_step(model, opt, seed=1)
+        ck.save(2, model.state_dict(), opt.state_dict())
+        ck.close()
+        if mounted:           # all but 8 KiB taken: the fp32 model (about 100 KiB) does not fit
+            (small / "filler").write_bytes(b"\0" * (os.statvfs(small).f_bavail * os.statvfs(small).f_frsize - 8192))
+        else:                 # simulated where mounting is not allowed: the model's write fails
+            def full(*a, **k):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr("safetensors.torch.save_file", full)
+        with pytest.raises(SystemExit) as e:
+            checkpoint.main(["export", "--overwrite", str(tmp_path / "ck"), str(out)])
+        assert f"could not write the export into {out}: disk full" in str(e.value.code), e.value.code
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier       # as it was, nothing left over
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
+
+
 def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     """train.stop_budget after the grace period has run out (the previous save in flight took it
     all): the stop's save is not started, and the reason says 0.0 s are left. It said "-0.0 s of
