@@ -12,6 +12,7 @@ interrupted save, which resume passes over and sets aside.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -114,7 +115,9 @@ def _diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
 
 def check_config(meta: dict, d: Path, cfg: Config, say=print):
     """Refuse a checkpoint of another model or optimizer precision; report other differences."""
-    saved, now = meta["config"]["model"], cfg.to_dict()["model"]
+    # A key the checkpoint lacks came into ModelConfig after it was written, with a default that is
+    # what nanotrn did before it (tie_embeddings, rope_scaling ... came with hf.py): not another model.
+    saved, now = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}, cfg.to_dict()["model"]
     diffs = [x for x in _diff(saved, now, "model.") if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
     if diffs:
         raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +

@@ -276,12 +276,15 @@ def test_prune_reads_one_manifest_per_checkpoint_and_no_marker(tmp_path, monkeyp
 
 # ----------------------------------------------------------------------------- item 6: the format
 
-def to_format_1(d: Path):
+def to_format_1(d: Path, drop=()):
     """Rewrite a checkpoint as nanotrn wrote it before issue 25 (checkpoint format 1): no manifest,
-    no "format" in meta.json or the markers (the markers' record of meta.json follows)."""
+    no "format" in meta.json or the markers (the markers' record of meta.json follows). drop: the
+    model config keys that nanotrn did not have yet."""
     (d / ckptdir.MANIFEST).unlink()
     meta = json.loads((d / "meta.json").read_text())
     del meta["format"]
+    for key in drop:
+        del meta["config"]["model"][key]
     raw = json.dumps(meta, indent=1).encode()
     (d / "meta.json").write_bytes(raw)
     for p in d.glob("rank*.done"):
@@ -317,3 +320,19 @@ def test_format_1_checkpoint_loads_and_a_newer_one_is_refused_by_name(tmp_path, 
     assert tree(tmp_path / "c") == before
     checkpoint.cli(["ls", str(tmp_path / "c")])
     assert "step_00000004  BAD: " in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_an_older_nanotrn_without_later_model_keys_resumes(tmp_path, capsys):
+    """nanotrn before hf.py (de5143a, 2026-11-22) wrote no tie_embeddings, head_dim_override or
+    rope_* keys: they came later, with defaults that are what it did. Its checkpoint was refused as
+    "another model" ("model.tie_embeddings: checkpoint '<absent>', now False", and six more), a fix
+    no flag can follow (measured: 2 steps trained at de5143a, resumed on main). A later key that
+    this run sets otherwise is still another model, named with the value the checkpoint had."""
+    later = ("tie_embeddings", "head_dim_override", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+             "rope_high_freq_factor", "rope_original_max_len")
+    save(cfg_for(tmp_path), 3)
+    to_format_1(tmp_path / "step_00000003", drop=later)
+    loaded = start(cfg_for(tmp_path)).load_latest()
+    assert loaded.step == 3 and torch.equal(loaded.model["w"], torch.full((4,), 3.0))
+    with pytest.raises(CheckpointError, match="model.rope_scaling: checkpoint 'none', now 'llama3'"):
+        Checkpointer(cfg_for(tmp_path, "--model.rope_scaling=llama3")).load_latest()
