@@ -149,6 +149,16 @@ def check(args, train_args: list[str]):
         if path and not under(path, mount):
             fail(f"--{key}={path} is not on the FSx mount {mount}: a pod's own disk is gone when the pod "
                  f"ends; give a path under {mount}")
+    # What the pods read may be in the image (not refused), but an absolute path off the mount is
+    # more often this machine's: every pod would fail at start, and be retried. --data's entries
+    # drop their mixture weight ('a.arrow:0.7').
+    data = [re.sub(r":[0-9.eE+-]+$", "", e.strip()) for e in cfg.data.data.split(",") if e.strip()]
+    off = [f"--{key} {p}" for key, paths in (("data", data), ("tokenizer", [cfg.data.tokenizer]),
+                                             ("init_from", [cfg.init_from]))
+           for p in paths if p.startswith("/") and not under(p, mount)]
+    if off:
+        print(f"warning: {', '.join(off)}: not on the FSx mount {mount}, so the pods read it from the "
+              f"image {args.image} (or fail); give a path under {mount} unless the image holds it", file=sys.stderr)
     return cfg, hw, train_args
 
 

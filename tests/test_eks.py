@@ -170,6 +170,21 @@ def test_the_mount_itself_is_on_fsx(tmp_path):
     assert len(set(mounts)) == len(mounts)
 
 
+def test_inputs_off_the_fsx_mount_are_said_in_one_line():
+    """--data, --tokenizer, --init_from at an absolute path off the FSx mount: the pods see that path
+    only if the image holds it (else every pod fails at start, and is retried), so one warning line
+    names them; the manifests are still written. On the mount, or relative (the image's): silent."""
+    run = lambda *a: subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, "--preset=llama2_7b", *a],
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--data=/home/me/a.arrow:0.7,/fsx/b.arrow:0.3", "--tokenizer=/home/me/tok.model", "--init_from=/models/l2")
+    assert r.returncode == 0 and "kind: \"Job\"" in r.stdout and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("warning: ") and "/fsx/b.arrow" not in r.stderr
+    assert all(p in r.stderr for p in ("--data /home/me/a.arrow", "--tokenizer /home/me/tok.model",
+                                       "--init_from /models/l2", "under /fsx")), r.stderr
+    r = run("--data=/fsx/a.arrow,data/b.arrow", "--tokenizer=/fsx/tok.model")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
     """terminationGracePeriodSeconds is what train.py's stop_budget may spend (--ckpt.grace_s): a
     longer --grace-period must reach train.py (else it skips a final save the pod has time for) and a
