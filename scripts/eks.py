@@ -225,6 +225,11 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
     env = {"NNODES": str(args.nodes), "NPROC_PER_NODE": str(hw.cores),
            "MASTER_ADDR": f"{name}-0.{args.name}", "MASTER_PORT": str(args.port), "RUN_ID": name,
            "MAX_RESTARTS": str(args.max_restarts), "NEURON_CACHE_DIR": args.cache_dir, **neuron_env}
+    if multi:       # the Neuron runtime's collectives bootstrap on the pod's own interface, as AWS's
+        # Trainium manifests of its EKS tests set it (aws-k8s-tester, test/cases/neuron/manifests/
+        # multi-node-test-neuron.yaml, test/cases/neuron-training/manifests/bert-training.yaml). Not in
+        # env.sh: a SLURM node's interface has another name.
+        env["CCOM_SOCKET_IFNAME"] = "eth0"
     # Neuron device plugin: aws.amazon.com/neuron = whole Trainium devices, all of the instance
     # (Neuron docs, "Kubernetes environment setup for Neuron"; llama3_train.yaml-template). EFA only
     # between nodes, as env.sh sets FI_PROVIDER=efa only then (EFA device plugin: vpc.amazonaws.com/efa).

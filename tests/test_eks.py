@@ -115,6 +115,7 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         exported, cmds, _ = parse_dry_run(r.stdout)
         assert exported and all(env[k] == v for k, v in exported.items()), (exported, env)
         assert ("FI_PROVIDER" in env) == (nodes > 1) and ("NEURON_LOGICAL_NC_CONFIG" in env) == (instance == "trn2")
+        assert env.get("CCOM_SOCKET_IFNAME") == ("eth0" if nodes > 1 else None)      # AWS's EKS manifests
         torchrun = cmds[0][1:] if mode == "compile" else cmds[0]
         assert torchrun[:3] == ["torchrun", f"--nproc_per_node={hw.cores}", f"--nnodes={nodes}"]
         if nodes > 1:
