@@ -388,8 +388,20 @@ class HFTokenizer:
         return [np.asarray(head + e.ids + tail, np.int32) for e in self.tk.encode_batch(texts, add_special_tokens=False)]
 
     def save_hf(self, folder: str, max_len: int) -> None:
-        """tokenizer.json as it is, and a tokenizer_config.json naming its BOS/EOS for AutoTokenizer."""
-        shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
+        """tokenizer.json, and a tokenizer_config.json naming its BOS/EOS for AutoTokenizer. Training
+        starts each document with bos_id; where the post-processor does not put it first (GPT-NeoX's
+        tokenizer.json: BOS named only in tokenizer_config.json), the export's gets a template that does,
+        so AutoTokenizer gives the run's ids."""
+        if self.bos_id >= 0 and self.tk.encode("", add_special_tokens=True).ids[:1] != [self.bos_id]:
+            from tokenizers import Tokenizer, processors
+            tk, bos = Tokenizer.from_str(self.tk.to_str()), self.tk.id_to_token(self.bos_id)
+            template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                     special_tokens=[(bos, self.bos_id)])
+            own = tk.post_processor
+            tk.post_processor = template if own is None else processors.Sequence([own, template])
+            tk.save(os.path.join(folder, "tokenizer.json"))
+        else:
+            shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
         ids = special_ids(self)
         conf = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
         for name, i in (("bos", ids["bos"]), ("eos", ids["eos"]), ("pad", ids["pad"] if ids["pad"] is not None else ids["eos"])):

@@ -274,6 +274,29 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         data.load_tokenizer(str(tmp_path))
 
 
+def test_tokenizer_json_without_a_bos_processor_exports_the_runs_bos(tmp_path):
+    """A tokenizer.json whose post-processor puts no BOS first (GPT-NeoX's kind: a ByteLevel one, or
+    none) while tokenizer_config.json names a bos_token: training starts every document with that
+    BOS, so the export's AutoTokenizer must too (it gave the ids without it: lm-eval would score
+    the model on text it never saw that way)."""
+    import data
+    from tokenizers import Tokenizer, processors
+    llama3_tokenizer(tmp_path / "t")
+    for post in (None, processors.ByteLevel(trim_offsets=False)):
+        tk = Tokenizer.from_file(str(tmp_path / "t" / "tokenizer.json"))
+        tk.post_processor = post
+        tk.save(str(tmp_path / "t" / "tokenizer.json"))
+        tok = data.load_tokenizer(str(tmp_path / "t"))
+        assert tok.bos_id == 0 and list(tok.encode_batch(TEXTS[:1], bos=True, eos=False)[0][:1]) == [0]
+        cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+        out = tmp_path / f"out{post is None}"
+        hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(out), tokenizer=tok)
+        auto = transformers.AutoTokenizer.from_pretrained(out)
+        for text in TEXTS[:3] + ["x"]:
+            assert auto(text)["input_ids"] == [0] + tok.encode(text) == hf_io.prompt_ids(tok, text), (post, text)
+        assert data.load_tokenizer(str(out)).encode(TEXTS[5]) == tok.encode(TEXTS[5])     # --init_from the export
+
+
 def test_kept_tokenizer_can_be_the_runs_tokenizer(tmp_path):
     """A run resumed with --tokenizer=<ckpt dir>/tokenizer (the copy the first run kept) keeps it
     again: copying a file onto itself must not stop the run."""
