@@ -135,7 +135,8 @@ class _Slot:
 
 class AdamW:
     """AdamW (Loshchilov & Hutter, decoupled weight decay) in one of four precision modes; equals
-    torch.optim.AdamW in fp32. named_params: names key the state_dict and the SR streams; "mixed"
+    torch.optim.AdamW in fp32. named_params: names key the state_dict and the SR streams (parameters
+    alone, as torch.optim takes them, are named by position); "mixed"
     copies its master from the params here (load pretrained weights first). software_sr=False on
     Trainium: its hardware rounds every fp32 -> bf16 copy_ stochastically
     (NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the launch environment)."""
@@ -145,7 +146,10 @@ class AdamW:
                  software_sr: bool = True):
         self.cfg, self.grid = cfg, grid or Grid()
         self.precision = cfg.precision
-        named = [(n, p) for n, p in named_params if p.requires_grad]
+        # (name, param) pairs, or parameters alone as torch.optim takes them, named by position (a
+        # tensor unpacked as a pair would give its rows for the name and the parameter)
+        named = [(f"param{i}", x) if isinstance(x, torch.Tensor) else tuple(x) for i, x in enumerate(named_params)]
+        named = [(n, p) for n, p in named if p.requires_grad]
         want = param_dtype(cfg.precision)
         for n, p in named:
             if p.dtype != want:

@@ -103,6 +103,26 @@ def test_adamw_fp32_matches_torch(decay_norms):
     assert (ours.lm_head.weight - tiny_model(cfg).lm_head.weight).abs().max() > 1e-3
 
 
+def test_adamw_takes_parameters_alone_as_torch_optim_does():
+    """AdamW(model.parameters(), ...) as torch.optim.AdamW is called: the parameters, named by
+    position, train as with their names. Before, each was unpacked as a (name, param) pair: a 2-row
+    weight became its row 1 (no gradient: never updated), any other shape a ValueError."""
+    cfg = tiny_config(lr=1e-2, warmup_steps=0).optim
+    w, b = torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(5))
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (w, b)]
+    opt = optim.AdamW(iter([w, b]), cfg)
+    ref_opt = torch.optim.AdamW(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, foreach=False)
+    for step in range(3):
+        for p, q in zip((w, b), ref):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip((w, b), ref):
+        assert (p - q).abs().max().item() < 1e-6
+
+
 @pytest.mark.parametrize("precision,bytes_per_param,pdtype,sdtype", [
     ("fp32", 8, torch.float32, torch.float32), ("mixed", 12, torch.bfloat16, torch.float32),
     ("bf16", 4, torch.bfloat16, torch.bfloat16), ("bf16_sr", 4, torch.bfloat16, torch.bfloat16)])
