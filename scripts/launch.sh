@@ -55,23 +55,27 @@ fi
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
 # for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before
-# 16 nodes start compiling. The
+# 16 nodes start compiling. So do this node's paths (a missing --tokenizer, an --out_dir it cannot
+# write; not in a dry run, which may print a 128-node run anywhere): train.py would refuse them too,
+# but as a failed run that torchrun and the Kubernetes Job retry, pod by pod. The
 # instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
-from configs import INSTANCES, ConfigError, from_args, resolve_dp, validate
+from configs import INSTANCES, ConfigError, check_paths, from_args, resolve_dp, validate
 try:
-    cfg = from_args(sys.argv[3:])
+    cfg = from_args(sys.argv[4:])
     hw = INSTANCES[cfg.parallel.instance]
     world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
     validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
+    if sys.argv[3] != "1":
+        check_paths(cfg)
 except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)                      # as a usage error: no retry can help (eks.py: podFailurePolicy FailJob)
 p = cfg.parallel
 print(cfg.optim.precision, p.tp, p.pp, resolve_dp(cfg, world), cfg.out_dir, p.instance, hw.name,
       world // int(sys.argv[1]), sep="\n")
-' "$NNODES" "${NPROC_PER_NODE:-}" "$@")"
+' "$NNODES" "${NPROC_PER_NODE:-}" "${DRY_RUN:-0}" "$@")"
 mapfile -t layout <<< "$layout_text"
 precision="${layout[0]}" tp="${layout[1]}" pp="${layout[2]}" dp="${layout[3]}" out_dir="${layout[4]}"
 instance="${layout[5]}" instance_name="${layout[6]}" NPROC_PER_NODE="${layout[7]}"
