@@ -55,7 +55,8 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     Likewise more evaluation windows than the whole corpus holds (EvalWindows would cycle the
     held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it)."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
-    if eval_windows * L1 > index.bytes + ends * index.corpus.n_docs:
+    # Under one global batch the refusal below comes first: it names settings that pass (this one could not).
+    if gb * L1 <= index.bytes + ends * index.corpus.n_docs < eval_windows * L1:
         raise DataError(f"--log.eval_windows={eval_windows} windows of seq_len {cfg.seq_len} + 1 tokens are more than "
                         f"all of {cfg.data!r} holds (at most {index.bytes + ends * index.corpus.n_docs:,} tokens), "
                         f"let alone its held-out share: lower --log.eval_windows (or --log.eval_interval=0)")

@@ -674,6 +674,20 @@ def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing
     assert "eval_interval" not in str(e.value).split("add data")[1]
 
 
+def test_a_corpus_under_one_global_batch_is_told_what_passes_even_with_evaluation_on(tok, tmp_path):
+    """17 bytes, under one window, with evaluation on (the default): the refusal is the global
+    batch's, naming settings that pass (docs/data.md), not 'lower --log.eval_windows', which no value
+    satisfies when one window is larger than the corpus (and, once off, led to this refusal)."""
+    (tmp_path / "s.txt").write_text("hello tiny corpus")
+    c = cfg(str(tmp_path / "s.txt"), global_batch=4, micro_batch=2)
+    idx = data.SpanIndex(data.Corpus(c.data), SEQ, CACHE[0], c.val_fraction)
+    with pytest.raises(data.DataError, match=r"one global batch .* add data, or set --seq_len=(\d+), with "
+                                             r"--log.eval_interval=0") as e:
+        data.check_size(c, idx, eval_windows=1)
+    seq = int(re.search(r"--seq_len=(\d+)", str(e.value))[1])
+    data.check_size(cfg(c.data, global_batch=4, micro_batch=2, seq_len=seq), idx, eval_windows=0)   # it passes
+
+
 # ----------------------------------------------------------------------------- tokenizer, prepare, device
 
 def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, tmp_path, capsys):
