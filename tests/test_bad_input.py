@@ -170,6 +170,12 @@ def T(*args):
                       "--ckpt.dir={t}/out/ckpt", "--data.cache_dir={t}/cache", *args])
 
 
+def CK(*args, data="{W}/corpus", tok="{W}/tok.model"):
+    """train.py continuing the finished run's checkpoints (copied to {t}/ck), writing only inside {t}."""
+    return ("train", [*TINY, f"--data={data}", f"--data.tokenizer={tok}", "--out_dir={t}/o", "--ckpt.dir={t}/ck",
+                      "--data.cache_dir={t}/c", "--steps=3", *args])
+
+
 def TI(*args):
     """train.py from a Hugging Face folder (--init_from sets the model: no --model.* key)."""
     run = [a for a in TINY if not a.startswith("--model.")]
@@ -267,38 +273,26 @@ CASES = [
                                   "--out_dir={W}/prev", "--ckpt.dir={t}/ckpt", "--data.cache_dir={t}/c"]),
      ["prev/hf", "move it away"], 1, True),
     ("resume=false over checkpoints", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                                 "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false"]),
+                                                 "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false",
+                                                 "--data.cache_dir={t}/c"]),
      ["--ckpt.resume=false", "run/ckpt"], 1, True),
     ("ckpt.dir is the export folder", T("--ckpt.dir={t}/out/hf"), ["--ckpt.dir", "inside the export folder"], 1, True),
     ("tensorboard in the export folder", T("--log.tensorboard={t}/out/hf/tb"), ["--log.tensorboard", "out/hf"], 1, True),
     ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
     ("start_fresh while resuming", T("--ckpt.start_fresh"), ["--ckpt.start_fresh", "--ckpt.resume=false"], 1, True),
     # ---- train.py: a checkpoint directory holding what is not nanotrn's, or nothing valid (issue 25)
-    ("ckpt: foreign step folder", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                             "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
-     ["ck/step_00000009", "not nanotrn's", "Move it out"], 1, True),
-    ("ckpt: foreign latest", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                        "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
-     ["ck/latest is not nanotrn's `latest` pointer"], 1, True),
+    ("ckpt: foreign step folder", CK(), ["ck/step_00000009", "not nanotrn's", "Move it out"], 1, True),
+    ("ckpt: foreign latest", CK(), ["ck/latest is not nanotrn's `latest` pointer"], 1, True),
     # a file where the run keeps its tokenizer: was "could not keep the tokenizer ...: free space", after it loaded
-    *[(f"ckpt: foreign tokenizer file{' (fresh)' * fresh}", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                                                      "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+    *[(f"ckpt: foreign tokenizer file{' (fresh)' * fresh}", CK(),
        ["ck/tokenizer is a file, not a folder", "Move it out of the checkpoint directory"], 1, True) for fresh in (0, 1)],
-    ("ckpt: only checkpoint damaged", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                                 "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
+    ("ckpt: only checkpoint damaged", CK(),
      ["holds no valid checkpoint", "step_00000002", "--ckpt.resume=false --ckpt.start_fresh"], 1, False),
     # ---- train.py: resuming as something else (a model exists by then: not early)
-    ("resume other precision", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                          "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--precision=bf16", "--steps=3"]),
-     ["--optim.precision=fp32", "bf16"], 1, False),
-    ("resume other model", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                      "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--model.n_layers=2", "--steps=3"]),
-     ["model.n_layers: checkpoint 1, now 2"], 1, False),
-    ("new corpus, same layout", ("train", [*TINY, "--data={W}/other", "--data.tokenizer={W}/tok.model",
-                                           "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3"]),
-     ["corpus=", "--ckpt.reset_data"], 1, False),
-    ("new corpus, new tokenizer", ("train", [*TINY, "--data={W}/other", "--data.tokenizer={W}/tokother.model",
-                                             "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--steps=3", "--ckpt.reset_data"]),
+    ("resume other precision", CK("--precision=bf16"), ["--optim.precision=fp32", "bf16"], 1, False),
+    ("resume other model", CK("--model.n_layers=2"), ["model.n_layers: checkpoint 1, now 2"], 1, False),
+    ("new corpus, same layout", CK(data="{W}/other"), ["corpus=", "--ckpt.reset_data"], 1, False),
+    ("new corpus, new tokenizer", CK("--ckpt.reset_data", data="{W}/other", tok="{W}/tokother.model"),
      ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
     # ---- train.py --init_from: a folder that is not a Llama export, refused before any work
     ("init: config not JSON", TI("--init_from={W}/init_notjson"), ["init_notjson/config.json", "not a readable JSON"], 1, True),
@@ -640,7 +634,7 @@ def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     --ckpt.reset_data continue the model and optimizer on another corpus (the data stream starts afresh)."""
     shutil.copytree(W / "run" / "ckpt", tmp_path / "ck")
     train.main([*TINY, f"--data={W}/other", f"--data.tokenizer={tmp_path}/ck/tokenizer/tokenizer.model", f"--out_dir={tmp_path}/o",
-                f"--ckpt.dir={tmp_path}/ck", "--steps=3", "--ckpt.reset_data"])
+                f"--ckpt.dir={tmp_path}/ck", f"--data.cache_dir={tmp_path}/cache", "--steps=3", "--ckpt.reset_data"])
     out = capsys.readouterr().out
     assert "resuming from" in out and "the data stream starts afresh" in out, out
     assert os.path.isdir(tmp_path / "ck" / "step_00000003")
