@@ -334,6 +334,32 @@ def test_analyze_locates_bad_link_and_bad_node():
     assert bw[("tp", "all_reduce")] == pytest.approx(2**20 / 1e-3 / 1e9, rel=0.1)  # 2(n-1)/n = 1
 
 
+def _health_worker(rank, ports, out_dir):
+    import healthcheck
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    analyze = healthcheck.analyze
+
+    def counted(records, *a, **k):                    # the real analysis, counted
+        (Path(out_dir) / f"analyzed{rank}").write_text(str(len(records)))
+        return analyze(records, *a, **k)
+    healthcheck.analyze = counted
+    code = healthcheck.main(["--backend=gloo", "--mb=0.01", "--warmup=0", "--reps=2", "--ranks-per-node=1",
+                             "--inject-delay=1:0.2", "--min-gap-ms=50"])
+    (Path(out_dir) / f"code{rank}").write_text(str(code))
+
+
+@pytest.mark.slow
+def test_healthcheck_judges_on_rank_0_and_every_rank_exits_alike(tmp_path):
+    """2 gloo ranks, rank 1 late: rank 0 alone receives and analyzes everyone's records (an
+    all-gather gave each of 4096 ranks all 4096 ranks' records and the analysis); both exit 1."""
+    from gloo_spawn import spawn_and_wait
+    spawn_and_wait(_health_worker, 1, 2, str(tmp_path), timeout_s=240)
+    assert sorted(p.name for p in tmp_path.glob("analyzed*")) == ["analyzed0"]
+    assert int((tmp_path / "analyzed0").read_text()) > 0
+    assert [(tmp_path / f"code{r}").read_text() for r in (0, 1)] == ["1", "1"]
+
+
 @pytest.mark.slow
 def test_healthcheck_names_the_slowed_rank(tmp_path):
     """4 gloo ranks under torchrun, each its own 'node'; rank 2 arrives 60 ms late at every
