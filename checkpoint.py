@@ -135,6 +135,19 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
         say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
 
 
+def kept_tokenizer(root: Path, folder: str) -> str:
+    """folder, the tokenizer a resume takes (train.py keeps it there at a run's start); refused where
+    there is none (an older nanotrn's run, or step folders copied without it): one trained now, by a
+    newer recipe or on another corpus, would give the model's token ids other meanings, silently."""
+    if not any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.model", "tokenizer.json")):
+        raise CheckpointError(f"{root} holds checkpoints but not the tokenizer their model was trained with "
+                              f"(none in {folder}: a run of an older nanotrn, or step folders copied without "
+                              f"it); one trained now may give token ids other meanings. Give it with "
+                              f"--data.tokenizer=FILE (an older nanotrn trained it into its --data.cache_dir, "
+                              f"as tokenizer-<vocab>-<hash>.model)")
+    return folder
+
+
 def agree(grid: Grid, value: int) -> int:
     """The smallest value any rank holds, so that all ranks fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():

@@ -262,8 +262,8 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     is refused); else trained on the corpus (cached). Kept there by rank 0: `checkpoint.py export` ships it."""
     d, own = cfg.data, os.path.join(cfg.ckpt.dir, "tokenizer")
     resuming = cfg.ckpt.resume and ckpt.has_checkpoints()
-    if not d.tokenizer and resuming and data.find_tokenizer(own):
-        log(f"tokenizer: the run's own, kept in {own}")
+    if not d.tokenizer and resuming:        # none kept there: refused (kept_tokenizer says why)
+        log(f"tokenizer: the run's own, kept in {checkpoint.kept_tokenizer(ckpt.root, own)}")
         d = dataclasses.replace(d, tokenizer=own)
     tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
