@@ -238,6 +238,7 @@ print(len(os.listdir("/proc/self/task")) - before)      # the pool's threads sta
 """
 
 
+@pytest.mark.slow                 # two Python processes that load torch: a third of the fast tier's time
 def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path, monkeypatch):
     """A rank's tokenizer.json runs on the loader's threads (1 by default), not on a thread per core
     of the host (32 ranks of a trn1 node: 32x oversubscribed): the threads the process starts to
