@@ -405,10 +405,12 @@ def cli(argv: list[str]):
             print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
         elif problem is None:
             import data
-            m = ModelConfig(**json.loads((d / "meta.json").read_text())["config"]["model"])
+            run = json.loads((d / "meta.json").read_text())["config"]
+            m = ModelConfig(**run["model"])
             tok_dir = Path(root) / "tokenizer"
             tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
-            hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags)
+            hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
+                       bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
             return print(f"exported {d} to {out}"
                          + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
     if argv[0] == "export":

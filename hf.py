@@ -293,10 +293,11 @@ EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "t
 
 
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
-            tokenizer=None, overwrite: bool = False) -> None:
+            tokenizer=None, overwrite: bool = False, bos: bool = True) -> None:
     """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer
-    files. Refuses a non-empty folder unless overwrite=True. Written into <folder>/.export.tmp and
-    moved in once complete: a full disk (or a kill) leaves an earlier export there as it was."""
+    files, adding BOS where the run did (bos: its --data.bos). Refuses a non-empty folder unless
+    overwrite=True. Written into <folder>/.export.tmp and moved in once complete: a full disk (or a
+    kill) leaves an earlier export there as it was."""
     from safetensors.torch import save_file
     if os.path.isdir(folder) and set(os.listdir(folder)) - {EXPORT_TMP} and not overwrite:
         raise HFError(f"{folder} is not empty: export into a new folder, or pass --overwrite "
@@ -317,9 +318,9 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2)
         if isinstance(tokenizer, HFTokenizer):
-            tokenizer.save_hf(tmp, cfg.max_seq_len)
+            tokenizer.save_hf(tmp, cfg.max_seq_len, bos)
         elif tokenizer is not None:
-            save_sentencepiece(tokenizer, tmp, cfg.max_seq_len)
+            save_sentencepiece(tokenizer, tmp, cfg.max_seq_len, bos)
     except Exception as e:          # safetensors and tokenizers raise their own types for an I/O error
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, OSError) and "(os error" not in str(e):
@@ -387,18 +388,23 @@ class HFTokenizer:
         head, tail = [self.bos_id] if bos else [], [self.eos_id] if eos else []
         return [np.asarray(head + e.ids + tail, np.int32) for e in self.tk.encode_batch(texts, add_special_tokens=False)]
 
-    def save_hf(self, folder: str, max_len: int) -> None:
+    def save_hf(self, folder: str, max_len: int, bos: bool = True) -> None:
         """tokenizer.json, and a tokenizer_config.json naming its BOS/EOS for AutoTokenizer. Training
-        starts each document with bos_id; where the post-processor does not put it first (GPT-NeoX's
-        tokenizer.json: BOS named only in tokenizer_config.json), the export's gets a template that does,
-        so AutoTokenizer gives the run's ids."""
-        if self.bos_id >= 0 and self.tk.encode("", add_special_tokens=True).ids[:1] != [self.bos_id]:
-            from tokenizers import Tokenizer, processors
-            tk, bos = Tokenizer.from_str(self.tk.to_str()), self.tk.id_to_token(self.bos_id)
-            template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                     special_tokens=[(bos, self.bos_id)])
+        starts each document with bos_id (unless --data.bos=false); where the post-processor does not
+        put it first (GPT-NeoX's tokenizer.json: BOS named only in tokenizer_config.json), the export's
+        gets a template that does, and where the run added none, none: AutoTokenizer gives the run's ids."""
+        from tokenizers import Tokenizer, processors
+        adds = self.bos_id >= 0 and self.tk.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+        tk = Tokenizer.from_str(self.tk.to_str())
+        if bos and self.bos_id >= 0 and not adds:
+            b = self.tk.id_to_token(self.bos_id)
+            template = processors.TemplateProcessing(single=f"{b} $A", pair=f"{b} $A {b} $B",
+                                                     special_tokens=[(b, self.bos_id)])
             own = tk.post_processor
             tk.post_processor = template if own is None else processors.Sequence([own, template])
+            tk.save(os.path.join(folder, "tokenizer.json"))
+        elif adds and not bos:
+            tk.post_processor = None
             tk.save(os.path.join(folder, "tokenizer.json"))
         else:
             shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
@@ -412,10 +418,10 @@ class HFTokenizer:
             json.dump(conf, f, indent=2)
 
 
-def prompt_ids(tok, text: str) -> list[int]:
-    """The ids AutoTokenizer gives `text` on the export (BOS first, where the tokenizer has one, as
-    every training document starts): a prompt for our generate that matches transformers'."""
-    return [tok.bos_id] * (tok.bos_id >= 0) + tok.encode(text)
+def prompt_ids(tok, text: str, bos: bool = True) -> list[int]:
+    """The ids AutoTokenizer gives `text` on the export (BOS first, where the tokenizer has one and
+    the run starts documents with it, bos: --data.bos): a prompt for our generate as transformers'."""
+    return [tok.bos_id] * (bos and tok.bos_id >= 0) + tok.encode(text)
 
 
 def special_ids(tok) -> dict:
@@ -426,14 +432,14 @@ def special_ids(tok) -> dict:
     return {"bos": bos, "eos": eos, "pad": tok.tk.token_to_id(pad) if pad else None}
 
 
-def save_sentencepiece(tok, folder: str, max_len: int) -> None:
+def save_sentencepiece(tok, folder: str, max_len: int, bos: bool = True) -> None:
     """A sentencepiece model as Llama 2's tokenizer files: tokenizer.model, tokenizer.json (what
-    AutoTokenizer loads without sentencepiece) and a LlamaTokenizer config adding BOS, not EOS. No
+    AutoTokenizer loads without sentencepiece) and a LlamaTokenizer config adding BOS (if bos), not EOS. No
     `add_prefix_space`: LlamaTokenizerFast would rebuild tokenizer.json without the normalizer."""
     shutil.copyfile(tok.path, os.path.join(folder, "tokenizer.model"))
-    sentencepiece_json(tok.path).save(os.path.join(folder, "tokenizer.json"))
+    sentencepiece_json(tok.path, bos).save(os.path.join(folder, "tokenizer.json"))
     piece = lambda i: tok.sp.id_to_piece(i) if i >= 0 else None     # noqa: E731
-    conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+    conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bos, "add_eos_token": False,
             "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id), "unk_token": piece(tok.sp.unk_id()),
             "pad_token": piece(tok.eos_id), "legacy": True, "clean_up_tokenization_spaces": False,
             "model_max_length": max_len}
@@ -449,7 +455,7 @@ PROBE = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a t
          "中文 日本語 한국어 😀 ok", "x", ""]
 
 
-def sentencepiece_json(path: str):
+def sentencepiece_json(path: str, bos: bool = True):
     """The sentencepiece model at `path` as a `tokenizers` Tokenizer that encodes as it does: its
     own normalizer; unigram -> Unigram, bpe -> BPE with the merges its pieces' scores imply (as
     transformers' converter), char -> BPE without merges. `word` is refused: sentencepiece fuses a
@@ -487,7 +493,7 @@ def sentencepiece_json(path: str):
     tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
                                    + ([decoders.Strip(" ", 1, 0)] if ns.add_dummy_prefix else []))
     tk.add_tokens([AddedToken(p.piece, normalized=False, special=p.type == 3) for p in m.pieces if p.type in (3, 4)])
-    if t.bos_id >= 0:                    # AutoTokenizer adds BOS, as training does at a document's start
+    if t.bos_id >= 0 and bos:            # AutoTokenizer adds BOS, as training does at a document's start
         bos = pieces[t.bos_id][0]
         tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                           special_tokens=[(bos, t.bos_id)])

@@ -506,10 +506,10 @@ def run(argv: list[str]) -> None:
             final = llama.Llama(cfg.model)
             final.load_state_dict({k: v.float() for k, v in full.items()})
             hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
-                       tokenizer=tok, overwrite=True)       # checked at the start: empty or our own export
+                       tokenizer=tok, overwrite=True, bos=cfg.data.bos)    # checked at the start
             log(f"saved the final model to {out_dir} (Hugging Face format)")
             if cfg.log.sample_tokens:       # prompted and ended as transformers' generate on the export
-                prompt = torch.tensor([hf.prompt_ids(tok, "def ")], dtype=torch.long)
+                prompt = torch.tensor([hf.prompt_ids(tok, "def ", cfg.data.bos)], dtype=torch.long)
                 sample = final.generate(prompt, cfg.log.sample_tokens, eos_id=hf.special_ids(tok)["eos"])
                 log("sample:\n" + tok.decode([i for i in sample[0].tolist() if i < tok.vocab_size and i != tok.bos_id]))
     parallel.destroy(grid)

@@ -298,6 +298,28 @@ def test_tokenizer_json_without_a_bos_processor_exports_the_runs_bos(tmp_path):
         assert data.load_tokenizer(str(out)).encode(TEXTS[5]) == tok.encode(TEXTS[5])     # --init_from the export
 
 
+def test_a_run_without_bos_exports_a_tokenizer_without_it(tmp_path):
+    """--data.bos=false: no training document starts with BOS, so neither do the export's
+    AutoTokenizer ids (sentencepiece and tokenizer.json kinds), nor the end-of-run sample's prompt;
+    before, the export added BOS whatever the run did."""
+    import sentencepiece as spm
+    import data
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for t in TEXTS for line in t.split("\n") if line]), model_prefix=str(tmp_path / "sp"),
+        vocab_size=300, model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    llama3_tokenizer(tmp_path / "t")
+    cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    for path in (tmp_path / "sp.model", tmp_path / "t"):
+        tok = data.load_tokenizer(str(path))
+        for bos in (False, True):
+            out = tmp_path / f"out-{path.name}-{bos}"
+            hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(out), tokenizer=tok, bos=bos)
+            auto = transformers.AutoTokenizer.from_pretrained(out)
+            for text in TEXTS[:2] + ["x"]:
+                assert auto(text)["input_ids"] == [tok.bos_id] * bos + tok.encode(text) == hf_io.prompt_ids(tok, text, bos)
+
+
 def test_kept_tokenizer_can_be_the_runs_tokenizer(tmp_path):
     """A run resumed with --tokenizer=<ckpt dir>/tokenizer (the copy the first run kept) keeps it
     again: copying a file onto itself must not stop the run."""
