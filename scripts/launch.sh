@@ -55,9 +55,9 @@ fi
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
 # for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before
-# 16 nodes start compiling. So do this node's paths (a missing --tokenizer, an --out_dir it cannot
-# write; not in a dry run, which may print a 128-node run anywhere): train.py would refuse them too,
-# but as a failed run that torchrun and the Kubernetes Job retry, pod by pod. The
+# 16 nodes start compiling. So do this node's paths (a missing --data or --tokenizer, an --out_dir it
+# cannot write; not in a dry run, which may print a 128-node run anywhere): train.py would refuse them
+# too, but as a failed run that torchrun and the Kubernetes Job retry, pod by pod. The
 # instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
@@ -69,6 +69,9 @@ try:
     validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
     if sys.argv[3] != "1":
         check_paths(cfg)
+        from corpus import parse_mixture, resolve_paths    # numpy, pyarrow: what train.py reads --data with
+        for entry, _ in parse_mixture(cfg.data.data):
+            resolve_paths(entry, cfg.data.split)
 except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)                      # as a usage error: no retry can help (eks.py: podFailurePolicy FailJob)

@@ -209,7 +209,7 @@ def test_bad_layout_fails_before_anything_starts():
 
 @pytest.mark.slow
 def test_a_bad_path_fails_in_launch_sh_not_in_every_worker(tmp_path):
-    """A missing --tokenizer or an --out_dir that is a file: launch.sh says it in one line with the
+    """A missing --tokenizer or --data, an --out_dir that is a file: launch.sh says it in one line with the
     config error's 2 (eks.py's FailJob) and starts no torchrun. It started torchrun, whose every
     worker refused it with 1, a failure torchrun (--max-restarts) and the Kubernetes Job (per pod)
     retry. A dry run prints a run for other machines, so their paths are not checked here."""
@@ -220,6 +220,7 @@ def test_a_bad_path_fails_in_launch_sh_not_in_every_worker(tmp_path):
     (tmp_path / "a_file").write_text("")
     env = {"TORCHRUN": str(torchrun), "NPROC_PER_NODE": "1", "NEURON_CACHE_DIR": str(tmp_path / "cache")}
     for arg, says in ((f"--tokenizer={tmp_path}/none.model", "none.model' is missing"),
+                      (f"--data=stdlib:0.5,{tmp_path}/none.arrow:0.5", "none.arrow' does not exist"),
                       (f"--out_dir={tmp_path}/a_file", "a_file' is a file, not a directory")):
         r = run_script([SCRIPTS / "launch.sh", "train", "--preset=tiny", arg], **env)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
