@@ -148,6 +148,15 @@ def kept_tokenizer(root: Path, folder: str) -> str:
     return folder
 
 
+def other_tokenizer(root: Path, kept: str, given: str, resuming: bool) -> str:
+    """What train.py says where the checkpoint directory's tokenizer/ holds another tokenizer than the run's."""
+    if resuming:
+        return (f"the run in {root} was trained with the tokenizer {kept}, and --data.tokenizer={given} "
+                f"differs: leave --data.tokenizer out (a resume takes the run's own) or give {kept}")
+    return (f"{kept} is not this run's tokenizer, and a run keeps its own in {Path(kept).parent} (it would be "
+            f"replaced): move that folder out of the checkpoint directory, or give another --ckpt.dir")
+
+
 def agree(grid: Grid, value: int) -> int:
     """The smallest value any rank holds, so that all ranks fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():

@@ -269,10 +269,8 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
     kept = [k for k in (os.path.join(own, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(k)]
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)
-    if kept and not same and resuming:
-        raise checkpoint.CheckpointError(
-            f"the run in {ckpt.root} was trained with the tokenizer {kept[0]}, and --data.tokenizer={tok.path} "
-            f"differs: leave --data.tokenizer out (a resume takes the run's own) or give {kept[0]}")
+    if kept and not same:           # fresh: a user's own tokenizer/ there, which keeping this run's would replace
+        raise checkpoint.CheckpointError(checkpoint.other_tokenizer(ckpt.root, kept[0], tok.path, resuming))
     problem = None
     if grid.is_main and not same and not ckpt.compile_only:
         try:

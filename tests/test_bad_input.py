@@ -288,6 +288,9 @@ CASES = [
        ["ck/tokenizer is a file, not a folder", "Move it out of the checkpoint directory"], 1, True) for fresh in (0, 1)],
     ("ckpt: only checkpoint damaged", CK(),
      ["holds no valid checkpoint", "step_00000002", "--ckpt.resume=false --ckpt.start_fresh"], 1, False),
+    ("ckpt: a user's tokenizer folder (fresh)", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
+                                                          "--out_dir={t}/o", "--ckpt.dir={t}/ck"]),
+     ["ck/tokenizer/tokenizer.model is not this run's tokenizer", "move that folder out"], 1, True),
     ("ckpt: only the checkpoints, no kept tokenizer", ("train", [*TINY, "--data={W}/corpus", "--out_dir={t}/o",
                                                                 "--ckpt.dir={t}/ck", "--data.cache_dir={t}/cache", "--steps=3"]),
      ["/ck/tokenizer", "--data.tokenizer="], 1, True),      # was: a tokenizer trained now, silently
@@ -443,6 +446,9 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
         shutil.rmtree(t / "ck") if name.endswith("(fresh)") else shutil.rmtree(t / "ck" / "tokenizer")
         (t / "ck").mkdir(exist_ok=True)
         (t / "ck" / "tokenizer").write_text("a user's file")
+    if name == "ckpt: a user's tokenizer folder (fresh)":         # was replaced by this run's
+        (t / "ck" / "tokenizer").mkdir(parents=True)
+        (t / "ck" / "tokenizer" / "tokenizer.model").write_text("a user's own tokenizer")
     if name == "ckpt: only the checkpoints, no kept tokenizer":    # an older nanotrn's run, or step folders copied
         shutil.rmtree(t / "ck" / "tokenizer")
     if name == "ckpt: only checkpoint damaged":
