@@ -412,7 +412,9 @@ def cli(argv: list[str]):
             raise CheckpointError(problem)
         if argv[0] == "ls":
             print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
-        elif problem is None:
+        elif problem is not None:       # an older model than the newest: never without a word
+            print(f"skipping {d.name}: {problem}", file=sys.stderr)
+        else:
             import data
             run = json.loads((d / "meta.json").read_text())["config"]
             m = ModelConfig(**run["model"])

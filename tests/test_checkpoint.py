@@ -309,6 +309,26 @@ def test_an_export_that_fills_the_disk_is_one_line_and_leaves_the_earlier_export
             subprocess.run(["umount", str(small)], check=True)
 
 
+def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, capsys):
+    """checkpoint.py export of a directory whose newest checkpoint is damaged (or still being saved)
+    exports the newest valid one and says which it passed over and why: it printed only 'exported
+    .../step_00000001', a model older than the newest, without a word about step 2."""
+    cfg = tiny_cfg(tmp_path / "ck")
+    model, opt = trained(cfg, steps=1)
+    ck = Checkpointer(cfg)
+    for step in (1, 2):
+        ck.save(step, model.state_dict(), opt.state_dict())
+    ck.close()
+    f = tmp_path / "ck" / "step_00000002" / "model_tp00_pp00.pt"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    f.write_bytes(raw)
+    checkpoint.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")])
+    out, err = capsys.readouterr()
+    assert "skipping step_00000002: model_tp00_pp00.pt: crc32" in err, err
+    assert f"exported {tmp_path}/ck/step_00000001 to {tmp_path}/hf" in out, out
+
+
 def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     """train.stop_budget after the grace period has run out (the previous save in flight took it
     all): the stop's save is not started, and the reason says 0.0 s are left. It said "-0.0 s of
