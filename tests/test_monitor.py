@@ -176,15 +176,30 @@ def test_tensorboard_hides_what_a_crashed_run_logged_past_the_restart(tmp_path, 
     assert got == [(s, 9.0) for s in range(1, restart_from + 1)] + [(s, 5.0) for s in range(restart_from + 1, 9)], got
 
 
-@pytest.mark.slow
-def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path):
+def plot_cli(tb, png, monkeypatch, capsys) -> tuple[int, str]:
+    """`python monitor.py plot TB PNG` run in this process (its __main__, by runpy: 0.1 s where a process
+    that loads torch took ~3 s): (exit status, stderr as the interpreter writes it). An exception other
+    than SystemExit, a traceback in a process, fails the test here."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "monitor.py"), "plot", str(tb), str(png)])
+    try:
+        runpy.run_path(os.path.join(ROOT, "monitor.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    if isinstance(code, str):               # sys.exit("message"): the interpreter prints it, exit status 1
+        return 1, err + code + "\n"
+    return code or 0, err
+
+
+def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path, monkeypatch, capsys):
     """`python monitor.py plot out curves.png` (the run's folder, not its out/tb), or an empty one:
     one line naming the folder to give, and no empty figure written (was: a blank PNG, exit 0)."""
     (tmp_path / "out" / "tb").mkdir(parents=True)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", str(tmp_path / "out"),
-                        str(tmp_path / "c.png")], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and not (tmp_path / "c.png").exists(), r.stderr
-    assert r.stderr.startswith(f"error: {tmp_path / 'out'} holds no train/loss") and r.stderr.count("\n") == 1, r.stderr
+    code, err = plot_cli(tmp_path / "out", tmp_path / "c.png", monkeypatch, capsys)
+    assert code != 0 and "Traceback" not in err and not (tmp_path / "c.png").exists(), err
+    assert err.startswith(f"error: {tmp_path / 'out'} holds no train/loss") and err.count("\n") == 1, err
 
 
 def _drift_worker(rank, ports, out_dir):
@@ -288,21 +303,18 @@ def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
     assert len(mfu) == 2 and mfu[0] == 1.0 and max(mfu) <= 1.0, mfu
 
 
-@pytest.mark.slow
-def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", str(tmp_path / "no_tb"),
-                        str(tmp_path / "c.png")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == f"error: {tmp_path / 'no_tb'} is not a directory of TensorBoard event files " \
-                               "(the run's --log.tensorboard)"
+def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    code, err = plot_cli(tmp_path / "no_tb", tmp_path / "c.png", monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip() == f"error: {tmp_path / 'no_tb'} is not a directory of TensorBoard event files " \
+                          "(the run's --log.tensorboard)"
     assert not (tmp_path / "c.png").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("out,says", [("c.txt", "c.txt' does not end in an image format"),
                                       ("c", "c' does not end in an image format"),
                                       ("adir", "adir' is a directory")])
-def test_plot_to_a_path_that_is_no_image_file_is_one_line(tmp_path, out, says):
+def test_plot_to_a_path_that_is_no_image_file_is_one_line(tmp_path, monkeypatch, capsys, out, says):
     """The PNG argument a directory, without an extension, or one matplotlib cannot write: one line
     naming it and the fix, before any reading. Was: matplotlib's ValueError traceback for .txt, and
     exit 0 with c.png / adir.png written beside (and the wrong name printed) for the other two."""
@@ -312,10 +324,9 @@ def test_plot_to_a_path_that_is_no_image_file_is_one_line(tmp_path, out, says):
     mon.close()
     (tmp_path / "adir").mkdir()
     before = sorted(os.listdir(tmp_path))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor.py"), "plot", tb, str(tmp_path / out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert says in r.stderr and "curves.png" in r.stderr, r.stderr
+    code, err = plot_cli(tb, tmp_path / out, monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err and err.count("\n") == 1, err
+    assert says in err and "curves.png" in err, err
     assert sorted(os.listdir(tmp_path)) == before and not os.listdir(tmp_path / "adir")
 
 
