@@ -405,25 +405,29 @@ def cli(argv: list[str]):
             raise CheckpointError(f"{root} is one checkpoint: give the directory that holds it, "
                                   f"{Path(root).resolve().parent}")
         raise CheckpointError(f"{root} holds no checkpoint (no step_* directory): is it a run's --ckpt.dir?")
-    for _, d in found:
-        verdict, problem, files = ckptdir.check(d)
-        problem = problem or ckptdir.verify(d, files)
-        if verdict == ckptdir.NEWER and argv[0] == "export":
-            raise CheckpointError(problem)
-        if argv[0] == "ls":
-            print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
-        elif problem is not None:       # an older model than the newest: never without a word
-            print(f"skipping {d.name}: {problem}", file=sys.stderr)
-        else:
-            import data
-            run = json.loads((d / "meta.json").read_text())["config"]
-            m = ModelConfig(**run["model"])
-            tok_dir = Path(root) / "tokenizer"
-            tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
-            hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
-                       bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
-            return print(f"exported {d} to {out}"
-                         + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
+    try:
+        for _, d in found:
+            verdict, problem, files = ckptdir.check(d)
+            problem = problem or ckptdir.verify(d, files)
+            if verdict == ckptdir.NEWER and argv[0] == "export":
+                raise CheckpointError(problem)
+            if argv[0] == "ls":
+                print(f"{d.name}  {'ok' if problem is None else 'BAD: ' + problem}")
+            elif problem is not None:       # an older model than the newest: never without a word
+                print(f"skipping {d.name}: {problem}", file=sys.stderr)
+            else:
+                import data
+                run = json.loads((d / "meta.json").read_text())["config"]
+                m = ModelConfig(**run["model"])
+                tok_dir = Path(root) / "tokenizer"
+                tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
+                hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
+                           bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
+                return print(f"exported {d} to {out}"
+                             + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
+    except FileNotFoundError as e:      # a run writing into root pruned or set it aside meanwhile
+        raise CheckpointError(f"{e.filename} was removed while it was read (a run writing into {root} pruned or "
+                              f"set aside that checkpoint): run the command again") from None
     if argv[0] == "export":
         raise CheckpointError(f"no complete, valid checkpoint in {root}")
 

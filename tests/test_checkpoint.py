@@ -329,6 +329,29 @@ def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, cap
     assert f"exported {tmp_path}/ck/step_00000001 to {tmp_path}/hf" in out, out
 
 
+def test_an_export_of_a_checkpoint_pruned_meanwhile_is_one_line(tmp_path, monkeypatch):
+    """checkpoint.py export while a run writes into the same directory: the run's keep-N pruning (or
+    a resume setting a folder aside) can remove the checkpoint being read. Here it goes right after
+    its checksums pass (the moment is forced: ckptdir.verify removes it). It was FileNotFoundError's
+    traceback; now one line naming the file and to run the command again."""
+    import shutil
+    cfg = tiny_cfg(tmp_path / "ck")
+    model, opt = trained(cfg, steps=1)
+    ck = Checkpointer(cfg)
+    ck.save(1, model.state_dict(), opt.state_dict())
+    ck.close()
+    verify = ckptdir.verify
+
+    def verify_then_pruned(d, files):
+        problem = verify(d, files)
+        shutil.rmtree(d)
+        return problem
+    monkeypatch.setattr(ckptdir, "verify", verify_then_pruned)
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")])
+    assert "step_00000001" in str(e.value.code) and "was removed while it was read" in str(e.value.code), e.value.code
+
+
 def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     """train.stop_budget after the grace period has run out (the previous save in flight took it
     all): the stop's save is not started, and the reason says 0.0 s are left. It said "-0.0 s of
