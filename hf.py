@@ -190,8 +190,13 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
 
 def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)")
+    if not os.path.isfile(path):        # nanotrn's checkpoints (a --ckpt.dir, or one step of it): say how to use them
+        d = os.path.abspath(folder)
+        d = os.path.dirname(d) if STEP_DIR.match(os.path.basename(d)) else d
+        ours = os.path.isdir(d) and any(STEP_DIR.match(n) for n in os.listdir(d))
+        raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)" + (
+            f"; it holds nanotrn checkpoints: continue that run with --ckpt.dir={d}, or start from its weights "
+            f"with python checkpoint.py export {d} OUT and --init_from=OUT" if ours else ""))
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)

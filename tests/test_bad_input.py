@@ -311,6 +311,9 @@ CASES = [
     ("init: weights truncated", TI("--init_from={W}/init_truncated"), ["init_truncated", "cannot read its weights"], 1, True),
     ("init: bad index", TI("--init_from={W}/init_badindex"), ["model.safetensors.index.json", "not a safetensors index"],
      1, True),
+    *[(f"init: a nanotrn checkpoint {what}", TI(f"--init_from={{W}}/run/ckpt{sub}"),       # was: only 'give a Hugging Face folder'
+       ["has no config.json", "--ckpt.dir={W}/run/ckpt", "python checkpoint.py export {W}/run/ckpt OUT"], 1, True)
+      for what, sub in (("directory", ""), ("step folder", "/step_00000002"))],
     ("init: no weights", TI("--init_from={W}/init_noweights"), ["no .safetensors files", "init_noweights"], 1, True),
     ("init: another vocabulary's tokenizer", TI("--init_from={W}/run/hf", "--data.tokenizer={W}/tok1024.model"),
      ["tok1024.model has 1024 pieces", "vocab_size is 512", "leave --data.tokenizer empty"], 1, True),
