@@ -10,6 +10,9 @@ NANOTRN_FAULT unset, both do nothing.
     NANOTRN_FAULT=nan:5         the step after 5 gets NaN gradients on every rank (--log.on_nonfinite)
     NANOTRN_FAULT=hang:1:5      rank 1 waits, once 5 steps are done, in a barrier no other rank joins
                                 (alone in the run: for ever)
+    NANOTRN_FAULT=any:7, hang:any:5   ... whichever rank this process is: set on one pod or node only
+                                (the rendezvous, not the pod, decides the rank: torchrun orders nodes
+                                by address and pid), it fires once in the whole run
 
 Steps count as the log and the checkpoints count them: 1:7 fires after the line "step 7" (and
 step 7's save), as the step logged "step 8" begins.
@@ -39,6 +42,8 @@ class Faults:
         self.spec, self.rank, self.log = spec.strip(), rank, Path(root) / "faults.log"
         self.p, self.seed, self.max, self.at, self.in_save = 0.0, 0, None, None, False
         self.nan_step = self.hang_at = None
+        self.any_rank = self.spec.startswith(("any:", "hang:any:"))    # this process, whatever its rank
+        rank_of = lambda s: self.rank if s == "any" else int(s)     # noqa: E731
         if not self.spec:
             return
         try:
@@ -46,7 +51,7 @@ class Faults:
                 self.nan_step = int(self.spec[4:])
             elif self.spec.startswith("hang:"):
                 rank, step = self.spec[5:].split(":")
-                self.hang_at = (int(rank), int(step))
+                self.hang_at = (rank_of(rank), int(step))
             elif self.spec.startswith("p="):
                 opts = dict(kv.split("=", 1) for kv in self.spec.split(","))
                 self.p, self.seed = float(opts["p"]), int(opts.get("seed", 0))
@@ -57,10 +62,11 @@ class Faults:
                 parts = self.spec.split(":")
                 if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "save"):
                     raise ValueError
-                self.at, self.in_save = (int(parts[0]), int(parts[1])), len(parts) == 3
+                self.at, self.in_save = (rank_of(parts[0]), int(parts[1])), len(parts) == 3
         except (ValueError, KeyError):
             raise ConfigError(f"NANOTRN_FAULT={spec!r} is not understood; use RANK:STEP, "
-                              f"RANK:STEP:save, p=PROB[,seed=N][,max=N], nan:STEP or hang:RANK:STEP") from None
+                              f"RANK:STEP:save, p=PROB[,seed=N][,max=N], nan:STEP or hang:RANK:STEP (RANK: a number "
+                              f"or any)") from None
         self.fired = self.log.read_text().splitlines() if self.log.exists() else []
 
     @classmethod
@@ -77,8 +83,8 @@ class Faults:
         print(f"NANOTRN_FAULT: {line}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _fired_before(self) -> bool:     # faults.log has this rank's fault of this spec: an earlier attempt's
-        return any(l.startswith(f"rank {self.rank} ") and f"({self.spec})" in l for l in self.fired)
+    def _fired_before(self) -> bool:     # faults.log has this rank's fault of this spec (any rank's, for 'any')
+        return any((self.any_rank or l.startswith(f"rank {self.rank} ")) and f"({self.spec})" in l for l in self.fired)
 
     def _fixed(self, step: int, in_save: bool) -> bool:
         return self.at == (self.rank, step) and self.in_save == in_save and not self._fired_before()

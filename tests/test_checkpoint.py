@@ -527,6 +527,28 @@ def test_hang_fires_once_where_asked_and_a_restart_goes_through_it(tmp_path):
     Faults("hang:1:5", 1, tmp_path).maybe_hang(5)                  # the restart: goes through
 
 
+def test_a_fault_for_any_rank_fires_in_the_process_that_has_it_once_per_run(tmp_path, monkeypatch):
+    """NANOTRN_FAULT=hang:any:6 / any:7: the process given the variable (one pod) fires at whatever rank
+    the rendezvous gave it (torchrun orders nodes by address and pid: a replacement pod may come back
+    as rank 0), and a later attempt at another rank does not fire again (faults.log)."""
+    killed = type("Killed", (Exception,), {})
+
+    def fake_kill(pid, sig):
+        raise killed
+    monkeypatch.setattr(faults.os, "kill", fake_kill)
+    assert not _dies(Faults("any:7", 0, tmp_path), 6, killed, log=False)
+    assert _dies(Faults("any:7", 0, tmp_path), 7, killed)                      # fires at rank 0 ...
+    assert not _dies(Faults("any:7", 1, tmp_path), 7, killed, log=False)       # ... once, whatever rank comes next
+    hung = threading.Thread(target=Faults("hang:any:6", 0, tmp_path).maybe_hang, args=(6,), daemon=True)
+    hung.start()
+    log, deadline = tmp_path / "faults.log", time.monotonic() + 60
+    while "hangs" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hung.join(timeout=0.5)
+    assert hung.is_alive() and log.read_text().endswith("rank 0 hangs at step 6 (hang:any:6)\n")
+    Faults("hang:any:6", 1, tmp_path).maybe_hang(6)                # the replacement, now rank 1: goes through
+
+
 def _dies(fi, step, killed, log=True) -> bool:
     if not log:       # only ask whether it would fire, leaving faults.log as it is
         def die(what):
