@@ -319,6 +319,11 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        # safetensors 0.8 writes its file 0600: made readable as the other files are (the umask's), by
+        # another user of a shared file system (a serving job). os.umask returns it only by setting one.
+        umask = os.umask(0o22)
+        os.umask(umask)
+        os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)
         for name, obj in (("config.json", conf), ("generation_config.json", gen)):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2)

@@ -327,6 +327,10 @@ def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, cap
     out, err = capsys.readouterr()
     assert "skipping step_00000002: model_tp00_pp00.pt: crc32" in err, err
     assert f"exported {tmp_path}/ck/step_00000001 to {tmp_path}/hf" in out, out
+    # Readable as the export's other files are (the umask's): safetensors 0.8 writes its file 0600,
+    # which another user of a shared file system (a serving job) could not read.
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
 
 
 def test_an_export_of_a_checkpoint_pruned_meanwhile_is_one_line(tmp_path, monkeypatch):
