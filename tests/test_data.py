@@ -565,6 +565,30 @@ def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
                 data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
+def test_utf16_or_utf32_without_a_byte_order_mark_is_refused_not_trained_as_garbage(tmp_path):
+    """Without a BOM (iconv -t UTF-16LE, UTF-32), ASCII decodes as valid UTF-8 with NULs between the
+    characters and trained silently. Refused by the NULs of the first block, in every reader and in
+    prepare; UTF-8 text with a stray NUL still reads."""
+    import gzip
+    text = "".join(f"line {i} of a note saved without a byte order mark\n" for i in range(200))
+    for enc in ("utf-16-le", "utf-16-be", "utf-32-le"):
+        d = tmp_path / enc
+        d.mkdir()
+        for name in ("note.txt", "lines.txt", "note.jsonl", "note.txt.gz"):
+            body = (json.dumps({"text": text}) + "\n" if name.endswith(".jsonl") else text).encode(enc)
+            (d / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+        for name, per_line in (("note.txt", False), ("lines.txt", True), ("note.jsonl", False), ("note.txt.gz", False)):
+            path = str(d / name)
+            with pytest.raises(data.DataError, match=re.escape(path) + r" is UTF-16 or UTF-32 text without a byte "
+                               r"order mark \(\d[\d,]* of its first [\d,]+ bytes are NUL\), not UTF-8: .*iconv"):
+                c = data.Corpus(path, doc_per_line=per_line, cache_dir=str(tmp_path / "c"))
+                c.read([0])                     # a whole file is opened only when read
+            with pytest.raises(data.DataError, match=re.escape(path) + r" is UTF-16 or UTF-32 text"):
+                data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
+    (tmp_path / "nul.txt").write_bytes(text.encode() + b"\0 a stray NUL\n")
+    assert data.Corpus(str(tmp_path / "nul.txt"), cache_dir=str(tmp_path / "c")).read([0])[0][0].startswith("line 0")
+
+
 def test_huge_document_beside_tiny_ones_spreads_over_every_stream(tok, tmp_path):
     """One document of 10x the rest of the corpus beside tiny ones (today's failure: one stream held
     it all, or a rank held only a 1-token document): every stream of every rank trains on, and the
