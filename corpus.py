@@ -111,7 +111,8 @@ class Corpus:
                 "utf8_replacements": "invalid UTF-8 sequences replaced by U+FFFD",
                 "empty_files": "empty files skipped"}[kind]
         first = self.examples.get({"bad_records": "bad_record", "utf8_replacements": "utf8"}.get(kind, kind))
-        return (f"data warning: {count:,} {what}" + (" so far" if kind != "empty_files" else "")
+        return (f"data warning: {count:,} {what}" + (" so far (each counted once, however many epochs read it)"
+                                                      if kind != "empty_files" else "")
                 + (f" (the first here: {first})" if first else ""))
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:

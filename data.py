@@ -41,6 +41,9 @@ from spans import Deal, SpanIndex, held_out, lanes_per_stream, positions, unifor
 
 STAT_KEYS = ("spans", "documents", "empty_docs", "bad_records", "utf8_replacements", "tokens")
 COUNTERS = STAT_KEYS + ("windows",)
+# Counted in a span's first-epoch read only: a data problem is said as the number of distinct bad
+# records / replaced sequences met, not once more per epoch (every span has one read per epoch).
+ONCE = [STAT_KEYS.index(k) for k in ("bad_records", "utf8_replacements")]
 AHEAD = 256     # reads / windows whose order a lane / stream computes at once (pure functions: any batching)
 FORMAT = 2      # of the data state: 2 = lanes of spans (reads, offset); none = documents (before spans)
 
@@ -222,11 +225,12 @@ def read_lane(read: SpanReader, deal: Deal, j: int, i: int, skip: int, want: int
     """Lane j's reads i, i+1, ... of `deal` (one span each; read i from its token `skip`) in blocks
     of ~`want` tokens, as pack() takes them. The first block is one read, then growing."""
     chunk, idle = 1, 0
-    ahead, at = np.zeros(0, np.int64), i            # span ids of reads at, at + 1, ...: computed
+    ahead, at = np.zeros(0, np.int64), i            # span ids (epochs) of reads at, at + 1, ...: computed
     while True:                                     # AHEAD reads at a time (a permutation call each)
         if i + chunk > at + len(ahead):
-            at, ahead = i, positions(deal, j, i, max(AHEAD, min(4 * chunk, 4096)))[0]
+            at, (ahead, epochs) = i, positions(deal, j, i, max(AHEAD, min(4 * chunk, 4096)))
         new, lens, counts = read(ahead[i - at:i - at + chunk], deal.keep)
+        counts[np.ix_(epochs[i - at:i - at + chunk] > 0, ONCE)] = 0
         d, skip = min(skip, int(lens[0])), 0            # resuming inside read i
         yield new[d:], i, lens, counts, d
         idle = 0 if len(new) else idle + chunk

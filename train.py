@@ -467,7 +467,7 @@ def run(argv: list[str]) -> None:
         mon.flush()
         if said:                             # the run's totals of what was said along the way
             totals = data_warnings(batches.stats(), grid)
-            log("data: this run " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
+            log("data: this run (each counted once) " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
         try:
             if ckpt is not None:

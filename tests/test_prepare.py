@@ -4,6 +4,7 @@ training reading compressed shards through its Arrow cache."""
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -155,6 +156,7 @@ def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_pat
     assert "invalid UTF-8" not in r.stderr and "skipped" not in r.stderr, r.stderr[-2000:]
     total = [x for x in lines if x.startswith("data: this run")]
     assert len(total) == 1 and "bad records" in total[0] and "utf8 replacements" in total[0], total
+    assert re.search(r"\bbad records 2\b", total[0]), total        # the 2 bad lines, not once per epoch read
 
 
 def test_training_cache_of_a_compressed_shard_says_its_invalid_utf8(tmp_path, capsys):
