@@ -234,8 +234,7 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            for g in fields(value):
-                keys[f"{f.name}.{g.name}"] = (value, g)
+            keys.update({f"{f.name}.{g.name}": (value, g) for g in fields(value)})
         else:
             keys[f.name] = (cfg, f)
     return keys
@@ -389,9 +388,10 @@ DOMAINS = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_dim", "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps",
                      "data.seq_len", "data.global_batch", "data.micro_batch", "log.interval",
-                     "log.eval_windows", "model.rope_original_max_len", "data.shuffle"), _AT_LEAST_1),
-    **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "optim.lr", "optim.eps",
-                     "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
+                     "log.eval_windows", "model.rope_original_max_len", "data.shuffle", "model.rope_factor"), _AT_LEAST_1),
+    **dict.fromkeys(("model.norm_eps", "optim.eps", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
+    **dict.fromkeys(("model.init_std", "optim.lr"), (lambda v: 0 < v <= 1, "> 0 and at most 1 (Llama: init_std 0.02, lr 3e-4)")),
+    "model.rope_theta": (lambda v: v > 1, "> 1 (RoPE's base, its powers the wavelengths: Llama 2 1e4, Llama 3 5e5)"),
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps",
                      "optim.decay_steps", "optim.constant_steps", "optim.weight_decay", "optim.grad_clip",
                      "ckpt.interval", "parallel.zero1_bucket_mb", "ckpt.keep", "log.eval_interval", "log.peak_tflops"), _NON_NEGATIVE),
@@ -415,14 +415,16 @@ def check_values(cfg: Config) -> None:
         if key in DOMAINS and not DOMAINS[key][0](value):
             raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
         if key in NON_EMPTY and not str(value).strip():
-            default = _all_keys(Config())[key][1].default
-            raise ConfigError(f"--{key} is empty: give a value (default {default!r})")
+            raise ConfigError(f"--{key} is empty: give a value (default {f.default!r})")
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     if not o.min_lr <= o.lr:
         raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr}: the schedule decays "
                           f"from lr to min_lr; lower min_lr")
+    if o.lr * o.weight_decay >= 1:          # AdamW's decoupled decay: every step, each weight times 1 - lr*weight_decay
+        raise ConfigError(f"--optim.weight_decay={o.weight_decay} with --optim.lr={o.lr}: each step multiplies every weight "
+                          f"by 1 - lr*weight_decay = {1 - o.lr * o.weight_decay:.3g}; lower weight_decay below {1 / o.lr:g}")
     if cfg.ckpt.start_fresh and cfg.ckpt.resume:
         raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
                           "it goes with --ckpt.resume=false (drop it to resume them)")
@@ -435,8 +437,7 @@ def check_values(cfg: Config) -> None:
     if m.head_dim % 2 != 0:
         raise ConfigError(f"head_dim {m.head_dim} (dim {m.dim} / n_heads {m.n_heads}, or --model.head_dim_override) "
                           f"must be even for RoPE; change --model.dim or --model.n_heads")
-    if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":
-        # The two copies sit at different offsets of their stages' ZeRO-1 shards: different noise.
+    if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":   # at other offsets of their ZeRO-1 shards
         raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
                           "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
@@ -588,8 +589,7 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
                  "  (the planner: python plan.py [--preset NAME] ...)")
     try:
-        cfg = from_args(argv[1:])
-        check_values(cfg)
+        check_values(cfg := from_args(argv[1:]))
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     print(json.dumps(cfg.to_dict(), indent=2))

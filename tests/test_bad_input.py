@@ -424,6 +424,12 @@ CASES = [
     *[(f"env: {e}", T("--global_batch=4", "--parallel.timeout_s=5"), [e.split(", ")[-1], "torchrun sets these"], 1, True) for e in (
         "WORLD_SIZE='x'", "WORLD_SIZE='0'", "WORLD_SIZE=''", "RANK='-1'", "LOCAL_WORLD_SIZE='0'", "LOCAL_WORLD_SIZE='x'",
         "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'")],
+    # ---- values whose first steps are NaN (weights or updates near 1e308, a RoPE frequency of 1/1e-300): were
+    # a non-finite stop after step 1, with the model built; now refused with the other domains (vinput2)
+    *[(f"domain: {a}", T(*a.split()), [a.split()[-1].split("=")[0] + "=", says], 1, True) for a, says in (
+        ("--model.init_std=1e308", "at most 1"), ("--optim.lr=1e308", "at most 1"),
+        ("--optim.weight_decay=1e308", "lower weight_decay below 1000"), ("--model.rope_theta=1e-300", "must be > 1"),
+        ("--model.rope_scaling=llama3 --model.rope_factor=1e-300", "must be >= 1"))],
     ("data: vocab 1", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "1", "--cache-dir", "{t}/c"]),
      ["1-piece", "--vocab=260 or more"], 1, True),           # was "could not train ...: ; lower --vocab"
     # ---- scripts/healthcheck.py: every flag was a traceback (init_process_group's first, run bare)
