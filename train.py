@@ -224,21 +224,22 @@ def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.
 # ----------------------------------------------------------------------------- before any work
 
 def check_memory(cfg: configs.Config, device: torch.device) -> None:
-    """This rank's share of the weights (fp32 on the host; on a CPU run with their gradients and
-    AdamW moments) plus one full weight must fit in this host's memory: a 10^9 vocabulary fails
-    here, not in an allocation after minutes of tokenizer training."""
-    m, p = cfg.model, cfg.parallel
-    per_param = 16 if device.type == "cpu" else 4
+    """This rank's share of the weights (fp32 on the host; on a CPU run with their gradients and AdamW moments),
+    one full weight, and on a CPU run a microbatch's document mask (two [B, T, T] bools, model.document_mask): a
+    10^9 vocabulary or a 131072-token sequence fails here, not in an allocation minutes later."""
+    m, p, d, cpu = cfg.model, cfg.parallel, cfg.data, device.type == "cpu"
+    act = 2 * d.micro_batch * d.seq_len**2 if cpu and d.document_mask else 0
     largest, what = max((m.vocab_size * m.dim, f"the embedding (--model.vocab_size={m.vocab_size} x --model.dim={m.dim})"),
                         (m.ffn_dim * m.dim, f"an MLP weight (--model.ffn_dim={m.ffn_dim} x --model.dim={m.dim})"))
-    need = llama.num_params(m) / (p.tp * p.pp) * per_param + 4 * largest
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    if need > have:
+    need = llama.num_params(m) / (p.tp * p.pp) * (16 if cpu else 4) + 4 * largest
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if need + act > have:
+        batch = f", a [B, T, T] mask (--data.micro_batch={d.micro_batch}, --data.seq_len={d.seq_len}) {act / 2**30:,.0f} GiB more"
         raise configs.ConfigError(
-            f"the model does not fit in memory: {llama.num_params(m) / 1e9:.3g}B parameters need "
-            f"{need / 2**30:,.0f} GiB per process (its largest weight, {what}, alone {4 * largest / 2**30:,.1f} "
-            f"GiB) but this host has {have / 2**30:,.0f} GiB per process; shrink the model or raise --tp/--pp")
+            f"the run does not fit in memory: {llama.num_params(m) / 1e9:.3g}B parameters need {need / 2**30:,.0f} GiB per "
+            f"process (its largest weight, {what}, alone {4 * largest / 2**30:,.1f} GiB){batch if act else ''}, but this "
+            f"host has {have / 2**30:,.0f} GiB per process; " + ("shrink the model or raise --tp/--pp" if need > have
+                                                                 else "lower --data.micro_batch or --data.seq_len"))
 
 
 def check_init_from_tokenizer(cfg: configs.Config) -> None:
@@ -290,8 +291,7 @@ def run(argv: list[str]) -> None:
     # The whole config, checked before any work: every key's domain, the model's shape, the layout
     # (the xla backend has rules of its own), every path's kind, the memory, the export folder.
     if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
-        print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
-        return
+        return print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
     check_init_from_tokenizer(cfg)
@@ -300,9 +300,8 @@ def run(argv: list[str]) -> None:
     configs.check_paths(cfg)
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for w in configs.warnings(cfg):
-            print(f"warning: {w}", file=sys.stderr)
+    for w in configs.warnings(cfg) if int(os.environ.get("RANK", "0")) == 0 else []:
+        print(f"warning: {w}", file=sys.stderr)
 
     grid = parallel.init_distributed(cfg, device)
     log = print if grid.is_main else (lambda *a, **k: None)
