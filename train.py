@@ -242,13 +242,14 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
                                                                  else "lower --data.micro_batch or --data.seq_len"))
 
 
-def check_init_from_tokenizer(cfg: configs.Config) -> None:
-    """--init_from: the vocabulary is the folder's, so a tokenizer that does not fit it cannot be fixed
-    with --model.vocab_size (refused there), as build_tokenizer's message would say later. A folder of
-    weights only, with no --data.tokenizer: build_tokenizer says so where the run needs one."""
+def check_tokenizer(cfg: configs.Config) -> None:
+    """--data.tokenizer loads and fits the vocabulary (build_tokenizer's checks) before the corpus is indexed; under
+    --init_from, the folder's (--model.vocab_size cannot fix it). A weights-only folder: build_tokenizer says so later."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
-    if not folder or (tok == folder and data.find_tokenizer(folder) is None):
+    if not tok or (tok == folder and data.find_tokenizer(folder) is None):
         return
+    if not folder:
+        return data.build_tokenizer(cfg.data, cfg.model.vocab_size)      # loads it: no corpus read, nothing trained
     n, v = data.load_tokenizer(tok).vocab_size, cfg.model.vocab_size
     if not n <= v <= -(-n // 128) * 128:
         raise hf.HFError(f"the tokenizer {tok} has {n} pieces but {folder}/config.json's vocab_size is {v}: they "
@@ -294,10 +295,10 @@ def run(argv: list[str]) -> None:
         return print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
     cfg = configs.from_args(argv)
     hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
-    check_init_from_tokenizer(cfg)
     device = pick_device(cfg.device)
     configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
     configs.check_paths(cfg)
+    check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
     for w in configs.warnings(cfg) if int(os.environ.get("RANK", "0")) == 0 else []:

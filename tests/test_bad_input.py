@@ -504,6 +504,17 @@ def test_data_tokenizer_says_only_its_own_flags(W, tmp_path, capsys):
     assert code == 1 and "set --vocab=" in text and "--data.tokenizer" not in text, text
 
 
+@pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
+def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
+    """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is
+    written into the cache (it was, and only then the tokenizer loaded)."""
+    (tmp_path / "empty.model").touch()
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T("--model.vocab_size=4096")[1]]
+    code, text = run_entry("train", [*argv, f"--data.tokenizer={tmp_path if tok == 'empty.model' else W}/{tok}"], capsys)
+    assert code == 1 and says in text and "Traceback" not in text, text
+    assert not (tmp_path / "cache").exists(), "the corpus was indexed first"
+
+
 def test_checkpoint_help_is_not_an_error(capsys):
     checkpoint.main(["--help"])
     assert "usage: python checkpoint.py" in capsys.readouterr().out
