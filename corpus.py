@@ -22,7 +22,8 @@ import sentencepiece as spm
 
 import prepare
 from configs import DataConfig
-from sources import COMPRESSED, ColumnDocs, DataError, FileDocs, LineDocs, decode, no_surrogates, resolve_paths
+from sources import (COMPRESSED, ColumnDocs, DataError, FileDocs, LineDocs, decode, left_out_line, no_surrogates,
+                     resolve_paths)
 from spans import by_hash, held_out, permute
 
 
@@ -54,9 +55,9 @@ class Corpus:
         self.spec, self.sources, self.examples = spec, [], {}
         self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
         entries = parse_mixture(spec)
-        seen, per_entry = set(), []             # a file named by two entries counts in the first
+        seen, per_entry, self.left_out = set(), [], []      # a file named by two entries counts in the first
         for entry, _ in entries:
-            per_entry.append([p for p in resolve_paths(entry, split)
+            per_entry.append([p for p in resolve_paths(entry, split, self.left_out)
                               if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
         paths = [p for ps in per_entry for p in ps]
         empty = [p for p in paths if os.path.getsize(p) == 0]
@@ -114,6 +115,11 @@ class Corpus:
         return (f"data warning: {count:,} {what}" + (" so far (each counted once, however many epochs read it)"
                                                       if kind != "empty_files" else "")
                 + (f" (the first here: {first})" if first else ""))
+
+    def start_warnings(self) -> list[str]:
+        """What a run says once at start: empty files skipped, files of a folder left out (sources.left_out_line)."""
+        return ([self.warning("empty_files", self.empty_files)] if self.empty_files else []) + \
+            ([left_out_line(self.left_out)] if self.left_out else [])
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
         """(text, utf8 replacements, bad record) per document."""

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, no_surrogates, not_utf16, progress,
-                     resolve_paths, text_column)
+from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, left_out_line, no_surrogates, not_utf16,
+                     progress, resolve_paths, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -223,7 +223,9 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         raise DataError(f"{out} exists; pass --force to replace it")
     folder = os.path.dirname(os.path.abspath(out)) if one else os.path.abspath(out)
     check_dir("out", folder)
-    paths = resolve_paths(",".join(sources))
+    paths = resolve_paths(",".join(sources), left_out=(left_out := []))
+    if left_out:
+        print("[prepare] " + left_out_line(left_out).removeprefix("data warning: "), file=sys.stderr, flush=True)
     if one and os.path.realpath(out) in {os.path.realpath(p) for p in paths}:
         raise DataError(f"--out {out} is also one of the sources")
     if not one and any(Path(p).resolve().is_relative_to(Path(folder).resolve()) for p in paths):

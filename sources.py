@@ -7,6 +7,7 @@ file and node in the cache and memory-mapped by every rank, so the page cache ho
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import functools
@@ -60,10 +61,11 @@ def stdlib_files() -> list[str]:
     return out
 
 
-def dataset_files(folder: str, split: str = "train") -> list[str]:
+def dataset_files(folder: str, split: str = "train", left_out: list | None = None) -> list[str]:
     """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only
     `split`'s files, never its card or scripts), any other directory every text file, recursively;
-    hidden entries never (docs/data.md lists the rules)."""
+    hidden entries never (docs/data.md lists the rules). `left_out` gets the files skipped that a user
+    may have meant as data (.json, a type not read): said at start, not dropped silently."""
     marker = os.path.join(folder, "dataset_dict.json")
     if os.path.isfile(marker):
         with open(marker) as f:
@@ -71,7 +73,7 @@ def dataset_files(folder: str, split: str = "train") -> list[str]:
         if split not in splits:
             raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
                             f"choose one with --data.split")
-        return dataset_files(os.path.join(folder, split), split)
+        return dataset_files(os.path.join(folder, split), split, left_out)
     state = os.path.join(folder, "state.json")
     if os.path.isfile(state):
         with open(state) as f:
@@ -80,7 +82,10 @@ def dataset_files(folder: str, split: str = "train") -> list[str]:
     files = []
     for d, dirs, fs in os.walk(folder):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".") and not f.endswith(".json")]
+        files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
+    if left_out is not None:
+        left_out += [p for p in files if not p.endswith(SUFFIXES) or p.endswith(".json")]
+    files = [p for p in files if not p.endswith(".json")]
     data_files = [p for p in files if p.endswith(STRUCTURED)]
     if not data_files:
         return [p for p in files if p.endswith(SUFFIXES)]
@@ -99,14 +104,15 @@ def dataset_files(folder: str, split: str = "train") -> list[str]:
     return data_files
 
 
-def resolve_paths(spec: str, split: str = "train") -> list[str]:
-    """'stdlib', files, directories and globs, comma-separated -> readable files, each once."""
+def resolve_paths(spec: str, split: str = "train", left_out: list | None = None) -> list[str]:
+    """'stdlib', files, directories and globs, comma-separated -> readable files, each once (and the
+    directories' files left out, into `left_out`: dataset_files)."""
     paths = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         if entry == "stdlib":
             found = stdlib_files()
         elif os.path.isdir(entry):
-            found = dataset_files(entry, split)
+            found = dataset_files(entry, split, left_out)
         elif any(c in entry for c in "*?["):
             found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
         elif (kind := path_kind(entry)) == "a file":
@@ -130,6 +136,16 @@ def resolve_paths(spec: str, split: str = "train") -> list[str]:
             raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
     seen = set()
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
+def left_out_line(paths: list[str]) -> str:
+    """One line saying the files of a folder left out, by type: a .json is read only when named."""
+    kinds = collections.Counter(os.path.splitext(p)[1] or "no extension" for p in paths)
+    json_dir = next((os.path.dirname(p) for p in paths if p.endswith(".json")), None)
+    return (f"data warning: {len(paths):,} files of the data folders left out ("
+            + ", ".join(f"{n:,} {k}" for k, n in sorted(kinds.items())) + f"; the first: {paths[0]}): "
+            + (f"a folder's .json files are read only when named (give {json_dir}/*.json to read them as JSON "
+               f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}")
 
 
 def not_utf16(head: bytes, path: str) -> bytes:

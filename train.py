@@ -387,8 +387,8 @@ def run(argv: list[str]) -> None:
                               device=device, start_step=step, tokens_seen=tokens_seen)
         tokens_per_step = d.global_batch * d.seq_len
         said = []                            # the kinds of data warnings already said (data_warnings)
-        if corpus.empty_files:
-            log(corpus.warning("empty_files", corpus.empty_files))
+        for line in corpus.start_warnings():    # empty files skipped, files of a folder left out
+            log(line)
         cut = lambda: sync(device)           # noqa: E731  the graph cuts inside a step (see sync)
         if device.type == "xla":
             log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")

@@ -548,6 +548,32 @@ def test_plain_json_of_json_lines_reads_as_its_json_gz_does(tmp_path):
         data.Corpus(str(tmp_path / "only"))
 
 
+def test_files_a_folder_leaves_out_are_said_in_one_line_not_dropped_silently(tmp_path, capsys):
+    """A folder's .json (its metadata, or JSON lines meant as data) and files of a type not read
+    (.csv, LICENSE) were skipped without a word: a silent wrong result. Listed once at start, by
+    type, naming the glob that reads a .json; train.py and prepare say the line."""
+    d = tmp_path / "mixed"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("some text here " * 20)
+    (d / "sub" / "b.jsonl").write_text(json.dumps({"text": "a record"}) + "\n")
+    (d / "sub" / "c4.json").write_text(json.dumps({"text": "meant as data"}) + "\n")
+    (d / "table.csv").write_text("a,b\n1,2\n")
+    (d / "LICENSE").write_text("MIT")
+    (d / ".hidden.csv").write_text("x")                 # hidden: never data, never said
+    c = data.Corpus(str(d), cache_dir=str(tmp_path / "c"))
+    assert c.n_docs == 2 and sorted(map(os.path.basename, c.left_out)) == ["LICENSE", "c4.json", "table.csv"]
+    line, = c.start_warnings()
+    assert line.startswith("data warning: 3 files of the data folders left out (1 .csv, 1 .json, 1 no extension; ")
+    assert f"give {d}/sub/*.json to read them as JSON lines" in line
+    data.prepare([str(d)], str(tmp_path / "out.arrow"), workers=1)
+    assert "[prepare] 3 files of the data folders left out" in capsys.readouterr().err
+    assert data.Corpus(str(d / "sub"), cache_dir=str(tmp_path / "c")).start_warnings()[0].count("left out") == 1
+    (d / "table.csv").unlink()
+    (d / "LICENSE").unlink()
+    (d / "sub" / "c4.json").unlink()
+    assert data.Corpus(str(d), cache_dir=str(tmp_path / "c")).start_warnings() == []
+
+
 def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
     """UTF-16 (Notepad's "Unicode") is valid UTF-8 with a NUL between ASCII characters: it trained as
     garbage. Refused by its byte order mark, in every reader and in prepare, naming file and fix."""

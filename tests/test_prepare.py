@@ -141,6 +141,7 @@ def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_pat
     (src / "a.jsonl").write_text("\n".join(good[:6] + bad + good[6:]) + "\n")
     (src / "0.txt").write_bytes(b"caf\xe9 au lait \xff " * 5)
     (src / "empty.txt").write_bytes(b"")
+    (src / "table.csv").write_text("a,b\n")            # a type not read: said at start, once
     r = run_train(["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1",
                    "--model.ffn_dim=64", "--seq_len=32", "--model.max_seq_len=32", "--global_batch=4",
                    "--micro_batch=2", "--steps=40", "--log.interval=4", "--model.vocab_size=384",
@@ -149,7 +150,7 @@ def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_pat
                    f"--ckpt.dir={tmp_path}/o/ckpt", f"--data.cache_dir={tmp_path}/cache", "--dp=2", "--device=cpu"], nproc=2)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    for what in ("bad records skipped", "invalid UTF-8 sequences replaced", "empty files skipped"):
+    for what in ("bad records skipped", "invalid UTF-8 sequences replaced", "empty files skipped", "left out (1 .csv"):
         said = [x for x in lines if what in x]
         assert len(said) == 1 and said[0].startswith("data warning: "), (what, said)
     assert all(x.startswith(("step", "data warning", "data: this run")) or "data warning" not in x for x in lines)
