@@ -18,6 +18,12 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# XLA:CPU compiles at LLVM -O0 in the tests, in this process and in every child: compiling is most of
+# an XLA test's time (-O0 takes ~40% less CPU), and what the tests check (graphs, their counts and HLO,
+# host reads, losses within 1e-4) does not depend on how fast XLA:CPU's code runs (Trainium's is
+# neuronx-cc's). A user's own XLA_FLAGS are kept.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 # The environment as the session got it, read before any test module is imported. Importing
 # torch_xla sets PJRT_DEVICE=CPU (and XLA_FLAGS, ...) in os.environ: test_xla.py does at collection,
 # test_tied.py and test_data.py in a test. train.pick_device follows PJRT_DEVICE (--device=auto), so
