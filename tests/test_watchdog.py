@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,12 +27,46 @@ def hung_run(tmp_path: Path, *extra) -> tuple[object, float]:
     return r, time.monotonic() - t0
 
 
+def single_hung_run(tmp_path: Path):
+    return run_train([f"--out_dir={tmp_path}", *ARGS, "--optim.max_steps=50", "--ckpt.interval=0",
+                      "--log.hang_factor=2", "--log.hang_min_s=4"], env={"NANOTRN_FAULT": "hang:0:4"}, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory) -> dict:
+    """The three hung runs of the tests below, started together: each mostly waits (for its watchdog
+    or its collective timeout: 8, 6 and 4 s, after its start-up), so one after another they left the
+    cores idle. Each run's time is from its own start. A run's failure is raised by its test."""
+    runs = {"watchdog": lambda d: hung_run(d, "--log.hang_factor=2", "--log.hang_min_s=8", "--parallel.timeout_s=120"),
+            "timeout": lambda d: hung_run(d, "--log.hang_factor=0", "--parallel.timeout_s=6"),
+            "single": single_hung_run}
+    out = {}
+
+    def run(name, f, d):
+        try:
+            out[name] = f(d)
+        except BaseException as e:            # pytest.fail (a run past its timeout) included
+            out[name] = e
+    threads = [threading.Thread(target=run, args=(k, f, tmp_path_factory.mktemp(k))) for k, f in runs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def result(hung: dict, name: str):
+    if isinstance(hung[name], BaseException):
+        raise hung[name]
+    return hung[name]
+
+
 @pytest.mark.slow
-def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_path):
+def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(hung):
     """Rank 1 enters a barrier at step 4 that rank 0 never joins; rank 0 waits in its step's
     all-reduce. Each rank's watchdog (no step for 8 s: 2 x the median step, at least 8 s) prints
     why and its threads' stacks, and exits with EXIT_HUNG before the 120 s collective timeout."""
-    r, took = hung_run(tmp_path, "--log.hang_factor=2", "--log.hang_min_s=8", "--parallel.timeout_s=120")
+    r, took = result(hung, "watchdog")
     assert r.returncode != 0 and "NANOTRN_FAULT: rank 1 hangs at step 4" in r.stderr, r.stderr[-3000:]
     for rank in (0, 1):
         assert f"[rank {rank}] watchdog: no training step finished in 8 s (2 x the median step time" in r.stderr, \
@@ -51,10 +86,10 @@ def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(tmp_pat
 
 
 @pytest.mark.slow
-def test_without_the_watchdog_the_collective_timeout_ends_the_hang(tmp_path):
+def test_without_the_watchdog_the_collective_timeout_ends_the_hang(hung):
     """--log.hang_factor=0 (no watchdog): gloo's timeout (--parallel.timeout_s=6) raises in the
     waiting ranks, which exit non-zero with the stack of the collective that timed out."""
-    r, took = hung_run(tmp_path, "--log.hang_factor=0", "--parallel.timeout_s=6")
+    r, took = result(hung, "timeout")
     assert r.returncode != 0 and "watchdog:" not in r.stderr, r.stderr[-3000:]
     assert re.search(r"[Tt]imed out", r.stderr), r.stderr[-3000:]
     assert took < 120, took
@@ -87,12 +122,11 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
 
 
 @pytest.mark.slow
-def test_a_hang_in_a_single_process_run_ends_by_the_watchdog_too(tmp_path):
+def test_a_hang_in_a_single_process_run_ends_by_the_watchdog_too(hung):
     """NANOTRN_FAULT=hang:0:STEP in `python train.py` (no process group, or a world of one, where a
     barrier returns at once): the rank waits for ever and its watchdog ends the run (was
     dist.barrier()'s "Default process group has not been initialized" traceback)."""
-    r = run_train([f"--out_dir={tmp_path}", *ARGS, "--optim.max_steps=50", "--ckpt.interval=0",
-                   "--log.hang_factor=2", "--log.hang_min_s=4"], env={"NANOTRN_FAULT": "hang:0:4"}, timeout=240)
+    r = result(hung, "single")
     assert r.returncode == monitor.EXIT_HUNG and "Traceback (most recent call last)" not in r.stderr, r.stderr[-3000:]
     assert "NANOTRN_FAULT: rank 0 hangs at step 4" in r.stderr
     assert "[rank 0] watchdog: no training step finished in 4 s" in r.stderr, r.stderr[-3000:]
