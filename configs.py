@@ -315,9 +315,8 @@ def wants_help(argv: list[str]) -> bool:
 
 def field_comments() -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the field's end-of-line comment here: help written next to its field."""
-    import ast, io, tokenize
-    with open(__file__, encoding="utf-8") as f:
-        src = f.read()
+    import ast, inspect, io, tokenize
+    src = inspect.getsource(sys.modules[__name__])
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
     return {(c.name, s.target.id): comments.get(s.lineno, "")
@@ -515,6 +514,8 @@ def warnings(cfg: Config) -> list[str]:
 def path_kind(path: str) -> str:
     """What is at path, in words (a FIFO is named a FIFO, not "does not exist")."""
     import stat
+    if any("\udc80" <= c <= "\udcff" for c in path):      # undecodable bytes (surrogateescape): Arrow, sentencepiece
+        return "a name not in UTF-8 (rename it)"             # and every JSON file a run writes fail on them later
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:           # a link to nothing is not nothing: makedirs would fail on it
@@ -544,10 +545,9 @@ def check_dir(key: str, path: str) -> None:
 
 def check_paths(cfg: Config) -> None:
     """Every directory a run writes and the tokenizer it reads: else a bad path fails the first save, hours in."""
-    for key, path in (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir),
-                      ("log.tensorboard", cfg.log.tensorboard), ("data.cache_dir", cfg.data.cache_dir)):
-        if path:
-            check_dir(key, path)
+    dirs = (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir), ("data.cache_dir", cfg.data.cache_dir))
+    for key, path in dirs + ((("log.tensorboard", cfg.log.tensorboard),) if cfg.log.tensorboard else ()):
+        check_dir(key, path)        # (an empty out_dir, ckpt.dir or cache_dir: refused by check_values)
     tok = cfg.data.tokenizer
     if tok and (kind := path_kind(tok)) != "a directory":      # a model folder is fine, else a readable file
         if kind != "a file":

@@ -39,7 +39,7 @@ RECIPE = "prepare-v1"           # bump when what a shard converts to changes (in
 
 def _open(path: str):
     """(raw file, decompressed stream): progress is the raw file's position."""
-    raw = pa.OSFile(path, "rb")
+    raw = pa.PythonFile(open(path, "rb"), mode="r")      # not pa.OSFile: it opens only names that are UTF-8
     codec = {".gz": "gzip", ".zst": "zstd"}.get(os.path.splitext(path)[1])
     if codec and not pa.Codec.is_available(codec):
         raise DataError(f"{path}: this pyarrow was built without {codec}; install pyarrow from PyPI")
@@ -199,7 +199,7 @@ def _work(args):
 
 def shard_name(i: int, path: str) -> str:
     """00003-name.arrow for shard 3: sorted names keep the shards' order (dataset_files sorts)."""
-    base = os.path.basename(path)
+    base = os.path.basename(path).encode("utf-8", "surrogateescape").decode("utf-8", "replace")    # Arrow: UTF-8 names
     for suffix in COMPRESSED + (".jsonl", ".json", ".txt", ".md", ".rst", ".py", ".arrow", ".parquet"):
         base = base.removesuffix(suffix)
     return f"{i:05d}-{base}.arrow"

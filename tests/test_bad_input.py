@@ -32,6 +32,7 @@ import data  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
 import plan  # noqa: E402
+import prepare  # noqa: E402
 import monitor  # noqa: E402
 import train  # noqa: E402
 
@@ -434,6 +435,13 @@ CASES = [
     # model was built (at 2**17 tokens: the OOM killer, on this 24 GiB host)
     ("document mask 2^20", T("--data=stdlib", "--seq_len=1048576", "--model.max_seq_len=1048576", "--global_batch=1",
                              "--micro_batch=1"), ["--data.seq_len=1048576", "does not fit", "lower --data.micro_batch"], 1, True),
+    # a name in another encoding than UTF-8 (bytes Python keeps as surrogate escapes): were tracebacks from
+    # json, sentencepiece or Arrow, the export's after its files were half written (vinput2)
+    *[(f"non-UTF-8 {name}", call, ["not in UTF-8 (rename it)"], 1, True) for name, call in (
+        ("--data.cache_dir", T("--data.cache_dir={t}/c\udcff")), ("--out_dir", T("--out_dir={t}/o\udcff")),
+        ("--data.tokenizer", T("--data.tokenizer={W}/t\udcff.model")),
+        ("data.py --out", ("data", ["prepare", "{W}/corpus", "--out", "{t}/x\udcff.arrow"])),
+        ("checkpoint.py export", ("checkpoint", ["export", "{W}/run/ckpt", "{t}/h\udcff"])))],
     ("data: vocab 1", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "1", "--cache-dir", "{t}/c"]),
      ["1-piece", "--vocab=260 or more"], 1, True),           # was "could not train ...: ; lower --vocab"
     # ---- scripts/healthcheck.py: every flag was a traceback (init_process_group's first, run bare)
@@ -513,6 +521,15 @@ def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, 
     code, text = run_entry("train", [*argv, f"--data.tokenizer={tmp_path if tok == 'empty.model' else W}/{tok}"], capsys)
     assert code == 1 and says in text and "Traceback" not in text, text
     assert not (tmp_path / "cache").exists(), "the corpus was indexed first"
+
+
+def test_prepare_reads_a_folder_holding_a_file_named_in_another_encoding(W, tmp_path):
+    """caf\xe9.py (Latin-1 bytes) among UTF-8 names: train.py reads such a folder, and so does prepare (its shard's
+    temporary name was the source's, which Arrow cannot open: a UnicodeEncodeError traceback)."""
+    shutil.copytree(W / "corpus", tmp_path / "src")
+    (tmp_path / os.fsdecode(b"src/caf\xe9.py")).write_text("x = 1\n" * 50)
+    counts = prepare.prepare([str(tmp_path / "src")], str(tmp_path / "all.arrow"), workers=1)
+    assert counts["documents"] == 13 and (tmp_path / "all.arrow").exists()
 
 
 def test_checkpoint_help_is_not_an_error(capsys):
