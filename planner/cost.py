@@ -4,6 +4,7 @@ collectives, the update), from the config and the datasheets alone; three consta
 (planner/calibrate.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from configs import INSTANCES, Config, Instance, ModelConfig
@@ -337,9 +338,11 @@ def runnable(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, c
 def layouts(cfg: Config, world: int) -> list[Layout]:
     """Every layout to consider on `world` cores: TP from tp_degrees, PP dividing the layers, with and
     without SP and ZeRO-1, each checkpointing mode, micro-batches 1, 2, 4 and the configured one."""
+    # PP divides the layers and the world: the divisors of their gcd (range(n_layers) never ends at 10^9 layers)
+    g = math.gcd(cfg.model.n_layers, world)
     found = {runnable(cfg, world, tp, pp, sp, z, ckpt, mb)
              for tp in tp_degrees(cfg.model, INSTANCES[cfg.parallel.instance])
-             for pp in range(1, cfg.model.n_layers + 1)
+             for pp in {d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)}
              for sp in (False, True) for z in (False, True) for ckpt in ("none", "selective", "full")
              for mb in {1, 2, 4, cfg.data.micro_batch}}
     return sorted(x for x in found if x is not None)

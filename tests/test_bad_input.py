@@ -532,6 +532,13 @@ def test_prepare_reads_a_folder_holding_a_file_named_in_another_encoding(W, tmp_
     assert counts["documents"] == 13 and (tmp_path / "all.arrow").exists()
 
 
+def test_plan_of_a_billion_layers_ends(capsys):
+    """The planner tried every PP degree from 1 to n_layers (x TP x SP x ZeRO-1 x checkpointing x micro-batch):
+    --model.n_layers=1000000000 never ended. A PP degree divides n_layers and the world: their gcd's divisors."""
+    plan.main(["--model.n_layers=1000000000"])
+    assert "layouts that fit, fastest first (0 of 924)" in capsys.readouterr().out
+
+
 def test_checkpoint_help_is_not_an_error(capsys):
     checkpoint.main(["--help"])
     assert "usage: python checkpoint.py" in capsys.readouterr().out
