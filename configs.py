@@ -583,12 +583,12 @@ INSTANCES = {
 
 
 def main(argv: list[str]) -> None:
-    if wants_help(argv):
-        return print(help_text(__doc__, [a for a in argv if a != "show"]))
-    if not argv or argv[0] != "show":
-        sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
-                 "  (the planner: python plan.py [--preset NAME] ...)")
-    try:
+    try:                                # --help reads the flags too: `--help --bogus` is the same one line
+        if wants_help(argv):
+            return print(help_text(__doc__, [a for a in argv if a != "show"]))
+        if not argv or argv[0] != "show":
+            sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
+                     "  (the planner: python plan.py [--preset NAME] ...)")
         check_values(cfg := from_args(argv[1:]))
     except ConfigError as e:
         sys.exit(f"config error: {e}")

@@ -391,6 +391,7 @@ CASES = [
     ("configs: plan moved", ("configs", ["plan"]), ["python plan.py"], 1, True),
     ("configs: bad key", ("configs", ["show", "--model.n_layer=2"]), ["--model.n_layer"], 1, True),
     ("configs: bad value", ("configs", ["show", "--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
+    ("configs: help with a bad key", ("configs", ["--help", "--bogus"]), ["--bogus"], 1, True),   # was a traceback
     ("plan: zero heads", ("plan", ["--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
     ("plan: negative cores", ("plan", ["--parallel.cores=-32"]), ["--parallel.cores=-32"], 1, True),
     ("plan: beta2", ("plan", ["--preset", "llama2_7b", "--optim.beta2=1.5"]), ["--optim.beta2=1.5"], 1, True),
