@@ -382,7 +382,7 @@ def cli(argv: list[str]):
         raise CheckpointError(usage)
     root = argv[1]
     if (kind := path_kind(root)) != "a directory":
-        raise CheckpointError(f"{root} is {'missing' if kind == 'nothing' else kind}: give a checkpoint "
+        raise CheckpointError(f"{root!r} is {'missing' if kind == 'nothing' else kind}: give a checkpoint "
                               f"directory (the --ckpt.dir of a run)")
     if argv[0] == "export":
         out = argv[2]

@@ -368,6 +368,7 @@ CASES = [
     ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
     ("ckpt: unknown command", ("checkpoint", ["show", "x"]), ["'show'", "usage"], 1, True),
     ("ckpt: ls missing", ("checkpoint", ["ls", "{W}/nope"]), ["nope", "missing"], 1, True),
+    ("ckpt: ls ''", ("checkpoint", ["ls", ""]), ["'' is missing"], 1, True),      # was " is missing": no value named
     ("ckpt: ls a file", ("checkpoint", ["ls", "{W}/afile"]), ["afile", "is a file"], 1, True),
     ("ckpt: ls no checkpoint", ("checkpoint", ["ls", "{W}/emptydir"]), ["emptydir", "holds no checkpoint"], 1, True),
     ("ckpt: bad flag", ("checkpoint", ["ls", "{W}/run/ckpt", "--force"]), ["usage"], 1, True),
