@@ -369,3 +369,7 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> st
                   file=sys.stderr, flush=True)
     build_once(dst, build)
     return dst
+
+
+if __name__ == "__main__":      # a library: `python prepare.py` did nothing, silently, with exit 0
+    sys.exit("usage: python data.py prepare SOURCES... --out OUT.arrow|DIR/ [-j N] [--force] (prepare.py is its library)")

@@ -541,6 +541,13 @@ def test_plan_of_a_billion_layers_ends(capsys):
     assert "layouts that fit, fastest first (0 of 924)" in capsys.readouterr().out
 
 
+def test_prepare_py_run_alone_says_how_to_prepare():
+    """The brief names `python prepare.py`: it is data.py prepare's library, and did nothing with exit 0."""
+    import runpy
+    with pytest.raises(SystemExit, match="usage: python data.py prepare SOURCES"):
+        runpy.run_path(os.path.join(ROOT, "prepare.py"), run_name="__main__")
+
+
 def test_checkpoint_help_is_not_an_error(capsys):
     checkpoint.main(["--help"])
     assert "usage: python checkpoint.py" in capsys.readouterr().out
