@@ -728,11 +728,15 @@ def test_precompile_pass_writes_no_checkpoint_and_no_export(tmp_path):
     through its saves (staged to host memory: the same transfers and graph cuts) and a resume's
     optimizer load, and writes nothing: no checkpoint directory, no tokenizer copy, no export.
     Its losses are a normal run's (the load round trip changes no value)."""
+    refs = []                                   # the normal run meanwhile: two single processes, two cores
+    reference = threading.Thread(target=lambda: refs.append(run_train([f"--out_dir={tmp_path}/ref", *TRAIN_ARGS])))
+    reference.start()
     run = run_train([f"--out_dir={tmp_path}/o", *TRAIN_ARGS], env={"NANOTRN_FAULT": None, "NEURON_EXTRACT_GRAPHS_ONLY": "1"})
+    reference.join()
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "pre-compile pass: 6 steps traced, nothing saved or exported" in run.stdout
     assert not (tmp_path / "o").exists(), sorted(map(str, (tmp_path / "o").rglob("*")))
-    ref = run_train([f"--out_dir={tmp_path}/ref", *TRAIN_ARGS])
+    (ref,) = refs
     assert ref.returncode == 0 and (tmp_path / "ref" / "ckpt" / "step_00000006").is_dir()
     loss = lambda out: [l for l in out.splitlines() if "| loss" in l and l.startswith("step")]   # noqa: E731
     assert [l.split("|")[1] for l in loss(run.stdout)] == [l.split("|")[1] for l in loss(ref.stdout)]

@@ -184,8 +184,8 @@ def test_sigterm_to_torchrun_stops_after_the_step_it_came_during_within_30s(tmp_
 def test_sigint_and_sigusr1_stop_a_single_process_with_a_checkpoint(tmp_path):
     """SIGINT (Ctrl-C) and SIGUSR1 (SLURM's early warning) to a single process: the same stop,
     exit status 0."""
-    for sig in (signal.SIGINT, signal.SIGUSR1):
-        p = start(tmp_path / sig.name)
+    runs = {sig: start(tmp_path / sig.name) for sig in (signal.SIGINT, signal.SIGUSR1)}   # together: the start-ups overlap
+    for sig, p in runs.items():
         out, err, _ = signal_after(p, sig, 2)
         assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
         step = stopped_step(out, sig.name)
