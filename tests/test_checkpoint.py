@@ -682,11 +682,15 @@ def test_e2e_sigkill_at_random_step_resumes_bit_exact(tmp_path):
     checkpoint to resume from, and the save of the step before may still be in flight (skipped).
     The final HF export gives our logits."""
     longer = ["--optim.max_steps=8", "--optim.decay_steps=6"]
-    ref = train(tmp_path / "ref", *longer)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+    refs = []                                   # the uninterrupted run meanwhile: two single processes, two cores
+    reference = threading.Thread(target=lambda: refs.append(train(tmp_path / "ref", *longer)))
+    reference.start()
     k = random.randint(5, 7)
     print(f"killing at step {k}")
     run = train(tmp_path / "run", *longer, fault=f"0:{k}")
+    reference.join()
+    (ref,) = refs
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
     assert run.returncode == -signal.SIGKILL and f"NANOTRN_FAULT: rank 0 step {k}" in run.stderr, run.stderr[-2000:]
     run = train(tmp_path / "run", *longer, fault=f"0:{k}")    # same environment: it does not fire twice
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
