@@ -47,13 +47,15 @@ def pick_device(name: str) -> torch.device:
     if name == "xla" or (name == "auto" and os.environ.get("PJRT_DEVICE")):
         try:
             import torch_xla
-            return torch_xla.device()
-        except RuntimeError as e:           # "No PjRtPlugin registered for: X"
-            raise configs.ConfigError(f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}: {str(e).split('. ')[0]}; use "
-                                      f"NEURON on Trainium, CPU for XLA:CPU, or unset it") from None
         except ImportError:
             if name == "xla":
                 raise configs.ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None
+        else:   # a device named but missing is refused, never run on the CPU instead: "No PjRtPlugin
+            try:    # registered for: X", or NEURON without the Neuron runtime ("No module named 'libneuronxla'")
+                return torch_xla.device()
+            except (RuntimeError, ImportError) as e:
+                raise configs.ConfigError(f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}: {str(e).split('. ')[0]}; "
+                                          f"use NEURON on Trainium (its venv), CPU for XLA:CPU, or unset it") from None
     if name in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if name == "cuda":
