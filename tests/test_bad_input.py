@@ -643,9 +643,13 @@ def test_torchrun_says_a_refusal_after_the_process_group_once(tmp_path):
 @pytest.mark.parametrize("argv", [["train.py", "--help"], ["checkpoint.py", "--help"], ["configs.py", "show"],
                                   ["configs.py", "--help"]])
 def test_output_into_a_closed_pipe_is_no_traceback(argv):
-    """`python train.py --help | head -1`: the reader is gone before the text is written."""
-    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    p.stdout.close()
+    """`python train.py --help | head -1`: the reader is gone before the text is written. (Gone before
+    the child starts: closing it after Popen let a fast child, configs.py, fill the pipe's buffer first
+    on a loaded host and exit 0.)"""
+    read, write = os.pipe()
+    os.close(read)
+    p = subprocess.Popen([sys.executable, *argv], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    os.close(write)
     err = p.stderr.read()
     assert p.wait(timeout=120) != 0 and "Traceback" not in err and "BrokenPipeError" not in err, err
 
