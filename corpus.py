@@ -22,9 +22,11 @@ import sentencepiece as spm
 
 import prepare
 from configs import DataConfig
-from sources import (COMPRESSED, ColumnDocs, DataError, FileDocs, LineDocs, decode, left_out_line, no_surrogates,
-                     resolve_paths)
+from sources import (COMPRESSED, CachedDocs, ColumnDocs, DataError, FileDocs, LineDocs, decode, left_out_line,
+                     no_surrogates, resolve_paths)
 from spans import by_hash, held_out, permute
+
+COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.cached): no cheap random access
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
@@ -68,9 +70,9 @@ class Corpus:
         for p in paths:
             if os.path.getsize(p) == 0:
                 continue
-            elif p.endswith(COMPRESSED + (".parquet",)):     # an Arrow copy, made once (sources.COMPRESSED)
-                self.sources.append(ColumnDocs(prepare.cached(p, text_field, doc_per_line, cache_dir), "text", cache_dir))
-                self.sources[-1].path = p
+            elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
+                self.sources.append(CachedDocs(p, prepare.cached(p, text_field, doc_per_line, cache_dir), text_field,
+                                               doc_per_line, cache_dir))
             elif p.endswith((".jsonl", ".json")):
                 self.sources.append(LineDocs(p, True, text_field, cache_dir))
             elif p.endswith(".arrow"):
@@ -90,6 +92,8 @@ class Corpus:
         # Identity for caches and resume checks: file names and sizes (hashing a terabyte of content at
         # every start costs more than it protects; names, so the same files mounted elsewhere match).
         ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
+        if any(p.endswith(COPIED) for p in paths):      # and how their copies read (a resume over an older
+            ident.append(prepare.RECIPE)                # copy's documents is refused); raw corpora: as before
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
         self.groups = [(spec, 1.0, 0, self.n_docs)]
         if entries[0][1] is not None:

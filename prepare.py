@@ -32,7 +32,8 @@ BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
 MAX_EXAMPLES = 5                # bad records named in the summary; the rest are counted
 SCHEMA = pa.schema({"text": pa.large_string()})
-RECIPE = "prepare-v1"           # bump when what a shard converts to changes (invalidates caches)
+RECIPE = "copy-v2"              # training's copies (cached): bump when what they hold changes (a new copy,
+                                # and a new Corpus.fingerprint: a resume over the older copy is refused)
 
 
 # ----------------------------------------------------------------------------- reading one shard
@@ -346,9 +347,65 @@ def _drain(pending, q, progress):
 
 # ----------------------------------------------------------------------------- training's cache
 
+COPY = pa.schema({"text": pa.large_binary()})
+COPY_ROWS = 1 << 16             # rows per record batch of a copy at most (a file of blank lines: bounded too)
+
+
+def _raw_records(path: str, field: str, doc_per_line: bool):
+    """(bytes or None, input bytes read so far) per record of a compressed or Parquet shard, as the
+    reader of the raw file sees its records: every line (blank, not JSON: the Corpus parses and counts
+    them), the whole file (none if it is empty, like an empty .txt), a Parquet column's values (nulls too)."""
+    if path.endswith(".parquet"):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:         # a file object: pq opens only names that are UTF-8
+            try:
+                pf = pq.ParquetFile(f)
+                text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
+                total, row = max(pf.metadata.num_rows, 1), 0
+                for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+                    for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
+                        row += 1
+                        yield value, size * row / total
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"{path}: not a valid .parquet file ({str(e).splitlines()[0]}); leave it out") from None
+    elif path.endswith(JSON_LINES) or doc_per_line:
+        for _, line, pos in _lines(path):
+            yield line, pos
+    else:
+        raw, stream = _open(path)
+        with raw, stream:
+            try:
+                body = not_utf16(stream.read(), path)
+            except OSError as e:                    # a truncated or corrupt gzip/zstd stream
+                raise DataError(f"{path}: cannot be decompressed ({e}); re-download it or leave it out") from None
+        if body:
+            yield body, os.path.getsize(path)
+
+
+def copy_records(path: str, dst: str, field: str, doc_per_line: bool, report=lambda nbytes: None) -> None:
+    """Training's Arrow copy of a compressed or Parquet shard: a row per record of the file, its bytes
+    as they are, read by sources.CachedDocs as the raw file is read. The same documents in the same
+    order (a .jsonl.gz trains as its .jsonl does: same spans, same batches), bad records and invalid
+    UTF-8 counted as they are read. (convert, prepare's, drops empty documents and bad records.)"""
+    rows, size, done, last = [], 0, 0, time.monotonic()
+    with pa.OSFile(dst, "wb") as sink, pa.ipc.new_stream(sink, COPY) as writer:
+        for value, pos in _raw_records(path, field, doc_per_line):
+            rows.append(value)
+            size += len(value or b"")
+            if size >= BATCH_BYTES or len(rows) >= COPY_ROWS:
+                writer.write_batch(pa.record_batch([pa.array(rows, pa.large_binary())], schema=COPY))
+                rows, size = [], 0
+            if time.monotonic() - last > 0.5:
+                report(int(pos) - done)
+                done, last = int(pos), time.monotonic()
+        if rows:
+            writer.write_batch(pa.record_batch([pa.array(rows, pa.large_binary())], schema=COPY))
+    report(os.path.getsize(path) - done)
+
+
 def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> str:
-    """The Arrow file training reads for a compressed shard (no cheap random access): converted once
-    into cache_dir by the process that gets the lock; keyed by name, size, mtime and the settings."""
+    """The Arrow file training reads for a compressed or Parquet shard (no cheap random access): copied
+    once into cache_dir by the process that gets the lock; keyed by name, size, mtime and the settings."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.basename(path), st.st_size, st.st_mtime_ns, text_field,
                                      doc_per_line, RECIPE]).encode()).hexdigest()[:12]
@@ -357,16 +414,10 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> st
         return dst
 
     def build(tmp):
-        print(f"[data] {path} is compressed: converting it once to {dst} (python data.py prepare converts "
-              f"many shards in parallel)", file=sys.stderr, flush=True)
+        print(f"[data] {path} has no cheap random access (compressed or Parquet): copying it once to {dst} "
+              f"(python data.py prepare converts many shards in parallel)", file=sys.stderr, flush=True)
         with progress(st.st_size, "[data] converting") as bar:
-            r = convert(path, tmp, text_field, doc_per_line, report=lambda b, d: bar.update(b))
-        if r["counts"].get("bad_records"):
-            print(f"[data] {path}: {r['counts']['bad_records']:,} bad records skipped: " + "; ".join(r["examples"]),
-                  file=sys.stderr, flush=True)
-        if r["counts"].get("utf8_replacements"):    # the copy is valid UTF-8: the loader's count sees none
-            print(f"[data] {path}: {r['counts']['utf8_replacements']:,} invalid UTF-8 sequences replaced by U+FFFD",
-                  file=sys.stderr, flush=True)
+            copy_records(path, tmp, text_field, doc_per_line, report=bar.update)
     build_once(dst, build)
     return dst
 

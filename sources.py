@@ -255,6 +255,21 @@ class Source:
     def where(self, i):
         return f"{self.path}[{i}]"
 
+    def _check_first_record(self):
+        """JSON lines: a wrong file or field shows on the first record: refuse it now, not mid-training."""
+        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
+        if i is None:
+            return
+        try:
+            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
+                            f"must be one JSON object") from None
+        if not isinstance(rec, dict) or self.field not in rec:
+            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
+                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
+                            f"--data.text_field to the one holding the text")
+
 
 class FileDocs(Source):
     """One document per file (.txt, .md, .py): the stdlib corpus is 1,800 of these."""
@@ -306,21 +321,6 @@ class LineDocs(Source):
                 bar.update(min(block, size - s))
         if size and last != size - 1:
             f.write(np.int64(size).tobytes())             # a last line without a newline
-
-    def _check_first_record(self):
-        """A wrong file or field shows on the first record: refuse it now, not mid-training."""
-        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
-        if i is None:
-            return
-        try:
-            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
-                            f"must be one JSON object") from None
-        if not isinstance(rec, dict) or self.field not in rec:
-            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
-                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
-                            f"--data.text_field to the one holding the text")
 
     def read(self, ids):
         b = self.bounds
@@ -470,6 +470,24 @@ class ColumnDocs(Source):
         offs = np.frombuffer(chunk.buffers()[1], np.int64 if self.wide else np.int32)[chunk.offset + j:chunk.offset + j + 2]
         end = int(offs[1]) if stop < 0 else int(offs[0]) + stop
         return chunk.buffers()[2][int(offs[0]) + start:end].to_pybytes()
+
+
+class CachedDocs(ColumnDocs):
+    """A compressed or Parquet file read through its Arrow copy (prepare.cached: a row per record of
+    the file, its bytes): its documents named, parsed and counted as its raw reader does (LineDocs,
+    FileDocs, ColumnDocs), so that a .jsonl.gz trains as its .jsonl does."""
+
+    def __init__(self, path: str, copy: str, field: str, doc_per_line: bool, cache_dir: str = ".cache"):
+        super().__init__(copy, "text", cache_dir)
+        self.path, self.field, self.jsonl = path, field, path.endswith(JSON_LINES)
+        self.lines = self.jsonl or doc_per_line
+        if self.jsonl:
+            self._check_first_record()
+
+    def where(self, i):
+        if self.path.endswith(".parquet"):
+            return super().where(i)
+        return f"{self.path}:{i + 1}" if self.lines else self.path
 
 
 def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:

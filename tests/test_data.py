@@ -548,6 +548,46 @@ def test_plain_json_of_json_lines_reads_as_its_json_gz_does(tmp_path):
         data.Corpus(str(tmp_path / "only"))
 
 
+def test_a_compressed_or_parquet_source_reads_as_its_raw_file_does(tok, tmp_path, monkeypatch):
+    """.jsonl.gz = .jsonl, .txt.gz = .txt (a line each), .parquet = .arrow: the same documents (blank lines,
+    whitespace-only texts, bad records and nulls in place, as the raw file's reader keeps them), so the
+    same span order, batches and counts. The Arrow copy training reads a compressed or Parquet file
+    through dropped them: another document count, another stream (and its counts said at conversion)."""
+    import gzip
+    recs = [json.dumps({"text": d}, ensure_ascii=False) for d in DOCS[:60]]
+    recs[3:3] = ["", "not json", json.dumps({"text": "   "}), json.dumps({"body": "x"}), "  "]
+    jsonl = b'{"text": "caf\xe9 au lait"}\n' + ("\n".join(recs) + "\n").encode()      # one invalid UTF-8 byte
+    lines = b"caf\xe9 au lait\n" + ("\n".join(DOCS[:30] + ["", "  "] + DOCS[30:60]) + "\n").encode()
+    texts = DOCS[:5] + [None, "", " \t "] + DOCS[5:60]
+    for name, body in (("a.jsonl", jsonl), ("b.txt", lines)):
+        (tmp_path / name).write_bytes(body)
+        (tmp_path / (name + ".gz")).write_bytes(gzip.compress(body))
+    with pa.OSFile(str(tmp_path / "c.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema({"text": pa.string()})) as w:
+        w.write_table(pa.table({"text": pa.array(texts, pa.string())}))
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), str(tmp_path / "c.parquet"), row_group_size=16)
+    for raw, packed, per_line, docs, bad, utf8 in (("a.jsonl", "a.jsonl.gz", False, 66, 2, 1),
+                                                   ("b.txt", "b.txt.gz", True, 63, 0, 1),
+                                                   ("c.arrow", "c.parquet", False, 63, 0, 0)):
+        got = []
+        for name in (raw, packed):
+            c = cfg(str(tmp_path / name), doc_per_line=per_line, cache_dir=str(tmp_path / "cache"), seq_len=16)
+            loader = data.PackedLoader(c, tok, prefetch=0)
+            got.append((loader.corpus.n_docs, loader.index.n_spans, take(loader, 300), loader.stats()))
+        assert got[0][0] == docs and got[0][:2] == got[1][:2], (packed, got[0][:2], got[1][:2])
+        assert equal(got[0][2], got[1][2]), packed
+        assert got[0][3] == got[1][3], (packed, got[0][3], got[1][3])
+        st = got[0][3]
+        assert st["empty_docs"] > 0 and (st["bad_records"], st["utf8_replacements"]) == (bad, utf8), st
+    # A resume over the copy an older nanotrn made (other documents) is refused, naming the fix; a raw
+    # corpus's fingerprint, and so its resumes, do not depend on how copies are made.
+    import prepare
+    state, before = loader.state_dict(), data.Corpus(str(tmp_path / "a.jsonl")).fingerprint
+    monkeypatch.setattr(prepare, "RECIPE", "copy-v1")
+    assert data.Corpus(str(tmp_path / "a.jsonl")).fingerprint == before
+    with pytest.raises(data.DataError, match=r"saved with corpus=.*--ckpt.reset_data"):
+        data.PackedLoader(c, tok, prefetch=0).load_state_dict(state)
+
+
 def test_files_a_folder_leaves_out_are_said_in_one_line_not_dropped_silently(tmp_path, capsys):
     """A folder's .json (its metadata, or JSON lines meant as data) and files of a type not read
     (.csv, LICENSE) were skipped without a word: a silent wrong result. Listed once at start, by

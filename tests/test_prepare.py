@@ -160,11 +160,14 @@ def test_data_warnings_said_once_by_rank_0_with_the_count_never_mid_line(tmp_pat
     assert re.search(r"\bbad records 2\b", total[0]), total        # the 2 bad lines, not once per epoch read
 
 
-def test_training_cache_of_a_compressed_shard_says_its_invalid_utf8(tmp_path, capsys):
-    """A .txt.gz / .jsonl.gz is read through an Arrow copy whose text is already valid: the conversion
-    must say how many invalid UTF-8 sequences it replaced, since the loader's count sees none."""
+def test_training_cache_of_a_compressed_shard_keeps_its_bytes_for_the_loader_to_count(tmp_path, capsys):
+    """A .txt.gz / .jsonl.gz is read through an Arrow copy of its records' bytes: invalid UTF-8 is replaced
+    and counted as it is read, named by the compressed file, as in the raw file (the copy held the text
+    already replaced, said once by the process that converted it, never by a later run)."""
     with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
         f.write(b"caf\xe9 au lait \xff and more text")
     out = prepare.cached(str(tmp_path / "a.txt.gz"), "text", False, str(tmp_path / "cache"))
-    assert read(out) == ["caf\ufffd au lait \ufffd and more text"]
-    assert "2 invalid UTF-8 sequences replaced by U+FFFD" in capsys.readouterr().err
+    assert read(out) == [b"caf\xe9 au lait \xff and more text"]
+    c = corpus.Corpus(str(tmp_path / "a.txt.gz"), cache_dir=str(tmp_path / "cache"))
+    assert c.read([0]) == [("caf\ufffd au lait \ufffd and more text", 2, False)]
+    assert c.examples["utf8"].startswith(f"{tmp_path / 'a.txt.gz'}: 2 invalid UTF-8 sequences replaced")
