@@ -255,17 +255,14 @@ STEP_HLO = textwrap.dedent("""
 """)
 
 
-def test_step_hlo_has_bf16_matmuls_and_no_infinity():
+def test_step_hlo_has_bf16_matmuls_and_no_infinity(probes):
     """The HLO of one bf16 microbatch (forward and backward), read as neuronx-cc would get it.
     Explicit attention (the trn1 presets): every dot in bf16 (torch-xla lowers SDPA to the math
     path, which upcasts q, k, v and runs its matmuls in fp32: the counter-example). Both paths: an
     infinity appears only as a max-reduction's start value or in a comparison (SDPA's x == -inf),
     never in a tensor arithmetic uses, so no matmul or compiler-made transpose meets one
     (inf * 0 = NaN on trn1; the masks are finite)."""
-    r = subprocess.run([sys.executable, "-c", STEP_HLO], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    hlo = json.loads(r.stdout.strip().splitlines()[-1])
+    hlo = json.loads(probe(probes, "step_hlo").strip().splitlines()[-1])
     print(hlo)
     assert hlo["explicit"]["dots"] == ["bf16"] and hlo["explicit"]["n_dots"] >= 10, hlo
     assert "f32" in hlo["sdpa"]["dots"], hlo                      # the SDPA upcast
@@ -306,15 +303,12 @@ OPTIMIZER_PROBE = textwrap.dedent("""
 """)
 
 
-def test_optimizer_graph_does_not_change_over_a_long_run():
+def test_optimizer_graph_does_not_change_over_a_long_run(probes):
     """The optimizer's graph must not depend on the step number: at step ~325 (beta2 = 0.95) a
     7B run on trn1 would stop for minutes of neuronx-cc, outside the pre-compiled graphs. Python
     floats (lr, bias corrections) enter the graph as constants when they hit a special value
     (sqrt(1 - 0.95^t) rounds to 1.0 in fp32 from t = 326): optim.AdamW sends them as a tensor."""
-    r = subprocess.run([sys.executable, "-c", OPTIMIZER_PROBE], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
-    print(r.stdout[-2000:])
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    print(probe(probes, "optimizer")[-2000:])
 
 
 CHECKPOINTING_PROBE = textwrap.dedent("""
@@ -382,12 +376,9 @@ def test_activation_checkpointing_on_xla(checkpointing_runs, mode):
 
 
 @pytest.fixture(scope="module")
-def checkpointing_runs():
-    r = subprocess.run([sys.executable, "-c", CHECKPOINTING_PROBE], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+def checkpointing_runs(probes):
     out = {}
-    for line in r.stdout.splitlines():
+    for line in probe(probes, "checkpointing").splitlines():
         if line.startswith("RESULT "):
             _, mode, rest = line.split(" ", 2)
             out[mode] = json.loads(rest)
@@ -438,21 +429,61 @@ SKIP_CHILD = textwrap.dedent('''
 ''')
 
 
-def test_skip_nonfinite_decides_on_device(tmp_path):
+def test_skip_nonfinite_decides_on_device(probes):
     """--log.on_nonfinite=skip on XLA:CPU: six steps of train.train_step, the third with NaN
     gradients: no step reads anything back (torch_xla's TransferFromDevice count stays put; the
     host check read the loss and norm every step), the third update does not land (a select on
     the device), the others do, and the flush reports exactly one skip."""
-    out = tmp_path / "skip.json"
-    code = f"ROOT = {str(ROOT)!r}; OUT = {str(out)!r}\n" + SKIP_CHILD
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=child_env())
-    assert r.returncode == 0, r.stderr[-5000:]
-    res = json.loads(out.read_text())
+    probe(probes, "skip")
+    res = json.loads(probes["skip_out"].read_text())
     print(res)
     assert res["transfers"] == [0] * 6, f"device-to-host transfers per step: {res['transfers']}"
     assert res["moved"] == [True, False, True, True, True], res["moved"]     # steps 2->3 unchanged
     assert res["skipped"] == 1 and res["finite"]
+
+
+# The four probes above share one child: each torch_xla start-up costs ~7 s of CPU, and each probe
+# builds models of its own shapes (no graph of one is in another's cache: the compile counts hold).
+# The device comes up before any backward (see scripts/xla_check.py); STEP_HLO runs last, as it
+# sets a global (every Python number a special scalar). One probe's failure is its test's alone.
+PROBE_DRIVER = textwrap.dedent("""
+    import contextlib, io, json, sys, traceback
+    import torch_xla
+    torch_xla.device()
+    results = {}
+    for name, code, names in json.load(open(sys.argv[1])):
+        out, rc, err = io.StringIO(), 0, ""
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, name, "exec"), {"__name__": "__main__", **names})
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            rc, err = 1, traceback.format_exc()
+        results[name] = {"rc": rc, "stdout": out.getvalue(), "error": err}
+    json.dump(results, open(sys.argv[2], "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probes")
+    names = {"ROOT": str(ROOT), "OUT": str(tmp / "skip.json")}
+    todo = [("skip", SKIP_CHILD, names), ("optimizer", OPTIMIZER_PROBE, {}),
+            ("checkpointing", CHECKPOINTING_PROBE, {}), ("step_hlo", STEP_HLO, {})]
+    (tmp / "todo.json").write_text(json.dumps(todo))
+    r = subprocess.run([sys.executable, "-c", PROBE_DRIVER, str(tmp / "todo.json"), str(tmp / "results.json")],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**child_env(), "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
+    return {**json.loads((tmp / "results.json").read_text()), "skip_out": tmp / "skip.json"}
+
+
+def probe(probes: dict, name: str) -> str:
+    """A probe's stdout, once it ended well."""
+    r = probes[name]
+    assert r["rc"] == 0, f"{name} probe: exit {r['rc']}\n{r['stdout'][-2000:]}\n{r['error'][-5000:]}"
+    return r["stdout"]
 
 
 PP_STEPS, PP_RESUMED, PP_MICROBATCHES = 3, 2, (2, 4, 8)
