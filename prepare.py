@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, left_out_line, no_surrogates, not_utf16,
-                     progress, resolve_paths, text_column)
+from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, left_out_line, map_file, no_surrogates,
+                     not_utf16, progress, resolve_paths, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -72,6 +72,32 @@ def _lines(path: str):
             yield n + 1, tail.rstrip(b"\r"), raw.tell()
 
 
+def _parquet_column(path: str, field: str):
+    """(value as bytes or None, rows read / rows) of a Parquet file's text column, 1,024 rows at a time."""
+    with open(path, "rb") as f:         # a file object: pq opens only names that are UTF-8
+        pf = pq.ParquetFile(f)
+        text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
+        total, row = max(pf.metadata.num_rows, 1), 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+            for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
+                row += 1
+                yield value, min(row / total, 1)
+
+
+def _arrow_column(path: str, field: str):
+    """(value as bytes or None, bytes read so far) of an Arrow IPC file's (or stream's) text column."""
+    source = pa.BufferReader(map_file(path))            # map_file: names not in UTF-8 too
+    if source.read(6) == b"ARROW1":
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        source.seek(0)
+        batches = pa.ipc.open_stream(source)
+    for batch in batches:
+        for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
+            yield value, source.tell()
+
+
 def records(path: str, field: str, doc_per_line: bool):
     """Yield (where, text or None, problem or None, utf8 replacements, input bytes read so far) for
     every record of one shard, in order, streaming. `where` names the record (file:line or file[row])."""
@@ -101,25 +127,12 @@ def records(path: str, field: str, doc_per_line: bool):
         size = os.path.getsize(path)
         try:
             if path.endswith(".parquet"):
-                pf = pq.ParquetFile(path)
-                text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
-                total, batches = max(pf.metadata.num_rows, 1), pf.iter_batches(batch_size=1024, columns=[field])
+                values = ((raw, size * done) for raw, done in _parquet_column(path, field))
             else:
-                source = pa.memory_map(path, "r")
-                if source.read(6) == b"ARROW1":
-                    reader = pa.ipc.open_file(source)
-                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-                else:
-                    source.seek(0)
-                    batches = pa.ipc.open_stream(source)
-                total = None
-            row = 0
-            for batch in batches:
-                col = text_column(pa.Table.from_batches([batch]), field, path)
-                for raw in col.to_pylist():
-                    text, repl = decode(raw) if raw is not None else ("", 0)
-                    row += 1
-                    yield f"{path}[{row - 1}]", text, None, repl, size * min(row / total, 1) if total else source.tell()
+                values = _arrow_column(path, field)
+            for row, (raw, pos) in enumerate(values):
+                text, repl = decode(raw) if raw is not None else ("", 0)
+                yield f"{path}[{row}]", text, None, repl, pos
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: not a valid {os.path.splitext(path)[1]} file ({str(e).splitlines()[0]}); "
                             f"leave it out") from None
@@ -357,17 +370,11 @@ def _raw_records(path: str, field: str, doc_per_line: bool):
     them), the whole file (none if it is empty, like an empty .txt), a Parquet column's values (nulls too)."""
     if path.endswith(".parquet"):
         size = os.path.getsize(path)
-        with open(path, "rb") as f:         # a file object: pq opens only names that are UTF-8
-            try:
-                pf = pq.ParquetFile(f)
-                text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
-                total, row = max(pf.metadata.num_rows, 1), 0
-                for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-                    for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
-                        row += 1
-                        yield value, size * row / total
-            except (pa.ArrowException, OSError) as e:
-                raise DataError(f"{path}: not a valid .parquet file ({str(e).splitlines()[0]}); leave it out") from None
+        try:
+            for value, done in _parquet_column(path, field):
+                yield value, size * done
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a valid .parquet file ({str(e).splitlines()[0]}); leave it out") from None
     elif path.endswith(JSON_LINES) or doc_per_line:
         for _, line, pos in _lines(path):
             yield line, pos

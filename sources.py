@@ -235,7 +235,22 @@ def mapped(path: str, dtype=np.uint8) -> np.ndarray:
     keeps one, and a folder of thousands of shards would pass the usual limit of 1,024)."""
     if not os.path.getsize(path):
         return np.zeros(0, dtype)
-    return np.frombuffer(pa.memory_map(path, "r").read_buffer(), dtype)
+    return np.frombuffer(map_file(path), dtype)
+
+
+def map_file(path: str) -> pa.Buffer:
+    """The whole file, memory-mapped by Arrow. Arrow opens only names that are UTF-8: another (a name
+    from a foreign file system, surrogate-escaped) through its open descriptor's /proc name."""
+    try:
+        return pa.memory_map(path, "r").read_buffer()
+    except UnicodeEncodeError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return pa.memory_map(f"/proc/self/fd/{fd}", "r").read_buffer()
+        except FileNotFoundError:               # no /proc (not Linux)
+            raise DataError(f"{path!r}: its name is not UTF-8, which Arrow cannot open; rename it") from None
+        finally:
+            os.close(fd)
 
 
 def give_back_heap() -> None:
@@ -349,7 +364,7 @@ class ColumnDocs(Source):
     def __init__(self, path: str, field: str, cache_dir: str = ".cache"):
         self.path, self.field, self.table = path, field, None
         try:
-            self.map = pa.memory_map(path, "r").read_buffer()     # the whole file, zero-copy
+            self.map = map_file(path)                           # the whole file, zero-copy
             self.first = 8 if self.map.size >= 8 and self.map[:6].to_pybytes() == b"ARROW1" else 0
             self.schema = pa.ipc.read_schema(pa.ipc.read_message(self.map.slice(self.first)))
             text_column(self.schema.empty_table(), field, path)             # checks name and type
@@ -357,7 +372,7 @@ class ColumnDocs(Source):
             self.wide = pa.types.is_large_string(self.schema.field(field).type) or pa.types.is_large_binary(self.schema.field(field).type)
             if any(pa.types.is_dictionary(f.type) for f in self.schema):
                 reader = pa.ipc.open_file if self.first else pa.ipc.open_stream
-                self.table = text_column(reader(pa.memory_map(path, "r")).read_all(), field, path)
+                self.table = text_column(reader(self.map).read_all(), field, path)
                 self.starts = np.cumsum([0] + [len(c) for c in self.table.chunks])
             else:
                 index = offsets_file(path, "batches", cache_dir, self.scan)

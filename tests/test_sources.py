@@ -215,3 +215,25 @@ def test_index_builds_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypat
             assert any("[data] indexing a.jsonl" in b for b in bars) and any("documents/s" in b for b in bars)
         else:
             assert bars == [] and "[data] span index: 1,000 spans" in err.getvalue()
+
+
+def test_arrow_jsonl_and_parquet_files_with_names_not_in_utf8_read_in_a_folder(tmp_path):
+    """A folder copied from a foreign file system holds names that are not UTF-8 (Python's surrogate
+    escapes): Arrow opens only UTF-8 names, and its memory map raised UnicodeEncodeError from deep
+    inside a reader (a traceback). Each reads as its UTF-8-named twin does, in training and in prepare."""
+    import corpus
+    import prepare
+    import pyarrow.parquet as pq
+    docs = [f"document {i} " + "word " * i for i in range(12)]
+    folder = tmp_path / "d"
+    folder.mkdir()
+    with pa.OSFile(str(tmp_path / "a.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema({"text": pa.string()})) as w:
+        w.write_table(pa.table({"text": docs[:4]}))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[4:8]))
+    pq.write_table(pa.table({"text": docs[8:]}), str(tmp_path / "c.parquet"))
+    for name in ("a.arrow", "b.jsonl", "c.parquet"):         # caf\xe9-a.arrow ...: Latin-1 names
+        os.rename(str(tmp_path / name), os.path.join(os.fsencode(folder), b"caf\xe9-" + name.encode()))
+    c = corpus.Corpus(str(folder), cache_dir=str(tmp_path / "cache"))
+    assert [t for t, _, _ in c.read(range(c.n_docs))] == docs
+    prepare.prepare([str(folder)], str(tmp_path / "p.arrow"), workers=1)
+    assert [t for t, _, _ in corpus.Corpus(str(tmp_path / "p.arrow")).read(range(12))] == docs
