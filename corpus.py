@@ -150,15 +150,22 @@ class Corpus:
             pick = np.flatnonzero(which == s)
             yield self.sources[s], docs[pick] - self.offsets[s], pick
 
-    def doc_lengths(self, lo: int, hi: int) -> np.ndarray:
-        """Bytes of documents lo..hi-1 without reading them (a .jsonl record's: an upper bound of its text's)."""
-        out = []
+    def _ranges(self, lo: int, hi: int):
+        """(source, first, end) of documents lo..hi-1, per source, in the source's own ids."""
         for s in range(np.searchsorted(self.offsets, lo, "right") - 1, len(self.sources)):
             a, b = max(lo, self.offsets[s]), min(hi, self.offsets[s + 1])
             if a >= b:
                 break
-            out.append(self.sources[s].lengths(a - self.offsets[s], b - self.offsets[s]))
-        return np.concatenate(out).astype(np.int64)
+            yield self.sources[s], int(a - self.offsets[s]), int(b - self.offsets[s])
+
+    def doc_lengths(self, lo: int, hi: int) -> np.ndarray:
+        """Bytes of documents lo..hi-1 without reading them (a .jsonl record's: an upper bound of its text's)."""
+        return np.concatenate([src.lengths(a, b) for src, a, b in self._ranges(lo, hi)]).astype(np.int64)
+
+    def check_heads(self, lo: int, hi: int) -> None:
+        """Refuse now what reading documents lo..hi-1 would refuse (a UTF-16 file: sources.not_utf16)."""
+        for src, a, b in self._ranges(lo, hi):
+            src.check_heads(a, b)
 
     def raw(self, docs) -> list[bytes]:
         """The bytes spans index into: the file's bytes of a document, a .jsonl record's text in UTF-8."""

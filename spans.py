@@ -219,6 +219,7 @@ class SpanIndex:
         with open(tmp, "wb") as f, progress(c.n_docs, "[data] span index", " documents") as bar:
             for lo in range(0, c.n_docs, BLOCK):
                 hi = min(c.n_docs, lo + BLOCK)
+                c.check_heads(lo, hi)           # refused now, not when a lane first reads the file
                 lengths = c.doc_lengths(lo, hi)
                 total += int(lengths.sum())
                 rows = np.stack([np.arange(lo, hi), np.zeros(hi - lo, np.int64), np.full(hi - lo, -1)], 1)

@@ -634,6 +634,22 @@ def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
                 data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
+def test_a_utf16_file_of_a_folder_is_refused_at_start_not_when_a_lane_first_reads_it(tok, tmp_path):
+    """A one-document file is opened only when a lane reads it: a UTF-16 file (with a BOM or without) in a
+    big folder stopped the run mid-training, on data start-up accepted. The span index build (once per
+    corpus and node, before a tokenizer is trained) checks the first bytes of the files it does not read."""
+    for name, body in (("zz_bom.txt", "a note saved as Unicode\n".encode("utf-16")),
+                       ("zz_le.txt", "a note saved as UTF-16LE\n".encode("utf-16-le"))):
+        d = tmp_path / name
+        d.mkdir()
+        for i in range(40):
+            (d / f"doc_{i:03d}.txt").write_text(DOCS[i])
+        (d / name).write_bytes(body)
+        c = cfg(str(d), val_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(data.DataError, match=re.escape(str(d / name)) + r" is UTF-16"):
+            data.PackedLoader(c, tok, prefetch=0)
+
+
 def test_utf16_or_utf32_without_a_byte_order_mark_is_refused_not_trained_as_garbage(tmp_path):
     """Without a BOM (iconv -t UTF-16LE, UTF-32), ASCII decodes as valid UTF-8 with NULs between the
     characters and trained silently. Refused by the NULs of the first block, in every reader and in
