@@ -151,10 +151,13 @@ def tiny() -> Config:
 
 def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
             precision: str = "bf16_sr") -> Config:
-    """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device."""
+    """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device.
+    Its "LR decay steps 480,000" is NxD's (NeMo's) CosineAnnealing max_steps, counted from step 0, warmup included
+    (neuronx-distributed examples/training/llama/lr.py; Megatron's and nanoGPT's lr_decay_iters alike): the cosine
+    ends at step 480k and min_lr holds for the last 20k. decay_steps here counts after the warmup: 478k."""
     return Config(
         preset=name, model=model, parallel=parallel,
-        optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=480_000,
+        optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=478_000,
                           constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
                           weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision=precision),
         data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
@@ -440,16 +443,14 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
                           "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
-        raise ConfigError(f"--model.n_heads={m.n_heads} is not divisible by --model.n_kv_heads={m.n_kv_heads}: "
-                          f"GQA shares each KV head by a whole group of query heads; pick n_kv_heads "
-                          f"among the divisors of n_heads")
+        raise ConfigError(f"--model.n_heads={m.n_heads} is not divisible by --model.n_kv_heads={m.n_kv_heads}: GQA shares "
+                          f"each KV head by a whole group of query heads; pick n_kv_heads among the divisors of n_heads")
     if m.n_heads % p.tp != 0:
         raise ConfigError(f"n_heads {m.n_heads} is not divisible by tp {p.tp}: each TP rank must hold "
                           f"whole attention heads; pick tp from the divisors of {m.n_heads}")
     if m.n_kv_heads % p.tp != 0 and p.tp % m.n_kv_heads != 0:
         # tp > n_kv_heads replicates each KV head on tp / n_kv_heads ranks (NxD's 70B: 8 at TP=32).
-        raise ConfigError(f"n_kv_heads {m.n_kv_heads} and tp {p.tp}: one must divide the other "
-                          f"so every TP rank holds whole KV groups")
+        raise ConfigError(f"n_kv_heads {m.n_kv_heads} and tp {p.tp}: one must divide the other (each TP rank holds whole KV groups)")
     if m.ffn_dim % p.tp != 0:
         raise ConfigError(f"--model.ffn_dim={m.ffn_dim} is not divisible by --tp={p.tp}: gate_up_proj and "
                           f"down_proj are split over the TP ranks; pick tp from the divisors of ffn_dim")
@@ -491,9 +492,8 @@ def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
     # XLA's verifier accepts a mesh of groups only if it names every rank once: the pairs [s, s+1] of one parity
     # (with the wrap-around [pp-1, 0]) need an even pp; the embedding group (first, last stage) leaves out the middle.
     if m.tie_embeddings and p.pp > 2:
-        raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group "
-                          f"(first and last stage) is a mesh that leaves out the middle stages, which "
-                          f"XLA's verifier rejects; use pp 2, or a model without tied embeddings")
+        raise ConfigError(f"tied embeddings with pp {p.pp} on the xla backend: the embedding group (first and last "
+                          f"stage) leaves out the middle stages, which XLA's verifier rejects; use pp 2, or untied embeddings")
     if p.pp % 2:
         raise ConfigError(f"pp {p.pp} on the xla backend must be even: the all-gather pipeline's "
                           f"pair groups must cover every rank once (NxD's rule); use pp {p.pp - 1} or {p.pp + 1}")

@@ -16,7 +16,7 @@ def test_7b_preset_is_the_blogs_table():
     m, p, o, d = c.model, c.parallel, c.optim, c.data
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (4096, 32, 32, 32, 11008, 32000)
     assert (d.seq_len, d.global_batch, d.micro_batch) == (4096, 1024, 1)
-    assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.max_steps, o.constant_steps) == (3e-4, 3e-5, 2000, 480_000, 500_000, 0)
+    assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.max_steps, o.constant_steps) == (3e-4, 3e-5, 2000, 478_000, 500_000, 0)
     assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip, o.decay_norms) == (0.9, 0.95, 1e-5, 0.1, 1.0, True)
     assert (p.tp, p.pp, p.sp, o.precision, m.checkpointing) == (8, 1, True, "bf16_sr", "selective")
     # 128 trn1.32xlarge = 4096 NeuronCores: DP 512, gradient accumulation 2 (the blog's table)
