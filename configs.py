@@ -152,17 +152,15 @@ def tiny() -> Config:
 def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
             precision: str = "bf16_sr") -> Config:
     """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device.
-    Its "LR decay steps 480,000" is NxD's (NeMo's) CosineAnnealing max_steps, counted from step 0, warmup included
-    (neuronx-distributed examples/training/llama/lr.py; Megatron's and nanoGPT's lr_decay_iters alike): the cosine
-    ends at step 480k and min_lr holds for the last 20k. decay_steps here counts after the warmup: 478k."""
-    return Config(
-        preset=name, model=model, parallel=parallel,
-        optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=478_000,
-                          constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
-                          weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision=precision),
-        data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
-        ckpt=CheckpointConfig(interval=1000, keep=3),
-        log=LogConfig(interval=10, eval_interval=1000, eval_windows=32))
+    Its "LR decay steps 480,000" count from step 0, warmup included, as NxD's CosineAnnealing max_steps (neuronx-
+    distributed examples/training/llama/lr.py) and Megatron's lr_decay_iters: the cosine ends at step 480k."""
+    return Config(preset=name, model=model, parallel=parallel,
+                  optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=478_000,   # after warmup
+                                    constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
+                                    weight_decay=0.1, decay_norms=True, grad_clip=1.0, precision=precision),
+                  data=DataConfig(seq_len=4096, global_batch=1024, micro_batch=1, tokenizer=""),
+                  ckpt=CheckpointConfig(interval=1000, keep=3),
+                  log=LogConfig(interval=10, eval_interval=1000, eval_windows=32))
 
 
 def _llama3(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float) -> Config:
@@ -176,16 +174,14 @@ def _llama3(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float) 
 def llama2_7b() -> Config:
     # The blog's fastest 7B layout; explicit attention as NxD's (XLA runs SDPA's bf16 matmuls in fp32).
     return _llama2("llama2_7b", ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                                            ffn_dim=11008, max_seq_len=4096, checkpointing="selective",
-                                            attention="explicit"),
+                                            ffn_dim=11008, max_seq_len=4096, checkpointing="selective", attention="explicit"),
                    ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4, min_lr=3e-5)
 
 
 def llama2_70b() -> Config:
     # HLAT 70B: TP=32 PP=8, ZeRO-1 with fp32 master weights, NxD's all-gather point-to-point on XLA.
     return _llama2("llama2_70b", ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                                             ffn_dim=28672, max_seq_len=4096, checkpointing="selective",
-                                             attention="explicit"),
+                                             ffn_dim=28672, max_seq_len=4096, checkpointing="selective", attention="explicit"),
                    ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5,
                    precision="mixed")
 
@@ -203,9 +199,8 @@ def llama3_2_1b() -> Config:
     return _llama3("llama3_2_1b", ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                                               ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0,
                                               tie_embeddings=True, rope_scaling="llama3", rope_factor=32.0,
-                                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                                              rope_original_max_len=8192, checkpointing="selective",
-                                              attention="explicit"),
+                                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+                                              checkpointing="selective", attention="explicit"),
                    ParallelConfig(tp=8, pp=1, sp=True), lr=3e-4)
 
 
@@ -286,11 +281,10 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         i += 1
     # --out_dir places the checkpoints and TensorBoard files under it unless they are set too:
     # otherwise --out_dir=run2 would silently resume the previous run from out/ckpt.
-    if "out_dir" in given:
-        if "ckpt.dir" not in given:
-            cfg.ckpt.dir = f"{cfg.out_dir.rstrip('/')}/ckpt"
-        if "log.tensorboard" not in given and cfg.log.tensorboard:
-            cfg.log.tensorboard = f"{cfg.out_dir.rstrip('/')}/tb"
+    if "out_dir" in given and "ckpt.dir" not in given:
+        cfg.ckpt.dir = f"{cfg.out_dir.rstrip('/')}/ckpt"
+    if "out_dir" in given and "log.tensorboard" not in given and cfg.log.tensorboard:
+        cfg.log.tensorboard = f"{cfg.out_dir.rstrip('/')}/tb"
     return cfg
 
 
@@ -422,8 +416,7 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     if not o.min_lr <= o.lr:
-        raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr}: the schedule decays "
-                          f"from lr to min_lr; lower min_lr")
+        raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr} (the schedule decays lr to it): lower min_lr")
     if o.lr * o.weight_decay >= 1:          # AdamW's decoupled decay: every step, each weight times 1 - lr*weight_decay
         raise ConfigError(f"--optim.weight_decay={o.weight_decay} with --optim.lr={o.lr}: each step multiplies every weight "
                           f"by 1 - lr*weight_decay = {1 - o.lr * o.weight_decay:.3g}; lower weight_decay below {1 / o.lr:g}")
@@ -434,8 +427,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above --model.rope_low_"
                           f"freq_factor={m.rope_low_freq_factor} (llama3 rope scaling interpolates between them)")
     if m.dim % m.n_heads != 0 and not m.head_dim_override:
-        raise ConfigError(f"--model.dim={m.dim} is not divisible by --model.n_heads={m.n_heads}; pick n_heads "
-                          f"among the divisors of dim")
+        raise ConfigError(f"--model.dim={m.dim} is not divisible by --model.n_heads={m.n_heads}: pick n_heads among its divisors")
     if m.head_dim % 2 != 0:
         raise ConfigError(f"head_dim {m.head_dim} (dim {m.dim} / n_heads {m.n_heads}, or --model.head_dim_override) "
                           f"must be even for RoPE; change --model.dim or --model.n_heads")
@@ -455,8 +447,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--model.ffn_dim={m.ffn_dim} is not divisible by --tp={p.tp}: gate_up_proj and "
                           f"down_proj are split over the TP ranks; pick tp from the divisors of ffn_dim")
     if p.pp > m.n_layers:
-        raise ConfigError(f"--pp={p.pp} is larger than --model.n_layers={m.n_layers}: every pipeline stage "
-                          f"needs a layer; lower --pp")
+        raise ConfigError(f"--pp={p.pp} is above --model.n_layers={m.n_layers}: each pipeline stage needs a layer; lower --pp")
     if p.pp_cuts:
         try:
             cuts = [int(c) for c in p.pp_cuts.split(",")]
@@ -501,12 +492,21 @@ def check_layout(cfg: Config, world_size: int, backend: str = "") -> None:
 
 def warnings(cfg: Config) -> list[str]:
     """Settings that work but are seldom meant, said before the run starts (a pre-compile pass may mean them)."""
-    o, out = cfg.optim, []
+    o, end = cfg.optim, cfg.optim.warmup_steps + cfg.optim.constant_steps + cfg.optim.decay_steps
     if o.warmup_steps > o.max_steps:
-        out.append(f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps={o.max_steps}): "
-                   f"the lr never reaches its peak {o.lr:g}; lower warmup_steps unless this run stops a longer "
-                   f"schedule early on purpose")
-    return out
+        return [f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps={o.max_steps}): the lr "
+                f"never reaches its peak {o.lr:g}; lower warmup_steps unless this run stops a longer schedule early on purpose"]
+    # The lr schedule should end with the run (nanoGPT: lr_decay_iters ~= max_iters; the blog's table: at step 480k of 500k)
+    fit = o.max_steps - o.warmup_steps - o.constant_steps          # the decay_steps that end the cosine with the run
+    sched = f"(warmup {o.warmup_steps} + constant {o.constant_steps} + decay {o.decay_steps} = {end} steps)"
+    fix = f"set --optim.decay_steps={fit} to end the cosine with the run" if fit > 0 else "shorten warmup and constant"
+    if o.min_lr < o.lr and o.max_steps < end:
+        return [f"--optim.max_steps={o.max_steps} ends before the lr schedule {sched} decays to --optim.min_lr={o.min_lr:g}; "
+                f"{fix}, unless this run stops a longer schedule early on purpose"]
+    if o.min_lr < o.lr and o.max_steps > end + o.max_steps // 10:
+        return [f"--optim.max_steps={o.max_steps} runs {o.max_steps - end} steps at --optim.min_lr={o.min_lr:g} after the lr "
+                f"schedule {sched}; {fix}"]
+    return []
 
 
 # ----------------------------------------------------------------------------- paths: what needs the file system

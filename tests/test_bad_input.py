@@ -729,7 +729,22 @@ def test_warmup_longer_than_the_run_is_said_out_loud():
     """Not refused (a pre-compile pass stops a schedule early on purpose), but never silent."""
     said = configs.warnings(configs.from_args(["--steps=8"]))
     assert len(said) == 1 and "--optim.warmup_steps=20" in said[0] and "never reaches its peak" in said[0]
-    assert configs.warnings(configs.from_args(["--steps=20"])) == []
+    assert not any("never reaches its peak" in w for w in configs.warnings(configs.from_args(["--steps=20"])))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--steps=100"], ["--optim.max_steps=100 ends before the lr schedule", "= 300 steps", "--optim.decay_steps=80"]),
+    (["--steps=1000"], ["--optim.max_steps=1000 runs 700 steps at --optim.min_lr=0.0001", "--optim.decay_steps=980"]),
+    (["--steps=100", "--optim.warmup_steps=10", "--optim.constant_steps=90"], ["ends before", "shorten warmup"]),
+    *[(["--preset", name], []) for name in configs.PRESETS],    # the presets' own schedules end with their runs
+    (["--steps=330"], []), (["--steps=1000", "--optim.min_lr=1e-3"], []),    # 10% at min_lr; a constant lr
+])
+def test_an_lr_schedule_that_does_not_end_with_the_run_is_said_once(argv, says):
+    """--optim.max_steps far past warmup + constant + decay (most steps at min_lr), or short of it (the cosine never
+    reaches min_lr): one warning line naming the fix (nanoGPT's lr_decay_iters ~= max_iters), not a refusal. Was silent."""
+    said = configs.warnings(cfg := configs.from_args(argv))
+    assert len(said) == len(says[:1]) and all(s in said[0] for s in says), said
+    configs.validate(cfg, world_size=cfg.parallel.tp * cfg.parallel.pp)
 
 
 def test_a_hang_limit_beyond_the_clocks_range_is_no_traceback():
