@@ -35,6 +35,7 @@ import monitor
 import optim
 import parallel
 import pipeline
+from corpus import parse_mixture, resolve_paths
 
 
 # ----------------------------------------------------------------------------- device
@@ -300,6 +301,8 @@ def run(argv: list[str]) -> None:
     device = pick_device(cfg.device)
     configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
     configs.check_paths(cfg)
+    for entry, _ in parse_mixture(cfg.data.data):      # --data's sources exist and are readable: refused before the
+        resolve_paths(entry, cfg.data.split)           # claim (a walk of its folders; data.Corpus walks them again)
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)

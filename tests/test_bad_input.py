@@ -515,6 +515,16 @@ def test_data_tokenizer_says_only_its_own_flags(W, tmp_path, capsys):
     assert code == 1 and "set --vocab=" in text and "--data.tokenizer" not in text, text
 
 
+@pytest.mark.parametrize("source", ["nope.txt", "fifo.txt", "table.csv", "emptydir"])
+def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed(W, tmp_path, capsys, source):
+    """A --data missing, a FIFO, of a type nanotrn does not read or a folder without files: refused before the run
+    claims its checkpoint directory (it was after <ckpt.dir>/run.lock was made and the process group started)."""
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T(f"--data={W}/{source}")[1]]
+    code, text = run_entry("train", argv, capsys)
+    assert code == 1 and source in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
+
+
 @pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
 def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
     """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is
