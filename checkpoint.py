@@ -1,14 +1,11 @@
 """Checkpoints: asynchronous, atomic, verified, resumable after a crash at any moment and at another
 parallel layout (HLAT's automatic recovery raised the cluster's use from 77.83% to 98.81%).
 
-One directory per saved step, NxD's per-rank files (docs/checkpoints.md draws it): each rank
-writes its own part with no collective, a file that DP replicas share comes from one replica
-(writer_dp_rank, spread over the nodes as NxD spreads its saves), and at the same layout each rank
-reads back only its own files. Not torch.distributed.checkpoint: it reshards only DTensors, ours
-are plain tensors. The parts: ckptsave.Writer (this rank's files, atomic, in a background thread),
-ckptdir.py (when a folder is complete and valid, claim, prune), reshard.py (reading at any layout).
-The step waits only for the copy into host memory; a crash at any moment leaves at worst an
-interrupted save, which resume passes over and sets aside.
+A folder per step of NxD's per-rank files (docs/checkpoints.md): each rank writes its part with no
+collective, a file DP replicas share comes from one of them (writer_dp_rank), and at the same
+layout each rank reads back only its own. Not torch.distributed.checkpoint: it reshards only
+DTensors. ckptsave.py writes (atomic, in the background), ckptdir.py judges, claims and prunes the
+folders, reshard.py reads at any layout; a crash leaves at worst an interrupted save, passed over.
 """
 from __future__ import annotations
 
@@ -193,17 +190,10 @@ def find_newest_valid(root: Path, grid: Grid, say=print, log=print) -> tuple[Pat
 # ----------------------------------------------------------------------------- the checkpointer
 
 class Checkpointer:
-    """This rank's part of every checkpoint. On every rank:
-
-        ckpt = Checkpointer(cfg, grid, device)
-        ckpt.claim()                           # the directory is this run's (rank 0 holds a lock)
-        loaded = ckpt.load_latest()            # None: nothing to resume, starting fresh
-        ckpt.save(step, model.state_dict(), opt.state_dict(), data=loader.state_dict(), extra={...})
-        ckpt.close()                           # waits for the save in flight
-
+    """This rank's part of every checkpoint, on every rank: claim(), load_latest(), save(), close().
     compile_only: the pre-compile pass (NEURON_EXTRACT_GRAPHS_ONLY: every value is invalid) reads
     and writes nothing; a save only stages into host memory, which traces the same transfers and
-    graph cuts as a real one (aws-neuron-sdk #813). faults: a test's (faults.py; NANOTRN_FAULT)."""
+    graph cuts as a real one (aws-neuron-sdk #813)."""
 
     def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
                  log=print, marker_timeout_s: float = 600.0, compile_only: bool = False,
@@ -219,8 +209,6 @@ class Checkpointer:
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None, keep=self.c.keep)
-        # wait(): the save in flight on disk; check(): raise at once if it failed; before_update():
-        # the deferred copy of the weights and moments done (train.py's guard, before the update)
         self.wait, self.check, self.before_update = self.writer.wait, self.writer.check, self.writer.before_update
         self._newest = -1                                # newest step saved or resumed from
         self.compile_only = compile_only

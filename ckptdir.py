@@ -187,15 +187,10 @@ def is_ours(d: Path) -> bool:
     """A step-named folder nanotrn could have made: empty (a save killed between its mkdirs) or
     holding one of the names it writes."""
     try:
-        with os.scandir(d) as it:
-            empty = True
-            for e in it:
-                empty = False
-                if OURS.match(e.name):
-                    return True
+        names = os.listdir(d)
     except OSError:                  # unreadable: not a folder a run could write into anyway
         return False
-    return empty
+    return not names or any(map(OURS.match, names))
 
 
 def verify(d: Path, files: dict) -> str | None:

@@ -1,19 +1,9 @@
 """Watching a run: metrics and MFU, the blog's gradient-spike detector, non-finite steps, replica
-drift, TensorBoard and console lines, the curves PNG, and the hang watchdog.
-
-The blog caught divergence early by watching the loss, the gradient L2 norm and the parameter L2
-norm (about 1,600 at initialization for 7B); this file logs those and the throughput beside them:
-
-    mon = monitor.Monitor(cfg, flops_per_token=fpt, peak_flops=peak, is_main=grid.is_main, device=device)
-    if not mon.check_finite(step, loss, grad_norm):      # False: skip this optimizer step
-        ...
-    mon.step(step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=n, data_wait=s, param_norm=pn)
-    mon.flush()                                          # before every checkpoint save
-    mon.eval(step, val_loss)
-    mon.close()
-
-Lazy on XLA: `step` keeps the tensors; they are read at log intervals only, in one transfer
-(a read would cut the lazy graph and wait for the device).
+drift, TensorBoard and console lines, the curves PNG, and the hang watchdog. The blog caught
+divergence early by watching the loss, the gradient L2 norm and the parameter L2 norm (about 1,600
+at initialization for 7B): logged here beside the throughput (train.py makes the calls). Lazy on
+XLA: `step` keeps the tensors, read at log intervals in one transfer (a read would cut the lazy
+graph and wait for the device).
 """
 from __future__ import annotations
 
@@ -396,14 +386,11 @@ def plot_curves(tb_dir: str, png: str) -> str:
 # ----------------------------------------------------------------------------- a refusal, said once
 
 def say_once(message: str, wait_s: float = 30.0, where=None, out=None) -> int:
-    """Print a refusal reached once the process group exists, once: every rank checks the same
-    corpus and checkpoint, so each would print it (4096 copies at 4096 ranks). Rank 0 prints its
-    own and posts it in the process group's store; another rank prints its own only if rank 0 posted
-    a different one, or none within wait_s (it refused alone), unless its own only points at rank
-    0's ("rank 0 could not ... (see its message)"). Rank 0 stays until all have read it (at most
-    wait_s): with env.sh's multi-node settings the store lives in its process. Costs rank 0's store
-    3 small requests per refusing rank, once. where: (store, rank, world), default the process
-    group's. Returns the exit status, 1 on every rank."""
+    """Print a refusal every rank reaches (the same corpus, the same checkpoint) once, not 4096
+    times at 4096 ranks: rank 0 prints and posts it in the store; another rank prints its own only if
+    rank 0 posted another or none within wait_s, unless it only points at rank 0's ("(see its
+    message)"). Rank 0 stays until all have read it (at most wait_s: multi-node, the store lives in
+    its process). 3 store requests per refusing rank. Returns the exit status, 1."""
     import datetime
     import torch.distributed as dist
     store, rank, world = where or (dist.distributed_c10d._get_default_store(), dist.get_rank(),
@@ -433,18 +420,12 @@ EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restart
 
 
 class Watchdog:
-    """A hung run ends with every thread's stack instead of waiting forever: a crash restarts from
-    the newest checkpoint, a rank stuck in a collective never exits. torch.distributed's timeout
-    (--parallel.timeout_s) ends it where the backend has one (gloo, nccl; not xla's device
-    collectives); this thread, on every rank and backend, once no step has finished for factor x the
-    median step time (at least min_s; startup_s before the first steps and around a phase that may
-    compile). A C-level faulthandler timer at twice the limit is the backstop if C code holds the
-    GIL. Per step: a median of 100 numbers and a re-armed timer; nothing grows with the ranks.
-
-        dog = Watchdog(rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
-        dog.step_done()                  after every training step
-        with dog.phase("saving"):        around anything that is not a step
-        dog.close()                      at the end (factor 0: every call does nothing)"""
+    """A hung run ends with every thread's stack and exit status EXIT_HUNG instead of waiting
+    forever (a crash restarts from the newest checkpoint; a rank stuck in a collective never exits,
+    and xla's device collectives have no timeout): once no step_done() came for factor x the median
+    step time (at least min_s; startup_s before the first steps and in a phase()). A faulthandler
+    timer at twice the limit is the backstop if C code holds the GIL. Per step: a median of 100
+    numbers, nothing that grows with the ranks. factor 0: every call does nothing."""
 
     def __init__(self, rank: int, factor: float, min_s: float, startup_s: float, out=None):
         self.rank, self.factor, self.min_s, self.startup_s = rank, factor, min_s, startup_s

@@ -1,16 +1,10 @@
-"""AdamW written out, four precision modes, the cosine learning-rate schedule, and ZeRO-1
-(optimizer states sharded over the data-parallel group).
-
---optim.precision, with the bytes of optimizer state per parameter:
-    fp32     params, grads and moments fp32                                             [8]
-    mixed    bf16 params and grads; an fp32 master copy and fp32 moments, the master
-             copied back into the params (round to nearest); grads accumulate in fp32     [12]
-    bf16     params and moments bf16, every write rounded to nearest                    [4]
-    bf16_sr  as bf16, every write rounded stochastically                                [4]
-The update itself is fp32 arithmetic in every mode. Why stochastic rounding (the blog: plain bf16
-diverged, bf16 + SR converged like mixed): near 1.0 bf16 moves in steps of 2^-7, far above an
-update of lr = 3e-4, so round to nearest drops the update every time; SR rounds up with the
-probability of the distance, so the rounded weight equals the fp32 one in expectation.
+"""AdamW written out, the cosine learning-rate schedule, and ZeRO-1 (optimizer states sharded over
+the data-parallel group). --optim.precision (docs/precision.md has the table): fp32; mixed (bf16
+params and grads, fp32 master and moments, grads accumulated in fp32); bf16 and bf16_sr (params and
+moments bf16, every write rounded to nearest or stochastically). The update is fp32 arithmetic in
+every mode. Why SR (the blog: plain bf16 diverged, bf16 + SR converged like mixed): near 1.0 bf16
+moves in steps of 2^-7, far above an update of lr = 3e-4, so round to nearest drops the update every
+time; SR rounds up with the probability of the distance: the weight equals the fp32 one in expectation.
 """
 from __future__ import annotations
 
@@ -135,11 +129,9 @@ class _Slot:
 
 class AdamW:
     """AdamW (Loshchilov & Hutter, decoupled weight decay) in one of four precision modes; equals
-    torch.optim.AdamW in fp32. named_params: names key the state_dict and the SR streams (parameters
-    alone, as torch.optim takes them, are named by position); "mixed"
+    torch.optim.AdamW in fp32. named_params: names key the state_dict and the SR streams. "mixed"
     copies its master from the params here (load pretrained weights first). software_sr=False on
-    Trainium: its hardware rounds every fp32 -> bf16 copy_ stochastically
-    (NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the launch environment)."""
+    Trainium: its hardware rounds every fp32 -> bf16 copy_ stochastically (NEURON_RT_STOCHASTIC_ROUNDING_EN=1)."""
     zero1 = False
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid | None = None, seed: int = 0,
@@ -371,21 +363,15 @@ class AdamW:
 
 class Zero1AdamW(AdamW):
     """ZeRO stage 1 (HLAT 70B, NxD's NeuronZero1Optimizer): each DP rank keeps the optimizer state of
-    1/DP of the parameters. All local params lie end to end in one flat space of N elements; rank r
+    1/DP of the parameters. The local params lie end to end in one flat space of N elements; rank r
     owns [r*S, (r+1)*S), S = ceil(N / DP). reduce_scatter_and_clip replaces the DP all-reduce (grads
-    x 1/DP: the DP degree, not the world size, where HLAT diverged), then the global norm and the
-    clip; step updates the shard and all-gathers the params (the same bytes as an all-reduce; state
-    memory / DP). The TP sums (reduce_tp_replicated_gradients) run first. A param without a
-    gradient counts as zero here (it is still decayed), where AdamW skips it.
-    Buckets (issue 26): both collectives move at most bucket_bytes at a time, never one flat copy of
-    every gradient (1.1 GB for the 70B preset's local model). NxD caps them at 130 MB
-    (trainer/trainer.py: "Bucket cap >140MB causes NaN at step 3"). With the flat space as a [DP, S]
-    grid (rank r's shard is row r), bucket j is the column band [j*b, (j+1)*b) of every row: its
-    reduce-scatter gives rank r its own row's columns, so checkpoints and reshard.py keep one
-    layout. Per rank the bytes stay those of the local model whatever DP; the slices grow with DP.
-    At 4096 ranks (llama2_7b with ZeRO-1, TP 8, DP 512): 13 buckets of ~530 runs, ~7k slices traced
-    once in bf16; with fp32 gradients (fp32, mixed) 25 buckets, ~13k slices.
-    """
+    x 1/DP, after the TP sums), then clips on the global norm; step updates the shard and all-gathers
+    the params. A param without a gradient counts as zero here (still decayed), where AdamW skips it.
+    Buckets: both collectives move at most bucket_bytes at a time, never a flat copy of every
+    gradient (1.1 GB at 70B; NxD caps them at 130 MB: "Bucket cap >140MB causes NaN at step 3"). With
+    the flat space as a [DP, S] grid, bucket j is the column band [j*b, (j+1)*b) of every row, so
+    its reduce-scatter gives rank r its own row's columns: checkpoints keep one layout. At 4096 ranks
+    (7B, TP 8, DP 512): 13 buckets of ~530 runs, ~7k slices traced once (fp32 gradients: 25, ~13k)."""
     zero1 = True
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid, seed: int = 0, software_sr: bool = True,
