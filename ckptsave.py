@@ -1,12 +1,9 @@
-"""Saving a checkpoint: this rank's files staged into host memory, then written atomically in a
-background thread while training goes on (checkpoint.py decides what the files are, ckptdir.py
-names them and decides when a step is complete).
-
-The step waits only for the copy into host buffers kept from the previous save; on a CPU host the
-weights and moments (which only the optimizer's update changes) are copied in the writer thread
-during the next forward and backward, and before_update() waits for that copy. Each file is written
-into step_N/.tmp-rankR/ in one pass that serializes and checksums it, fsynced, renamed into step_N/;
-then the rank's completion marker the same way. A crash leaves at worst an interrupted save.
+"""Saving a checkpoint: this rank's files (checkpoint.py decides what they are) staged into host
+buffers kept from the previous save, then written in a background thread while training goes on: on
+a CPU host the weights and moments are copied in that thread during the next forward and backward
+(before_update() waits for the copy). Each file goes into step_N/.tmp-rankR/ in one pass that
+serializes and checksums it, fsynced, renamed into step_N/; then the rank's completion marker. A
+crash leaves at worst an interrupted save.
 """
 from __future__ import annotations
 

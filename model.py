@@ -1,17 +1,13 @@
 """The Llama 2 and 3 decoder: RMSNorm, RoPE (with Llama 3.1 scaling), grouped-query attention,
 SwiGLU, and an embedding and head that are separate (Llama 2, Llama 3 8B) or tied (Llama 3.2).
-
-It computes what Hugging Face's LlamaForCausalLM computes (tests/test_model.py: logits and every
-gradient to 1e-5), with two choices from the HLAT/blog setup:
-- Coalesced projections (fewer, larger matmuls and TP collectives): `qkv_proj` holds the rows
-  [q heads of KV group 0 | k_0 | v_0 | q heads of group 1 | ...], so a contiguous TP shard holds
-  whole KV groups; `gate_up_proj` is [gate | up].
-- Scaled init: the output projections start at init_std / sqrt(2 * n_layers) (the blog's 7B
-  diverged without it).
-Where autograd through plain ops is slow, the backward is written out as an autograd Function with
-the same numbers, each tested against the plain version. Packed sequences: `doc_ids` [B, T] names
-each token's document; a token attends only to earlier tokens of its own document. docs/model.md
-has the measurements behind each choice.
+It computes what transformers' LlamaForCausalLM computes (tests/test_model.py), with two choices
+of HLAT's: coalesced projections (fewer, larger matmuls and TP collectives: `qkv_proj` rows are [q
+heads of KV group 0 | k_0 | v_0 | q heads of group 1 | ...], so a contiguous TP shard holds whole
+groups; `gate_up_proj` is [gate | up]) and scaled init (output projections at init_std / sqrt(2 *
+n_layers): the blog's 7B diverged without it). Where autograd through plain ops is slow, the
+backward is written out as a Function with the same numbers, tested against the plain version.
+`doc_ids` [B, T] (packed sequences): a token attends only to earlier tokens of its own document.
+docs/model.md has the measurements behind each choice.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Tensor, sequence and data parallelism on torch.distributed: how HLAT splits a Llama over NeuronCores.
-
-Top to bottom, named as in Megatron-LM and NeuronX Distributed: rank grid and groups, collectives,
-region operators (autograd Functions: a collective forward, its transpose backward), parallel layers,
-build_model, vocab-parallel loss, gradient sums and norms, full state dicts. How each parameter is
-split over TP ranks: sharding.py. Sequence parallelism (the blog's SP=8 with TP=8) splits the residual
-stream along the sequence between TP regions, so norms and residual adds run on 1/tp of the tokens.
+"""Tensor, sequence and data parallelism on torch.distributed: how HLAT splits a Llama over NeuronCores,
+named as in Megatron-LM and NeuronX Distributed (how each parameter is split over TP: sharding.py).
+Sequence parallelism (the blog's SP=8 with TP=8) splits the residual stream along the sequence
+between TP regions, so norms and residual adds run on 1/tp of the tokens.
 """
 from __future__ import annotations
 
@@ -75,7 +72,6 @@ class Grid:
 
 
 def backend_for(device_type: str) -> str:
-    """The collective backend follows the device: gloo on CPU, nccl on CUDA, xla on Trainium."""
     return {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}[device_type]
 
 
@@ -399,15 +395,12 @@ def move_model(model: nn.Module, device) -> nn.Module:
 
 
 def build_model(cfg: Config, grid: Grid, device, stage=None, dtype: torch.dtype | None = None) -> llama.Llama:
-    """This rank's Llama, TP/SP-parallelized for grid, its weights allocated but not yet filled:
-    the caller fills them from one source (train.py: a checkpoint, a Hugging Face folder or
-    init_weights), then move_model puts them on the device. Built on the meta device, so no rank
-    ever holds the full model; allocated on the host on XLA (the blog: "initialized on CPU and
+    """This rank's Llama, TP/SP-parallelized for grid, its weights allocated but not filled (train.py
+    fills them from one source, then move_model puts them on the device). Built on the meta device:
+    no rank ever holds the full model. Allocated on the host on XLA (the blog: "initialized on CPU and
     offloaded to Trainium"; in-place copies into XLA tensors leave views that recompile graphs at
-    each save and after evals), elsewhere on the device itself.
-    stage: pipeline.py's hook, meta model -> the part this rank keeps (its pipeline stage, with the
-    whole model's parameter names); only that part is allocated.
-    dtype: the parameters' dtype (optim.param_dtype), applied on meta: nothing is cast later."""
+    each save and after evals), elsewhere on the device. stage: pipeline.py's hook, meta model -> the
+    part this rank keeps (only that is allocated); dtype: the parameters' (optim.param_dtype), on meta."""
     device = torch.device(device)
     sp = cfg.parallel.sp and grid.tp > 1
     with torch.device("meta"):                # the parallel layers too: nothing is allocated yet

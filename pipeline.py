@@ -1,17 +1,12 @@
 """Pipeline parallelism (HLAT 70B: TP=32 x PP=8): the Llama cut into stages over PP ranks, trained
-with a 1F1B or GPipe schedule. Top to bottom:
-
-1. Stages: layers split evenly or at --parallel.pp_cuts; the embedding on the first stage, norm,
-   head and loss on the last. Parameters keep their whole-model names (layers.{global i}), so init,
-   state dicts and checkpoints do not depend on the stage layout.
-2. Point-to-point between neighbours, `p2p`: "send" (isend/irecv: gloo, nccl) or "allgather"
-   (NxD's on XLA, where send/recv lowers to a slow collective-permute: the pair all-gathers over
-   its own two-rank group). Message shapes follow from the config: no shape messages.
-3. Schedules: GPipe (all forwards, then all backwards) and 1F1B (never more than PP microbatches'
-   activations alive); both idle (PP - 1) / (m + PP - 1) of the time.
-4. A step's gradients (train.train_step does the rest): each backward scaled as train.py scales it,
-   so PP and non-PP gradients are identical (not grad_acc times larger, the bug of torchtitan
-   #2972 and picotron's PP path: tests/test_pipeline.py).
+with a 1F1B or GPipe schedule (docs/parallelism.md). Top to bottom:
+1. Stages. Parameters keep their whole-model names (layers.{global i}): init, state dicts and
+   checkpoints do not depend on the stage layout.
+2. Point-to-point between neighbours: "send" (isend/irecv) or "allgather" (NxD's on XLA, where
+   send/recv lowers to a slow collective-permute); message shapes follow from the config.
+3. Schedules.
+4. A step's gradients: each backward scaled as train.py scales it, so PP and non-PP gradients are
+   identical (not grad_acc times larger: torchtitan #2972, picotron's PP path).
 5. Full state dicts (export) and evaluation through the pipeline.
 """
 from __future__ import annotations
@@ -49,7 +44,6 @@ def stage_bounds(cfg: Config) -> list[tuple[int, int]]:
 
 
 def stage_of(name: str, bounds: list[tuple[int, int]]) -> int:
-    """The stage that holds parameter `name` (a name of the whole model)."""
     if name.startswith("embed."):
         return 0
     if name.startswith("layers."):
@@ -288,11 +282,10 @@ def no_cut() -> None:
 def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid, cfg: Config,
                      cut) -> tuple[torch.Tensor, dict]:
     """train.forward_backward through the pipeline: this rank's microbatches through the schedule,
-    each backward scaled by `scale`, cut() after every forward, backward and exchange (NxDPPModel),
-    then the tied embedding's two copies summed. Returns the summed token loss (on every stage: the
-    last computes it, the others add zeros) and the statistics: bubble, (PP - 1) / (m + PP - 1);
-    idle, the share of the schedule's time this rank waited in p2p (host clock: on XLA the p2p ops
-    are lazy, read idle from a profile there); max_live, the peak activation sets held."""
+    each backward scaled by `scale`, then the tied embedding's copies summed. Returns the summed token
+    loss (every stage: the others add zeros) and the stats: bubble, (PP - 1) / (m + PP - 1); idle, the
+    share of the schedule this rank waited in p2p (host clock: lazy on XLA, use a profile there);
+    max_live, the peak activation sets held."""
     if len(batches) < grid.pp:
         raise ConfigError(f"pipeline of {grid.pp} stages needs at least {grid.pp} microbatches per step, "
                           f"got {len(batches)}; raise the global batch or lower micro_batch")
