@@ -35,7 +35,6 @@ from ckptsave import Writer, to_host  # noqa: F401  (to_host: for train.py)
 from faults import Faults
 from reshard import Loaded, writer_dp_rank  # noqa: F401  (tests ask checkpoint.writer_dp_rank)
 
-STEP_DIR = ckptdir.STEP_DIR
 MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
 
 
@@ -62,7 +61,6 @@ def seed_all(seed: int) -> None:
 
 
 def set_rng_state(s: dict, device: torch.device | str | None = None) -> None:
-    """Restore what rng_state() captured."""
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
@@ -237,7 +235,7 @@ class Checkpointer:
 
     @property
     def stats(self) -> dict:
-        """The last save's: step, wait_s, blocked_s, bytes, write_s, deferred_copy_s, starved_s."""
+        """The last save's: step, blocked_s, bytes, write_s, deferred_copy_s, starved_s."""
         return self.writer.stats
 
     @property

@@ -117,7 +117,6 @@ class SpikeDetector:
         self.growing = False
 
     def update(self, step: int, norm: float) -> list[str]:
-        """Feed one step's gradient norm; returns the warnings this step raises."""
         if not math.isfinite(norm):
             return []
         warnings = []
@@ -248,9 +247,8 @@ class Monitor:
             dev = tensors[0].device if tensors else None
             values = iter(torch.stack([t.float().reshape(()).to(dev) for t in tensors]).cpu().tolist()
                           if tensors else [])
-        rows = []
-        for r in self.pending:          # the same order as `tensors` was built in
-            rows.append(dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}))
+        # the same order as `tensors` was built in
+        rows = [dict(r, **{k: next(values) for k in keys if torch.is_tensor(r[k])}) for r in self.pending]
         self.pending = []
         for r in rows:
             if r.pop("on_device", False):           # XLA skip mode: the verdict is read only now
@@ -319,7 +317,6 @@ class Monitor:
             self._t_flush = time.perf_counter()
 
     def eval(self, step: int, val_loss):
-        """Validation loss on the held-out windows, and its perplexity."""
         v = float(val_loss)
         ppl = math.exp(min(v, 50.0))
         self._scalars(step, {"val/loss": v, "val/perplexity": ppl})
@@ -328,7 +325,6 @@ class Monitor:
             self.writer.flush()
 
     def close(self):
-        """Flush what is pending, print the spike summary, close the event files."""
         self.flush()
         s = self.spikes.summary()
         if s["spikes"]:

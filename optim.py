@@ -285,8 +285,7 @@ class AdamW:
     def zero_grad(self, set_to_none: bool = True):
         for _, p in self.named:
             if set_to_none:
-                p.grad = None
-                p.main_grad = None
+                p.grad = p.main_grad = None
             else:
                 for g in (p.grad, getattr(p, "main_grad", None)):
                     if g is not None:
@@ -365,8 +364,9 @@ class Zero1AdamW(AdamW):
     """ZeRO stage 1 (HLAT 70B, NxD's NeuronZero1Optimizer): each DP rank keeps the optimizer state of
     1/DP of the parameters. The local params lie end to end in one flat space of N elements; rank r
     owns [r*S, (r+1)*S), S = ceil(N / DP). reduce_scatter_and_clip replaces the DP all-reduce (grads
-    x 1/DP, after the TP sums), then clips on the global norm; step updates the shard and all-gathers
-    the params. A param without a gradient counts as zero here (still decayed), where AdamW skips it.
+    x 1/DP, not 1/world: HLAT's divergence; after the TP sums), then clips on the global norm; step
+    updates the shard and all-gathers the params (an all-reduce's bytes; state memory / DP). A param
+    without a gradient counts as zero here (still decayed), where AdamW skips it.
     Buckets: both collectives move at most bucket_bytes at a time, never a flat copy of every
     gradient (1.1 GB at 70B; NxD caps them at 130 MB: "Bucket cap >140MB causes NaN at step 3"). With
     the flat space as a [DP, S] grid, bucket j is the column band [j*b, (j+1)*b) of every row, so

@@ -10,6 +10,7 @@ trn1 nodes (TP=8, DP=512), 16 readers of the shared file system, not 4096.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -66,7 +67,7 @@ class LazyList(Sequence):
     """n items, each read by read(i) when first indexed."""
 
     def __init__(self, n: int, read):
-        self.n, self.read, self.got = n, read, {}
+        self.n, self.read = n, functools.cache(read)
 
     def __len__(self):
         return self.n
@@ -74,9 +75,7 @@ class LazyList(Sequence):
     def __getitem__(self, i: int):
         if not -self.n <= i < self.n:
             raise IndexError(i)
-        if i % self.n not in self.got:
-            self.got[i % self.n] = self.read(i % self.n)
-        return self.got[i % self.n]
+        return self.read(i % self.n)
 
 
 # ----------------------------------------------------------------------------- reading at any layout
@@ -169,11 +168,9 @@ BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (
 
 def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
     """The DP replica that writes file `kind` (0: model, 1: optimizer without ZeRO-1) of g's (tp, pp)
-    position, and at the same layout reads it back: file k of the n = kinds x TP x PP goes to
-    replica k * DP // n, evenly over the DP group and so over the nodes. Each rank decides alone:
-    nothing grows with the ranks. The writer verifies the file's crc32 at resume (each rank checks
-    its own marker's files), so the load reads it from that node's page cache: the shared file
-    system serves each byte once, not once to the verifier and again to another node's reader."""
+    position and reads it back: file k of the n = kinds x TP x PP goes to replica k * DP // n, evenly
+    over the nodes, each rank deciding alone. The writer verifies its crc32 at resume, so the load
+    reads it from that node's page cache: the shared file system serves each byte once."""
     kinds = 1 if zero1 else 2
     n = kinds * g.tp * g.pp
     k = kind * g.tp * g.pp + g.pp_rank * g.tp + g.tp_rank
