@@ -151,9 +151,8 @@ def tiny() -> Config:
 
 def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
             precision: str = "bf16_sr") -> Config:
-    """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device.
-    Its "LR decay steps 480,000" count from step 0, warmup included, as NxD's CosineAnnealing max_steps (neuronx-
-    distributed examples/training/llama/lr.py) and Megatron's lr_decay_iters: the cosine ends at step 480k."""
+    """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device. Its
+    "LR decay steps 480,000" count from step 0 as NxD's CosineAnnealing max_steps (examples/training/llama/lr.py)."""
     return Config(preset=name, model=model, parallel=parallel,
                   optim=OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=2000, decay_steps=478_000,   # after warmup
                                     constant_steps=0, max_steps=500_000, beta1=0.9, beta2=0.95, eps=1e-5,
@@ -218,6 +217,11 @@ ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": 
            "zero1": "parallel.zero1", "instance": "parallel.instance", "lr": "optim.lr", "steps": "optim.max_steps",
            "precision": "optim.precision", "data": "data.data", "tokenizer": "data.tokenizer",
            "seq_len": "data.seq_len", "global_batch": "data.global_batch", "micro_batch": "data.micro_batch"}
+# Other trainers' names for ours (nanoGPT, torchtitan, Hugging Face) that no spelling brings near: the typo hint's.
+SYNONYMS = {"learning_rate": "lr", "batch_size": "global_batch micro_batch", "block_size": "seq_len", "n_embd": "dim",
+            "hidden_size": "dim", "lr_decay_iters": "decay_steps", "max_norm": "grad_clip", "max_grad_norm": "grad_clip",
+            "gradient_accumulation_steps": "global_batch micro_batch", "per_device_train_batch_size": "micro_batch",
+            "dtype": "precision", "intermediate_size": "ffn_dim", "num_attention_heads": "n_heads", "save_steps": "ckpt.interval"}
 
 
 class ConfigError(ValueError):
@@ -244,17 +248,14 @@ BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": 
 def _parse_value(key: str, text: str, typ) -> object:
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
     try:
-        if typ is bool:
-            return BOOLS[text.lower()]
-        return int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
+        return BOOLS[text.lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
     except (KeyError, ValueError):
         raise ConfigError(f"--{key}={text!r}: expected {({int: 'an int', float: 'a number'}).get(typ, 'true or false')}") from None
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:
     """Apply `--section.key=value` (or `--key value`) arguments to cfg, type-checked."""
-    keys, given = _all_keys(cfg), set()
-    i = 0
+    keys, given, i = _all_keys(cfg), set(), 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
@@ -268,10 +269,12 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         else:
             key, text = body, "true"          # a bare --flag sets a bool
         key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
-        if key not in keys:
-            close = difflib.get_close_matches(key, list(keys) + list(ALIASES), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise ConfigError(f"unknown config key --{key}{hint} (--help lists them all)")
+        if key not in keys:     # hint: another trainer's name for it (SYNONYMS), else a key or alias spelled near its last part
+            names, last = {**{n: k for k in keys for n in (k.rpartition(".")[2], k)}, **ALIASES}, key.rpartition(".")[2]
+            near = dict.fromkeys(names[n] for n in SYNONYMS.get(last, "").split()
+                                 or difflib.get_close_matches(last, names, n=3, cutoff=0.65))
+            hint = ", ".join(f"--{k}" + "".join(f" (--{a})" for a in ALIASES if ALIASES[a] == k) for k in near)
+            raise ConfigError(f"unknown config key --{key}{f'; did you mean {hint}?' if hint else ''} (--help lists them all)")
         holder, f = keys[key]
         value = _parse_value(key, text, f.type)
         if key in CHOICES and value not in CHOICES[key]:
@@ -316,15 +319,13 @@ def field_comments() -> dict[tuple[str, str], str]:
     src = inspect.getsource(sys.modules[__name__])
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
-    return {(c.name, s.target.id): comments.get(s.lineno, "")
-            for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+    return {(c.name, s.target.id): comments.get(s.lineno, "") for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
             for s in c.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
 
 
 def help_text(intro: str, argv: list[str]) -> str:
     """--help: intro, then every key, its value under the preset and flags given, and its comment."""
-    argv = [a for a in argv if a not in ("-h", "--help")]
-    cfg, comments = from_args(argv), field_comments()
+    cfg, comments = from_args([a for a in argv if a not in ("-h", "--help")]), field_comments()
     short = {key: alias for alias, key in ALIASES.items()}
     lines = [intro.strip(), "", f"presets (--preset NAME): {', '.join(PRESETS)}. Below: every key, its value "
              f"under --preset {cfg.preset} and the flags given, and what it sets.",
@@ -381,10 +382,10 @@ _POSITIVE, _FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v < 1, "in [0, 
 # Seconds: a timedelta, faulthandler's timer and a thread's wait overflow past ~9.2e9 (2 * hang_startup_s included).
 _SECONDS = (lambda v: 0 < v <= 1e9, "> 0 and at most 1e9 (about 30 years)")
 DOMAINS = {
-    **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                     "model.ffn_dim", "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps",
-                     "data.seq_len", "data.global_batch", "data.micro_batch", "log.interval",
-                     "log.eval_windows", "model.rope_original_max_len", "data.shuffle", "model.rope_factor"), _AT_LEAST_1),
+    **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+                     "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps", "data.seq_len", "data.global_batch",
+                     "data.micro_batch", "log.interval", "log.eval_windows", "model.rope_original_max_len", "data.shuffle",
+                     "model.rope_factor"), _AT_LEAST_1),
     **dict.fromkeys(("model.norm_eps", "optim.eps", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
     **dict.fromkeys(("model.init_std", "optim.lr"), (lambda v: 0 < v <= 1, "> 0 and at most 1 (Llama: init_std 0.02, lr 3e-4)")),
     "model.rope_theta": (lambda v: v > 1, "> 1 (RoPE's base, its powers the wavelengths: Llama 2 1e4, Llama 3 5e5)"),
@@ -496,14 +497,13 @@ def warnings(cfg: Config) -> list[str]:
     if o.warmup_steps > o.max_steps:
         return [f"--optim.warmup_steps={o.warmup_steps} is longer than the run (--optim.max_steps={o.max_steps}): the lr "
                 f"never reaches its peak {o.lr:g}; lower warmup_steps unless this run stops a longer schedule early on purpose"]
-    # The lr schedule should end with the run (nanoGPT: lr_decay_iters ~= max_iters; the blog's table: at step 480k of 500k)
     fit = o.max_steps - o.warmup_steps - o.constant_steps          # the decay_steps that end the cosine with the run
     sched = f"(warmup {o.warmup_steps} + constant {o.constant_steps} + decay {o.decay_steps} = {end} steps)"
     fix = f"set --optim.decay_steps={fit} to end the cosine with the run" if fit > 0 else "shorten warmup and constant"
-    if o.min_lr < o.lr and o.max_steps < end:
+    if o.min_lr < o.lr and o.max_steps < end:      # the schedule should end with the run (nanoGPT: lr_decay_iters ~= max_iters)
         return [f"--optim.max_steps={o.max_steps} ends before the lr schedule {sched} decays to --optim.min_lr={o.min_lr:g}; "
                 f"{fix}, unless this run stops a longer schedule early on purpose"]
-    if o.min_lr < o.lr and o.max_steps > end + o.max_steps // 10:
+    if o.min_lr < o.lr and o.max_steps > end + o.max_steps // 10:     # (the blog's table: its last 4% at min_lr)
         return [f"--optim.max_steps={o.max_steps} runs {o.max_steps - end} steps at --optim.min_lr={o.min_lr:g} after the lr "
                 f"schedule {sched}; {fix}"]
     return []

@@ -71,6 +71,20 @@ def test_unknown_key_names_closest():
         configs.from_args(["--preset", "llama2_7B"])
 
 
+@pytest.mark.parametrize("flag,hint", [         # nanoGPT's, torchtitan's and Hugging Face's names for ours
+    ("--learning_rate", "--optim.lr (--lr)"), ("--batch_size", "--data.global_batch (--global_batch), --data.micro_batch"),
+    ("--max_iters", "--optim.max_steps (--steps)"), ("--n_layer", "--model.n_layers"), ("--n_embd", "--model.dim"),
+    ("--warmup_iters", "--optim.warmup_steps"), ("--grad_clip", "--optim.grad_clip"), ("--block_size", "--data.seq_len"),
+    ("--lr_decay_iters", "--optim.decay_steps"), ("--training.seq_len", "--data.seq_len (--seq_len)"),
+    ("--max_grad_norm", "--optim.grad_clip"), ("--hidden_size", "--model.dim"), ("--optim.learning_rate", "--optim.lr")])
+def test_other_trainers_names_get_our_flag_as_a_hint(flag, hint):
+    """The hint matches the unknown key's last part against each key's last part and the aliases, and knows other
+    trainers' names no spelling brings near: --learning_rate hinted --log.hang_factor, --batch_size nothing."""
+    with pytest.raises(ConfigError) as e:
+        configs.from_args([f"{flag}=1"])
+    assert f"did you mean {hint}" in str(e.value) and str(e.value).count("--") <= 6, str(e.value)
+
+
 @pytest.mark.parametrize("args,world,message", [
     (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=3"], 3, "n_heads 8 is not divisible by tp 3"),
     (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=8", "--global_batch=16"], 8, None),   # KV replication: fine
