@@ -65,8 +65,8 @@ class OptimConfig:
     lr: float = 1e-3             # peak learning rate, reached after warmup
     min_lr: float = 1e-4         # the cosine's floor, held after decay
     warmup_steps: int = 20       # linear warmup to lr over these steps
-    decay_steps: int = 280       # cosine from lr to min_lr over these steps after warmup
-    constant_steps: int = 0      # the blog's "constant step": hold lr after warmup before decay
+    decay_steps: int = 280       # cosine from lr to min_lr over these steps after warmup (and constant_steps)
+    constant_steps: int = 0      # hold lr after warmup, before the cosine (NxD's constant_steps instead hold min_lr after it)
     max_steps: int = 300         # optimizer steps of the whole run
     beta1: float = 0.9           # AdamW's first-moment decay
     beta2: float = 0.95          # AdamW's second-moment decay

@@ -47,7 +47,7 @@ def _check_precision(precision: str):
 
 def lr_at(step: int, o: OptimConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, o.lr held for constant_steps
-    (the blog's "constant step"), cosine to o.min_lr over decay_steps, then o.min_lr."""
+    (not NxD's constant_steps: a hold at min_lr after the cosine), cosine to o.min_lr over decay_steps, then o.min_lr."""
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps      # step 0 already trains (lr/warmup, not 0)
     step -= o.warmup_steps + o.constant_steps
