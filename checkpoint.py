@@ -248,8 +248,7 @@ class Checkpointer:
         """This rank's state after `step` optimizer steps: its model and optimizer state dicts, its
         data-loader state, its RNG streams; extra: JSON-able run state in meta.json (tokens seen).
         With async_save, returns once all is in host memory. defer_copy (CPU host): the weights and
-        moments are copied during the next forward and backward; call before_update() before the
-        optimizer changes them."""
+        moments are copied during the next forward and backward; before_update() waits for the copy."""
         t0 = time.perf_counter()
         self.wait()
         if step <= self._newest:

@@ -184,8 +184,7 @@ def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, di
 
 
 def is_ours(d: Path) -> bool:
-    """A step-named folder nanotrn could have made: empty (a save killed between its mkdirs) or
-    holding one of the names it writes."""
+    """A step-named folder nanotrn could have made: empty (a save killed between mkdirs) or with its files."""
     try:
         names = os.listdir(d)
     except OSError:                  # unreadable: not a folder a run could write into anyway

@@ -64,8 +64,7 @@ def tensor_bytes(obj) -> int:
 
 
 def map_tree(obj, fn, key: tuple = ()):
-    """obj with fn(leaf, key) for each leaf of its mappings (lazy ones read), lists and (named) tuples
-    (key: the path to the leaf)."""
+    """obj with fn(leaf, key: its path) for each leaf of its mappings (lazy ones read), lists, tuples."""
     if isinstance(obj, Mapping):
         return {k: map_tree(v, fn, key + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -158,10 +157,9 @@ class Writer:
         files copied in the writer thread (a CPU host with async_save; before_update() waits)."""
         host = self.device is None or torch.device(self.device).type == "cpu"
         defer = tuple(n for n in defer if n in files) if self.async_save and to_disk and host else ()
-        # Always off a device: torch.save of an XLA tensor pickles the device and ignores
-        # map_location at load. On XLA the copy is the device-to-host transfer, in this thread, as
-        # NxD does (trainer/checkpoint.py, _xser_save_data: t.cpu() per tensor; only writes go to
-        # its process pool).
+        # Always off a device: torch.save of an XLA tensor pickles the device and ignores map_location
+        # at load. On XLA the copy is the device-to-host transfer, in this thread, as NxD does
+        # (trainer/checkpoint.py, _xser_save_data: t.cpu() per tensor; only writes go to its pool).
         if self.async_save or not to_disk or not host:
             files = {n: map_tensors(o, lambda t, _: t) if n in defer else o   # tensors still training's
                      for n, o in files.items()}

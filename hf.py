@@ -299,10 +299,9 @@ EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "t
 
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
             tokenizer=None, overwrite: bool = False, bos: bool = True) -> None:
-    """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer
-    files, adding BOS where the run did (bos: its --data.bos). Refuses a non-empty folder unless
-    overwrite=True. Written into <folder>/.export.tmp and moved in once complete: a full disk (or a
-    kill) leaves an earlier export there as it was."""
+    """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer files
+    (BOS added where the run did: bos, its --data.bos). Refuses a non-empty folder unless overwrite. Written
+    into <folder>/.export.tmp, moved in once complete: a full disk or a kill leaves an earlier export as it was."""
     from safetensors.torch import save_file
     if os.path.isdir(folder) and set(os.listdir(folder)) - {EXPORT_TMP} and not overwrite:
         raise HFError(f"{folder} is not empty: export into a new folder, or pass --overwrite "

@@ -160,8 +160,7 @@ MASK_VALUE = -10000.0
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] document ids -> boolean [B, 1, T, T]: True where query i may attend key j (j <= i,
-    same document)."""
+    """[B, T] document ids -> bool [B, 1, T, T]: True where query i may see key j (j <= i, same document)."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
@@ -170,8 +169,7 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 def attention_mask(doc_ids: torch.Tensor | None, explicit: bool):
     """What every layer's attention_core reads, built once a forward: None for a causal batch (SDPA's
-    causal kernel), a FlexAttention BlockMask on CUDA (it skips the blocks no query may see), else
-    document_mask."""
+    causal kernel), on CUDA a FlexAttention BlockMask (it skips blocks no query sees), else document_mask."""
     if doc_ids is None:
         return None
     if doc_ids.is_cuda and not explicit:
@@ -197,9 +195,8 @@ def compiled_flex_attention():
 
 def attention_core(q, k, v, mask, explicit: bool = False):
     """Softmax attention of q [B, H, T, hd] over k, v [B, KV, T, hd] (what selective checkpointing
-    recomputes); mask from attention_mask. torch's kernels read each KV head in place for its group
-    of query heads (enable_gqa: 1.23x faster on CPU than repeating it); the explicit path and XLA
-    repeat it."""
+    recomputes); mask from attention_mask. torch's kernels read each KV head in place for its query
+    heads (enable_gqa: 1.23x faster on CPU than repeating it); the explicit path and XLA repeat it."""
     gqa = q.shape[1] != k.shape[1]
     if explicit or q.device.type == "xla":
         if gqa:
@@ -326,9 +323,8 @@ class MLP(nn.Module):
 
 
 class SwiGLU(torch.autograd.Function):
-    """silu(gate) * up of [gate | up], bit-equal to autograd through chunk, silu and mul, but with
-    both halves' gradients written into one buffer instead of joined by a cat (a copy of the
-    block's largest activation)."""
+    """silu(gate) * up of [gate | up], bit-equal to autograd through chunk, silu and mul, with both
+    halves' gradients written into one buffer, not joined by a cat (a copy of the block's largest activation)."""
 
     @staticmethod
     def forward(ctx, gate_up):
@@ -396,8 +392,7 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
     def init_weights(self, seed: int):
-        """Every parameter from (seed, its name) alone: any sharding of the model holds the same
-        full weights."""
+        """Every parameter from (seed, its name) alone: any sharding of the model holds the same weights."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(init_param(name, tuple(p.shape), self.cfg, seed))

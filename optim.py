@@ -220,8 +220,7 @@ class AdamW:
         """The AdamW step of every slot: runs is [(slot, its gradient)], k the _step_scalars. fp32
         arithmetic as torch._foreach_* kernels over one param group's slots (one kernel per operation
         on CUDA), FOREACH_ELEMENTS at a time; bf16 state is upcast into temporaries and rounded back,
-        fp32 state (and the mixed master) is updated in place. On CPU bit-equal to the slot-by-slot
-        arithmetic (tests/test_optim.py)."""
+        fp32 state (and the mixed master) updated in place. On CPU bit-equal to slot-by-slot (test_optim)."""
         c = self.cfg
         batches, size = {}, {}
         for s, grad in runs:
@@ -260,8 +259,7 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, apply: torch.Tensor | None = None):
-        """One AdamW step on the reduced and clipped gradients (params without one are skipped, as in
-        torch.optim). apply: see _keep."""
+        """One AdamW step on the reduced, clipped gradients (none: skipped, as torch.optim). apply: _keep."""
         keep = self._keep(apply)
         self.step_count += 1
         runs = [(s, g.view(-1)[s.lo:s.hi]) for s in self.slots if (g := parallel.grad_of(s.param)) is not None]
@@ -441,8 +439,7 @@ class Zero1AdamW(AdamW):
         return dict(self.flat)
 
     def _layout(self) -> dict:
-        # The flat index (names and shapes in order) lets reshard.py cut the shards back into
-        # per-parameter tensors, so that they resume at any layout.
+        # The flat index (names and shapes in order): reshard.py cuts the shards back into parameters.
         return {"kind": "zero1", "dp": self.grid.dp, "dp_rank": self.grid.dp_rank, "numel": self.numel,
                 "params": [[n, list(p.shape)] for n, p in self.named]}
 
@@ -512,9 +509,8 @@ class Zero1AdamW(AdamW):
 # ----------------------------------------------------------------------------- the guarded update
 
 def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
-    """optimizer.step() under the non-finite verdict (monitor.Monitor.check_finite): a bool from the
-    host, or a boolean tensor on the device (XLA: no host read), applied by a select. Returns
-    whether the step was skipped, of the same kind."""
+    """optimizer.step() under the non-finite verdict (monitor.Monitor.check_finite): a bool from the host,
+    or a boolean tensor on the device (XLA: no host read) applied by a select. Returns skipped, the same kind."""
     if torch.is_tensor(verdict):
         optimizer.step(apply=verdict)
         return ~verdict

@@ -584,4 +584,3 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
             t = sharding.join(name, list(_all_gather(t, grid.tp_group, dim=0).chunk(grid.tp)), model.cfg)
         out[name] = t.clone()
     return out
-

@@ -167,9 +167,9 @@ def _pair_groups(grid: Grid) -> dict[int, tuple[object, int]]:
 
 
 def p2p(comm: Comm, send: torch.Tensor | None, peer: int | None, recv: bool) -> torch.Tensor | None:
-    """Send `send` to `peer` and/or receive one message (comm.shape) from it, in one blocking
-    exchange; peer None (past either end) does nothing. Both neighbours call p2p in the same order
-    (the schedules do): "allgather" is a collective of the pair."""
+    """Send `send` to `peer` and/or receive one message (comm.shape) from it, in one blocking exchange
+    (peer None, past either end: nothing). Both neighbours call it in the same order: "allgather" is
+    a collective of the pair."""
     if peer is None or (send is None and not recv):
         return None
     t0 = time.perf_counter()
@@ -249,8 +249,7 @@ def gpipe(mb: _Microbatches, comm: Comm) -> None:
 def one_f_one_b(mb: _Microbatches, comm: Comm) -> None:
     """1F1B (PipeDream-flush, Megatron's non-interleaved): stage s runs PP - s - 1 warm-up forwards,
     then one forward and one backward in turn (at most PP - s microbatches alive), then the last
-    backwards. A send and a receive at the same moment go as one exchange, so neighbours always
-    meet in the same order."""
+    backwards. A send and a receive at the same moment go as one exchange: neighbours meet in order."""
     m, grid = len(mb.batches), mb.grid
     warmup = min(grid.pp - grid.pp_rank - 1, m)
     for _ in range(warmup):
@@ -275,8 +274,7 @@ SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 # ----------------------------------------------------------------------------- 4. the gradients of a step
 
 def no_cut() -> None:
-    """The default graph cut of pipeline.py and train.py: nothing (eager devices); train.py
-    passes its sync on XLA."""
+    """The default graph cut: nothing (eager devices); train.py passes its sync on XLA."""
 
 
 def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Tensor, grid: Grid, cfg: Config,
