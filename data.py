@@ -428,11 +428,13 @@ class PackedLoader:
                             f"stream afresh with --ckpt.reset_data")
         for key in ("split",) + tuple(self.fingerprint):
             want = self._start_state[key]
-            if sd.get(key) != want:
-                raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has "
-                                f"{key}={want!r}: the saved position means nothing here; restore the "
-                                f"original setting, or keep the model and optimizer and start the data "
-                                f"stream afresh with --ckpt.reset_data")
+            if sd.get(key) != want:     # a corpus: its hashes say nothing, and no setting restores an older copy
+                raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has {key}={want!r}"
+                                + (" (another corpus: its files' names or sizes, or how this nanotrn reads a "
+                                   ".gz/.zst/.parquet file, changed)" if key == "corpus" else "")
+                                + ": the saved position means nothing here; " + ("" if key == "corpus" else
+                                "restore the original setting, or ") + "keep the model and optimizer and start the "
+                                "data stream afresh with --ckpt.reset_data")
 
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""

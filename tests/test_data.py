@@ -584,7 +584,9 @@ def test_a_compressed_or_parquet_source_reads_as_its_raw_file_does(tok, tmp_path
     state, before = loader.state_dict(), data.Corpus(str(tmp_path / "a.jsonl")).fingerprint
     monkeypatch.setattr(prepare, "RECIPE", "copy-v1")
     assert data.Corpus(str(tmp_path / "a.jsonl")).fingerprint == before
-    with pytest.raises(data.DataError, match=r"saved with corpus=.*--ckpt.reset_data"):
+    with pytest.raises(data.DataError, match=r"saved with corpus=.* \(another corpus: its files' names or sizes, or how "
+                                             r"this nanotrn reads a .gz/.zst/.parquet file, changed\): [^;]*; keep the "
+                                             r"model and optimizer and start the data stream afresh with --ckpt.reset_data"):
         data.PackedLoader(c, tok, prefetch=0).load_state_dict(state)
 
 
