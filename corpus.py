@@ -153,10 +153,11 @@ class Corpus:
     def _ranges(self, lo: int, hi: int):
         """(source, first, end) of documents lo..hi-1, per source, in the source's own ids."""
         for s in range(np.searchsorted(self.offsets, lo, "right") - 1, len(self.sources)):
-            a, b = max(lo, self.offsets[s]), min(hi, self.offsets[s + 1])
-            if a >= b:
+            if self.offsets[s] >= hi:
                 break
-            yield self.sources[s], int(a - self.offsets[s]), int(b - self.offsets[s])
+            a, b = max(lo, self.offsets[s]), min(hi, self.offsets[s + 1])
+            if a < b:                           # a source of no documents (an Arrow file of no rows) in between
+                yield self.sources[s], int(a - self.offsets[s]), int(b - self.offsets[s])
 
     def doc_lengths(self, lo: int, hi: int) -> np.ndarray:
         """Bytes of documents lo..hi-1 without reading them (a .jsonl record's: an upper bound of its text's)."""

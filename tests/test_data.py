@@ -636,6 +636,23 @@ def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
                 data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
+def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path):
+    """A file of zero documents that is not empty (an Arrow shard of no rows, as save_to_disk writes for more
+    shards than rows; a .txt.gz of nothing) stopped Corpus.doc_lengths: the span index saw none of the
+    documents after it (a long one never cut into spans, the corpus's bytes undercounted for check_size)."""
+    long_doc = " ".join(DOCS) * 2                      # ~50 KB: many spans
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "b.jsonl").write_text(json.dumps({"text": "short"}) + "\n")
+    with pa.OSFile(str(d / "c.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema({"text": pa.string()})) as w:
+        w.write_table(pa.table({"text": pa.array([], pa.string())}))
+    (d / "d.jsonl").write_text(json.dumps({"text": long_doc}) + "\n")
+    c = data.Corpus(str(d), cache_dir=str(tmp_path / "cache"))
+    idx = data.SpanIndex(c, SEQ, str(tmp_path / "cache"))
+    assert c.n_docs == 2 and len(c.doc_lengths(0, 2)) == 2
+    assert idx.n_spans > 10 and idx.bytes > len(long_doc), (idx.n_spans, idx.bytes)
+
+
 def test_a_utf16_file_of_a_folder_is_refused_at_start_not_when_a_lane_first_reads_it(tok, tmp_path):
     """A one-document file is opened only when a lane reads it: a UTF-16 file (with a BOM or without) in a
     big folder stopped the run mid-training, on data start-up accepted. The span index build (once per
