@@ -89,7 +89,7 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
     data_files = [p for p in files if p.endswith(STRUCTURED)]
     if not data_files:
         return [p for p in files if p.endswith(SUFFIXES)]
-    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt",))
+    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt", ".txt.gz", ".txt.zst"))      # text, compressed too
                   and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
     def split_of(p):
         parts = os.path.relpath(p, folder).lower().split(os.sep)

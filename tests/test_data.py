@@ -966,6 +966,20 @@ def test_device_loader_xla_uses_mpdeviceloader(files, tok):
     assert "XLA_OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_folder_of_data_files_reads_its_compressed_text_as_its_text(tmp_path):
+    """A folder holding JSON lines, Arrow or Parquet yields its .txt files beside them (docs/data.md);
+    its .txt.gz / .txt.zst, the same text compressed, were dropped without a word."""
+    import gzip
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": DOCS[0]}) + "\n")
+    (tmp_path / "b.txt").write_text(DOCS[1])
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(DOCS[2].encode()))
+    with pa.CompressedOutputStream(str(tmp_path / "d.txt.zst"), "zstd") as f:
+        f.write(DOCS[3].encode())
+    (tmp_path / "README.txt.gz").write_bytes(gzip.compress(b"a card, not data"))
+    c = data.Corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+    assert [t for t, _, _ in c.read(range(c.n_docs))] == DOCS[:4]
+
+
 def test_datasets_folders_read_as_datasets_would(tmp_path):
     """A DatasetDict trains on its train split unless --data.split says otherwise; a cloned dataset
     repository yields its data files' documents only (not README.md or the loading script), of the
