@@ -63,9 +63,6 @@ class Corpus:
                               if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
         paths = [p for ps in per_entry for p in ps]
         empty = [p for p in paths if os.path.getsize(p) == 0]
-        self.empty_files = len(empty)
-        if empty:
-            self.examples["empty_files"] = empty[0]
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             if os.path.getsize(p) == 0:
@@ -73,6 +70,8 @@ class Corpus:
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
                 self.sources.append(CachedDocs(p, prepare.cached(p, text_field, doc_per_line, cache_dir), text_field,
                                                doc_per_line, cache_dir))
+                if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
+                    empty.append(p)                                         # said as its raw twin is
             elif p.endswith((".jsonl", ".json")):
                 self.sources.append(LineDocs(p, True, text_field, cache_dir))
             elif p.endswith(".arrow"):
@@ -85,6 +84,9 @@ class Corpus:
             else:
                 self.sources.append(FileDocs([p]))
             docs_of[p] = 1 if isinstance(self.sources[-1], FileDocs) else self.sources[-1].n
+        self.empty_files = len(empty)
+        if empty:
+            self.examples["empty_files"] = empty[0]
         self.offsets = np.cumsum([0] + [s.n for s in self.sources])
         self.n_docs = int(self.offsets[-1])
         if self.n_docs == 0:

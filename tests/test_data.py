@@ -636,6 +636,27 @@ def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
                 data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
+def test_a_compressed_file_of_nothing_is_an_empty_file_as_its_raw_twin_is(tmp_path):
+    """An empty .txt / .jsonl is skipped and said ("empty files skipped"); compressed, the same nothing
+    (a .txt.gz, .jsonl.gz, .txt.zst of no bytes) was skipped without a word."""
+    import gzip
+    for d, gz in (("raw", False), ("packed", True)):
+        (tmp_path / d).mkdir()
+        for name in ("a.txt", "b.jsonl", "c.txt"):
+            path = tmp_path / d / (name + (".zst" if name == "c.txt" else ".gz") if gz else name)
+            if not gz:
+                path.write_bytes(b"")
+            elif name == "c.txt":
+                with pa.CompressedOutputStream(str(path), "zstd") as f:
+                    f.write(b"")
+            else:
+                path.write_bytes(gzip.compress(b""))
+        (tmp_path / d / "doc.txt").write_text("some text")
+    raw, packed = (data.Corpus(str(tmp_path / d), cache_dir=str(tmp_path / "c")) for d in ("raw", "packed"))
+    assert raw.empty_files == packed.empty_files == 3 and raw.n_docs == packed.n_docs == 1
+    assert packed.start_warnings()[0].startswith("data warning: 3 empty files skipped (the first here: ")
+
+
 def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path):
     """A file of zero documents that is not empty (an Arrow shard of no rows, as save_to_disk writes for more
     shards than rows; a .txt.gz of nothing) stopped Corpus.doc_lengths: the span index saw none of the
