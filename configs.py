@@ -421,6 +421,8 @@ def check_values(cfg: Config) -> None:
     if o.lr * o.weight_decay >= 1:          # AdamW's decoupled decay: every step, each weight times 1 - lr*weight_decay
         raise ConfigError(f"--optim.weight_decay={o.weight_decay} with --optim.lr={o.lr}: each step multiplies every weight "
                           f"by 1 - lr*weight_decay = {1 - o.lr * o.weight_decay:.3g}; lower weight_decay below {1 / o.lr:g}")
+    if d.val_fraction == 0 and cfg.log.eval_interval:     # no document is ever held out (spans.held_out)
+        raise ConfigError("--data.val_fraction=0 holds no text out to evaluate on: raise it, or set --log.eval_interval=0")
     if cfg.ckpt.start_fresh and cfg.ckpt.resume:
         raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
                           "it goes with --ckpt.resume=false (drop it to resume them)")
@@ -548,8 +550,7 @@ def check_paths(cfg: Config) -> None:
     dirs = (("out_dir", cfg.out_dir), ("ckpt.dir", cfg.ckpt.dir), ("data.cache_dir", cfg.data.cache_dir))
     for key, path in dirs + ((("log.tensorboard", cfg.log.tensorboard),) if cfg.log.tensorboard else ()):
         check_dir(key, path)        # (an empty out_dir, ckpt.dir or cache_dir: refused by check_values)
-    tok = cfg.data.tokenizer
-    if tok and (kind := path_kind(tok)) != "a directory":      # a model folder is fine, else a readable file
+    if (tok := cfg.data.tokenizer) and (kind := path_kind(tok)) != "a directory":   # a model folder, else a readable file
         if kind != "a file":
             raise ConfigError(f"--data.tokenizer={tok!r} is {'missing' if kind == 'nothing' else kind}: give a file")
         if not os.access(tok, os.R_OK):
@@ -587,8 +588,7 @@ def main(argv: list[str]) -> None:
         if wants_help(argv):
             return print(help_text(__doc__, [a for a in argv if a != "show"]))
         if not argv or argv[0] != "show":
-            sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]"
-                     "  (the planner: python plan.py [--preset NAME] ...)")
+            sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]  (the planner: python plan.py)")
         check_values(cfg := from_args(argv[1:]))
     except ConfigError as e:
         sys.exit(f"config error: {e}")

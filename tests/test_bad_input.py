@@ -200,6 +200,10 @@ CASES = [
         "--ckpt.keep=-1", "--data.val_fraction=1.0", "--data.val_fraction=-0.1", "--parallel.cores=-32",
         "--data.shuffle=0", "--data.shuffle=-1")],
     ("min_lr above lr", T("--optim.min_lr=0.5"), ["--optim.min_lr=0.5", "lower min_lr"], 1, True),
+    # nothing held out, evaluation on: was refused after a tokenizer was trained and the checkpoint directory claimed
+    ("no held-out text", ("train", ["--data.val_fraction=0", "--log.eval_interval=1", "--out_dir={t}/o",
+                                    "--data.cache_dir={t}/c", "--log.tensorboard="]),
+     ["--data.val_fraction=0", "--log.eval_interval=0"], 1, True),
     *[(f"empty:{k}", T(f"--{k}="), [f"--{k}", "empty"], 1, True)
       for k in ("data.text_field", "data.data", "out_dir", "ckpt.dir", "data.cache_dir")],
     # ---- train.py: types, names, choices
