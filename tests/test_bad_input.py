@@ -722,9 +722,11 @@ def test_new_corpus_continues_at_the_same_layout(W, tmp_path, capsys):
     shutil.copytree(W / "run" / "ckpt", tmp_path / "ck")
     train.main([*TINY, f"--data={W}/other", f"--data.tokenizer={tmp_path}/ck/tokenizer/tokenizer.model", f"--out_dir={tmp_path}/o",
                 f"--ckpt.dir={tmp_path}/ck", f"--data.cache_dir={tmp_path}/cache", "--steps=3", "--ckpt.reset_data"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "resuming from" in out and "the data stream starts afresh" in out, out
     assert os.path.isdir(tmp_path / "ck" / "step_00000003")
+    # 3 steps of a 1 + 280 step schedule: said once, on stderr, before the run (configs.warnings)
+    assert err.count("warning: --optim.max_steps=3 ends before the lr schedule") == 1, err
 
 
 def test_a_resume_without_a_tokenizer_takes_the_runs_own(W, tmp_path, capsys):
