@@ -297,7 +297,10 @@ def start_pods(job: dict, tmp: Path) -> list[Pod]:
     (port,) = free_ports(1)
     local = lambda i: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NPROC_PER_NODE": "1",  # noqa: E731
                        "NEURON_CACHE_DIR": str(tmp / f"node{i}-cache"),
-                       "HEALTHCHECK_ARGS": "--backend=gloo --mb=0.25 --warmup=1 --reps=2"}
+                       "HEALTHCHECK_ARGS": "--backend=gloo --mb=0.25 --warmup=1 --reps=2",
+                       # launch.sh's wait before it ends the torchrun of a pod drained alone (in its exit
+                       # barrier, the other pod never comes): 10 s by default, 2 enough on one host
+                       "STOP_LINGER_S": "2"}
     pods = [Pod(job, 0, local(0))]
     deadline = time.time() + 240
     while True:
@@ -365,6 +368,7 @@ def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_id
     # said so, exited 75, and its torchrun waits for the replacement instead of ending (exit 0 would
     # mark its index complete). Its line, not pod 1's end, says that its part is done.
     wait_for(pods[:1], r"SIGUSR1 reached another node: exit 75")
+    assert "ending torchrun's wait for the other nodes" in pods[1].out, pods[1].out[-3000:]
     out = "".join(p.out for p in pods)
     stop = stopped_step(out, "SIGUSR1")       # launch.sh (the pod's first process) sends TERM on as USR1
     ls = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "ls", str(ckpt)], capture_output=True,
