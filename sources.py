@@ -159,10 +159,16 @@ def not_utf16(head: bytes, path: str) -> bytes:
     bom = probe[:2] in UTF16
     if bom or (probe.find(0) >= 0 and probe.count(0) * 4 > len(probe)):     # find: memchr, ~1 us
         name, ext = os.path.splitext(path)
+        tool = {".gz": "gzip", ".zst": "zstd"}.get(ext)      # iconv must read the text, not the compressed bytes
+        if tool:
+            name, inner = os.path.splitext(name)
+            ext = inner + ext
+        fix = (f"{tool} -dc {path} | iconv -f UTF-16 -t UTF-8 | {tool} > {name}.utf8{ext}" if tool else
+               f"iconv -f UTF-16 -t UTF-8 {path} > {name}.utf8{ext}")
         what = ("UTF-16 text (it opens with a UTF-16 byte order mark)" if bom else f"UTF-16 or UTF-32 text without a "
                 f"byte order mark ({probe.count(0):,} of its first {len(probe):,} bytes are NUL)")
-        raise DataError(f"{path} is {what}, not UTF-8: convert it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8 {path} > "
-                        f"{name}.utf8{ext}; -f UTF-32 for UTF-32) or leave it out")
+        raise DataError(f"{path} is {what}, not UTF-8: convert it to UTF-8 (e.g. {fix}; -f UTF-32 for UTF-32) "
+                        f"or leave it out")
     return head
 
 

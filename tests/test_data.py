@@ -636,6 +636,19 @@ def test_utf16_text_is_refused_naming_the_file_and_the_fix(tmp_path):
                 data.prepare([path], str(d / f"{name}.arrow"), doc_per_line=per_line, workers=1)
 
 
+def test_a_compressed_utf16_file_is_refused_with_a_fix_that_decompresses_it_first(tmp_path):
+    """The fix a UTF-16 .txt.gz / .jsonl.zst is refused with ran iconv on its compressed bytes
+    ('iconv -f UTF-16 -t UTF-8 note.txt.gz > note.txt.utf8.gz': garbage, in a name no reader takes)."""
+    body = "".join(f"line {i} of a note saved as Unicode\n" for i in range(200)).encode("utf-16")
+    for name, tool in (("note.txt.gz", "gzip"), ("note.jsonl.zst", "zstd")):
+        with pa.CompressedOutputStream(str(tmp_path / name), tool) as f:
+            f.write(body)
+        path, stem, ext = str(tmp_path / name), str(tmp_path / "note"), name[4:]
+        with pytest.raises(data.DataError) as e:
+            data.Corpus(path, cache_dir=str(tmp_path / "c"))
+        assert f"{tool} -dc {path} | iconv -f UTF-16 -t UTF-8 | {tool} > {stem}.utf8{ext};" in str(e.value)
+
+
 def test_a_compressed_file_of_nothing_is_an_empty_file_as_its_raw_twin_is(tmp_path):
     """An empty .txt / .jsonl is skipped and said ("empty files skipped"); compressed, the same nothing
     (a .txt.gz, .jsonl.gz, .txt.zst of no bytes) was skipped without a word."""
