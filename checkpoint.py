@@ -207,6 +207,8 @@ class Checkpointer:
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None, keep=self.c.keep)
+        # wait(): the save in flight on disk; check(): raise at once if it failed; before_update():
+        # the deferred copy of the weights and moments done (train.py's guard, before the update)
         self.wait, self.check, self.before_update = self.writer.wait, self.writer.check, self.writer.before_update
         self._newest = -1                                # newest step saved or resumed from
         self.compile_only = compile_only
