@@ -53,6 +53,23 @@ def _environ():
     restore_environ()
 
 
+# The session's one data cache, passed to every train.py run as --data.cache_dir (gloo_spawn.run_train
+# adds it): the default, .cache in the cwd, is the repository's, which `make test` must leave as it
+# found it. Shared, so the embedded corpus's tokenizer is trained once per session (the cache's
+# .lock files make concurrent runs safe).
+SESSION_CACHE: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    SESSION_CACHE.append(str(tmp_path_factory.mktemp("cache")))
+
+
+def cache_arg() -> str:
+    """--data.cache_dir=the session's cache folder (for a train.py command line or train.main)."""
+    return f"--data.cache_dir={SESSION_CACHE[-1]}"
+
+
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference, relative to b's largest magnitude."""
     return ((a - b).abs().max() / b.abs().max()).item()

@@ -82,8 +82,12 @@ def run_train(args: list[str], nproc: int = 1, restarts: int = 0, env: dict | No
               timeout: int = 300) -> subprocess.CompletedProcess:
     """python train.py ARGS, or under `torchrun --standalone` with nproc > 1, on one thread per
     process; env adds to this process's environment (None removes a variable). A session of its own,
-    so that a timeout kills torchrun's workers too, not only torchrun."""
+    so that a timeout kills torchrun's workers too, not only torchrun. The session's data cache unless
+    args name one."""
+    from conftest import cache_arg
     root = Path(__file__).resolve().parents[1]
+    if not any(a.startswith("--data.cache_dir=") for a in args):
+        args = [*args, cache_arg()]
     cmd = [str(root / "train.py"), *args]
     if nproc > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -31,6 +31,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import configs  # noqa: E402
 import eks  # noqa: E402
+from conftest import cache_arg  # noqa: E402
 from gloo_spawn import free_ports, run_train  # noqa: E402
 from test_scripts import ARGS_7B, parse_dry_run, run_script  # noqa: E402
 
@@ -235,7 +236,7 @@ TINY = ["--device=cpu", "--model.n_layers=2", "--model.dim=32", "--model.n_heads
         "--model.ffn_dim=64", "--data.seq_len=32", "--model.max_seq_len=32", "--data.micro_batch=1",
         "--data.global_batch=64",     # valid for the manifest's 2 x 32 NeuronCores and for 2 CPU ranks here
         "--optim.warmup_steps=2", "--optim.decay_steps=10", "--optim.precision=fp32", "--log.interval=1",
-        "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=", f"--data.cache_dir={ROOT}/.cache"]
+        "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard="]
 
 
 class Pod:
@@ -327,7 +328,7 @@ def wait_for(pods: list[Pod], pattern: str, timeout: float = 600):
 
 
 def pod_job(tmp_path, name: str, *args) -> dict:
-    docs = generate(tmp_path, *TINY, *args, "--mount", str(tmp_path / name), nodes=2, name=name)
+    docs = generate(tmp_path, *TINY, cache_arg(), *args, "--mount", str(tmp_path / name), nodes=2, name=name)
     return docs["train"][1]
 
 

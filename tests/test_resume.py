@@ -25,7 +25,7 @@ import ckptsave  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
-from conftest import seeded_model  # noqa: E402
+from conftest import cache_arg, seeded_model  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
 ARGS = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64",
@@ -114,7 +114,8 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
 # ----------------------------------------------------------------------------- preemption
 
 def start(out: Path, *extra, nproc: int = 1) -> subprocess.Popen:
-    args = [str(ROOT / "train.py"), f"--out_dir={out}", *ARGS, "--optim.max_steps=100000", "--ckpt.interval=0", *extra]
+    args = [str(ROOT / "train.py"), f"--out_dir={out}", *ARGS, "--optim.max_steps=100000", "--ckpt.interval=0", *extra,
+            cache_arg()]
     if nproc > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -344,7 +345,7 @@ def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypa
     import optim
     import train
     args = [f"--out_dir={tmp_path}", f"--ckpt.dir={tmp_path}/ckpt", *ARGS, "--ckpt.async_save=false",
-            "--log.peak_tflops=1"]
+            "--log.peak_tflops=1", cache_arg()]
     train.main([*args, "--steps=1"])
     saved = torch.load(tmp_path / "ckpt" / "step_00000001" / "model_tp00_pp00.pt", weights_only=True)
 
@@ -372,7 +373,7 @@ def test_a_failed_last_save_still_closes_the_hang_watchdog(tmp_path, monkeypatch
     monkeypatch.setattr(checkpoint.Checkpointer, "close", fails)
     with pytest.raises(checkpoint.CheckpointError, match="the last save failed"):
         train.main([f"--out_dir={tmp_path}", f"--ckpt.dir={tmp_path}/ckpt", *ARGS, "--ckpt.async_save=false",
-                    "--log.peak_tflops=1", "--steps=1"])
+                    "--log.peak_tflops=1", "--steps=1", cache_arg()])
     assert len(closed) == 1 and closed[0].factor > 0 and closed[0]._closed
 
 

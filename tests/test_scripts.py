@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import configs  # noqa: E402
+from conftest import cache_arg  # noqa: E402
 import healthcheck  # noqa: E402
 from parallel import rank_groups  # noqa: E402
 
@@ -452,7 +453,7 @@ def test_sbatch_early_usr1_reaches_the_workers_not_torchrun(tmp_path):
                      SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), MASTER_ADDR="127.0.0.1",
                      HEALTHCHECK="0", PRECOMPILE="0")
     rc, out, err = run_until_step(["bash", str(SCRIPTS / "slurm_train.sbatch"), f"--out_dir={tmp_path}/run",
-                                   "--dp=2", *TINY_RUN], env, 3, signal.SIGUSR1)
+                                   "--dp=2", *TINY_RUN, cache_arg()], env, 3, signal.SIGUSR1)
     assert rc == 0, err[-3000:]
     assert (tmp_path / "scancel.log").read_text() == "scancel --signal=USR1 42\n"
     assert "SIGUSR1 (the time limit is near)" in err and "training step failed" not in err
@@ -467,7 +468,7 @@ def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
     (tmp_path / "bin").mkdir()
     env = launch_env(tmp_path)
     rc, out, err = run_until_step(["bash", str(SCRIPTS / "launch.sh"), "train", f"--out_dir={tmp_path}/run",
-                                   "--dp=2", *TINY_RUN], env, 3, signal.SIGTERM)
+                                   "--dp=2", *TINY_RUN, cache_arg()], env, 3, signal.SIGTERM)
     assert rc == 0, err[-3000:]
     assert "launch.sh: SIGTERM: asking the workers of torchrun" in err
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")

@@ -8,12 +8,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from conftest import cache_arg  # noqa: E402
 pytestmark = pytest.mark.slow         # each test runs train.py in a subprocess
 
 
 def run_train(tmp_path, *args, timeout=1500, env=None):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/out",
-           f"--ckpt.dir={tmp_path}/out/ckpt", f"--log.tensorboard={tmp_path}/out/tb", *args]
+           f"--ckpt.dir={tmp_path}/out/ckpt", f"--log.tensorboard={tmp_path}/out/tb", cache_arg(), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
 
@@ -24,7 +25,7 @@ def losses(stdout: str) -> list[float]:
 
 def test_tiny_training_run_loss_falls(tmp_path):
     # A smaller tiny model for speed; the tokenizer is trained on the stdlib corpus and cached in
-    # the repository's .cache (shared with `make train`), so only the first run pays for it.
+    # the session's cache (conftest.cache_arg), so only the session's first run pays for it.
     # 16 steps: the loss falls ~2 nats by then (8.2 at step 2, 6.2 at 16); 40 steps cost 2.5x the time for no
     # more claim. Logged every 2 steps: 8 lines, 2 evaluations.
     r = run_train(tmp_path, "--model.n_layers=2", "--model.dim=128", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -87,7 +88,7 @@ def test_main_in_process_gives_back_the_signal_handlers(tmp_path, monkeypatch):
     before = {sig: signal.signal(sig, mine) for sig in train.StopSignal.SIGNALS}
     try:
         args = [*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
-                "--log.tensorboard=", "--device=cpu"]
+                "--log.tensorboard=", "--device=cpu", cache_arg()]
         train.main(args)
         assert all(signal.getsignal(sig) is mine for sig in before)
         monkeypatch.setenv("NANOTRN_FAULT", "nan:1")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cache_arg
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow         # each test runs train.py on XLA:CPU in a subprocess
 STEPS, LOG, EVAL, SAVE, EAGER, RESUME = 24, 4, 10, 10, 3, 4
@@ -56,7 +58,7 @@ def xla_check(out, args, functionalization=True, **opts) -> dict:
     report = out / "report.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--json={report}", f"--graphs={out}/graphs.txt",
            *[f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], "--",
-           *args, f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard="]
+           *args, f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard=", cache_arg()]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env(functionalization))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(r.stdout[-3000:])
