@@ -66,7 +66,7 @@ def test_every_format_in_parallel_into_one_file_and_one_per_shard(shards, tmp_pa
                      "00005-f.arrow", "00006-g.arrow"] and counts2 == counts
     assert [t for n in names for t in read(tmp_path / "shards" / n)] == want
     # --data reads the folder of shards, and the raw folder itself (compressed shards via the cache).
-    prepared = corpus.Corpus(str(tmp_path / "shards"))
+    prepared = corpus.Corpus(str(tmp_path / "shards"), cache_dir=str(tmp_path / "c"))   # (not .cache of the cwd)
     assert [t for t, _, _ in prepared.read(range(prepared.n_docs))] == want
     raw = corpus.Corpus(str(shards), cache_dir=str(tmp_path / "cache"))
     texts = [t for t, _, bad in raw.read(range(raw.n_docs), quiet=True) if not bad and t]
