@@ -432,6 +432,8 @@ class PackedLoader:
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has {key}={want!r}"
                                 + (" (another corpus: its files' names or sizes, or how this nanotrn reads a "
                                    ".gz/.zst/.parquet file, changed)" if key == "corpus" else "")
+                                + (" (another --data.seq_len, or a corpus with a file of no documents between others, "
+                                   "which nanotrn now cuts into spans right)" if key == "spans" else "")
                                 + ": the saved position means nothing here; " + ("" if key == "corpus" else
                                 "restore the original setting, or ") + "keep the model and optimizer and start the "
                                 "data stream afresh with --ckpt.reset_data")

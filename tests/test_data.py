@@ -3,6 +3,7 @@ over DP ranks, spans joined = the document, corpora of any shape (one document, 
 tiny ones, a few global batches over many epochs), exact resume (mid-span, across epochs and DP
 degrees, with the prefetch thread), the held-out split, bad input, prepare, XLA."""
 import codecs
+import hashlib
 import json
 import re
 import os
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
+import spans  # noqa: E402
 from configs import DataConfig, ModelConfig  # noqa: E402
 from corpus import train_tokenizer  # noqa: E402
 from sources import stdlib_files  # noqa: E402
@@ -685,6 +687,15 @@ def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path
     idx = data.SpanIndex(c, SEQ, str(tmp_path / "cache"))
     assert c.n_docs == 2 and len(c.doc_lengths(0, 2)) == 2
     assert idx.n_spans > 10 and idx.bytes > len(long_doc), (idx.n_spans, idx.bytes)
+    # An index an older nanotrn built for this corpus (the long document one whole span) is not reused: on
+    # several nodes with their own caches it would be dealt beside this correct one, silently.
+    old_key = hashlib.sha256(json.dumps([c.fingerprint, spans.span_bytes(SEQ), spans.INDEX_VERSION]).encode()).hexdigest()
+    stale = tmp_path / "old" / f"spans-{old_key[:12]}.bin"
+    stale.parent.mkdir()
+    stale.write_bytes(np.array([[0, 0, -1], [1, 0, -1]], np.int64).tobytes())
+    (stale.parent / (stale.name + ".json")).write_text(json.dumps({"version": spans.INDEX_VERSION, "spans": 2,
+                                                                   "documents": 2, "bytes": idx.bytes}))
+    assert data.SpanIndex(c, SEQ, str(tmp_path / "old")).n_spans == idx.n_spans
 
 
 def test_a_utf16_file_of_a_folder_is_refused_at_start_not_when_a_lane_first_reads_it(tok, tmp_path):
