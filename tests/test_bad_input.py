@@ -295,7 +295,7 @@ CASES = [
     ("ckpt: only checkpoint damaged", CK(),
      ["holds no valid checkpoint", "step_00000002", "--ckpt.resume=false --ckpt.start_fresh"], 1, False),
     ("ckpt: a user's tokenizer folder (fresh)", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
-                                                          "--out_dir={t}/o", "--ckpt.dir={t}/ck"]),
+                                                          "--out_dir={t}/o", "--ckpt.dir={t}/ck", "--data.cache_dir={t}/cache"]),
      ["ck/tokenizer/tokenizer.model is not this run's tokenizer", "move that folder out"], 1, True),
     ("ckpt: only the checkpoints, no kept tokenizer", ("train", [*TINY, "--data={W}/corpus", "--out_dir={t}/o",
                                                                 "--ckpt.dir={t}/ck", "--data.cache_dir={t}/cache", "--steps=3"]),

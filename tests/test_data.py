@@ -80,6 +80,12 @@ def tok(files, cache):
     return data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=cache, val_fraction=0.1), VOCAB)
 
 
+@pytest.fixture(autouse=True)
+def _cache_not_in_the_repository(tmp_path, monkeypatch):
+    """data.Corpus(path) without cache_dir caches into ./.cache, as a user's run does: here a test's folder."""
+    monkeypatch.chdir(tmp_path)
+
+
 def cfg(spec, **kw):
     base = dict(data=spec, seq_len=SEQ, micro_batch=1, global_batch=4, val_fraction=0.1, seed=7, cache_dir=CACHE[0],
                 doc_per_line=spec.endswith("lines.txt"), shuffle=1)     # one lane per stream: packing checked exactly

@@ -12,10 +12,17 @@ import textwrap
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from sources import ColumnDocs, LineDocs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache_not_in_the_repository(tmp_path, monkeypatch):
+    """data.Corpus(path) without cache_dir caches into ./.cache, as a user's run does: here a test's folder."""
+    monkeypatch.chdir(tmp_path)
 
 
 def write_arrow(path, texts, rows_per_batch, fmt="stream", typ=pa.string(), extra=None):
