@@ -397,7 +397,7 @@ SKIP_CHILD = textwrap.dedent('''
     cfg = configs.from_args(["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2",
                              "--model.ffn_dim=64", "--model.vocab_size=97", "--data.seq_len=16",
                              "--data.global_batch=4", "--data.micro_batch=2", "--log.on_nonfinite=skip",
-                             "--log.interval=100", "--optim.warmup_steps=1"])
+                             "--log.interval=100", "--optim.warmup_steps=1", "--log.tensorboard="])   # no out/tb in the repository
     dev = torch_xla.device()
     model = parallel.init_weights(parallel.build_model(cfg, parallel.Grid(), dev), cfg, parallel.Grid())
     model = parallel.move_model(model, dev)
