@@ -366,9 +366,10 @@ class Zero1AdamW(AdamW):
     updates the shard and all-gathers the params (an all-reduce's bytes; state memory / DP). A param
     without a gradient counts as zero here (still decayed), where AdamW skips it.
     Buckets: both collectives move at most bucket_bytes at a time, never a flat copy of every
-    gradient (1.1 GB at 70B; NxD caps them at 130 MB: "Bucket cap >140MB causes NaN at step 3"). With
-    the flat space as a [DP, S] grid, bucket j is the column band [j*b, (j+1)*b) of every row, so
-    its reduce-scatter gives rank r its own row's columns: checkpoints keep one layout. At 4096 ranks
+    gradient (1.1 GB at 70B; NxD caps them at 130 MB, trainer/trainer.py: "Bucket cap >140MB causes NaN
+    at step 3"). With the flat space as a [DP, S] grid, bucket j is the column band [j*b, (j+1)*b) of
+    every row, so its reduce-scatter gives rank r its own row's columns: checkpoints keep one layout.
+    Per rank the bytes are the local model's whatever DP; the slices grow with DP. At 4096 ranks
     (7B, TP 8, DP 512): 13 buckets of ~530 runs, ~7k slices traced once (fp32 gradients: 25, ~13k)."""
     zero1 = True
 

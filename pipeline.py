@@ -1,10 +1,12 @@
 """Pipeline parallelism (HLAT 70B: TP=32 x PP=8): the Llama cut into stages over PP ranks, trained
 with a 1F1B or GPipe schedule (docs/parallelism.md). Top to bottom:
-1. Stages. Parameters keep their whole-model names (layers.{global i}): init, state dicts and
-   checkpoints do not depend on the stage layout.
+1. Stages: layers split evenly or at --parallel.pp_cuts; the embedding on the first stage, norm,
+   head and loss on the last. Parameters keep their whole-model names (layers.{global i}): init,
+   state dicts and checkpoints do not depend on the stage layout.
 2. Point-to-point between neighbours: "send" (isend/irecv) or "allgather" (NxD's on XLA, where
    send/recv lowers to a slow collective-permute); message shapes follow from the config.
-3. Schedules.
+3. Schedules: GPipe (all forwards, then all backwards) and 1F1B (never more than PP microbatches'
+   activations alive); both idle (PP - 1) / (m + PP - 1) of the time.
 4. A step's gradients: each backward scaled as train.py scales it, so PP and non-PP gradients are
    identical (not grad_acc times larger: torchtitan #2972, picotron's PP path).
 5. Full state dicts (export) and evaluation through the pipeline.
