@@ -429,14 +429,14 @@ class PackedLoader:
         for key in ("split",) + tuple(self.fingerprint):
             want = self._start_state[key]
             if sd.get(key) != want:     # a corpus: its hashes say nothing, and no setting restores an older copy
+                why = {"corpus": " (another corpus: its files' names or sizes, or how this nanotrn reads a .gz/.zst/"
+                                 ".parquet file, changed)",
+                       "spans": " (another --data.seq_len, or a corpus with a file of no documents between others, "
+                                "which nanotrn now cuts into spans right)"}.get(key, "")
+                restore = "" if key == "corpus" else "restore the original setting, or "
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has {key}={want!r}"
-                                + (" (another corpus: its files' names or sizes, or how this nanotrn reads a "
-                                   ".gz/.zst/.parquet file, changed)" if key == "corpus" else "")
-                                + (" (another --data.seq_len, or a corpus with a file of no documents between others, "
-                                   "which nanotrn now cuts into spans right)" if key == "spans" else "")
-                                + ": the saved position means nothing here; " + ("" if key == "corpus" else
-                                "restore the original setting, or ") + "keep the model and optimizer and start the "
-                                "data stream afresh with --ckpt.reset_data")
+                                f"{why}: the saved position means nothing here; {restore}keep the model and optimizer "
+                                f"and start the data stream afresh with --ckpt.reset_data")
 
     def stats(self) -> dict:
         """Counts over this rank's streams up to the last batch handed out (a span once fully behind)."""

@@ -306,8 +306,9 @@ def run(argv: list[str]) -> None:
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
-    for w in configs.warnings(cfg) if int(os.environ.get("RANK", "0")) == 0 else []:
-        print(f"warning: {w}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for w in configs.warnings(cfg):
+            print(f"warning: {w}", file=sys.stderr)
 
     grid = parallel.init_distributed(cfg, device)
     log = print if grid.is_main else (lambda *a, **k: None)
