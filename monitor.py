@@ -504,7 +504,10 @@ class Watchdog:
 
 if __name__ == "__main__":
     # python monitor.py plot out/tb out/curves.png
-    if len(sys.argv) == 4 and sys.argv[1] == "plot":
+    usage = "usage: python monitor.py plot TB_DIR PNG   (the run's --log.tensorboard folder, default <out_dir>/tb)"
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage)
+    elif len(sys.argv) == 4 and sys.argv[1] == "plot":
         from matplotlib.backend_bases import FigureCanvasBase
         png, kind = sys.argv[3], path_kind(sys.argv[3])
         if kind not in ("nothing", "a file"):       # savefig("d") writes d.png beside a directory d, says d
@@ -523,4 +526,4 @@ if __name__ == "__main__":
         except OSError as e:                        # a parent that is a file, a full disk
             sys.exit(f"error: could not write {png!r}: {e.strerror or e}; give another path")
     else:
-        sys.exit("usage: python monitor.py plot TB_DIR PNG")
+        sys.exit(usage)

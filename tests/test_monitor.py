@@ -176,21 +176,38 @@ def test_tensorboard_hides_what_a_crashed_run_logged_past_the_restart(tmp_path, 
     assert got == [(s, 9.0) for s in range(1, restart_from + 1)] + [(s, 5.0) for s in range(restart_from + 1, 9)], got
 
 
-def plot_cli(tb, png, monkeypatch, capsys) -> tuple[int, str]:
-    """`python monitor.py plot TB PNG` run in this process (its __main__, by runpy: 0.1 s where a process
-    that loads torch took ~3 s): (exit status, stderr as the interpreter writes it). An exception other
-    than SystemExit, a traceback in a process, fails the test here."""
+def monitor_cli(argv, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`python monitor.py ARGV` run in this process (its __main__, by runpy: 0.1 s where a process that
+    loads torch took ~3 s): (exit status, stdout, stderr as the interpreter writes it). An exception
+    other than SystemExit, a traceback in a process, fails the test here."""
     import runpy
-    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "monitor.py"), "plot", str(tb), str(png)])
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "monitor.py"), *map(str, argv)])
     try:
         runpy.run_path(os.path.join(ROOT, "monitor.py"), run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     if isinstance(code, str):               # sys.exit("message"): the interpreter prints it, exit status 1
-        return 1, err + code + "\n"
-    return code or 0, err
+        return 1, out, err + code + "\n"
+    return code or 0, out, err
+
+
+def plot_cli(tb, png, monkeypatch, capsys) -> tuple[int, str]:
+    """`python monitor.py plot TB PNG`: (exit status, stderr)."""
+    code, _, err = monitor_cli(["plot", tb, png], monkeypatch, capsys)
+    return code, err
+
+
+def test_help_prints_the_usage_and_succeeds(monkeypatch, capsys):
+    """`python monitor.py --help` (or -h, also after plot) is a request for help: the usage on stdout, exit 0
+    (was: the usage as an error, exit 1); no arguments, or wrong ones, stay an error."""
+    for argv in (["--help"], ["-h"], ["plot", "--help"]):
+        code, out, err = monitor_cli(argv, monkeypatch, capsys)
+        assert code == 0 and out.startswith("usage: python monitor.py plot TB_DIR PNG") and not err, (argv, out, err)
+    for argv in ([], ["plot", "out/tb"], ["plots", "a", "b"]):
+        code, out, err = monitor_cli(argv, monkeypatch, capsys)
+        assert code == 1 and err.startswith("usage: python monitor.py plot TB_DIR PNG") and not out, (argv, out, err)
 
 
 def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path, monkeypatch, capsys):
