@@ -82,6 +82,21 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
 
 
 
+def check_instances(cfg: Config, world: int) -> None:
+    """The cost model prices TP on NeuronLink inside one instance and every other collective by how
+    its groups fall on instances of hw.cores ranks (launch.sh and eks.py start that many per node):
+    past one instance, the cores must be whole instances and TP must divide one."""
+    hw, tp = INSTANCES[cfg.parallel.instance], cfg.parallel.tp
+    if world > hw.cores and world % hw.cores:
+        raise ConfigError(f"--parallel.cores={world} is {world / hw.cores:g} {hw.name} ({hw.cores} NeuronCores each): "
+                          f"plan whole instances, e.g. --parallel.cores={world // hw.cores * hw.cores} or "
+                          f"{-(-world // hw.cores) * hw.cores}, or at most {hw.cores} on one")
+    if hw.cores % tp:
+        raise ConfigError(f"--parallel.tp={tp} does not divide the {hw.cores} NeuronCores of a {hw.name}: a TP group "
+                          f"runs on one instance's NeuronLink; pick --parallel.tp from "
+                          + ", ".join(map(str, tp_degrees(cfg.model, hw))))
+
+
 def main(argv: list[str]) -> None:
     try:
         _main(argv)
@@ -110,6 +125,7 @@ def _main(argv: list[str]) -> None:
             check_layout(cfg, world)
         except ConfigError as e:
             raise ConfigError(f"{e} (planning for --parallel.cores={world})") from None
+        check_instances(cfg, world)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     try:

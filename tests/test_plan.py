@@ -315,3 +315,20 @@ def test_validate_refuses_other_arguments():
     with pytest.raises(SystemExit) as e:
         plan.main(["--validate", "--preset=llama2_70b"])
     assert "--validate takes no other arguments" in str(e.value)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--preset=llama2_70b", "--parallel.tp=64"], "--parallel.tp=64"),            # 2 trn1 instances per TP group
+    (["--parallel.cores=104", "--data.global_batch=104"], "--parallel.cores=104"),  # 3.25 trn1.32xlarge
+    (["--instance=trn2", "--parallel.cores=96", "--data.global_batch=96"], "--parallel.cores=96"),
+])
+def test_layouts_that_no_cluster_of_whole_instances_runs_are_refused(args, named):
+    # TP is priced on NeuronLink, inside one instance, and every other collective by how the groups
+    # fall on instances: a TP group spanning instances, or a fraction of an instance past the first,
+    # was planned anyway (TP=64 on trn1: 871 GB "NeuronLink" per core and step). One line, the fix named.
+    with pytest.raises(SystemExit) as e:
+        plan.main(args)
+    msg = str(e.value)
+    assert msg.startswith("config error: ") and named in msg and "\n" not in msg, msg
+    plan.main(["--preset=llama2_70b", "--parallel.tp=32"])                         # whole instances: planned
+    plan.main(["--parallel.cores=8", "--parallel.tp=8", "--data.global_batch=8"])  # part of one instance
