@@ -216,23 +216,26 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     mbs = max(1, d.global_batch // (L.micro_batch * L.dp))   # < 1 only in what-if tables
     layers = -(-m.n_layers // L.pp)
     embed = sharding.padded_vocab(m.vocab_size, L.tp) // L.tp * m.dim
-    in_flight = 1 if L.pp == 1 else (min(L.pp, mbs) if p.pp_schedule == "1f1b" else mbs)
     rows = d.seq_len * L.micro_batch
-    # Pipeline: the first stage holds the embedding and (1F1B) up to PP microbatches in flight;
-    # the last stage holds the head, one microbatch, and the loss. Report the fuller one.
+    # Pipeline: the first stage holds the embedding, the last the head and the loss. Microbatches in
+    # flight on stage s (pipeline.py): 1F1B min(PP - s, microbatches), so PP on the first and one on
+    # the last; GPipe runs every forward before any backward: all of them, on every stage. Report the fuller.
     stages = []
     for first, last in ([(True, True)] if L.pp == 1 else [(True, False), (False, True)]):
+        s = 0 if first else L.pp - 1
+        in_flight = 1 if L.pp == 1 else min(L.pp - s, mbs) if p.pp_schedule == "1f1b" else mbs
         head = 0 if first and m.tie_embeddings else embed          # tied on one stage: one matrix
         n = layers * _layer_params(m, L.tp) + (embed if first else 0) + (head + m.dim if last else 0)
         act = activation_bytes(m, d.seq_len, L.micro_batch, L.tp, L.sp, L.checkpointing, ab, layers,
-                               in_flight if first else 1, attention)
-        loss = 0.0
-        if last and L.tp > 1:   # final norm; vocab-parallel logits + fp32 softmax + two fp32 gradients
-            loss = rows * ((4 + 2 * ab) * m.dim / (L.tp if L.sp else 1) + (ab + 12) * embed / m.dim)
-        elif last:              # final norm; the fused loss: its kept gradients (the weight's in the
-            # weights' dtype), one chunk of logits (in ab, their log-softmax in fp32, its gradient in ab)
+                               in_flight, attention)
+        loss = 0.0             # what each microbatch in flight keeps, + the transient of one
+        if last and L.tp > 1:   # final norm and the fp32 softmax kept; the logits and two fp32 gradients
+            loss = rows * (in_flight * ((4 + 2 * ab) * m.dim / (L.tp if L.sp else 1) + 4 * embed / m.dim)
+                           + (ab + 8) * embed / m.dim)
+        elif last:              # final norm and the fused loss's input gradient kept; its weight's gradient
+            # (the weights' dtype), one chunk of logits (in ab, their log-softmax in fp32, its gradient in ab)
             chunk = LinearCrossEntropy.chunk_rows(rows, m.vocab_size, m.dim) * m.vocab_size
-            loss = rows * (4 + 3 * ab) * m.dim + wb * embed + (2 * ab + 4) * chunk
+            loss = in_flight * rows * (4 + 3 * ab) * m.dim + wb * embed + (2 * ab + 4) * chunk
         states = n * (wb + gb + ob / (L.dp if L.zero1 else 1))
         if L.zero1:     # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
             states += min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb)

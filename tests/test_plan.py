@@ -332,3 +332,15 @@ def test_layouts_that_no_cluster_of_whole_instances_runs_are_refused(args, named
     assert msg.startswith("config error: ") and named in msg and "\n" not in msg, msg
     plan.main(["--preset=llama2_70b", "--parallel.tp=32"])                         # whole instances: planned
     plan.main(["--parallel.cores=8", "--parallel.tp=8", "--data.global_batch=8"])  # part of one instance
+
+
+def test_gpipe_keeps_every_microbatch_on_the_last_stage_too():
+    # pipeline.gpipe runs every forward before any backward, so every stage holds all m microbatches
+    # (test_pipeline measures it: GPipe all m, 1F1B PP - s on stage s); the planner counted one on
+    # the last stage, as 1F1B, and missed its activations and the fp32 softmax each microbatch keeps.
+    c = configs.llama2_70b()                                          # PP=8, 64 microbatches, 1F1B
+    g = configs.from_args(["--preset=llama2_70b", "--parallel.pp_schedule=gpipe"])
+    one, every = estimate(c, world=WORLD), estimate(g, world=WORLD)
+    assert one.stage == "first" and every.stage == "last"
+    assert every.microbatches == 64 and every.activations == pytest.approx(64 / 8 * one.activations)
+    assert every.loss >= 64 * 4096 * 4 * 32000 / 32                   # 64 fp32 softmaxes of [4096, 32000 / TP]
