@@ -431,11 +431,12 @@ def run(argv: list[str]) -> None:
             if grid.pp > 1 and log_now:
                 log(f"step {step:6d} | pipeline bubble {out['bubble']:.3f} (ideal) | idle {out['idle']:.3f} "
                     f"(measured, rank 0) | peak live microbatches {out['max_live']}")
-            if val_loader is not None and step % cfg.log.eval_interval == 0:
+            # At the interval and after the last step (as Megatron): a run shorter than it reports one too
+            eval_now = step == cfg.optim.max_steps or bool(cfg.log.eval_interval) and step % cfg.log.eval_interval == 0
+            if val_loader is not None and eval_now:     # (--log.eval_interval=0: no val_loader, evaluation off)
                 with dog.phase(f"the evaluation at step {step}"), mon.off_the_clock():
                     mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
-            if len(corpus.groups) > 1 and (step % cfg.log.eval_interval == 0 if cfg.log.eval_interval
-                                           else step == cfg.optim.max_steps):
+            if len(corpus.groups) > 1 and eval_now:
                 counts = train_loader.mixture_counts(step)    # a weighted --data mixture's realized shares
                 log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
                     f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})"
