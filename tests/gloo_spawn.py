@@ -46,9 +46,9 @@ def _in_environ(environ: dict, worker, rank: int, *args):
     worker(rank, *args)
 
 
-def spawn_and_wait(worker, n_ports: int, nprocs: int, out_dir: str, timeout_s: float = 600) -> str:
-    """Run worker(rank, ports, out_dir) in nprocs new processes; fail if one raises or all hang."""
-    ctx = mp.start_processes(functools.partial(_in_environ, dict(os.environ), worker), args=(free_ports(n_ports), out_dir),
+def spawn(worker, args: tuple, nprocs: int, timeout_s: float = 600):
+    """mp.spawn's worker(rank, *args) in nprocs processes, forked from the server; fail if one raises or all hang."""
+    ctx = mp.start_processes(functools.partial(_in_environ, dict(os.environ), worker), args=args,
                              nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.time() + timeout_s
     while not ctx.join(timeout=5):       # raises if a rank failed
@@ -56,6 +56,11 @@ def spawn_and_wait(worker, n_ports: int, nprocs: int, out_dir: str, timeout_s: f
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"workers did not finish in {timeout_s:.0f} s (a mismatched collective hangs)")
+
+
+def spawn_and_wait(worker, n_ports: int, nprocs: int, out_dir: str, timeout_s: float = 600) -> str:
+    """Run worker(rank, ports, out_dir) in nprocs new processes; fail if one raises or all hang."""
+    spawn(worker, (free_ports(n_ports), out_dir), nprocs, timeout_s)
     return out_dir
 
 

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,7 +42,7 @@ import sharding  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from conftest import seeded_model  # noqa: E402
 from faults import Faults  # noqa: E402
-from gloo_spawn import run_train  # noqa: E402
+from gloo_spawn import run_train, spawn  # noqa: E402
 
 
 def tiny_cfg(ckpt_dir, **model) -> configs.Config:
@@ -608,8 +607,7 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     ck = Checkpointer(cfg)
     ck.save(2, model.state_dict(), opt.state_dict(), data={"pos": 7})
     ck.close()
-    mp.start_processes(_reshard_worker, args=(_free_port(), str(tmp_path / "a"), str(tmp_path / "b")),
-                       nprocs=4, start_method="spawn")
+    spawn(_reshard_worker, (_free_port(), str(tmp_path / "a"), str(tmp_path / "b")), nprocs=4)
     random_step(model, opt, seed=2)                 # the same step, in one process
 
     cfg.ckpt.dir = str(tmp_path / "b")

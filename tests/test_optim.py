@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import configs  # noqa: E402
@@ -19,6 +18,7 @@ import sharding  # noqa: E402
 from parallel import Grid  # noqa: E402
 from conftest import loss_sum  # noqa: E402
 from conftest import count_collectives  # noqa: E402
+from gloo_spawn import spawn  # noqa: E402
 
 BF16_ULP_AT_1 = 2.0 ** -7          # bf16 keeps 8 significant bits: the gap between 1 and the next value
 
@@ -544,7 +544,7 @@ def _zero1_worker(rank: int, world: int, store_file: str):
 
 @pytest.mark.slow
 def test_zero1_dp2_matches_unsharded(tmp_path):
-    mp.spawn(_zero1_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    spawn(_zero1_worker, (2, str(tmp_path / "store")), nprocs=2)
 
 
 def _tp_dp_worker(rank: int, world: int, store_file: str):
@@ -601,7 +601,7 @@ def _tp_dp_worker(rank: int, world: int, store_file: str):
 
 @pytest.mark.slow
 def test_zero1_tp2_dp2_matches_unsharded(tmp_path):
-    mp.spawn(_tp_dp_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+    spawn(_tp_dp_worker, (4, str(tmp_path / "store")), nprocs=4)
 
 
 def test_second_optimizer_over_the_same_mixed_model():
@@ -666,4 +666,4 @@ def _zero1_bucket_worker(rank: int, world: int, store_file: str):
 
 @pytest.mark.slow
 def test_zero1_buckets_match_one_process_bitwise(tmp_path):
-    mp.spawn(_zero1_bucket_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    spawn(_zero1_bucket_worker, (2, str(tmp_path / "store")), nprocs=2)

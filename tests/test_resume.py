@@ -438,9 +438,8 @@ def test_resume_reads_each_shared_file_once_per_dp_group_and_zero1_shards_by_the
     that checksummed it (its writer), so the second read is that node's page cache: no file's bytes
     go from the shared file system to two ranks (before: the verifier and another replica's reader).
     The resumed state equals the saved one, tensor for tensor."""
-    import torch.multiprocessing as mp
-    from gloo_spawn import free_ports
-    mp.start_processes(_count_reads_worker, args=(free_ports(1)[0], str(tmp_path)), nprocs=4, start_method="spawn")
+    from gloo_spawn import free_ports, spawn
+    spawn(_count_reads_worker, (free_ports(1)[0], str(tmp_path)), nprocs=4)
     reads = {r: json.loads((tmp_path / f"reads{r}.json").read_text()) for r in range(4)}
     crcs = {r: json.loads((tmp_path / f"crcs{r}.json").read_text()) for r in range(4)}
     # rank = dp_rank * tp + tp_rank; writer_dp_rank: file k of n (model files, then optimizer files
