@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from configs import INSTANCES, Config, Instance, ModelConfig
 import sharding
 from model import LinearCrossEntropy, flops_per_token
+import pipeline
 
 # Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
 
@@ -134,7 +135,7 @@ class Estimate:
     overhead_s: float             # MICROBATCH_OVERHEAD per microbatch
     pp_link: str
     dp_link: str
-    stage: str = "all"            # the pipeline stage these bytes are for: first, last or all
+    stage: str = "all"            # the pipeline stage these bytes are for: first, last, middle #s or all
     peak: float = INSTANCES["trn1"].bf16_flops
 
     @property
@@ -214,15 +215,14 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
     if cfg.optim.precision == "mixed" and not cfg.optim.fp32_grad_acc:
         gb = 2                                       # --optim.fp32_grad_acc=false: bf16 gradients
     mbs = max(1, d.global_batch // (L.micro_batch * L.dp))   # < 1 only in what-if tables
-    layers = -(-m.n_layers // L.pp)
     embed = sharding.padded_vocab(m.vocab_size, L.tp) // L.tp * m.dim
     rows = d.seq_len * L.micro_batch
     # Pipeline: the first stage holds the embedding, the last the head and the loss. Microbatches in
     # flight on stage s (pipeline.py): 1F1B min(PP - s, microbatches), so PP on the first and one on
     # the last; GPipe runs every forward before any backward: all of them, on every stage. Report the fuller.
     stages = []
-    for first, last in ([(True, True)] if L.pp == 1 else [(True, False), (False, True)]):
-        s = 0 if first else L.pp - 1
+    for s, layers in stage_layers(cfg, L.pp):
+        first, last = s == 0, s == L.pp - 1
         in_flight = 1 if L.pp == 1 else min(L.pp - s, mbs) if p.pp_schedule == "1f1b" else mbs
         head = 0 if first and m.tie_embeddings else embed          # tied on one stage: one matrix
         n = layers * _layer_params(m, L.tp) + (embed if first else 0) + (head + m.dim if last else 0)
@@ -242,18 +242,30 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
         # Full checkpointing recomputes a layer only after the loss's buffers are freed: not both at once.
         overlap = min(loss, rows * _layer_act_bytes(m, d.seq_len, L.tp, L.sp, "none", ab, attention)
                       ) if L.checkpointing == "full" else 0.0
-        name = "all" if last and first else "first" if first else "last"
+        name = "all" if last and first else "first" if first else "last" if last else f"middle #{s}"
         stages.append((states + act + loss - overlap, n, act, loss, name))
     total, n, act, loss, stage = max(stages)
-    t = _step_time(cfg, L, world, mbs, layers, n, kernel, calibration)
+    t = _step_time(cfg, L, world, mbs, stage_layers(cfg, L.pp), n, kernel, calibration)
     return Estimate(L, mbs, n, n * wb, n * gb, n * ob / (L.dp if L.zero1 else 1), act, loss, total,
                     total <= hw.hbm - RESERVE, flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world,
                     **t, stage=stage, peak=hw.fp32_flops if ab == 4 else hw.bf16_flops)
 
 
-def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int, attention: str,
-               calibration: tuple[float, float, float] | None) -> dict:
-    """Seconds per optimizer step on the busiest stage (the last: its layers and the head), by part."""
+def stage_layers(cfg: Config, pp: int) -> list[tuple[int, int]]:
+    """(stage, its layers) for the stages that can be the fullest or the slowest: the first (the most
+    microbatches in flight) and the last (the head), and any stage given more layers than the first.
+    Even (what-if tables: rounded up), or the configured --parallel.pp_cuts (pipeline.stage_bounds)."""
+    p, n = cfg.parallel, cfg.model.n_layers
+    if pp != p.pp or not p.pp_cuts:
+        return [(0, -(-n // pp))] if pp == 1 else [(0, -(-n // pp)), (pp - 1, -(-n // pp))]
+    counts = [b - a for a, b in pipeline.stage_bounds(cfg)]
+    return [(s, k) for s, k in enumerate(counts) if s in (0, pp - 1) or k > counts[0]]
+
+
+def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[int, int]], n: int,
+               attention: str, calibration: tuple[float, float, float] | None) -> dict:
+    """Seconds per optimizer step, by part, paced by the slowest stage (evenly split: the last, its
+    layers and the head)."""
     m, d, hw = cfg.model, cfg.data, INSTANCES[cfg.parallel.instance]
     eff, per_mb, score_passes = calibration or (MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES)
     wb, gb, ob, ab = PRECISION_BYTES[cfg.optim.precision]
@@ -282,7 +294,6 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     # The head (last stage): logits [M, V/tp], their fp32 softmax and gradient (three passes).
     vocab = sharding.padded_vocab(m.vocab_size, tp) // tp
     head = sum(_linear_s(M, m.dim, vocab, peak, hbm, ab, gb, eff)) + 3 * 4 * M * vocab / hbm
-    compute = layers * (linear + attn) + head
     # TP, per layer. With SP: forward, an all-gather of [M, dim] before each column-parallel
     # projection (qkv, gate_up) and a reduce-scatter after each row-parallel one (o, down); backward,
     # an all-gather of each row-parallel output's gradient, and for each column-parallel projection
@@ -291,9 +302,9 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
     # _LinearWithSequenceParallel) order them: the gather while the input gradient is computed, the
     # reduce-scatter while the weight gradient is; only what outlasts the matmul shows. Without SP,
     # all-reduces (twice the bytes): 2 forward, and 2 backward beside the weight gradients.
-    # Recomputed projections gather and scatter again; embedding and head add 5 (3 on a last stage).
+    # Recomputed projections gather and scatter again; embedding and head add 5 (2 on a first stage, 3 on a last).
     one = M * m.dim * ab * (tp - 1) / tp / (hw.link_bw * LINK_EFFICIENCY) + _latency(tp - 1)
-    n_coll, tp_mb = 0, 0.0
+    per_layer = n_layer = 0
     if tp > 1:
         recomputed = {"full": 4, "selective+mlp": 2}.get(ck, 0)
         if L.sp:
@@ -302,8 +313,14 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, layers: int, n: int
         else:
             outlast = sum(max(0.0, 2 * one - dw) for _, _, dw in (qkv, up))
             per_layer, n_layer = (4 + recomputed) * one + outlast, 8 + recomputed
-        n_coll = layers * n_layer + (5 if L.pp == 1 else 3)
-        tp_mb = layers * per_layer + (5 if L.pp == 1 else 3) * one
+    # Per microbatch, each stage's matmuls and TP time (the head on the last); the slowest paces the step.
+    paced = []
+    for s, layers in stages:
+        extra = 0 if tp == 1 else (2 if s == 0 else 0) + (3 if s == L.pp - 1 else 0)
+        on_stage = layers * (linear + attn) + (head if s == L.pp - 1 else 0.0)
+        paced.append((on_stage + layers * per_layer + extra * one, on_stage, layers * per_layer + extra * one,
+                      layers * n_layer + extra))
+    _, compute, tp_mb, n_coll = max(paced)
     coll_bytes = M * m.dim * ab * (tp - 1) / tp
     # PP: each microbatch sends its activation forward and its gradient back (a sequence shard under SP).
     pp_bytes = 0 if L.pp == 1 else 2 * mbs * M * m.dim * ab / (tp if L.sp else 1)
@@ -333,7 +350,8 @@ def tp_degrees(m: ModelConfig, hw: Instance) -> list[int]:
 def runnable(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, ckpt: str, mb: int):
     """The Layout, or None when validate() would reject it (batch, stages, sequence split)."""
     dp, g = world // (tp * pp), cfg.data.global_batch
-    if world % (tp * pp) or cfg.model.n_layers % pp or g % (mb * dp) or (pp > 1 and g // (mb * dp) < pp):
+    cut = pp == cfg.parallel.pp and cfg.parallel.pp_cuts       # pipeline.stage_bounds: uneven stages
+    if world % (tp * pp) or (cfg.model.n_layers % pp and not cut) or g % (mb * dp) or (pp > 1 and g // (mb * dp) < pp):
         return None
     return Layout(tp, pp, dp, sp and tp > 1 and cfg.data.seq_len % tp == 0, zero1 and dp > 1, ckpt, mb)
 

@@ -344,3 +344,35 @@ def test_gpipe_keeps_every_microbatch_on_the_last_stage_too():
     assert one.stage == "first" and every.stage == "last"
     assert every.microbatches == 64 and every.activations == pytest.approx(64 / 8 * one.activations)
     assert every.loss >= 64 * 4096 * 4 * 32000 / 32                   # 64 fp32 softmaxes of [4096, 32000 / TP]
+
+
+def _stage_params(cfg, stage: int) -> int:
+    """Parameters pipeline.py puts on `stage` at TP=1: its layers by stage_bounds (and the embedding,
+    the norm and the head by stage_of), counted on a real model (on the host: the meta device's first
+    use costs ~2.5 s)."""
+    import pipeline
+    bounds = pipeline.stage_bounds(cfg)
+    return sum(p.numel() for name, p in llama.Llama(cfg.model).named_parameters()
+               if pipeline.stage_of(name, bounds) == stage)
+
+
+def test_pipeline_stage_cuts_are_planned_as_configured():
+    # --parallel.pp_cuts was ignored: every stage was priced with n_layers / PP layers. 40 of the 80
+    # layers on the first of 8 stages (or on the third) is 4x the weights and activations the even
+    # split plans, and that stage paces the step.
+    even = configs.llama2_70b()
+    small = ["--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+             "--model.vocab_size=256"]                                 # still 80 layers
+    world, layout = 256 * 8, Layout(1, 8, 256, False, True, "selective", 1)
+    for cuts, stage, name in (("40,45,50,55,60,65,70", 0, "first"), ("5,10,50,55,60,65,70", 2, "middle #2")):
+        cut = configs.from_args(["--preset=llama2_70b", f"--parallel.pp_cuts={cuts}"])
+        e = estimate(cut, layout, world)
+        assert e.stage == name and e.compute_s > 3.5 * estimate(even, layout, world).compute_s, (cuts, e.stage)
+        assert not estimate(cut).fits and estimate(even).fits        # TP=32: 23.6 GiB on that stage, 6.0 even
+        cut = configs.from_args(["--preset=llama2_70b", f"--parallel.pp_cuts={cuts}", *small])
+        assert estimate(cut, layout, world).params == _stage_params(cut, stage), cuts
+    # A PP that does not divide the layers runs with cuts (llama2_7b's 32 layers on 3 stages): the
+    # report's configured layout is runnable (it said "cannot run"), its last stage 10 layers and the head
+    c = configs.from_args(["--preset=llama2_7b", "--parallel.pp=3", "--parallel.pp_cuts=11,22"])
+    assert cost.runnable(c, 96, 8, 3, True, False, "selective", 1) == Layout(8, 3, 4, True, False, "selective", 1)
+    assert cost.stage_layers(c, 3) == [(0, 11), (2, 10)]       # stage 1 (11) is never fuller than stage 0
