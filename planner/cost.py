@@ -137,6 +137,8 @@ class Estimate:
     dp_link: str
     stage: str = "all"            # the pipeline stage these bytes are for: first, last, middle #s or all
     peak: float = INSTANCES["trn1"].bf16_flops
+    bucket: float = 0.0           # ZeRO-1's collective bucket in flight (in total, not in optimizer)
+    overlap: float = 0.0          # full checkpointing: loss buffers and a recomputed layer never at once
 
     @property
     def step_s(self) -> float:
@@ -237,18 +239,18 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
             chunk = LinearCrossEntropy.chunk_rows(rows, m.vocab_size, m.dim) * m.vocab_size
             loss = in_flight * rows * (4 + 3 * ab) * m.dim + wb * embed + (2 * ab + 4) * chunk
         states = n * (wb + gb + ob / (L.dp if L.zero1 else 1))
-        if L.zero1:     # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
-            states += min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb)
+        # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
+        bucket = min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb) if L.zero1 else 0.0
         # Full checkpointing recomputes a layer only after the loss's buffers are freed: not both at once.
         overlap = min(loss, rows * _layer_act_bytes(m, d.seq_len, L.tp, L.sp, "none", ab, attention)
                       ) if L.checkpointing == "full" else 0.0
         name = "all" if last and first else "first" if first else "last" if last else f"middle #{s}"
-        stages.append((states + act + loss - overlap, n, act, loss, name))
-    total, n, act, loss, stage = max(stages)
+        stages.append((states + bucket + act + loss - overlap, n, act, loss, name, bucket, overlap))
+    total, n, act, loss, stage, bucket, overlap = max(stages)
     t = _step_time(cfg, L, world, mbs, stage_layers(cfg, L.pp), n, kernel, calibration)
     return Estimate(L, mbs, n, n * wb, n * gb, n * ob / (L.dp if L.zero1 else 1), act, loss, total,
                     total <= hw.hbm - RESERVE, flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world,
-                    **t, stage=stage, peak=hw.fp32_flops if ab == 4 else hw.bf16_flops)
+                    **t, stage=stage, peak=hw.fp32_flops if ab == 4 else hw.bf16_flops, bucket=bucket, overlap=overlap)
 
 
 def stage_layers(cfg: Config, pp: int) -> list[tuple[int, int]]:

@@ -376,3 +376,15 @@ def test_pipeline_stage_cuts_are_planned_as_configured():
     c = configs.from_args(["--preset=llama2_7b", "--parallel.pp=3", "--parallel.pp_cuts=11,22"])
     assert cost.runnable(c, 96, 8, 3, True, False, "selective", 1) == Layout(8, 3, 4, True, False, "selective", 1)
     assert cost.stage_layers(c, 3) == [(0, 11), (2, 10)]       # stage 1 (11) is never fuller than stage 0
+
+
+@pytest.mark.parametrize("args", [["--preset=llama3_8b"], ["--preset=llama2_70b"],
+                                  ["--preset=llama3_2_1b", "--model.checkpointing=full"]])
+def test_the_memory_lines_add_up_to_the_total(capsys, args):
+    # The per-core breakdown a reader adds up: ZeRO-1's bucket in flight (0.13 GiB at llama3_8b) and
+    # full checkpointing's loss-before-recompute saving were in the total but on no line.
+    plan.main(args)
+    block = capsys.readouterr().out.split("GiB\n", 1)[1].split("  traffic")[0].splitlines()
+    parts = [float(line.split()[-1]) for line in block[:-1]]
+    total = float(block[-1].split()[1])
+    assert len(parts) >= 6 and abs(sum(parts) - total) <= 0.005 * len(parts), block
