@@ -85,7 +85,7 @@ def matching_efficiency(row: dict, e: Estimate) -> float | None:
 
 
 def validation_table() -> str:
-    lines = [f"Neuron's published trn1 throughput (NxD, {os.path.relpath(PUBLISHED)}) against this planner",
+    lines = [f"Neuron's published trn1 throughput (NxD, {os.path.relpath(PUBLISHED, os.path.dirname(os.path.dirname(PUBLISHED)))}) against this planner",
              f"(MATMUL_EFFICIENCY {MATMUL_EFFICIENCY}, MICROBATCH_OVERHEAD {MICROBATCH_OVERHEAD * 1e3:g} ms, "
              f"SCORE_PASSES {SCORE_PASSES:g}, "
              f"fitted on the 'fit' rows by planner/calibrate.py; the 'predict' rows are not fitted;",

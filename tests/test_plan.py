@@ -282,9 +282,11 @@ def test_issue_command_prints_the_estimated_step(capsys):
     assert min(published) * 0.9 <= 1024 / step <= max(published) * 1.1, line
 
 
-def test_validate_command_prints_the_table(capsys):
+def test_validate_command_prints_the_table(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)             # run from anywhere, it names the data file in the repository
     plan.main(["--validate"])
     out = capsys.readouterr().out
+    assert "(NxD, planner/trn1_training.csv)" in out.splitlines()[0], out.splitlines()[0]
     assert "published  estimated   error" in out
     assert sum(x.startswith("  Llama") for x in out.splitlines()) == len(calibrate.published_rows())
 
