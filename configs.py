@@ -1,7 +1,6 @@
-"""Typed configuration: one `Config` a run, named presets, `--section.key=value` overrides
-(type-checked), and `validate`, the one place that rejects what the config alone shows cannot
-work, before a process group, a tokenizer or a model is touched. Each field's end-of-line comment
-is its --help text.
+"""Typed configuration: one `Config` a run, named presets, `--section.key=value` overrides (type-checked),
+and `validate`, the one place that rejects what the config alone shows cannot work, before a process
+group, a tokenizer or a model is touched. Each field's end-of-line comment is its --help text.
 
     python configs.py show --preset llama2_7b [--section.key=value ...]
 """
@@ -399,6 +398,7 @@ DOMAINS = {
     "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),
     "data.seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63) (the data order hashes it as a 64-bit integer)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (numpy's global seed range)"),
+    "data.data": (lambda v: v.replace(",", "").strip(), "a source (a file, a folder, stdlib) or a mixture a:0.7,b:0.3"),
 }
 NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_dir")
 
@@ -409,10 +409,10 @@ def check_values(cfg: Config) -> None:
         value = getattr(holder, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"--{key}={value}: must be a finite number")
-        if key in DOMAINS and not DOMAINS[key][0](value):
-            raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
         if key in NON_EMPTY and not str(value).strip():
             raise ConfigError(f"--{key} is empty: give a value (default {f.default!r})")
+        if key in DOMAINS and not DOMAINS[key][0](value):       # (--data=, too: a mixture of no source)
+            raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data

@@ -369,6 +369,13 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     return tok
 
 
+def check_vocab(vocab_size: int) -> None:
+    """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work)."""
+    if vocab_size < 260:            # sentencepiece's own error for these is an empty message
+        raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
+                        f"--model.vocab_size=260 or more (the corpus's characters add to that), or pass --data.tokenizer")
+
+
 def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
@@ -399,9 +406,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     tmp = f"{path}.tmp{os.getpid()}"
     # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
     # process at once (the model file is only ever renamed into place).
-    if vocab_size < 260:            # sentencepiece's own error for these is an empty message
-        raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
-                        f"--model.vocab_size=260 or more (the corpus's characters add to that), or pass --data.tokenizer")
+    check_vocab(vocab_size)
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:

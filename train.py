@@ -35,7 +35,7 @@ import monitor
 import optim
 import parallel
 import pipeline
-from corpus import parse_mixture, resolve_paths
+from corpus import check_vocab, parse_mixture, resolve_paths
 
 
 # ----------------------------------------------------------------------------- device
@@ -247,8 +247,11 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
 
 def check_tokenizer(cfg: configs.Config) -> None:
     """--data.tokenizer loads and fits the vocabulary (build_tokenizer's checks) before the corpus is indexed; under
-    --init_from, the folder's (--model.vocab_size cannot fix it). A weights-only folder: build_tokenizer says so later."""
+    --init_from, the folder's (--model.vocab_size cannot fix it). A weights-only folder: build_tokenizer says so later.
+    None given and no run's own to resume with (tokenizer_for_run): one will be trained, of a vocabulary that fits."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
+    if not tok and not (cfg.ckpt.resume and os.path.isdir(os.path.join(cfg.ckpt.dir, "tokenizer"))):
+        check_vocab(cfg.model.vocab_size)
     if not tok or (tok == folder and data.find_tokenizer(folder) is None):
         return
     if not folder:

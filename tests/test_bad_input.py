@@ -529,6 +529,19 @@ def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed
     assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
 
 
+@pytest.mark.parametrize("args,says", [(["--data=,"], ["--data.data=','", "a source"]),
+                                       (["--data.tokenizer=", "--model.vocab_size=100"], ["100-piece", "260 or more"])])
+def test_a_run_that_cannot_get_data_or_a_tokenizer_is_refused_before_the_claim(W, tmp_path, capsys, args, says):
+    """--data=, (a mixture of no source) and a vocabulary too small for a tokenizer to be trained (none given, no
+    resume of a run that keeps its own): one line before any work; they were refused after the checkpoint directory
+    was claimed (run.lock written) and the process group started."""
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T(*args)[1]]
+    code, text = run_entry("train", argv, capsys)
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert code == 1 and len(errors) == 1 and all(s in errors[0] for s in says) and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
+
+
 @pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
 def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
     """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is

@@ -572,3 +572,6 @@ def test_every_sentencepiece_type_trains_and_exports_or_is_refused_before_step_1
     assert type(auto).__name__ == "LlamaTokenizerFast"
     for text in SPM_TYPE_TEXTS:
         assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), (kind, text)
+    if kind == "unigram":       # resumed without --data.tokenizer: the run's own 100 pieces, not refused as too few to train
+        train.main([a for a in argv if not a.startswith("--data.tokenizer=")] + ["--steps=3"])
+        assert "resuming from" in capsys.readouterr().out
