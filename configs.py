@@ -270,8 +270,10 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if key not in keys:     # hint: another trainer's name for it (SYNONYMS), else a key or alias spelled near its last part
             names, last = {**{n: k for k in keys for n in (k.rpartition(".")[2], k)}, **ALIASES}, key.rpartition(".")[2]
-            near = dict.fromkeys(names[n] for n in SYNONYMS.get(last, "").split()
-                                 or difflib.get_close_matches(last, names, n=3, cutoff=0.65))
+            # each name's key, and every key that ends in it: --interval, --log.interval and --ckpt.interval
+            near = dict.fromkeys(k for n in SYNONYMS.get(last, "").split()
+                                 or difflib.get_close_matches(last, names, n=3, cutoff=0.65)
+                                 for k in [names[n]] + [j for j in keys if j.endswith("." + n)])
             hint = ", ".join(f"--{k}" + "".join(f" (--{a})" for a in ALIASES if ALIASES[a] == k) for k in near)
             raise ConfigError(f"unknown config key --{key}{f'; did you mean {hint}?' if hint else ''} (--help lists them all)")
         holder, f = keys[key]
@@ -302,9 +304,8 @@ def from_args(argv: list[str]) -> Config:
     if again := [a for a in argv if a == "--preset" or a.startswith("--preset=")]:     # else it sets only the name
         raise ConfigError(f"--preset {name} and {again[0]}: give one preset, then --section.key=value overrides")
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=2)
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+        close = "".join(f" (did you mean {c}?)" for c in difflib.get_close_matches(name, PRESETS, n=1))
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}{close}")
     return apply_overrides(PRESETS[name](), argv)
 
 
@@ -532,8 +533,7 @@ def check_dir(key: str, path: str) -> None:
     """path is a directory this process can create or write into."""
     if not path.strip():                # "" or spaces: the current directory, or a folder named "   " in it
         raise ConfigError(f"--{key}={path!r} names no directory: give one")
-    kind = path_kind(path)
-    if kind != "nothing" and kind != "a directory":
+    if (kind := path_kind(path)) not in ("nothing", "a directory"):
         raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")
     parent = os.path.abspath(path)
     while not os.path.lexists(parent):         # the nearest existing ancestor is what gets written

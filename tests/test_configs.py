@@ -85,6 +85,18 @@ def test_other_trainers_names_get_our_flag_as_a_hint(flag, hint):
     assert f"did you mean {hint}" in str(e.value) and str(e.value).count("--") <= 6, str(e.value)
 
 
+@pytest.mark.parametrize("flag,keys", [("--interval", ["--log.interval", "--ckpt.interval"]),
+                                       ("--checkpoint.interval", ["--log.interval", "--ckpt.interval"]),
+                                       ("--rng_seed", ["--seed", "--data.seed"])])
+def test_a_name_that_ends_several_keys_hints_each(flag, keys):
+    """A last part that several keys share hints every one of them: --interval hinted --log.interval and
+    --log.eval_interval, never --ckpt.interval (one key kept per last part)."""
+    with pytest.raises(ConfigError) as e:
+        configs.from_args([f"{flag}=1"])
+    hint = str(e.value).split("did you mean ")[1].split("?")[0].split(", ")
+    assert all(k in hint for k in keys), str(e.value)
+
+
 @pytest.mark.parametrize("args,world,message", [
     (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=3"], 3, "n_heads 8 is not divisible by tp 3"),
     (["--model.n_heads=8", "--model.n_kv_heads=4", "--tp=8", "--global_batch=16"], 8, None),   # KV replication: fine
