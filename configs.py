@@ -111,7 +111,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     interval: int = 10           # steps between log lines (each one reads the device)
-    eval_interval: int = 100     # steps between evaluations on held-out windows
+    eval_interval: int = 100     # steps between evaluations on held-out windows, and one after the last step (0 = none)
     eval_windows: int = 8        # held-out windows of seq_len tokens each evaluation reads
     tensorboard: str = "out/tb"  # empty = no event files; follows --out_dir unless given: <out_dir>/tb
     sample_tokens: int = 64      # length of the sample printed at the end
