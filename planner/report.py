@@ -43,7 +43,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         f"  activations  {L.checkpointing + (' + SP' if L.sp else '')}".ljust(34) + gib(e.activations),
         f"  logits/loss                     {gib(e.loss)}",
         *([f"  ZeRO-1 bucket (one in flight)   {gib(e.bucket)}"] if L.zero1 else []),
-        *([f"  loss freed before recompute     {gib(-e.overlap)}"] if e.overlap else []),
+        *([f"  loss freed before recompute     {gib(-e.overlap)}"] if e.overlap >= 0.005 * 2**30 else []),
         f"  total                           {gib(e.total)} of {(hw.hbm - RESERVE) / 2**30:.0f} usable "
         f"({hw.hbm / 2**30:.0f} GiB - {RESERVE / 2**30:.0f} GiB reserve): {'fits' if e.fits else 'DOES NOT FIT'}",
         f"  traffic per core per step: TP {e.tp_bytes / 1e9:.2f} GB NeuronLink, PP {e.pp_bytes / 1e9:.2f} GB "
