@@ -211,6 +211,9 @@ class Checkpointer:
         # the deferred copy of the weights and moments done (train.py's guard, before the update)
         self.wait, self.check, self.before_update = self.writer.wait, self.writer.check, self.writer.before_update
         self._newest = -1                                # newest step saved or resumed from
+        # Set by train.py when a collective failed (a peer is gone): rank 0 then waits for no marker
+        # that has not come, since the dead rank's never will (train.peers_lost says why).
+        self.peers_lost = False
         self.compile_only = compile_only
         if compile_only:
             return
@@ -265,12 +268,13 @@ class Checkpointer:
     def _finish(self, step: int):
         """Rank 0's writer thread: once every marker is there, the manifest, `latest`, pruning. A
         marker that does not come in time leaves the step incomplete; training goes on."""
-        missing = self.dir.wait_for_markers(step, self.grid.world, self.marker_timeout_s)
+        missing = self.dir.wait_for_markers(step, self.grid.world, self.marker_timeout_s, lambda: self.peers_lost)
         if missing:
+            late = ("by the time a collective failed (a rank is gone)" if self.peers_lost else
+                    f"within {self.marker_timeout_s:.0f} s, and training goes on")
             self.warn(f"{ckptdir.step_dir(self.root, step).name}: no completion marker from rank(s) {missing[:16]}"
-                      f"{' ...' if len(missing) > 16 else ''} ({len(missing)} of {self.grid.world}) within "
-                      f"{self.marker_timeout_s:.0f} s; it stays incomplete (no manifest: resume passes over it, "
-                      f"pruning never deletes it) and training goes on")
+                      f"{' ...' if len(missing) > 16 else ''} ({len(missing)} of {self.grid.world}) {late}; it stays "
+                      f"incomplete (no manifest: resume passes over it, pruning never deletes it)")
             return
         self.dir.complete(step, self.grid.world)
         self.dir.prune(self.c.keep)

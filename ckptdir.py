@@ -314,14 +314,14 @@ class CkptDir:
             fsync_dir(self.root)
         return where
 
-    def wait_for_markers(self, step: int, world: int, timeout_s: float) -> list[int]:
-        """Rank 0's writer: the ranks whose marker of `step` is still missing after timeout_s. Polls
-        (no collective in a background thread) the missing ones, every 20 ms growing to 2 s: at 4096
-        ranks, 4096 stats and then a few per second."""
+    def wait_for_markers(self, step: int, world: int, timeout_s: float, give_up=lambda: False) -> list[int]:
+        """Rank 0's writer: the ranks whose marker of `step` is still missing after timeout_s, or at
+        the first look after give_up() is true. Polls (no collective in a background thread) the
+        missing ones, every 20 ms growing to 2 s: at 4096 ranks, 4096 stats and then a few per second."""
         d, deadline, pause = step_dir(self.root, step), time.monotonic() + timeout_s, 0.02
         missing = list(range(world))
         while missing := [r for r in missing if not (d / marker_name(r)).exists()]:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or give_up():
                 return missing
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())) or 0.001)
             pause = min(2.0, pause * 1.5)

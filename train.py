@@ -204,6 +204,12 @@ class StopSignal:
         return signal.Signals(agreed).name if agreed else None
 
 
+def peers_lost(e: BaseException | None) -> bool:
+    """Whether e is a collective's failure: gloo's (naming its source file), at once when a peer process
+    is gone, or nccl's DistError. (On Neuron one with a dead peer hangs: torchrun's SIGKILL ends it.)"""
+    return isinstance(e, torch.distributed.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)
+
+
 def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.Grid,
                 grace_s: float) -> tuple[bool, str]:
     """Whether the final save can finish inside the grace period, on every rank (a checkpoint is all
@@ -481,6 +487,8 @@ def run(argv: list[str]) -> None:
     finally:
         try:
             if ckpt is not None:
+                # A peer died: its marker never comes. This rank's write ends; rank 0 does not wait 600 s for it
+                ckpt.peers_lost = peers_lost(sys.exc_info()[1])
                 with dog.phase("the last save"):
                     ckpt.close()                        # waits for the save in flight
         finally:        # even when that save failed: the watchdog's backstop timer exits the process
@@ -551,6 +559,11 @@ def cli(argv: list[str]) -> None:
         if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0":
             time.sleep(30)
         sys.exit(f"error: {e}")
+    except RuntimeError as e:
+        if not peers_lost(e):                           # any other: a bug of ours, with its traceback
+            raise
+        sys.exit(f"error: [rank {os.environ.get('RANK', 0)}] a collective failed: another rank is gone or hung "
+                 f"({str(e).split('] ', 1)[-1]}); torchrun --max-restarts resumes from the newest complete checkpoint")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
