@@ -99,6 +99,18 @@ def check_instances(cfg: Config, world: int) -> None:
                           + ", ".join(map(str, tp_degrees(cfg.model, hw))))
 
 
+def cores_that_run(cfg: Config, world: int) -> int | None:
+    """The most cores below `world` on which the configured layout runs (whole instances past one):
+    the planner's other fix when the batch or --parallel.dp does not fit the cores."""
+    p, d, hw = cfg.parallel, cfg.data, INSTANCES[cfg.parallel.instance]
+    for dp in ([p.dp] if p.dp > 0 else range(world // (p.tp * p.pp), 0, -1)):
+        n, steps = p.tp * p.pp * dp, d.global_batch // (d.micro_batch * dp)
+        if (n < world and (n <= hw.cores or n % hw.cores == 0) and d.global_batch % (d.micro_batch * dp) == 0
+                and steps >= p.pp and (p.tp == 1 or hw.cores % p.tp == 0)):
+            return n
+    return None
+
+
 def main(argv: list[str]) -> None:
     try:
         _main(argv)
@@ -126,7 +138,9 @@ def _main(argv: list[str]) -> None:
         try:                                # the configured layout must be one a launch could run
             check_layout(cfg, world)
         except ConfigError as e:
-            raise ConfigError(f"{e} (planning for --parallel.cores={world})") from None
+            fits = cores_that_run(cfg, world)
+            raise ConfigError(f"{e} (planning for --parallel.cores={world}"
+                              + (f"; --parallel.cores={fits} runs this layout)" if fits else ")")) from None
         check_instances(cfg, world)
     except ConfigError as e:
         sys.exit(f"config error: {e}")

@@ -390,3 +390,15 @@ def test_the_memory_lines_add_up_to_the_total(capsys, args):
     parts = [float(line.split()[-1]) for line in block[:-1]]
     total = float(block[-1].split()[1])
     assert len(parts) >= 6 and abs(sum(parts) - total) <= 0.005 * len(parts), block
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["--preset=llama3_8b", "--instance=trn2"], "--parallel.cores=4096 runs this layout"),   # 512 sequences, DP 1024
+    (["--parallel.tp=8", "--parallel.dp=64"], "--parallel.cores=512 runs this layout"),     # Neuron's 7B layout
+])
+def test_a_layout_the_default_cores_cannot_run_names_the_cores_that_can(args, fix):
+    # The planner's own fix for a batch or DP that does not fit the cores planned for is fewer cores;
+    # the message offered only the trainer's (another global batch, launch fewer processes).
+    with pytest.raises(SystemExit) as e:
+        plan.main(args)
+    assert fix in str(e.value) and "\n" not in str(e.value), str(e.value)
