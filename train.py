@@ -205,8 +205,7 @@ class StopSignal:
 
 
 def peers_lost(e: BaseException | None) -> bool:
-    """Whether e is a collective's failure: gloo's (naming its source file), at once when a peer process
-    is gone, or nccl's DistError. (On Neuron one with a dead peer hangs: torchrun's SIGKILL ends it.)"""
+    """A collective's failure: gloo's (naming its source; at once when a peer is gone) or nccl's DistError."""
     return isinstance(e, torch.distributed.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)
 
 
@@ -487,8 +486,7 @@ def run(argv: list[str]) -> None:
     finally:
         try:
             if ckpt is not None:
-                # A peer died: its marker never comes. This rank's write ends; rank 0 does not wait 600 s for it
-                ckpt.peers_lost = peers_lost(sys.exc_info()[1])
+                ckpt.peers_lost = peers_lost(sys.exc_info()[1])     # rank 0: not 600 s for a dead rank's marker
                 with dog.phase("the last save"):
                     ckpt.close()                        # waits for the save in flight
         finally:        # even when that save failed: the watchdog's backstop timer exits the process
