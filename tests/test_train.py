@@ -103,33 +103,33 @@ def test_main_in_process_gives_back_the_signal_handlers(tmp_path, monkeypatch):
 def test_the_last_step_is_evaluated_once_and_changes_nothing(tmp_path, capsys, monkeypatch):
     """The run's last step is evaluated even when --log.eval_interval does not divide it (a user expects the final
     validation loss, as Megatron's evaluation after training), once when it does, never on a signal's stop (the
-    grace period is for the save); and evaluating leaves the training stream alone: 4 steps (evaluated at 3, 4)
-    resumed to 6 end with the weights of 6 steps not evaluated at all. In-process runs of the SMALL model."""
+    grace period is for the save); and evaluating leaves the training stream alone: 3 steps (evaluated at 2, 3)
+    resumed to 4 end with the weights of 4 steps not evaluated at all. In-process runs of the SMALL model."""
     import signal
     import torch
     import train
 
     def val_steps(args):
         capsys.readouterr()
-        train.main([*SMALL, "--log.tensorboard=", "--device=cpu", cache_arg(), *args])
+        train.main([*SMALL, "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg(), *args])
         return [int(s) for s in re.findall(r"step\s+(\d+) \| val loss", capsys.readouterr().out)]
 
     def where(name):
         return [f"--out_dir={tmp_path}/{name}", f"--ckpt.dir={tmp_path}/{name}/ckpt"]
-    assert val_steps([*where("a"), "--optim.max_steps=4", "--log.eval_interval=3"]) == [3, 4]
-    assert val_steps([*where("a"), "--optim.max_steps=6", "--log.eval_interval=3"]) == [6]     # resumed at 4
-    assert val_steps([*where("b"), "--optim.max_steps=6"]) == []                                # eval_interval=0: off
-    weights = [torch.load(f"{tmp_path}/{n}/ckpt/step_00000006/model_tp00_pp00.pt", weights_only=True) for n in "ab"]
+    assert val_steps([*where("a"), "--optim.max_steps=3", "--log.eval_interval=2"]) == [2, 3]
+    assert val_steps([*where("a"), "--optim.max_steps=4", "--log.eval_interval=2"]) == [4]     # resumed at 3
+    assert val_steps([*where("b"), "--optim.max_steps=4"]) == []                                # eval_interval=0: off
+    weights = [torch.load(f"{tmp_path}/{n}/ckpt/step_00000004/model_tp00_pp00.pt", weights_only=True) for n in "ab"]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    step = train.train_step             # a real SIGTERM during step 2: the run stops after it, saved, not evaluated
+    step = train.train_step             # a real SIGTERM during step 1: the run stops after it, saved, not evaluated
 
     def signalled(*a, **k):
-        if signalled.calls == 1:
+        if signalled.calls == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         signalled.calls += 1
         return step(*a, **k)
     signalled.calls = 0
     monkeypatch.setattr(train, "train_step", signalled)
-    assert val_steps([*where("c"), "--optim.max_steps=6", "--log.eval_interval=3"]) == []
-    assert [n for n in os.listdir(f"{tmp_path}/c/ckpt") if n.startswith("step_")] == ["step_00000002"]
+    assert val_steps([*where("c"), "--optim.max_steps=4", "--log.eval_interval=2"]) == []
+    assert [n for n in os.listdir(f"{tmp_path}/c/ckpt") if n.startswith("step_")] == ["step_00000001"]
