@@ -60,7 +60,8 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     lines += ["", "  same settings on other layouts:   TP  PP   DP  states  activ.   total  (GiB per core)"]
     for tp in tp_degrees(m, hw):
         for pp in sorted({1, L.pp}):
-            if world % (tp * pp) == 0 and m.n_layers % pp == 0:   # memory even where the batch can't split
+            if world % (tp * pp) == 0 and (m.n_layers % pp == 0 or pp == cfg.parallel.pp and cfg.parallel.pp_cuts):
+                # memory even where the batch cannot split; PP as configured even when stage cuts make it fit the layers
                 dp = world // (tp * pp)
                 x = Layout(tp, pp, dp, L.sp and tp > 1, L.zero1 and dp > 1, L.checkpointing, L.micro_batch)
                 y = estimate(cfg, x, world)

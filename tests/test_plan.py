@@ -402,3 +402,12 @@ def test_a_layout_the_default_cores_cannot_run_names_the_cores_that_can(args, fi
     with pytest.raises(SystemExit) as e:
         plan.main(args)
     assert fix in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_configured_pipeline_with_stage_cuts_is_in_the_other_layouts_table(capsys):
+    # llama2_7b's 32 layers on 3 stages (--parallel.pp_cuts=11,22): the table of the same settings on
+    # other layouts left out every PP=3 row, the configured one too, as if 3 stages could not hold 32 layers.
+    plan.main(["--preset=llama2_7b", "--parallel.pp=3", "--parallel.pp_cuts=11,22", "--parallel.cores=96"])
+    table = capsys.readouterr().out.split("same settings on other layouts")[1].split("layouts that fit")[0]
+    rows = [line.split()[:3] for line in table.splitlines()[1:] if line.strip()]
+    assert ["8", "3", "4"] in rows and ["8", "1", "12"] in rows, rows
