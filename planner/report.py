@@ -65,10 +65,11 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
                 dp = world // (tp * pp)
                 x = Layout(tp, pp, dp, L.sp and tp > 1, L.zero1 and dp > 1, L.checkpointing, L.micro_batch)
                 y = estimate(cfg, x, world)
-                runs = runnable(cfg, world, tp, pp, L.sp, L.zero1, L.checkpointing, L.micro_batch)
+                split, g = d.micro_batch * dp, d.global_batch
+                why = (f" (and global batch {g} does not split over micro-batch x DP = {split})" if g % split else
+                       f" (and {g // split} microbatches per step, fewer than {pp} stages)" if g // split < pp else "")
                 lines.append(f"  {'':33s}{tp:3d} {pp:3d} {dp:4d}  {gib(y.weights + y.grads + y.optimizer)} "
-                             f"{gib(y.activations)}  {gib(y.total)}  {'fits' if y.fits else 'no'}"
-                             + ("" if runs else f" (and global batch {d.global_batch} < micro-batch x DP)"))
+                             f"{gib(y.activations)}  {gib(y.total)}  {'fits' if y.fits else 'no'}" + why)
     every = layouts(cfg, world)
     fit = sorted((x for x in (estimate(cfg, y, world) for y in every) if x.fits), key=lambda x: x.step_s)
     lines += ["", f"layouts that fit, fastest first ({len(fit)} of {len(every)}):",

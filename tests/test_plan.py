@@ -411,3 +411,13 @@ def test_the_configured_pipeline_with_stage_cuts_is_in_the_other_layouts_table(c
     table = capsys.readouterr().out.split("same settings on other layouts")[1].split("layouts that fit")[0]
     rows = [line.split()[:3] for line in table.splitlines()[1:] if line.strip()]
     assert ["8", "3", "4"] in rows and ["8", "1", "12"] in rows, rows
+
+
+def test_the_other_layouts_table_says_why_a_layout_cannot_run(capsys):
+    # 1024 sequences over DP 96 do not split, though 1024 > 96: the note said "global batch 1024 <
+    # micro-batch x DP"; and too few microbatches for the stages got the same wrong note.
+    plan.main(["--preset=llama2_7b", "--parallel.pp=3", "--parallel.pp_cuts=11,22", "--parallel.cores=96"])
+    out = capsys.readouterr().out
+    assert "1   1   96" in out and "(and global batch 1024 does not split over micro-batch x DP = 96)" in out
+    plan.main(["--preset=llama2_70b", "--data.global_batch=128"])
+    assert "(and 1 microbatches per step, fewer than 8 stages)" in capsys.readouterr().out
