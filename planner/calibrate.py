@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"fitted on {len(rows)} rows: " + ", ".join(sorted({r['model'] for r in rows})))
     for name, value in zip(("MATMUL_EFFICIENCY", "MICROBATCH_OVERHEAD", "SCORE_PASSES"), fitted):
         print(f"{name} = {value}")
-    if fitted != shipped:
-        print(f"planner/cost.py ships {shipped}: copy these into it")
+    if fitted != shipped:               # a failing status: `python -m planner.calibrate` can gate a change
+        sys.exit(f"planner/cost.py ships {shipped}, not these: copy them into it")
 
 
 if __name__ == "__main__":
