@@ -575,11 +575,11 @@ class Instance:
 
 # The Neuron docs (2.29, Trn1/Trn2 architecture): trn1 16 chips x 2 NeuronCore-v2, per chip 190 / 47.5 TFLOPS bf16 /
 # fp32, 32 GiB, NeuronLink-v2 384 GiB/s, EFA 800 Gbps (trn1n 1600). trn2 16 chips x 8 NeuronCore-v3 at LNC=2: 4 logical
-# cores (ranks) a chip, 667 / 181 TFLOPS and 96 GiB a chip, NeuronLink-v3 1.28 TB/s a chip, EFAv3 3.2 Tbps on 16 NICs.
+# cores a chip, 667 / 181 TFLOPS, 96 GiB, EFAv3 3.2 Tbps, NeuronLink-v3 1,024 GB/s a chip inside a trn2.48xlarge (trn2-arch).
 INSTANCES = {
     "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8, devices=16, efa=8),
     "trn1n": Instance("trn1n.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 1600e9 / 8, devices=16, efa=16),
-    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.28e12 / 4, 3.2e12 / 8, devices=16, efa=16),
+    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.024e12 / 4, 3.2e12 / 8, devices=16, efa=16),
 }
 
 

@@ -122,6 +122,9 @@ def test_trn2_is_one_row_of_the_instance_table():
     e1, e2 = estimate(c1, four, 4096), estimate(c2, four, 4096)
     assert e1.total == e2.total and not e1.fits and e2.fits      # same bytes, a bigger core
     assert e2.peak == configs.INSTANCES["trn2"].bf16_flops and e2.compute_s < e1.compute_s
+    # NeuronLink inside a trn2.48xlarge: 1,024 GB/s a chip of 4 ranks (Neuron's trn2-arch.rst, "Intra-instance
+    # NeuronLink-v3 bandwidth"); the 1.28 TB/s of trainium2.rst counts the links only an UltraServer connects
+    assert configs.INSTANCES["trn2"].link_bw == 1.024e12 / 4
     assert estimate(c2).layout.dp == 128 * 64 // 8               # default: 128 instances of 64 ranks
     c70 = configs.from_args(["--preset", "llama2_70b", "--instance", "trn2"])
     assert not estimate(c70, Layout(4, 1, 2048, True, True, "selective", 1), 8192).fits
