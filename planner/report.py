@@ -8,6 +8,7 @@ layouts fit, fastest first. Arithmetic on the config only: no model is built, no
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -105,10 +106,12 @@ def cores_that_run(cfg: Config, world: int) -> int | None:
     """The most cores below `world` on which the configured layout runs (whole instances past one):
     the planner's other fix when the batch or --parallel.dp does not fit the cores."""
     p, d, hw = cfg.parallel, cfg.data, INSTANCES[cfg.parallel.instance]
-    for dp in ([p.dp] if p.dp > 0 else range(world // (p.tp * p.pp), 0, -1)):
-        n, steps = p.tp * p.pp * dp, d.global_batch // (d.micro_batch * dp)
-        if (n < world and (n <= hw.cores or n % hw.cores == 0) and d.global_batch % (d.micro_batch * dp) == 0
-                and steps >= p.pp and (p.tp == 1 or hw.cores % p.tp == 0)):
+    # DP divides the micro-batches of a step: its divisors, not every DP below the cores' (10^9 cores never ended)
+    q = d.global_batch // d.micro_batch if d.global_batch % d.micro_batch == 0 else 0
+    split = {x for i in range(1, math.isqrt(q) + 1) if q % i == 0 for x in (i, q // i)}
+    for dp in sorted(split & {p.dp} if p.dp > 0 else split, reverse=True):
+        n = p.tp * p.pp * dp
+        if n < world and (n <= hw.cores or n % hw.cores == 0) and q // dp >= p.pp and hw.cores % p.tp == 0:
             return n
     return None
 

@@ -434,3 +434,12 @@ def test_the_other_layouts_table_says_why_a_layout_cannot_run(capsys):
     assert "1   1   96" in out and "(and global batch 1024 does not split over micro-batch x DP = 96)" in out
     plan.main(["--preset=llama2_70b", "--data.global_batch=128"])
     assert "(and 1 microbatches per step, fewer than 8 stages)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_the_cores_fix_for_a_billion_cores_ends(capsys):
+    # Looking for the cores that run a layout tried every DP below the cores planned for: 1.25e8 of
+    # them at 10^9 cores (minutes). Only the divisors of the step's micro-batches can be DP.
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--parallel.cores=1000000000"])
+    assert "--parallel.cores=8192 runs this layout" in str(e.value), str(e.value)
