@@ -12,6 +12,7 @@ import math
 import os
 import sys
 
+import hf
 from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
 from model import flops_per_token, num_params
 from planner.calibrate import validation_table
@@ -28,7 +29,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     L, fpt, tokens = e.layout, flops_per_token(m, d.seq_len), d.global_batch * d.seq_len
     peak = hw.fp32_flops if cfg.optim.precision == "fp32" else hw.bf16_flops
     lines = [
-        f"plan: {cfg.preset or 'custom'} on {world} NeuronCores ({world / hw.cores:g} {hw.name}), "
+        f"plan: {cfg.init_from or cfg.preset or 'custom'} on {world} NeuronCores ({world / hw.cores:g} {hw.name}), "
         f"seq {d.seq_len}, global batch {d.global_batch}, precision {cfg.optim.precision}",
         f"model: {num_params(m) / 1e9:.2f}B parameters, {fpt / 1e9:.2f} GFLOP per token (6N + attention), "
         f"{tokens / 1e6:.2f}M tokens per step",
@@ -138,6 +139,7 @@ def _main(argv: list[str]) -> None:
             print(help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
             return
         cfg = from_args(argv)
+        hf.apply_init_from(cfg, argv)       # --init_from: the folder's model (config.json), as train.py trains it
         check_values(cfg)                   # the keys' domains and the model: what train.py refuses
         world = cfg.parallel.cores or 128 * INSTANCES[cfg.parallel.instance].cores
         try:                                # the configured layout must be one a launch could run

@@ -443,3 +443,22 @@ def test_the_cores_fix_for_a_billion_cores_ends(capsys):
     with pytest.raises(SystemExit) as e:
         plan.main(["--parallel.cores=1000000000"])
     assert "--parallel.cores=8192 runs this layout" in str(e.value), str(e.value)
+
+
+@pytest.mark.slow               # ~4 s alone: hf.save_hf's first call (0.05 s once test_hf has run)
+def test_init_from_plans_the_folders_model(capsys, tmp_path):
+    # --init_from=FOLDER trains the folder's model (config.json), as train.py reads it; the planner
+    # ignored it and planned the preset's 6.74B llama2_7b, under its name.
+    import hf
+    cfg = configs.from_args(["--model.dim=128", "--model.n_layers=3", "--model.n_heads=4", "--model.n_kv_heads=2",
+                             "--model.ffn_dim=352", "--model.vocab_size=1000"]).model
+    hf.save_hf(llama.Llama(cfg).state_dict(), cfg, str(tmp_path / "hf"))
+    plan.main([f"--init_from={tmp_path / 'hf'}", "--parallel.tp=2", "--parallel.cores=2", "--data.global_batch=8",
+               "--data.seq_len=128"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"plan: {tmp_path / 'hf'} on 2 NeuronCores"), out[:200]
+    assert f"model: {llama.num_params(cfg) / 1e9:.2f}B parameters" in out and "configured layout: TP=2 PP=1 DP=1" in out
+    assert f"{sum(cost._layer_params(cfg, 2) for _ in range(3)) / 1e6 + 2 * 500 * 128 / 1e6 + 128 / 1e6:8.1f}M params" in out
+    with pytest.raises(SystemExit) as x:                          # no such folder: one line, as train.py says it
+        plan.main([f"--init_from={tmp_path / 'none'}"])
+    assert "has no config.json" in str(x.value)
