@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -51,9 +52,20 @@ SMALL = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n
          "--ckpt.interval=3", "--ckpt.async_save=false"]
 
 
-def test_injected_nan_is_skipped(tmp_path):
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory) -> dict:
+    """mode -> (folder, finished run) of the two injected-NaN runs, started together: each is mostly
+    one busy core (start-up, a 1-layer model's steps), so on 2 cores the pair takes about one's time."""
+    folders = {mode: tmp_path_factory.mktemp(f"nan_{mode}") for mode in ("skip", "stop")}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {mode: pool.submit(run_train, d, *SMALL, f"--log.on_nonfinite={mode}", env={"NANOTRN_FAULT": "nan:4"})
+                for mode, d in folders.items()}
+    return {mode: (folders[mode], runs[mode].result()) for mode in folders}
+
+
+def test_injected_nan_is_skipped(nan_runs):
     """on_nonfinite=skip: the poisoned step changes nothing, training goes on and finishes."""
-    r = run_train(tmp_path, *SMALL, "--log.on_nonfinite=skip", env={"NANOTRN_FAULT": "nan:4"})
+    tmp_path, r = nan_runs["skip"]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step 5: non-finite loss" in r.stdout and "update skipped" in r.stdout
     assert os.path.isdir(f"{tmp_path}/out/ckpt/step_00000008")
@@ -62,9 +74,9 @@ def test_injected_nan_is_skipped(tmp_path):
     assert all(torch.isfinite(v).all() for v in sd.values())
 
 
-def test_injected_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_injected_nan_stops_and_keeps_last_good_checkpoint(nan_runs):
     """on_nonfinite=stop: a clear message, no checkpoint of the poisoned state, the last good one intact."""
-    r = run_train(tmp_path, *SMALL, "--log.on_nonfinite=stop", env={"NANOTRN_FAULT": "nan:4"})
+    tmp_path, r = nan_runs["stop"]
     assert r.returncode != 0
     assert "non-finite" in r.stderr, r.stderr[-2000:]
     ckpts = sorted(d for d in os.listdir(f"{tmp_path}/out/ckpt") if d.startswith("step_"))
