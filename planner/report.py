@@ -107,9 +107,11 @@ def cores_that_run(cfg: Config, world: int) -> int | None:
     """The most cores below `world` on which the configured layout runs (whole instances past one):
     the planner's other fix when the batch or --parallel.dp does not fit the cores."""
     p, d, hw = cfg.parallel, cfg.data, INSTANCES[cfg.parallel.instance]
-    # DP divides the micro-batches of a step: its divisors, not every DP below the cores' (10^9 cores never ended)
+    # DP divides the micro-batches of a step and needs no more cores than planned: the divisors of q up
+    # to most, in min(most, sqrt(q)) tries (every DP below 10^9 cores, or sqrt(10^18 sequences), never ended)
     q = d.global_batch // d.micro_batch if d.global_batch % d.micro_batch == 0 else 0
-    split = {x for i in range(1, math.isqrt(q) + 1) if q % i == 0 for x in (i, q // i)}
+    most = world // (p.tp * p.pp)
+    split = {x for i in range(1, min(most, math.isqrt(q)) + 1) if q % i == 0 for x in (i, q // i) if x <= most}
     for dp in sorted(split & {p.dp} if p.dp > 0 else split, reverse=True):
         n = p.tp * p.pp * dp
         if n < world and (n <= hw.cores or n % hw.cores == 0) and q // dp >= p.pp and hw.cores % p.tp == 0:

@@ -443,6 +443,10 @@ def test_the_cores_fix_for_a_billion_cores_ends(capsys):
     with pytest.raises(SystemExit) as e:
         plan.main(["--parallel.cores=1000000000"])
     assert "--parallel.cores=8192 runs this layout" in str(e.value), str(e.value)
+    # Nor every divisor of a 10^18-sequence batch (isqrt: 10^9 tries): only those up to the cores' DP (512)
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--data.global_batch=1000000000000000001"])
+    assert "--parallel.cores=8 runs this layout" in str(e.value), str(e.value)
 
 
 @pytest.mark.slow               # ~4 s alone: hf.save_hf's first call (0.05 s once test_hf has run)
