@@ -560,8 +560,9 @@ def cli(argv: list[str]) -> None:
     except RuntimeError as e:
         if not peers_lost(e):                           # any other: a bug of ours, with its traceback
             raise
+        why = (str(e).split("] ", 1)[-1].splitlines() or [""])[0]      # nccl's DistError adds a "Last error:" block
         sys.exit(f"error: [rank {os.environ.get('RANK', 0)}] a collective failed: another rank is gone or hung "
-                 f"({str(e).split('] ', 1)[-1]}); torchrun --max-restarts resumes from the newest complete checkpoint")
+                 f"({why}); torchrun --max-restarts resumes from the newest complete checkpoint")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -145,3 +145,24 @@ def test_the_last_step_is_evaluated_once_and_changes_nothing(tmp_path, capsys, m
     monkeypatch.setattr(train, "train_step", signalled)
     assert val_steps([*where("c"), "--optim.max_steps=4", "--log.eval_interval=2"]) == []
     assert [n for n in os.listdir(f"{tmp_path}/c/ckpt") if n.startswith("step_")] == ["step_00000001"]
+
+
+@pytest.mark.parametrize("message", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer",
+    "[torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356] NCCL error: remote process exited\nLast error:\nsocket "
+    "closed\nncclRemoteError"])
+def test_a_failed_collective_is_one_line_naming_the_restart(monkeypatch, message):
+    """A collective that fails because a peer is gone (gloo: 'Connection reset'; nccl's DistError, whose message
+    runs over several lines) ends train.py with one line, not a traceback: torchrun restarts the workers."""
+    import torch
+    import train
+    error = torch.distributed.DistError if "NCCL" in message else RuntimeError
+
+    def run(argv):
+        raise error(message)
+    monkeypatch.setattr(train, "main", run)
+    with pytest.raises(SystemExit) as e:
+        train.cli([])
+    said = str(e.value.code)
+    assert "\n" not in said and said.startswith("error: [rank 0] a collective failed") and "resumes from" in said
+    assert ("Connection reset by peer" if error is RuntimeError else "NCCL error: remote process exited") in said
