@@ -19,6 +19,20 @@ def test_permutation_is_a_bijection(n):
     assert np.array_equal(spans.permute(idx, n, (1234, 0)), p[idx])
 
 
+@pytest.mark.parametrize("n,group", [(2, 0), (5, 3), (75, 0), (75, 2), (4097, 1)])
+def test_a_read_over_many_epochs_permutes_each_index_by_its_own_epochs_key(n, group):
+    """positions() permutes a read in one pass, each index with its epoch's key (a source of few spans
+    has hundreds of epochs in a read): the same spans as one permute call per epoch with a scalar key."""
+    deal = spans.Deal(lo=10, n=n, lanes=3, shuffled=True, seed=2 ** 62 + 5, group=group)
+    got, epochs = spans.positions(deal, 1, 12_345, 4096)
+    k = 1 + (12_345 + np.arange(4096)) * 3
+    assert np.array_equal(epochs, k // n) and len(np.unique(epochs)) >= min(4096, 3 * 4096 // n)
+    for e in np.unique(epochs):
+        at = epochs == e
+        key = (deal.seed, int(e)) + ((group,) if group else ())
+        assert np.array_equal(got[at], 10 + spans.permute(k[at] % n, n, key))
+
+
 def test_permutation_depends_on_the_key_and_looks_random():
     n = 10_000
     a, b = spans.permute(np.arange(n), n, (1, 0)), spans.permute(np.arange(n), n, (1, 1))
