@@ -231,8 +231,8 @@ tok = data.load_tokenizer(sys.argv[2])
 before = len(os.listdir("/proc/self/task"))
 cfg = DataConfig(data=sys.argv[3], seq_len=16, cache_dir=sys.argv[4], val_fraction=0.0)
 loader = data.PackedLoader(cfg, tok, prefetch=0, threads=int(sys.argv[5]))
-for _ in range(2):          # its first reads' encode_batch starts the pool (each next of this 75-span
-    next(loader)            # corpus costs ~0.3 s: a read spans many epochs, a permutation each)
+for _ in range(2):          # its first reads' encode_batch starts the pool
+    next(loader)
 tok.encode_batch(["a few words of text"] * 4000, False, False, int(sys.argv[5]))
 print(len(os.listdir("/proc/self/task")) - before)      # the pool's threads stay after the calls
 """
