@@ -349,12 +349,24 @@ def tp_degrees(m: ModelConfig, hw: Instance) -> list[int]:
             and m.n_heads % t == 0 and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0)]
 
 
-def runnable(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, ckpt: str, mb: int):
-    """The Layout, or None when validate() would reject it (batch, stages, sequence split)."""
-    dp, g = world // (tp * pp), cfg.data.global_batch
+def cannot_run(cfg: Config, world: int, tp: int, pp: int, mb: int) -> str:
+    """Why validate() would reject TP x PP at micro-batch mb on `world` cores (cores, stages, batch), or ""."""
+    dp, g, n = world // (tp * pp), cfg.data.global_batch, cfg.model.n_layers
     cut = pp == cfg.parallel.pp and cfg.parallel.pp_cuts       # pipeline.stage_bounds: uneven stages
-    if world % (tp * pp) or (cfg.model.n_layers % pp and not cut) or g % (mb * dp) or (pp > 1 and g // (mb * dp) < pp):
+    if world % (tp * pp):
+        return f"TP x PP = {tp * pp} does not divide {world} cores"
+    if n % pp and not cut:
+        return f"{n} layers do not split over {pp} stages"
+    if g % (mb * dp):
+        return f"global batch {g} does not split over micro-batch x DP = {mb * dp}"
+    return f"{g // (mb * dp)} microbatches per step, fewer than {pp} stages" if g // (mb * dp) < pp else ""
+
+
+def runnable(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, ckpt: str, mb: int):
+    """The Layout, or None when validate() would reject it (cannot_run); SP only where the sequence splits."""
+    if cannot_run(cfg, world, tp, pp, mb):
         return None
+    dp = world // (tp * pp)
     return Layout(tp, pp, dp, sp and tp > 1 and cfg.data.seq_len % tp == 0, zero1 and dp > 1, ckpt, mb)
 
 

@@ -16,7 +16,7 @@ import hf
 from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
 from model import flops_per_token, num_params
 from planner.calibrate import validation_table
-from planner.cost import RESERVE, STATED_MFU, Layout, estimate, layouts, runnable, tp_degrees
+from planner.cost import RESERVE, STATED_MFU, Layout, cannot_run, estimate, layouts, tp_degrees
 
 
 def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
@@ -36,8 +36,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         f"step time at {STATED_MFU:.0%} MFU ({peak / 1e12:g} TFLOPS per core): "
         f"{fpt * tokens / (world * peak * STATED_MFU):.2f} s",
         "", f"configured layout: {L}, {e.microbatches} microbatches per step"
-        + ("" if runnable(cfg, world, L.tp, L.pp, L.sp, L.zero1, L.checkpointing, L.micro_batch) else
-           f" (cannot run on {world} cores: TP x PP must divide them and the global batch split over DP)"),
+        + (f" (cannot run: {r})" if (r := cannot_run(cfg, world, L.tp, L.pp, L.micro_batch)) else ""),
         f"  per NeuronCore ({'every core' if L.pp == 1 else e.stage + ' stage, the fuller'})      GiB",
         f"  weights      {e.params / 1e6:8.1f}M params  {gib(e.weights)}",
         f"  gradients                       {gib(e.grads)}",
@@ -67,9 +66,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
                 dp = world // (tp * pp)
                 x = Layout(tp, pp, dp, L.sp and tp > 1, L.zero1 and dp > 1, L.checkpointing, L.micro_batch)
                 y = estimate(cfg, x, world)
-                split, g = d.micro_batch * dp, d.global_batch
-                why = (f" (and global batch {g} does not split over micro-batch x DP = {split})" if g % split else
-                       f" (and {g // split} microbatches per step, fewer than {pp} stages)" if g // split < pp else "")
+                why = f" (and {r})" if (r := cannot_run(cfg, world, tp, pp, d.micro_batch)) else ""
                 lines.append(f"  {'':33s}{tp:3d} {pp:3d} {dp:4d}  {gib(y.weights + y.grads + y.optimizer)} "
                              f"{gib(y.activations)}  {gib(y.total)}  {'fits' if y.fits else 'no'}" + why)
     every = layouts(cfg, world)
