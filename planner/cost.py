@@ -11,6 +11,7 @@ from configs import INSTANCES, Config, Instance, ModelConfig
 import sharding
 from model import LinearCrossEntropy, flops_per_token
 import pipeline
+from planner.instances import tp_degrees
 
 # Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
 
@@ -341,12 +342,6 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[
     return dict(compute_s=mbs * compute, bubble_s=(L.pp - 1) * per, tp_bytes=mbs * n_coll * coll_bytes,
                 pp_bytes=pp_bytes, dp_bytes=dp_bytes, tp_s=mbs * tp_mb, pp_s=pp_s, dp_s=dp_s, opt_s=opt_s,
                 overhead_s=mbs * per_mb, pp_link=pp_link, dp_link=dp_link)
-
-
-def tp_degrees(m: ModelConfig, hw: Instance) -> list[int]:
-    """TP degrees inside one instance that keep whole attention heads and whole KV groups per rank."""
-    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.cores
-            and m.n_heads % t == 0 and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0)]
 
 
 def cannot_run(cfg: Config, world: int, tp: int, pp: int, mb: int) -> str:

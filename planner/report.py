@@ -16,7 +16,8 @@ import hf
 from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
 from model import flops_per_token, num_params
 from planner.calibrate import validation_table
-from planner.cost import RESERVE, STATED_MFU, Layout, cannot_run, estimate, layouts, tp_degrees
+from planner.cost import RESERVE, STATED_MFU, Layout, cannot_run, estimate, layouts
+from planner.instances import check_instances, tp_degrees
 
 
 def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
@@ -83,21 +84,6 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
                      f"splits into micro-batches over the data-parallel ranks")
     return "\n".join(lines)
 
-
-
-def check_instances(cfg: Config, world: int) -> None:
-    """The cost model prices TP on NeuronLink inside one instance and every other collective by how
-    its groups fall on instances of hw.cores ranks (launch.sh and eks.py start that many per node):
-    past one instance, the cores must be whole instances and TP must divide one."""
-    hw, tp = INSTANCES[cfg.parallel.instance], cfg.parallel.tp
-    if world > hw.cores and world % hw.cores:
-        raise ConfigError(f"--parallel.cores={world} is {world / hw.cores:g} {hw.name} ({hw.cores} NeuronCores each): "
-                          f"plan whole instances, e.g. --parallel.cores={world // hw.cores * hw.cores} or "
-                          f"{-(-world // hw.cores) * hw.cores}, or at most {hw.cores} on one")
-    if hw.cores % tp:
-        raise ConfigError(f"--parallel.tp={tp} does not divide the {hw.cores} NeuronCores of a {hw.name}: a TP group "
-                          f"runs on one instance's NeuronLink; pick --parallel.tp from "
-                          + ", ".join(map(str, tp_degrees(cfg.model, hw))))
 
 
 def cores_that_run(cfg: Config, world: int) -> int | None:

@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 from configs import INSTANCES, ConfigError, from_args, path_kind, validate  # noqa: E402  (the planner's table)
+from planner.instances import check_instances  # noqa: E402
 
 WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
 CONTAINER = "nanotrn"
@@ -138,10 +139,7 @@ def check(args, train_args: list[str]):
                  f"(minus {STOP_MARGIN_S} s to stop): give --grace-period {math.ceil(cfg.ckpt.grace_s) + STOP_MARGIN_S} "
                  f"or more, or leave --ckpt.grace_s out (it follows --grace-period)")
         hw = INSTANCES[cfg.parallel.instance]
-        if hw.cores % cfg.parallel.tp:
-            fail(f"--tp {cfg.parallel.tp} does not divide the {hw.cores} NeuronCores of a {hw.name}: a TP "
-                 f"group must stay inside one instance (NeuronLink); use a TP of "
-                 + ", ".join(str(t) for t in (1, 2, 4, 8, 16, 32, 64) if hw.cores % t == 0))
+        check_instances(cfg, args.nodes * hw.cores)         # the planner's rule: TP inside one instance
         validate(cfg, args.nodes * hw.cores, "xla")          # launch.sh's own check, for this world size
     except ConfigError as e:
         fail(str(e))                    # "error: <what and the fix>", one line

@@ -31,6 +31,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import configs  # noqa: E402
 import eks  # noqa: E402
+from planner import instances  # noqa: E402
 from conftest import cache_arg  # noqa: E402
 from gloo_spawn import free_ports, run_train  # noqa: E402
 from test_scripts import ARGS_7B, parse_dry_run, run_script  # noqa: E402
@@ -128,12 +129,16 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
     out = tmp_path / "out"
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "nanotrn-train.yaml").write_text("mine\n")
+    with pytest.raises(configs.ConfigError) as e:       # one owner of "TP inside an instance": the planner
+        instances.check_instances(configs.from_args([*ARGS_7B, "--tp=64"]), 2 * 32)
+    planner_says = str(e.value)
     cases = [
         (["--nodes=0", *ARGS_7B], "--nodes 0"),
         (["--nodes=2", "--preset", "llama9_7b"], "unknown preset 'llama9_7b'"),
-        (["--nodes=2", *ARGS_7B, "--tp=7"], "tp 7"),
-        (["--nodes=2", *ARGS_7B, "--tp=64"], "--tp 64 does not divide the 32 NeuronCores of a trn1.32xlarge"),
-        (["--nodes=2", "--preset", "llama2_70b", "--tp=64"], "use a TP of 1, 2, 4, 8, 16, 32"),   # heads would allow it
+        (["--nodes=2", *ARGS_7B, "--tp=7"], "tp=7"),
+        (["--nodes=2", *ARGS_7B, "--tp=64"], "--parallel.tp=64 does not divide the 32 NeuronCores of a trn1.32xlarge"),
+        (["--nodes=2", *ARGS_7B, "--tp=64"], planner_says),        # the planner's rule, in its words
+        (["--nodes=2", "--preset", "llama2_70b", "--tp=64"], "pick --parallel.tp from 1, 2, 4, 8, 16, 32"),  # heads allow 64
         (["--nodes=2", *ARGS_7B, "--out_dir=out"], "--out_dir=out is not on the FSx mount /fsx"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/fsx/neuron-cache"], "not on FSx"),
         (["--nodes=2", *ARGS_7B, "--grace-period=30"], "--grace-period 30"),
