@@ -50,6 +50,8 @@ TORCHRUN_STOP_S = 30            # torchrun SIGKILLs its workers 30 s after passi
 STOP_MARGIN_S = 5               # of the pod's grace period, for passing the stop on and the workers' exit:
                                 # train.py's final save gets the rest (--ckpt.grace_s, train.stop_budget)
 CONFIG_ERROR = 2                # launch.sh's exit status for a bad configuration: no retry can help
+RUNTIME_PORT = 62182            # the Neuron runtime's collectives bootstrap on pod 0 (torch-xla's
+                                # NEURON_RT_ROOT_COMM_ID default; launch.sh reserves it too)
 
 
 def fail(msg: str):
@@ -77,7 +79,8 @@ def parse(argv: list[str]):
     ap.add_argument("--shm", default="64Gi", help="size limit of the memory-backed /dev/shm")
     ap.add_argument("--cache-dir", default="/var/tmp/neuron-compile-cache",
                     help="the Neuron compile cache on each node's local disk (hostPath)")
-    ap.add_argument("--port", type=int, default=29500, help="the rendezvous port on pod 0")
+    ap.add_argument("--port", type=int, default=29500,
+                    help="the rendezvous port on pod 0 (and the next one: the compile Job's health check)")
     return ap.parse_known_args(argv)
 
 
@@ -100,8 +103,9 @@ def check(args, train_args: list[str]):
              f"'-' and '.' (kubectl get pvc lists them)")
     if not args.image.strip() or any(c.isspace() for c in args.image):
         fail(f"--image {args.image!r}: give the image as a registry reference, e.g. ECR_URI:TAG")
-    if not 1 <= args.port <= 65535:
-        fail(f"--port {args.port}: give a TCP port, 1 to 65535")
+    if not 1 <= args.port < 65535 or RUNTIME_PORT in (args.port, args.port + 1):
+        fail(f"--port {args.port}: give a TCP port from 1 to 65534 whose next one is free too (the compile "
+             f"Job's health check), not {RUNTIME_PORT - 1} or {RUNTIME_PORT} (the Neuron runtime's)")
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?", args.shm):
         fail(f"--shm {args.shm!r} is not a Kubernetes quantity: give e.g. 64Gi")
     if args.out and (kind := path_kind(args.out)) not in ("nothing", "a directory"):
@@ -195,10 +199,19 @@ def service(args) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": args.name, "namespace": args.namespace, "labels": labels(args)},
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(args),
-                     "ports": [{"name": "rendezvous", "port": args.port, "targetPort": args.port}]}}
+                     "ports": [{"name": name, "port": port, "targetPort": port} for name, port in ports(args).items()]}}
 
 
-def command(mode: str, cfg, train_args: list[str]) -> list[str]:
+def ports(args) -> dict[str, int]:
+    """Pod 0's rendezvous ports: the run's (train or compile), and the compile Job's health check's.
+    That check runs just before the compile step, on every pod at once: on one port, a pod done with
+    it could start its compile agent while pod 0's health agent still serves the port, join that
+    store, and fail when it closes a moment later (the Job then retries that pod; its health check
+    waits for pods that are compiling)."""
+    return {"rendezvous": args.port, "health": args.port + 1}
+
+
+def command(args, mode: str, cfg, train_args: list[str]) -> list[str]:
     """The container's command. It ends in `exec`: bash is replaced by launch.sh, the container's
     main process, which receives the pod's SIGTERM. In train mode it passes it on to the workers as
     SIGUSR1, keeping torchrun (and its fixed 30 s) out of it: train.py stops at the next step
@@ -210,8 +223,8 @@ def command(mode: str, cfg, train_args: list[str]) -> list[str]:
         # cross-node check (EFA between node pairs) runs once, in the pre-compile Job.
         health = (f'torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" scripts/healthcheck.py '
                   f'--tp={cfg.parallel.tp} --ranks-per-node="$NPROC_PER_NODE" $HEALTHCHECK_ARGS')
-    else:
-        health = shlex.join(["scripts/launch.sh", "health", *train_args])
+    else:           # on a port of its own (ports)
+        health = f"MASTER_PORT={ports(args)['health']} " + shlex.join(["scripts/launch.sh", "health", *train_args])
     return ["bash", "-c", f"set -e\n{health}\nexec {run}\n"]
 
 
@@ -234,10 +247,10 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
     resources = {"aws.amazon.com/neuron": hw.devices, **({"vpc.amazonaws.com/efa": hw.efa} if multi else {})}
     container = {
         "name": CONTAINER, "image": args.image, "workingDir": WORKDIR,
-        "command": command(mode, cfg, train_args),
+        "command": command(args, mode, cfg, train_args),
         "env": [{"name": k, "value": v} for k, v in env.items()],
         "resources": {"requests": resources, "limits": resources},
-        "ports": [{"name": "rendezvous", "containerPort": args.port}],
+        "ports": [{"name": name, "containerPort": port} for name, port in ports(args).items()],
         "volumeMounts": [{"name": "fsx", "mountPath": args.mount},
                          {"name": "shm", "mountPath": "/dev/shm"},
                          {"name": "neuron-cache", "mountPath": args.cache_dir}],
@@ -248,10 +261,10 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
         "terminationGracePeriodSeconds": args.grace_period,
         # The pause container is PID 1 and reaps orphans; torchrun stays the container's main process.
         "shareProcessNamespace": True,
-        # The rendezvous port and the Neuron runtime's bootstrap port (launch.sh reserves them with sudo
+        # The rendezvous ports and the Neuron runtime's bootstrap port (launch.sh reserves them with sudo
         # on SLURM nodes): a safe, per-pod sysctl here (Kubernetes >= 1.27), so no ephemeral port takes them.
         "securityContext": {"sysctls": [{"name": "net.ipv4.ip_local_reserved_ports",
-                                         "value": f"{args.port},62182"}]},
+                                         "value": ",".join(map(str, [*ports(args).values(), RUNTIME_PORT]))}]},
         "nodeSelector": {"node.kubernetes.io/instance-type": hw.name},
         "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}],
         # One pod per instance: no two pods of this run (train or compile) share a node.

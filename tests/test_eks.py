@@ -106,13 +106,18 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         assert launch[2:2 + len(ARGS_7B)] == ARGS_7B and "--out_dir=/fsx/nanotrn" in launch
         if mode == "train":     # node-local: a restarted pod cannot wait for pods that are training
             assert "torchrun --standalone" in lines[1] and "scripts/healthcheck.py --tp=8" in lines[1]
-        else:                   # the run's own check, node pairs over EFA included
-            assert shlex.split(lines[1]) == ["scripts/launch.sh", "health", *launch[2:]]
+        else:                   # the run's own check, node pairs over EFA included, on the next port
+            assert shlex.split(lines[1]) == ["MASTER_PORT=29501", "scripts/launch.sh", "health", *launch[2:]]
+        assert [p["port"] for p in svc["spec"]["ports"]] == [p["containerPort"] for p in c["ports"]] == [29500, 29501]
+        assert pod["securityContext"]["sysctls"] == [{"name": "net.ipv4.ip_local_reserved_ports",
+                                                      "value": "29500,29501,62182"}]
         # What launch.sh does with this environment (it sources env.sh again in the pod): the
         # manifest states env.sh's variables exactly, and torchrun's c10d rendezvous on pod 0.
-        r = run_script([SCRIPTS / "launch.sh", *launch[1:]], DRY_RUN="1",
-                       **{k: v for k, v in env.items() if k in ("NNODES", "MASTER_ADDR", "MASTER_PORT", "RUN_ID",
-                                                                "MAX_RESTARTS", "NEURON_CACHE_DIR", "NPROC_PER_NODE")})
+        inputs = {k: v for k, v in env.items() if k in ("NNODES", "MASTER_ADDR", "MASTER_PORT", "RUN_ID",
+                                                        "MAX_RESTARTS", "NEURON_CACHE_DIR", "NPROC_PER_NODE")}
+        dry = lambda argv, **more: parse_dry_run(run_script([SCRIPTS / "launch.sh", *argv], DRY_RUN="1",  # noqa: E731
+                                                            **{**inputs, **more}).stdout)
+        r = run_script([SCRIPTS / "launch.sh", *launch[1:]], DRY_RUN="1", **inputs)
         assert r.returncode == 0, r.stderr
         exported, cmds, _ = parse_dry_run(r.stdout)
         assert exported and all(env[k] == v for k, v in exported.items()), (exported, env)
@@ -123,6 +128,10 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         if nodes > 1:
             assert f"--rdzv-endpoint={env['MASTER_ADDR']}:29500" in torchrun and "--rdzv-backend=c10d" in torchrun
             assert ("--max-restarts=3" in torchrun) == (mode == "train")
+            if mode == "compile":   # the health step's rendezvous is not the compile step's (a pod done
+                # with one could join pod 0's store of the other as it closes)
+                (health,) = dry(shlex.split(lines[1])[2:], MASTER_PORT="29501")[1]
+                assert f"--rdzv-endpoint={env['MASTER_ADDR']}:29501" in health and "--rdzv-id=nanotrn-compile-health" in health
 
 
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
@@ -142,6 +151,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
         (["--nodes=2", *ARGS_7B, "--out_dir=out"], "--out_dir=out is not on the FSx mount /fsx"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/fsx/neuron-cache"], "not on FSx"),
         (["--nodes=2", *ARGS_7B, "--grace-period=30"], "--grace-period 30"),
+        (["--nodes=2", *ARGS_7B, "--port=65535"], "--port 65535"),         # its next one: the health check's
         (["--nodes=2", *ARGS_7B, "--name=Big_Run"], "not a Kubernetes name"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/dev/shm"], "--cache-dir '/dev/shm' overlaps /dev/shm"),
         (["--nodes=2", *ARGS_7B, "--mount=/opt"], "--mount '/opt' overlaps /opt/nanotrn"),      # hides the code
