@@ -11,7 +11,8 @@
 # trn1, 64 logical cores on trn2, from configs.INSTANCES), MASTER_ADDR and MASTER_PORT (29500) of
 # the rendezvous when NNODES > 1, NODE_RANK (SLURM_NODEID: a static node rank), RUN_ID
 # (SLURM_JOB_ID), MAX_RESTARTS (3), COMPILE_STEPS (10), HEALTHCHECK_ARGS, NEURON_CACHE_DIR (see
-# env.sh), PYTHON (python3), TORCHRUN (torchrun), DRY_RUN (1 = print the commands and environment).
+# env.sh), PYTHON (python3), TORCHRUN (torchrun), DRY_RUN (1 = print the commands and environment),
+# JOB_COMPLETION_INDEX (set by Kubernetes in an Indexed Job's pod: 0 hosts the rendezvous).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,9 +36,9 @@ COMPILE_STEPS="${COMPILE_STEPS:-10}"
 PYTHON="${PYTHON:-python3}"
 TORCHRUN="${TORCHRUN:-torchrun}"
 # Whole numbers, else a Python traceback (int('x'), a division by zero) or torchrun's own below.
-for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT; do
+for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT JOB_COMPLETION_INDEX; do
     value="${!var:-}" least=1
-    [[ "$var" == MAX_RESTARTS ]] && least=0
+    [[ "$var" == MAX_RESTARTS || "$var" == JOB_COMPLETION_INDEX ]] && least=0
     if [[ -n "$value" ]] && { [[ ! "$value" =~ ^[0-9]+$ ]] || (( 10#$value < least )); }; then
         echo "error: $var=$value: give a whole number >= $least" >&2
         exit 2
@@ -109,6 +110,16 @@ if ((NNODES > 1)); then
         restarts=0
     else
         launcher+=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RUN_ID-$mode")
+        # Which agent hosts the rendezvous store: left alone, each torchrun guesses by resolving
+        # MASTER_ADDR and comparing the answer with its own addresses, once. A Kubernetes pod's DNS
+        # record appears only after the pod has started (and the miss of an early lookup by another
+        # pod may be cached for seconds): pod 0 then guesses "not me", no agent hosts the store, and
+        # every pod fails after 60 s (pytorch/pytorch#80772; meta-pytorch/torchx#541). An Indexed
+        # Job's pod knows its index (scripts/eks.py): pod 0 hosts, the others connect, waiting for
+        # the name to resolve.
+        if [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
+            launcher+=(--rdzv-conf="is_host=$((10#$JOB_COMPLETION_INDEX == 0 ? 1 : 0))")
+        fi
     fi
 else
     launcher+=(--standalone)

@@ -128,6 +128,11 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         if nodes > 1:
             assert f"--rdzv-endpoint={env['MASTER_ADDR']}:29500" in torchrun and "--rdzv-backend=c10d" in torchrun
             assert ("--max-restarts=3" in torchrun) == (mode == "train")
+            # Pod 0 (the Job's completion index) hosts the rendezvous store; no pod guesses it from DNS.
+            for index, host in (("0", "1"), ("1", "0"), (str(nodes - 1), "0")):
+                (got,) = dry(launch[1:], JOB_COMPLETION_INDEX=index)[1]
+                assert [a for a in (got[1:] if mode == "compile" else got) if a.startswith("--rdzv")] == \
+                    [a for a in torchrun if a.startswith("--rdzv")] + [f"--rdzv-conf=is_host={host}"]
             if mode == "compile":   # the health step's rendezvous is not the compile step's (a pod done
                 # with one could join pod 0's store of the other as it closes)
                 (health,) = dry(shlex.split(lines[1])[2:], MASTER_PORT="29501")[1]
@@ -420,3 +425,53 @@ def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_id
     for p in attempts:
         run.update(losses(p.out))
     assert run == losses(ref["r"].stdout) and len(run) == 8
+
+
+def own_unrecognized_address() -> str:
+    """An address of this host that torchrun's own guess does not take for this host (192.0.2.2 on the
+    project's machines: not the host name's address), or ""."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))         # a route lookup: nothing is sent
+            ip = s.getsockname()[0]
+        except OSError:
+            return ""
+    return "" if ip.startswith("127.") or _matches_machine_hostname(ip) else ip
+
+
+@pytest.mark.slow
+def test_pod_0_hosts_the_rendezvous_before_its_name_resolves_to_it(tmp_path):
+    """The compile Job's health step (the run's cross-pod check), exactly its line, in two local pods.
+    A pod's DNS name resolves to it only once its record exists (and another pod's early miss may be
+    cached), so torchrun's guess whether it hosts the rendezvous store can be 'no' on pod 0 too: then
+    no agent hosts it and every pod fails after 60 s. Here MASTER_ADDR is an address of this host that
+    the guess does not recognize, as pod 0's name before its record exists. Pod 0 hosts because its
+    completion index says so, and both pods pass the check (they waited 60 s and failed before)."""
+    ip = own_unrecognized_address()
+    if not ip:
+        pytest.skip("every address of this host is one torchrun recognizes: the guess cannot fail here")
+    while True:                                             # the run's port and the next, the health check's
+        (port,) = free_ports(1)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
+                break
+    docs = generate(tmp_path, *TINY, cache_arg(), "--mount", str(tmp_path / "fsx"), f"--port={port}", nodes=2, name="hc")
+    job = docs["compile"][1]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    health = c["command"][2].splitlines()[1]
+    assert health.startswith(f"MASTER_PORT={port + 1} scripts/launch.sh health ")
+    c["command"] = ["bash", "-c", f"set -e\n{health}\n"]      # the health step alone: no neuron_parallel_compile here
+    local = lambda i: {"MASTER_ADDR": ip, "NPROC_PER_NODE": "1", "NEURON_CACHE_DIR": str(tmp_path / f"node{i}-cache"),  # noqa: E731
+                       "HEALTHCHECK_ARGS": "--backend=gloo --mb=0.25 --warmup=1 --reps=2"}
+    t0 = time.time()
+    pods = [Pod(job, i, local(i)) for i in (1, 0)]          # pod 1 first: it looks pod 0 up before pod 0 hosts
+    try:
+        codes = [p.wait(timeout=50) for p in pods]
+    finally:                                                # a failed run leaves no pod behind
+        for p in pods:
+            if p.p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], "\n".join(p.out[-3000:] for p in pods)
+    assert "healthy" in "".join(p.out for p in pods), "\n".join(p.out[-3000:] for p in pods)
+    print(f"two pods passed the compile Job's health step in {time.time() - t0:.1f} s")
