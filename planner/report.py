@@ -20,6 +20,11 @@ from planner.cost import RESERVE, STATED_MFU, Layout, cannot_run, estimate, layo
 from planner.instances import check_instances, tp_degrees
 
 
+# A bound past the largest Trainium cluster (Project Rainier: about 500,000 Trainium2 chips, 4 logical
+# cores each at LNC=2) that keeps every divisor search below a few million tries.
+MOST_CORES = 2**21
+
+
 def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
     """The report `python plan.py` prints."""
     m, d = cfg.model, cfg.data
@@ -127,6 +132,9 @@ def _main(argv: list[str]) -> None:
         hf.apply_init_from(cfg, argv)       # --init_from: the folder's model (config.json), as train.py trains it
         check_values(cfg)                   # the keys' domains and the model: what train.py refuses
         world = cfg.parallel.cores or 128 * INSTANCES[cfg.parallel.instance].cores
+        if world > MOST_CORES:              # cores_that_run's divisor search at 10^18 cores and sequences: 10^9 tries
+            raise ConfigError(f"--parallel.cores={world} is past any Trainium cluster: plan at most {MOST_CORES:,} "
+                              f"NeuronCores ({MOST_CORES // 64:,} trn2.48xlarge at 64 logical cores each)")
         try:                                # the configured layout must be one a launch could run
             check_layout(cfg, world)
         except ConfigError as e:

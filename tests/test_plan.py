@@ -11,7 +11,7 @@ sys.path.insert(0, ROOT)
 import configs  # noqa: E402
 import plan  # noqa: E402  (the entry point: plan.main)
 from conftest import seeded_model  # noqa: E402
-from planner import calibrate, cost  # noqa: E402
+from planner import calibrate, cost, report  # noqa: E402
 from planner.cost import Layout, estimate  # noqa: E402
 import model as llama  # noqa: E402
 
@@ -441,8 +441,13 @@ def test_the_cores_fix_for_a_billion_cores_ends(capsys):
     # Looking for the cores that run a layout tried every DP below the cores planned for: 1.25e8 of
     # them at 10^9 cores (minutes). Only the divisors of the step's micro-batches can be DP.
     with pytest.raises(SystemExit) as e:
-        plan.main(["--parallel.cores=1000000000"])
+        plan.main([f"--parallel.cores={report.MOST_CORES}"])
     assert "--parallel.cores=8192 runs this layout" in str(e.value), str(e.value)
+    # Past any cluster, one line naming the bound: 10^18 cores and sequences (sqrt: 10^9 divisors to try) never ended
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--parallel.cores=1000000000000000000", "--data.global_batch=999999999999999989"])
+    assert str(e.value) == ("config error: --parallel.cores=1000000000000000000 is past any Trainium cluster: plan at "
+                            "most 2,097,152 NeuronCores (32,768 trn2.48xlarge at 64 logical cores each)"), str(e.value)
     # Nor every divisor of a 10^18-sequence batch (isqrt: 10^9 tries): only those up to the cores' DP (512)
     with pytest.raises(SystemExit) as e:
         plan.main(["--data.global_batch=1000000000000000001"])
