@@ -380,15 +380,16 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.recompute_fn = recompute
 
-    def forward(self, tokens, positions=None, doc_ids=None, targets=None):
+    def forward(self, tokens, positions=None, doc_ids=None, targets=None, grad_scale=None):
         """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under TP), or with targets
-        the sum of their cross-entropies (fp32; -100 ignored), without building the logits."""
+        the sum of their cross-entropies (fp32; -100 ignored), without building the logits.
+        grad_scale: what the caller will multiply that sum by before backward (LinearCrossEntropy)."""
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         x = run_layers(self, self.layers, self.embed(tokens), positions, doc_ids)
         if targets is not None:
-            return self.lm_head.loss_sum(self.norm(x), targets)
+            return self.lm_head.loss_sum(self.norm(x), targets, grad_scale)
         return self.lm_head(self.norm(x))
 
     def init_weights(self, seed: int):
@@ -490,8 +491,9 @@ class LMHead(nn.Linear):
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
 
-    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten(), torch.is_grad_enabled())
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor, grad_scale=None) -> torch.Tensor:
+        return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten(), torch.is_grad_enabled(),
+                                        grad_scale)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -500,7 +502,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     [tokens, vocab] fp32 logits never exist whole (1.5 GiB per 1024 tokens at 128k, three times over).
     The caller divides by the global batch's valid tokens (torchtitan), so every layout agrees.
     Matmuls in the weights' dtype, log-softmax and softmax - one_hot in fp32; the weight gradient
-    accumulates in the weights' dtype, rounded once per chunk in bf16 (Liger-Kernel's choice)."""
+    accumulates in the weights' dtype, rounded once per chunk in bf16 (Liger-Kernel's choice).
+    grad_scale (train: dp / global valid tokens) is applied to softmax - one_hot in fp32, before
+    its one rounding to bf16, as the plain path applies it: scaling the bf16 gradients in the
+    backward rounds them a second time (2x the plain path's error at a scale like 1/1751). The
+    backward multiplies by grad / grad_scale, exactly 1 when the caller scales the loss as it said."""
 
     @staticmethod
     def chunk_rows(n_rows: int, vocab: int, dim: int) -> int:
@@ -511,7 +517,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return -(-n_rows // chunks)
 
     @staticmethod
-    def forward(ctx, h, w, targets, grad_enabled: bool = True):
+    def forward(ctx, h, w, targets, grad_enabled: bool = True, grad_scale=None):
         # grad_enabled: the caller's grad mode (a Function's forward always runs without grad, and its
         # needs_input_grad stays True under no_grad): evaluation skips the gradients and their buffers.
         want_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
@@ -532,18 +538,25 @@ class LinearCrossEntropy(torch.autograd.Function):
             del logits
             total -= (logp.gather(1, t).squeeze(1) * valid).sum()
             if want_grad:        # d(sum of losses)/d(logits) = softmax - one_hot(target)
-                g = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, device=t.device)).to(h.dtype)
+                g = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, device=t.device))
+                if grad_scale is None:
+                    g = g.to(h.dtype)
+                else:                            # in fp32, in the same pass as the rounding to bf16
+                    g = torch.mul(g, grad_scale, out=g if g.dtype == h.dtype else torch.empty_like(g, dtype=h.dtype))
                 del logp
                 keep = valid[:, None].to(h.dtype)      # ignored rows: masked on the [rows, dim] side
                 torch.mm(g, w, out=gh[i:i + rows]).mul_(keep)
                 gw.addmm_(g.t(), hc * keep)
         ctx.save_for_backward(gh, gw)
+        ctx.grad_scale = grad_scale
         return total
 
     @staticmethod
     def backward(ctx, grad):
         gh, gw = ctx.saved_tensors
-        return gh.mul_(grad.to(gh.dtype)), gw.mul_(grad.to(gw.dtype)), None, None
+        if ctx.grad_scale is not None:
+            grad = grad / ctx.grad_scale
+        return gh.mul_(grad.to(gh.dtype)), gw.mul_(grad.to(gw.dtype)), None, None, None
 
 
 def num_params(cfg: ModelConfig, embeddings: bool = True) -> int:

@@ -319,7 +319,7 @@ class VocabParallelHead(ColumnParallelLinear):
             logits = logits.masked_fill(pad, llama.MASK_VALUE)
         return logits
 
-    def loss_sum(self, h, targets):
+    def loss_sum(self, h, targets, grad_scale=None):   # unused: the fp32 backward scales before it rounds
         """model.LMHead.loss_sum over the vocabulary shards: every TP rank returns the same sum."""
         return _VocabParallelCrossEntropy.apply(self(h), targets, self.group, self.vocab_start)
 

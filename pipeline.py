@@ -72,7 +72,7 @@ class PipelineStage(nn.Module):
         self.comm: Comm | None = None          # set by build_model
         self.recompute_fn = llama.recompute  # full checkpointing; use_xla_checkpointing swaps it on XLA
 
-    def forward(self, x, positions, doc_ids=None, targets=None):
+    def forward(self, x, positions, doc_ids=None, targets=None, grad_scale=None):
         # The same steps as model.Llama.forward, restricted to this stage's part.
         if self.first:
             x = self.embed(x)
@@ -80,7 +80,7 @@ class PipelineStage(nn.Module):
         if not self.last:
             return x
         if targets is not None:
-            return self.lm_head.loss_sum(self.norm(x), targets)
+            return self.lm_head.loss_sum(self.norm(x), targets, grad_scale)
         return self.lm_head(self.norm(x))
 
 
@@ -221,7 +221,7 @@ class _Microbatches:
             inp, x = None, b["tokens"]
         else:
             inp = x = x.detach().requires_grad_()      # a leaf: its .grad goes back to the previous stage
-        out = self.stage(x, b["positions"], b.get("doc_ids"), b["targets"])
+        out = self.stage(x, b["positions"], b.get("doc_ids"), b["targets"], self.scale)
         if self.stage.last:                             # out is the microbatch's summed loss
             self.loss_sum += out.detach()
             out = out * self.scale                      # the same normalization as train.train_step

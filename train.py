@@ -83,8 +83,8 @@ def forward_backward(model, batches: list[dict], scale: torch.Tensor, cut) -> to
     adds to them), whatever their number (NxD and the HLAT scripts: xm.mark_step per microbatch)."""
     loss_sum = 0.0
     for b in batches:
-        loss = model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])    # summed over tokens
-        (loss * scale).backward()
+        loss = model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"], scale)   # summed over tokens
+        (loss * scale).backward()       # the model's fused loss was told the scale: it applies it in fp32
         loss_sum = loss_sum + loss.detach()
         cut()
     return loss_sum

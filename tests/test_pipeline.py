@@ -386,3 +386,34 @@ def test_train_step_rejects_too_few_microbatches():
     grid = parallel.Grid(world=2, pp=2)               # no process groups: an error must come first
     with pytest.raises(ConfigError, match="needs at least 2 microbatches per step, got 1"):
         train.train_step(None, None, rank_batches(0, grid, tiny_cfg(micro_batch=8)), grid, tiny_cfg())
+
+
+def test_the_step_tells_the_fused_loss_its_scale():
+    """In bf16 the fused loss rounds its gradients once only when it is told the scale the step
+    multiplies its loss by (model.LinearCrossEntropy, grad_scale). train.forward_backward and the
+    pipeline's last stage (one stage here, in process) both tell it: their gradients equal those of
+    model(..., grad_scale=scale) * scale bit for bit, which differ from a loss scaled after it rounded."""
+    cfg = tiny_cfg(pp=1)
+    batches = rank_batches(0, parallel.Grid(), cfg)
+    scale = 1 / sum((b["targets"] != -100).sum() for b in batches)
+
+    def grads(run):
+        model = llama.Llama(cfg.model).init_weights(cfg.seed).to(torch.bfloat16)
+        run(model)
+        return [p.grad for p in model.parameters()]
+
+    def told(model, grad_scale=scale):
+        for b in batches:
+            (model(b["tokens"], b["positions"], b["doc_ids"], b["targets"], grad_scale) * scale).backward()
+
+    def pipelined(model):
+        stage = pipeline.PipelineStage(model, [(0, cfg.model.n_layers)], 0)
+        mb = pipeline._Microbatches(stage, batches, scale, parallel.Grid(), pipeline.no_cut)
+        for _ in batches:
+            mb.forward(None)
+            mb.backward(None)
+
+    ref = grads(told)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, grads(lambda m: told(m, None))))
+    for run in (lambda m: train.forward_backward(m, batches, scale, pipeline.no_cut), pipelined):
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads(run)))
