@@ -120,6 +120,14 @@ def task_label() -> str:
     return "other"
 
 
+def config(cfg_args: list[str], microbatches: int):
+    """The run's config, checked: a bad argument is one line (__main__), before torch-xla's import."""
+    import configs
+    cfg = configs.from_args(cfg_args + [f"--data.global_batch={microbatches * 2}"])
+    configs.check_values(cfg)
+    return cfg
+
+
 def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, graph_file: str) -> dict:
     """Each stage: `steps` training steps, then a resume (host copies of its model and optimizer
     state, as a checkpoint holds them, loaded into a freshly built stage, as train.py does) and
@@ -128,7 +136,6 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
     import torch_xla
     import torch_xla.debug.metrics as met
     import ckptsave
-    import configs
     import model as llama
     import optim
     import parallel
@@ -136,8 +143,7 @@ def run(cfg_args: list[str], microbatches: int, steps: int, resume_steps: int, g
     import train
     from xla_check import GraphLog, snapshot
 
-    cfg = configs.from_args(cfg_args + [f"--data.global_batch={microbatches * 2}"])
-    configs.check_values(cfg)                     # a bad argument: one line (__main__), before a model is built
+    cfg = config(cfg_args, microbatches)
     dev = torch_xla.device()
     log = GraphLog(graph_file)
     log.new()                                     # skip what earlier runs left in the file
@@ -251,6 +257,10 @@ def main() -> None:
     if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.microbatches) or args.steps < 1 or args.resume_steps < 0:
         sys.exit(f"error: --microbatches {args.microbatches!r} --steps {args.steps} --resume-steps {args.resume_steps}: "
                  f"give whole numbers >= 1 (comma-separated microbatches), resume steps >= 0")
+    cfg_args = TINY + [a for a in args.train_args if a != "--"]
+    counts = [int(x) for x in args.microbatches.split(",")]
+    for m in counts:                   # every run's arguments, before torch-xla's import (~10 s)
+        config(cfg_args, m)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     # torch-xla writes every graph it runs (HLO and the Python frames) here, when set before its import.
     os.environ["XLA_SAVE_TENSORS_FILE"], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
@@ -261,9 +271,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch_xla.device()                 # before any backward (scripts/xla_check.py says why)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    cfg_args = TINY + [a for a in args.train_args if a != "--"]
     report = {"args": cfg_args, "runs": []}
-    for m in [int(x) for x in args.microbatches.split(",")]:
+    for m in counts:
         r = run(cfg_args, m, args.steps, args.resume_steps, args.graphs + ".0")
         r["census"] = census(r["graphs"])
         report["runs"].append(r)

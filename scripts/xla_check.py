@@ -174,6 +174,20 @@ def census(graphs: list[dict]) -> dict:
     return out
 
 
+def check_args(train_args: list[str]) -> None:
+    """train.py's checks of its arguments, at this process's world size on the xla backend, before
+    torch-xla's import (~10 s): a bad flag is one line at once. train.main checks them again."""
+    import configs
+    if configs.wants_help(train_args):      # train.main prints the keys
+        return
+    cfg = configs.from_args(train_args + ["--device=xla"])
+    if cfg.init_from:                       # the folder's model is the one checked (hf imports torch: 3 s)
+        import hf
+        hf.apply_init_from(cfg, train_args)
+    world = os.environ.get("WORLD_SIZE", "1")
+    configs.validate(cfg, int(world) if world.isdigit() else 1, "xla")   # (a bad WORLD_SIZE: train.py says it)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="", help="write the report here")
@@ -192,6 +206,7 @@ def main() -> None:
     for k, least in (("threads", 1), ("eager_steps", 0), ("resume_steps", 0), ("precompile_steps", 0)):
         if getattr(args, k) < least:
             sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}")
+    check_args(train_args)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     if args.graphs:
         os.environ[GRAPH_FILE], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"

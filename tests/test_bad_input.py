@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -808,8 +809,10 @@ def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path, pjrt):
                                        (["pp_graphs.py", "--", "--model.n_heads=0"], "--model.n_heads=0")])
 def test_the_xla_check_scripts_refuse_bad_arguments_in_one_line(argv, says):
     """scripts/xla_check.py and pp_graphs.py: were set_num_threads' RuntimeError, ConfigError's traceback from
-    inside train.main, an AttributeError (no microbatches) and a ZeroDivisionError in the model's head_dim."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", argv[0]), *argv[1:]], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    inside train.main, an AttributeError (no microbatches) and a ZeroDivisionError in the model's head_dim.
+    Said before any work: torch-xla's import (~10 s) is not among the imports (-X importtime lists them)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, "scripts", argv[0]), *argv[1:]],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1 and says in lines[0], r.stderr
+    assert not re.search(r"\| +torch_xla$", r.stderr, re.M), "torch_xla was imported before the refusal"
