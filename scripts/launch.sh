@@ -63,11 +63,14 @@ fi
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
 from configs import INSTANCES, ConfigError, check_paths, from_args, resolve_dp, validate
+from planner.instances import check_instances
 try:
     cfg = from_args(sys.argv[4:])
     hw = INSTANCES[cfg.parallel.instance]
     world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
     validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
+    if world == int(sys.argv[1]) * hw.cores:
+        check_instances(cfg, world)  # the planner rule that eks.py asks too: a TP group inside one instance
     if sys.argv[3] != "1":
         check_paths(cfg)
         from corpus import parse_mixture, resolve_paths    # numpy, pyarrow: what train.py reads --data with

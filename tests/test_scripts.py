@@ -206,6 +206,13 @@ def test_bad_layout_fails_before_anything_starts():
     assert r.returncode != 0 and "pp_p2p='send' does not work on the xla backend" in r.stderr, r.stderr
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2", DRY_RUN="1")
     assert r.returncode != 0 and "MASTER_ADDR" in r.stderr
+    # The planner's rule, as eks.py asks it: a TP group inside one instance. 70B's 64 heads split 64
+    # ways, which configs.validate accepts; launch.sh ran it with every TP group across two trn1 nodes.
+    r = run_script([SCRIPTS / "launch.sh", "train", "--preset", "llama2_70b", "--tp=64"], DRY_RUN="1",
+                   NNODES="16", MASTER_ADDR="x")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.strip().splitlines() == [
+        "config error: --parallel.tp=64 does not divide the 32 NeuronCores of a trn1.32xlarge: a TP group runs on "
+        "one instance's NeuronLink; pick --parallel.tp from 1, 2, 4, 8, 16, 32"], r.stderr
 
 
 @pytest.mark.slow
