@@ -364,7 +364,11 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for mode, text in docs.items():
         paths[mode].write_text(text)
-    print(f"wrote {paths['compile']} and {paths['train']} ({args.nodes} x {hw.name})")
+    ns = "" if args.namespace == "default" else f" -n {args.namespace}"
+    # Not `kubectl apply -f` of the folder: both Jobs at once split the nodes between them (one pod per
+    # node for the run's pods of either Job) and each waits for pods that cannot be scheduled.
+    print(f"wrote {paths['compile']} and {paths['train']} ({args.nodes} x {hw.name}): apply the first, "
+          f"`kubectl wait{ns} --for=condition=complete --timeout=3h job/{args.name}-compile`, then the second")
 
 
 if __name__ == "__main__":

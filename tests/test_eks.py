@@ -45,6 +45,8 @@ def generate(tmp_path, *args, nodes=1, name="nanotrn") -> dict[str, list[dict]]:
     argv = [sys.executable, str(SCRIPTS / "eks.py"), f"--nodes={nodes}", "--name", name, *BASE, *args]
     r = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # The order to apply them in: both Jobs at once would split the nodes (anti-affinity) and wait.
+    assert f"apply the first, `kubectl wait --for=condition=complete --timeout=3h job/{name}-compile`, then" in r.stdout
     stdout = subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout
     assert stdout == (out / f"{name}-train.yaml").read_text()
     return {m: list(yaml.safe_load_all((out / f"{name}-{m}.yaml").read_text())) for m in ("compile", "train")}
