@@ -156,7 +156,7 @@ class SpikeDetector:
     def summary(self) -> dict:
         n = len(self.spikes)
         one = sum(1 for _, length in self.spikes if length == 1)
-        return {"spikes": n, "one_step_share": one / n if n else float("nan"),
+        return {"spikes": n, "one_step_share": one / n if n else None,      # (no spikes: no share; JSON null)
                 "longest": max((length for _, length in self.spikes), default=0),
                 "open": self.current[1] if self.current else 0}
 
@@ -304,7 +304,7 @@ class Monitor:
         s = self.spikes.summary()
         self._scalars(last["step"], {"perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/data_wait_share": wait,
                                      "perf/memory_gib": mem, "stability/spikes": s["spikes"],
-                                     "stability/one_step_spike_share": s["one_step_share"] if s["spikes"] else None,
+                                     "stability/one_step_spike_share": s["one_step_share"],
                                      "stability/skipped_steps": self.skipped})
         self.print(f"step {last['step']:6d} | loss {last['loss']:.4f} | lr {last['lr']:.2e} | "
                    f"grad norm {last['grad_norm']:.3f}"

@@ -4,6 +4,7 @@ report's tables, JSON results, child processes and gloo rank groups."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -57,9 +58,17 @@ def table(header: list[str], rows: list[list]) -> None:
 
 
 def write_json(path: str, obj) -> None:
+    """obj as strict JSON: a non-finite float (a diverged run's loss, a share of no spikes) is null,
+    not Python's NaN / Infinity, which jq and other languages' parsers refuse."""
+    def strict(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: strict(v) for k, v in x.items()}
+        return [strict(v) for v in x] if isinstance(x, (list, tuple)) else x
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(strict(obj), f, indent=1, allow_nan=False)
 
 
 def run_child(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:

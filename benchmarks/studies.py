@@ -171,7 +171,8 @@ def bench_init(args):
     print(f"\nfinal loss = mean train loss of the last {tail} steps; spikes: the blog's detector (monitor.py)")
     table(["init", "final loss", "at half", "max grad norm", "spikes", "1-step", "longest", "warnings"],
           [[name, f"{row['final_loss']:.4f}", f"{row['loss_at_half']:.4f}", f"{row['max_grad_norm']:.3f}",
-            row["spikes"], f"{row['one_step_share']:.0%}", row["longest_spike"], row["warnings"]]
+            row["spikes"], "-" if row["one_step_share"] is None else f"{row['one_step_share']:.0%}",
+            row["longest_spike"], row["warnings"]]
            for name, row in results.items()])
 
     window = max(1, steps // 40)

@@ -40,6 +40,14 @@ def test_spike_detector_finds_the_planted_spikes():
     assert [s for s, _ in warnings] == [155] and "persists for 6 steps" in warnings[0][1]
 
 
+def test_a_run_without_spikes_has_no_one_step_share():
+    # The share of one-step spikes among none is no number: None (JSON null), not NaN, which
+    # `bench.py init` wrote into its JSON for a run with no spikes (jq and strict parsers refuse it).
+    d = SpikeDetector()
+    feed(d, [1.0] * 50)
+    assert d.summary() == {"spikes": 0, "one_step_share": None, "longest": 0, "open": 0}
+
+
 def test_growth_warning_when_mean_triples():
     norms = [1.0] * 40 + [1.0 + 0.05 * k for k in range(1, 81)]       # lowest mean 1.0, then a ramp to 5.0
     first_over = next(t for t in range(20, len(norms) + 1) if sum(norms[t - 20:t]) / 20 > 3.0)

@@ -1,0 +1,23 @@
+"""bench.py's own plumbing (benchmarks/common.py): what every benchmark writes. The figures themselves
+are ratios measured by `python bench.py WHICH`, never asserted here."""
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import write_json  # noqa: E402
+
+
+def test_results_are_strict_json(tmp_path):
+    # `bench.py init` wrote NaN (Python's json default) for the one-step share of a run with no spikes;
+    # a diverged run's losses are NaN or inf. jq, JavaScript's JSON.parse and Go refuse those tokens.
+    path = tmp_path / "sub" / "r.json"
+    write_json(str(path), {"loss": [2.5, math.nan, math.inf], "table": {"init": {"share": math.nan, "n": 0}},
+                           "pair": (1.0, -math.inf), "name": "nan"})
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "loss": [2.5, None, None], "table": {"init": {"share": None, "n": 0}}, "pair": [1.0, None], "name": "nan"}
