@@ -243,7 +243,11 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
         env["CCOM_SOCKET_IFNAME"] = "eth0"
     # Neuron device plugin: aws.amazon.com/neuron = whole Trainium devices, all of the instance
     # (Neuron docs, "Kubernetes environment setup for Neuron"; llama3_train.yaml-template). EFA only
-    # between nodes, as env.sh sets FI_PROVIDER=efa only then (EFA device plugin: vpc.amazonaws.com/efa).
+    # between nodes, as env.sh sets FI_PROVIDER=efa only then (EFA device plugin: vpc.amazonaws.com/efa),
+    # every interface of the node (more: never scheduled; fewer: less bandwidth): 8 on trn1.32xlarge,
+    # 16 on trn1n (Neuron docs, "How to prepare trn1.32xlarge for multi-node execution"), 16 on
+    # trn2.48xlarge (network cards 0-15 of AWS's trn2 node group: aws-neuron-eks-samples,
+    # dp_bert_hf_pretrain/cfn/eks_trn2_ng_stack_al2023.yaml).
     resources = {"aws.amazon.com/neuron": hw.devices, **({"vpc.amazonaws.com/efa": hw.efa} if multi else {})}
     container = {
         "name": CONTAINER, "image": args.image, "workingDir": WORKDIR,
