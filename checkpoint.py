@@ -354,15 +354,16 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- command line: ls, export
 
 def cli(argv: list[str]):
-    """python checkpoint.py ls DIR           each checkpoint: ok, or why loading would skip it
-    python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] DIR OUT
-                                            the newest valid one as a Hugging Face folder
+    """python checkpoint.py ls CKPT_DIR
+        each checkpoint in CKPT_DIR (a run's --ckpt.dir): ok, or why loading would skip it
+    python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR
+        the newest valid one as a Hugging Face folder (auto: bf16 past 1B parameters, else fp32)
     In one process, whatever layout wrote the checkpoint; arguments are checked first."""
     import hf
     usage = ("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] "
              "CKPT_DIR HF_OUT_DIR")
     if "-h" in argv or "--help" in argv:
-        return print(f"{usage}\n\n{cli.__doc__}")
+        return print(f"{usage}\n\n" + cli.__doc__.replace("\n    ", "\n"))     # (the docstring's indent)
     flags = [a for a in argv if a.startswith("--")]
     argv = [a for a in argv if not a.startswith("--")]
     dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")

@@ -579,7 +579,12 @@ def test_prepare_py_run_alone_says_how_to_prepare():
 
 def test_checkpoint_help_is_not_an_error(capsys):
     checkpoint.main(["--help"])
-    assert "usage: python checkpoint.py" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: python checkpoint.py" in out
+    # each command at the margin, what it does under it (the docstring's indent was printed: ls at 0, export at 4)
+    commands = [line for line in out.splitlines() if "python checkpoint.py" in line and not line.startswith("usage")]
+    assert [c.split()[2] for c in commands] == ["ls", "export"] and all(c.startswith("python") for c in commands), out
+    assert {len(x) - len(x.lstrip()) for x in out.splitlines() if x.strip()} == {0, 4}, out
 
 
 def test_at_least_80_kinds_of_bad_input_are_checked():
