@@ -50,11 +50,12 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=list(BENCHES))
-    parser.add_argument("--threads", type=int, default=2)
+    parser = argparse.ArgumentParser(prog="python bench.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=list(BENCHES), metavar="WHICH", help=", ".join(BENCHES) + " (above)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measured process (default 2)")
     parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
-    parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--out", default="out/bench", help="the JSON, figures and corpora go here (default out/bench)")
     parser.add_argument("--step_tokens", type=int, default=4096, help="step: tokens per step of the second "
                         "trainer-vs-bare rows (batch 4 x step_tokens/4; 0 = only the 512-token rows)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")

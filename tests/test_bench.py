@@ -1,9 +1,11 @@
-"""bench.py's own plumbing (benchmarks/common.py): what every benchmark writes. The figures themselves
+"""bench.py's own plumbing (benchmarks/common.py, cli.py): what every benchmark writes, its help. The figures themselves
 are ratios measured by `python bench.py WHICH`, never asserted here."""
 import json
 import math
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -21,3 +23,16 @@ def test_results_are_strict_json(tmp_path):
         raise ValueError(f"not JSON: {token}")
     assert json.loads(path.read_text(), parse_constant=refuse) == {
         "loss": [2.5, None, None], "table": {"init": {"share": None, "n": 0}}, "pair": [1.0, None], "name": "nan"}
+
+
+def test_help_names_the_command_and_says_what_every_argument_is(capsys):
+    # `python bench.py --help` said "usage: bench.py" and left WHICH, --threads and --out unexplained
+    from benchmarks import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python bench.py"), out
+    args = out.split("positional arguments:")[1]
+    for name in ("WHICH", "-h, --help", "--threads THREADS", "--steps STEPS", "--out OUT", "--layers LAYERS", "--lr LR"):
+        line = next(x for x in args.splitlines() if x.strip().startswith(name))
+        assert line.strip() != name, f"{name} has no help: {out}"
