@@ -81,19 +81,27 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflop
         return peak, f"nominal: {instance} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"
     shapes = list(shapes or ((1024, 1024, 1024),))
     flops = measure_matmul_flops(device, dtype, shapes)
-    n_threads = torch.get_num_threads()
+    n_threads, one = torch.get_num_threads(), 0.0
     if device.type == "cpu" and n_threads > 1:
         # On a busy host the OpenMP team waits for a descheduled thread: 2 threads measured 0.002x
         # of one thread's rate, and MFU read 0.2% or 56% by luck. The run's threads do at least
         # what one of them does, so one thread's rate is the floor (0.05-0.2 s more at start).
         torch.set_num_threads(1)
         try:
-            flops = max(flops, measure_matmul_flops(device, dtype, shapes))
+            one = measure_matmul_flops(device, dtype, shapes)
         finally:
             torch.set_num_threads(n_threads)
-    threads = f", {n_threads} threads" if device.type == "cpu" else ""
+    flops, threads = thread_floor(flops, one, n_threads) if device.type == "cpu" else (flops, "")
     n = len(set(map(tuple, shapes)))
     return flops, f"measured: the model's {n} matmul shapes in {name} on {device.type}{threads}"
+
+
+def thread_floor(team: float, one: float, n_threads: int) -> tuple[float, str]:
+    """The CPU peak: the run's n_threads' measured rate, or one thread's where that is higher (a
+    busy host), and the words naming which threads measured it."""
+    if one > team:
+        return one, f", 1 thread (the run's {n_threads} threads measured {team / 1e9:.3g} GFLOP/s: a busy host)"
+    return team, f", {n_threads} thread{'s' if n_threads > 1 else ''}"
 
 
 def device_memory_gib(device: torch.device) -> float | None:
