@@ -136,9 +136,17 @@ fi
 # net.ipv4.ip_local_reserved_ports, with sudo). The list is added to, never replaced.
 NOFILE=65535
 reserved="$(cat /proc/sys/net/ipv4/ip_local_reserved_ports 2>/dev/null || true)"
+is_reserved() {     # the kernel prints consecutive ports as one range: 29500,29501 reads back 29500-29501
+    local item items
+    IFS=, read -r -a items <<< "$reserved"
+    for item in "${items[@]}"; do
+        if ((${item%-*} <= $1 && $1 <= ${item#*-})); then return 0; fi
+    done
+    return 1
+}
 missing=()
 for port in "$MASTER_PORT" 62182; do
-    [[ ",$reserved," == *",$port,"* ]] || missing+=("$port")
+    is_reserved "$port" || missing+=("$port")
 done
 node_setup=("ulimit -n $NOFILE")
 if ((${#missing[@]})); then

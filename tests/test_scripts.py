@@ -186,6 +186,26 @@ def test_dry_run_at_scale_under_slurm(nodes):
     assert "NEURON_LOGICAL_NC_CONFIG" not in env
 
 
+def test_reserved_ports_read_back_as_ranges_are_reserved():
+    """The kernel prints consecutive reserved ports as one range: an EKS pod's sysctl 29500,29501,62182
+    (eks.py: the run's port and the compile Job's health port) reads back 29500-29501,62182. launch.sh
+    took 29500 for missing then, and every pod tried sudo (none in the image) and warned that another
+    process may take the port. Run in a network namespace of its own, whose list this test may set."""
+    probe = "unshare -n sh -c 'echo 1 > /proc/sys/net/ipv4/ip_local_reserved_ports'"
+    if subprocess.run(probe, shell=True, capture_output=True).returncode != 0:
+        pytest.skip("no network namespace of our own here (needs root): the list cannot be set")
+    for listed, want in (("29500,29501,62182", None), ("29400-29600,62182", None),
+                         ("29501,62182", "29501,62182,29500")):      # added to, never replaced
+        script = f'echo {listed} > /proc/sys/net/ipv4/ip_local_reserved_ports && exec bash "$@"'
+        r = subprocess.run(["unshare", "-n", "bash", "-c", script, "launch.sh", str(SCRIPTS / "launch.sh"), "train",
+                            *ARGS_7B], capture_output=True, text=True, timeout=60, cwd="/tmp",
+                           env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "NNODES": "2",
+                                "MASTER_ADDR": "x"})
+        assert r.returncode == 0, r.stderr
+        sysctl = [line for line in r.stdout.splitlines() if line.startswith("sudo ")]
+        assert sysctl == ([f"sudo -n sysctl -q -w net.ipv4.ip_local_reserved_ports={want}"] if want else []), (listed, sysctl)
+
+
 def test_dry_run_trn2():
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--instance", "trn2"], DRY_RUN="1",
                    NNODES="16", MASTER_ADDR="trn-001")
