@@ -581,7 +581,8 @@ def keep_tokenizer(tok, folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     dst = os.path.join(folder, "tokenizer.json" if isinstance(tok, HFTokenizer) else "tokenizer.model")
     if not (os.path.exists(dst) and os.path.samefile(tok.path, dst)):     # --tokenizer may be this very copy
-        shutil.copyfile(tok.path, dst)
+        shutil.copyfile(tok.path, dst + ".tmp")     # then renamed: the other ranks (train.tokenizer_for_run) and a
+        os.replace(dst + ".tmp", dst)               # run after a kill see the whole file or none, never a part
     if isinstance(tok, HFTokenizer):
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(tok.config, f)

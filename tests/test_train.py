@@ -168,3 +168,27 @@ def test_a_failed_collective_is_one_line_naming_the_restart(monkeypatch, message
     said = str(e.value.code)
     assert "\n" not in said and said.startswith("error: [rank 0] a collective failed") and "resumes from" in said
     assert ("Connection reset by peer" if error is RuntimeError else "NCCL error: remote process exited") in said
+
+
+def test_a_tokenizer_copy_cut_short_leaves_no_part_of_it(tmp_path, monkeypatch):
+    """Rank 0 keeps the run's tokenizer in <ckpt.dir>/tokenizer while the other ranks look there for a user's own
+    (tokenizer_for_run), and a kill can come mid-copy: a part of the file seen there made a fresh 2-rank torchrun
+    start refuse at random ("... is not this run's tokenizer ... move that folder out"), and after a kill, every
+    rerun. The copy is whole or absent: here it stops halfway (as a kill would), and the same command runs."""
+    import shutil
+    import hf
+    import train
+    real = shutil.copyfile
+
+    def half(src, dst):
+        with open(src, "rb") as f, open(dst, "wb") as g:
+            g.write(f.read()[:1000])
+        raise KeyboardInterrupt          # the process ends here, as a SIGKILL would end it
+    args = [*SMALL, "--optim.max_steps=1", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+            "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg()]
+    monkeypatch.setattr(hf.shutil, "copyfile", half)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args)
+    monkeypatch.setattr(hf.shutil, "copyfile", real)
+    train.main(args)
+    assert os.listdir(f"{tmp_path}/out/ckpt/tokenizer") == ["tokenizer.model"]
