@@ -177,7 +177,7 @@ class StopSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, grid: parallel.Grid):
-        self.grid, self.got, self.heard_at, self.heard_during, self.during = grid, 0, None, 0, 1
+        self.grid, self.got, self.heard_at, self.heard_during, self.during = grid, 0, None, 0, 0   # 0: the set-up
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 signal.signal(sig, self._note)
@@ -186,8 +186,9 @@ class StopSignal:
         if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent
             # `during`: the step this signal counts for: the next boundary's agreement includes it
             self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
-            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} during step {self.during}: stopping "
-                  f"after it with a checkpoint (SIGKILL aborts at once)", file=sys.stderr, flush=True)
+            what = f"step {self.during}: stopping after it with a checkpoint" if self.during else "the set-up: stopping"
+            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} during {what} (SIGKILL aborts at once)",
+                  file=sys.stderr, flush=True)
 
     def requested(self, step: int) -> str | None:
         """Call at every step boundary (after `step` steps) on every rank: the signal's name once
@@ -406,13 +407,13 @@ def run(argv: list[str]) -> None:
         cut = lambda: sync(device)           # noqa: E731  the graph cuts inside a step (see sync)
         if device.type == "xla":
             log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
-        stop.during = step + 1                           # the step a signal arriving now counts for
-        stopping, reloaded = None, False
+        # A signal heard in the set-up (a resume's load, the index) stops the run before a step: nothing new to save.
+        stopping, reloaded = stop.requested(step), False
 
         def guard(loss, grad_norm):      # between clipping and the update (train_step)
             ckpt.before_update()         # the last save's copy of the weights and moments is complete
             return mon.check_finite(step + 1, loss, grad_norm)
-        while step < cfg.optim.max_steps:
+        while step < cfg.optim.max_steps and not stopping:
             lr = optim.lr_at(step, cfg.optim)
             optimizer.set_lr(lr)
             t_data = time.perf_counter()
@@ -477,8 +478,6 @@ def run(argv: list[str]) -> None:
                         sync(device)
                         reloaded = True
             ckpt.check()                                # a failed save (full disk) stops the run now
-            if stopping:
-                break
         mon.flush()
         if said:                             # the run's totals of what was said along the way
             totals = data_warnings(batches.stats(), grid)
@@ -530,8 +529,7 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """run(argv), then the signal handlers as they were before StopSignal replaced them: train.main
-    in a test or a notebook leaves SIGINT (Ctrl-C) and SIGTERM to their owner when it returns or raises."""
+    """run(argv), then the signal handlers put back: train.main in a test or a notebook leaves them to their owner."""
     before = {sig: signal.getsignal(sig) for sig in StopSignal.SIGNALS}
     try:
         run(argv)
@@ -548,10 +546,9 @@ def cli(argv: list[str]) -> None:
     try:
         main(argv)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
-        # Before the process group, each rank of a node checked the same arguments and files: under
-        # torchrun the node's first rank says it (torchrun prints every rank's stderr: 32 copies on
-        # a trn1); the others wait for torchrun to stop them at its exit, and say their own after 30 s.
-        # After it, rank 0 says what all ranks refuse alike, once (monitor.say_once).
+        # Before the process group, each rank of a node checked the same arguments and files: under torchrun the
+        # node's first rank says it (torchrun prints every rank's stderr: 32 copies on a trn1); the others wait for
+        # torchrun to stop them at its exit, and say their own after 30 s. After it, rank 0 once (monitor.say_once).
         if torch.distributed.is_initialized():
             sys.exit(monitor.say_once(f"error: {e}"))
         if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0":

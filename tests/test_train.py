@@ -192,3 +192,32 @@ def test_a_tokenizer_copy_cut_short_leaves_no_part_of_it(tmp_path, monkeypatch):
     monkeypatch.setattr(hf.shutil, "copyfile", real)
     train.main(args)
     assert os.listdir(f"{tmp_path}/out/ckpt/tokenizer") == ["tokenizer.model"]
+
+
+def test_a_signal_in_the_set_up_stops_the_run_before_its_first_step(tmp_path, capsys, monkeypatch):
+    """SIGTERM while the run sets up (data, tokenizer, a resume's load: minutes at scale) stops it before a step:
+    nothing new to save, so no step and no save spend the launcher's grace period (a 2-rank torchrun took 7-8 s
+    from SIGTERM to exit here, set-up then step 1 then its save). Fresh: nothing written; resumed: its checkpoint."""
+    import signal
+    import train
+    setup = train.tokenizer_for_run
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return setup(*a, **k)
+    args = [*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+            "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg()]
+    monkeypatch.setattr(train, "tokenizer_for_run", signalled)
+    train.main(args)
+    out, err = capsys.readouterr()
+    assert "SIGTERM during the set-up" in err and "SIGTERM: stopped after step 0, not saved" in out, out + err
+    assert "| loss" not in out and not [n for n in os.listdir(f"{tmp_path}/out/ckpt") if n.startswith("step_")]
+    monkeypatch.setattr(train, "tokenizer_for_run", setup)
+    train.main(args)                                            # 2 steps, saved at 2
+    monkeypatch.setattr(train, "tokenizer_for_run", signalled)
+    capsys.readouterr()
+    train.main([*args, "--optim.max_steps=4"])                  # resumed at 2, stopped there
+    out = capsys.readouterr().out
+    assert "| loss" not in out and "SIGTERM: stopped after step 2, saved in" in out, out
+    assert [n for n in os.listdir(f"{tmp_path}/out/ckpt") if n.startswith("step_")] == ["step_00000002"]
+
