@@ -409,6 +409,9 @@ def run(argv: list[str]) -> None:
             log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
         # A signal heard in the set-up (a resume's load, the index) stops the run before a step: nothing new to save.
         stopping, reloaded = stop.requested(step), False
+        if done := loaded is not None and step >= cfg.optim.max_steps:     # this command's run finished before
+            log(f"the run is already complete (step {step}, --optim.max_steps={cfg.optim.max_steps}): nothing to "
+                f"train" + (f"; its final model is in {out_dir}" if os.path.isfile(f"{out_dir}/config.json") else ""))
 
         def guard(loss, grad_norm):      # between clipping and the update (train_step)
             ckpt.before_update()         # the last save's copy of the weights and moments is complete
@@ -513,7 +516,7 @@ def run(argv: list[str]) -> None:
         # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
         # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
-    else:           # the end: the full model exported in Hugging Face format, and a short sample
+    elif not (done and os.path.isfile(f"{out_dir}/config.json")):   # the end: the model exported (HF), a sample
         full = layout.gather_full_state_dict(model, grid)
         if grid.is_main:
             final = llama.Llama(cfg.model)

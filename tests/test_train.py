@@ -221,3 +221,22 @@ def test_a_signal_in_the_set_up_stops_the_run_before_its_first_step(tmp_path, ca
     assert "| loss" not in out and "SIGTERM: stopped after step 2, saved in" in out, out
     assert [n for n in os.listdir(f"{tmp_path}/out/ckpt") if n.startswith("step_")] == ["step_00000002"]
 
+
+def test_a_finished_runs_command_again_says_so_and_redoes_nothing(tmp_path, capsys):
+    """The command of a finished run, run again: one line says the run is complete and where its model is; no step,
+    and the export the user has is not written again (nor the sample drawn); an export that is missing is written."""
+    import train
+    args = [*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+            "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", "--log.sample_tokens=4", cache_arg()]
+    train.main(args)
+    export = f"{tmp_path}/out/hf/model.safetensors"
+    before = os.stat(export).st_mtime_ns
+    capsys.readouterr()
+    train.main(args)
+    out = capsys.readouterr().out
+    assert out.count("already complete") == 1 and f"its final model is in {tmp_path}/out/hf" in out, out
+    assert "| loss" not in out and "saved the final model" not in out and "sample:" not in out, out
+    assert os.stat(export).st_mtime_ns == before
+    os.rename(f"{tmp_path}/out/hf", f"{tmp_path}/moved")
+    train.main(args)
+    assert "saved the final model" in capsys.readouterr().out and os.path.isfile(export)
