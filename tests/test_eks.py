@@ -357,9 +357,9 @@ def pod_job(tmp_path, name: str, *args) -> dict:
 @pytest.mark.slow
 def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_identical(tmp_path):
     """Two pods of the generated training Job (DP=2, one gloo rank each), as Kubernetes runs them.
-    1. SIGTERM to pod 1's top process (what the kubelet sends on a drain): it is torchrun itself
-       (the command execs), which passes it to its worker; both ranks stop at the same step and
-       leave a complete checkpoint of it.
+    1. SIGTERM to pod 1's top process (what the kubelet sends on a drain): it is launch.sh (the
+       command execs it), which passes it to torchrun's worker as SIGUSR1; both ranks stop at the
+       same step and leave a complete checkpoint of it.
     2. The Job runs again (both pods): they resume from it. Pod 1 is killed after step 6, every
        process of it at once, and started again with the same command and environment, as the Job
        controller replaces a failed pod. (Its rank waits after step 6 in a barrier no other rank
