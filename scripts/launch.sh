@@ -138,6 +138,7 @@ NOFILE=65535
 reserved="$(cat /proc/sys/net/ipv4/ip_local_reserved_ports 2>/dev/null || true)"
 is_reserved() {     # the kernel prints consecutive ports as one range: 29500,29501 reads back 29500-29501
     local item items
+    [[ -n "$reserved" ]] || return 1        # (an empty array under set -u fails in bash < 4.4)
     IFS=, read -r -a items <<< "$reserved"
     for item in "${items[@]}"; do
         if ((${item%-*} <= $1 && $1 <= ${item#*-})); then return 0; fi
