@@ -527,14 +527,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = LinearCrossEntropy.chunk_rows(h.shape[0], w.shape[0], w.shape[1])
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         gh = torch.empty_like(h) if want_grad else None
-        gw = torch.zeros_like(w) if want_grad else None
+        gw = torch.empty_like(w) if want_grad else None
         for i in range(0, h.shape[0], rows):
             hc, t = h[i:i + rows], targets[i:i + rows]
             valid = t != -100
             t = t.masked_fill(~valid, 0)[:, None]
             logits = hc @ w.t()
-            if logits.dtype == torch.float32 and logits.device.type == "cpu":
-                # CPU's log-softmax reads a row whole before writing it: in place, bit-equal
+            if logits.device.type == "cpu":
+                # CPU's log-softmax reads a row whole before writing it: in place, bit-equal (its
+                # dtype=float32 converts bf16 first there too, into one more [rows, vocab] buffer)
+                logits = logits.float()
                 logp = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
             else:
                 logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -548,7 +550,10 @@ class LinearCrossEntropy(torch.autograd.Function):
                 del logp
                 keep = valid[:, None].to(h.dtype)      # ignored rows: masked on the [rows, dim] side
                 torch.mm(g, w, out=gh[i:i + rows]).mul_(keep)
-                gw.addmm_(g.t(), hc * keep)
+                if i == 0:                             # the first chunk writes, the others add
+                    torch.mm(g.t(), hc * keep, out=gw)
+                else:
+                    gw.addmm_(g.t(), hc * keep)
         ctx.save_for_backward(gh, gw)
         return total
 
