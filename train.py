@@ -256,7 +256,7 @@ def check_tokenizer(cfg: configs.Config) -> None:
     --init_from, the folder's (--model.vocab_size cannot fix it). A weights-only folder: build_tokenizer says so later.
     None given and no run's own to resume with (tokenizer_for_run): one will be trained, of a vocabulary that fits."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
-    if not tok and not (cfg.ckpt.resume and os.path.isdir(os.path.join(cfg.ckpt.dir, "tokenizer"))):
+    if not tok and not (cfg.ckpt.resume and checkpoint.ckptdir.scan(cfg.ckpt.dir)):   # a tokenizer/ alone: trains one
         check_vocab(cfg.model.vocab_size)
     if not tok or (tok == folder and data.find_tokenizer(folder) is None):
         return

@@ -543,6 +543,19 @@ def test_a_run_that_cannot_get_data_or_a_tokenizer_is_refused_before_the_claim(W
     assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
 
 
+def test_a_kept_tokenizer_without_checkpoints_does_not_skip_the_vocabulary_check(W, tmp_path, capsys):
+    """<ckpt.dir>/tokenizer/ kept by a run stopped before its first checkpoint: this run trains a tokenizer anew,
+    so a vocabulary too small for one is refused before the corpus is indexed (it was skipped, and the same
+    error came after the claim, the index and the corpus read)."""
+    (tmp_path / "out" / "ckpt" / "tokenizer").mkdir(parents=True)
+    shutil.copy(W / "tok.model", tmp_path / "out" / "ckpt" / "tokenizer" / "tokenizer.model")
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path))
+            for a in T("--data.tokenizer=", "--model.vocab_size=100")[1]]
+    code, text = run_entry("train", argv, capsys)
+    assert code == 1 and "100-piece" in text and "Traceback" not in text, text
+    assert not (tmp_path / "cache").exists(), "the corpus was indexed first"
+
+
 @pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
 def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
     """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is
