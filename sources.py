@@ -284,8 +284,12 @@ class Source:
         i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
         if i is None:
             return
+        line = self.read([i])[0].decode("utf-8", "replace")
+        if line.lstrip().startswith("["):      # a .json of one JSON array (Alpaca's): what users meet first
+            raise DataError(f"{self.path} holds one JSON array, not JSON lines (one object a line): convert it, "
+                            f"e.g. jq -c '.[]' {self.path} > {os.path.splitext(self.path)[0]}.jsonl")
         try:
-            rec = json.loads(self.read([i])[0].decode("utf-8", "replace"))
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
                             f"must be one JSON object") from None

@@ -244,3 +244,16 @@ def test_arrow_jsonl_and_parquet_files_with_names_not_in_utf8_read_in_a_folder(t
     assert [t for t, _, _ in c.read(range(c.n_docs))] == docs
     prepare.prepare([str(folder)], str(tmp_path / "p.arrow"), workers=1)
     assert [t for t, _, _ in corpus.Corpus(str(tmp_path / "p.arrow")).read(range(12))] == docs
+
+
+@pytest.mark.parametrize("indent", [2, None])
+def test_a_json_file_of_one_array_is_refused_naming_the_conversion(tmp_path, indent):
+    """A .json of one JSON array of records (Alpaca's format, pretty-printed or on one line) given as --data:
+    refused naming what it is and the jq line that makes it JSON lines; it was "not JSON (Expecting value)" or
+    "no text field ... the record has list", neither saying why."""
+    import data
+    p = tmp_path / "alpaca.json"
+    p.write_text(json.dumps([{"instruction": "x", "text": "a b c"}] * 3, indent=indent))
+    with pytest.raises(data.DataError, match=r"alpaca.json holds one JSON array, not JSON lines.*jq -c '\.\[\]' "
+                                             r"\S+alpaca.json > \S+alpaca.jsonl"):
+        data.Corpus(str(p))
