@@ -451,7 +451,7 @@ def save_sentencepiece(tok, folder: str, max_len: int, bos: bool = True) -> None
     conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bos, "add_eos_token": False,
             "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id), "unk_token": piece(tok.sp.unk_id()),
             "pad_token": piece(tok.eos_id), "legacy": True, "clean_up_tokenization_spaces": False,
-            "model_max_length": max_len}
+            "model_max_length": max_len, "split_special_tokens": True}   # "</s>" in text is text, as in training
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(conf, f, indent=2)
 

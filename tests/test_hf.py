@@ -345,8 +345,10 @@ def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
     cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
     hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
-    for text in TEXTS[:5] + ["  two  spaces\tand tab\n\nnew lines", "x"]:
-        assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
+    slow = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", use_fast=False)
+    # the special pieces' text in a document (HTML's <s> strike tag) is text to sentencepiece, as it trained
+    for text in TEXTS[:5] + ["  two  spaces\tand tab\n\nnew lines", "x", "<s>struck</s> x</s>y <unk>"]:
+        assert auto(text)["input_ids"] == slow(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
     assert hf_io.prompt_ids(tok, "def ") == auto("def ")["input_ids"]     # train.py's sample prompt
     conf = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (1, 2, None)
