@@ -119,9 +119,12 @@ if ((NNODES > 1)); then
         # pod may be cached for seconds): pod 0 then guesses "not me", no agent hosts the store, and
         # every pod fails after 60 s (pytorch/pytorch#80772; meta-pytorch/torchx#541). An Indexed
         # Job's pod knows its index (scripts/eks.py): pod 0 hosts, the others connect, waiting for
-        # the name to resolve.
+        # the name to resolve. They wait as long as torchrun waits for a node to join (600 s), not
+        # the store's 60 s: when pod 0 dies every other pod fails and is replaced at once, but pod
+        # 0's replacement on a new node takes minutes (the instance, the image), and meanwhile each
+        # 60 s spent one retry of every index (backoffLimitPerIndex) until the Job failed.
         if [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
-            launcher+=(--rdzv-conf="is_host=$((10#$JOB_COMPLETION_INDEX == 0 ? 1 : 0))")
+            launcher+=(--rdzv-conf="is_host=$((10#$JOB_COMPLETION_INDEX == 0 ? 1 : 0)),read_timeout=600")
         fi
     fi
 else

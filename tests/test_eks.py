@@ -130,11 +130,12 @@ def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, in
         if nodes > 1:
             assert f"--rdzv-endpoint={env['MASTER_ADDR']}:29500" in torchrun and "--rdzv-backend=c10d" in torchrun
             assert ("--max-restarts=3" in torchrun) == (mode == "train")
-            # Pod 0 (the Job's completion index) hosts the rendezvous store; no pod guesses it from DNS.
+            # Pod 0 (the Job's completion index) hosts the rendezvous store; no pod guesses it from DNS,
+            # and the others wait for it (pod 0's replacement) as long as for any node to join.
             for index, host in (("0", "1"), ("1", "0"), (str(nodes - 1), "0")):
                 (got,) = dry(launch[1:], JOB_COMPLETION_INDEX=index)[1]
                 assert [a for a in (got[1:] if mode == "compile" else got) if a.startswith("--rdzv")] == \
-                    [a for a in torchrun if a.startswith("--rdzv")] + [f"--rdzv-conf=is_host={host}"]
+                    [a for a in torchrun if a.startswith("--rdzv")] + [f"--rdzv-conf=is_host={host},read_timeout=600"]
             if mode == "compile":   # the health step's rendezvous is not the compile step's (a pod done
                 # with one could join pod 0's store of the other as it closes)
                 (health,) = dry(shlex.split(lines[1])[2:], MASTER_PORT="29501")[1]
