@@ -91,10 +91,10 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
         return [p for p in files if p.endswith(SUFFIXES)]
     data_files = [p for p in files if p.endswith(STRUCTURED + (".txt", ".txt.gz", ".txt.zst"))      # text, compressed too
                   and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
-    def split_of(p):
-        parts = os.path.relpath(p, folder).lower().split(os.sep)
-        named = [x for x in parts[:-1] if x in SPLITS] + [w for w in SPLITS if re.match(rf"{w}[-_.]", parts[-1])]
-        return named[0] if named else None
+    def split_of(p):    # a split's name as a word of a folder or file name, as datasets matches it (C4's
+        # en/c4-validation.00000-of-00008.json.gz): the separators are datasets' NON_WORDS_CHARS
+        word = lambda x: next((w for w in SPLITS if re.fullmatch(rf"(.*[-._ 0-9])?{w}([-._ 0-9].*)?", x)), None)  # noqa: E731
+        return next(filter(None, map(word, os.path.relpath(p, folder).lower().split(os.sep))), None)
     found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
     if any(found.values()):
         if split not in found.values():

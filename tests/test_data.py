@@ -1059,6 +1059,14 @@ def test_datasets_folders_read_as_datasets_would(tmp_path):
     assert texts(str(repo), split="test") == test
     cfg = DataConfig(data=str(tmp_path / "dd"), split="test", seq_len=SEQ)
     assert data.Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split).n_docs == len(test)
+    c4 = tmp_path / "c4"                         # allenai/c4's layout: the split inside the file name
+    os.makedirs(c4 / "en")
+    for name, part in (("c4-train.00000-of-00002", train[:40]), ("c4-train.00001-of-00002", train[40:]),
+                       ("c4-validation.00000-of-00001", test)):
+        (c4 / "en" / f"{name}.jsonl").write_text("".join(json.dumps({"text": t, "url": "u"}) + "\n" for t in part))
+    for split in ("train", "validation"):       # as datasets itself reads the folder
+        assert texts(str(c4), split=split) == datasets.load_dataset(str(c4), split=split, cache_dir=str(tmp_path / "hf"))["text"]
+    assert texts(str(c4)) == train
 
 
 def test_one_document_spans_joined_equal_the_whole_and_it_trains(tok, tmp_path):
