@@ -45,7 +45,6 @@ tests/test_xla.py (test_pipeline_graph_census) and bench.py xla run it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -257,6 +256,10 @@ def main() -> None:
     if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.microbatches) or args.steps < 1 or args.resume_steps < 0:
         sys.exit(f"error: --microbatches {args.microbatches!r} --steps {args.steps} --resume-steps {args.resume_steps}: "
                  f"give whole numbers >= 1 (comma-separated microbatches), resume steps >= 0")
+    from xla_check import check_out_file, write_json
+    check_out_file("--graphs", args.graphs + ".0")
+    if args.json:
+        check_out_file("--json", args.json)
     cfg_args = TINY + [a for a in args.train_args if a != "--"]
     counts = [int(x) for x in args.microbatches.split(",")]
     for m in counts:                   # every run's arguments, before torch-xla's import (~10 s)
@@ -264,6 +267,7 @@ def main() -> None:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     # torch-xla writes every graph it runs (HLO and the Python frames) here, when set before its import.
     os.environ["XLA_SAVE_TENSORS_FILE"], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
+    os.makedirs(os.path.dirname(os.path.abspath(args.graphs)), exist_ok=True)
     if os.path.exists(args.graphs + ".0"):
         os.remove(args.graphs + ".0")
     import torch
@@ -278,8 +282,7 @@ def main() -> None:
         report["runs"].append(r)
     print("\n".join(table(report)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

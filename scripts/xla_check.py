@@ -188,6 +188,21 @@ def check_args(train_args: list[str]) -> None:
     configs.validate(cfg, int(world) if world.isdigit() else 1, "xla")   # (a bad WORLD_SIZE: train.py says it)
 
 
+def check_out_file(flag: str, path: str) -> None:
+    """A file the run writes (--json at its end): refused now, not with a traceback after the run, its
+    report lost. A missing folder is made when the file is written."""
+    import configs
+    configs.check_dir(flag[2:], os.path.dirname(os.path.abspath(path)))     # its folder: a directory or makeable
+    if (kind := configs.path_kind(path)) not in ("nothing", "a file"):
+        raise configs.ConfigError(f"{flag} {path!r} is {kind}, not a file: give a file path")
+
+
+def write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="", help="write the report here")
@@ -206,9 +221,13 @@ def main() -> None:
     for k, least in (("threads", 1), ("eager_steps", 0), ("resume_steps", 0), ("precompile_steps", 0)):
         if getattr(args, k) < least:
             sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}")
+    for flag in ("json", "graphs"):
+        if getattr(args, flag):
+            check_out_file(f"--{flag}", getattr(args, flag) + (".0" if flag == "graphs" else ""))
     check_args(train_args)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     if args.graphs:
+        os.makedirs(os.path.dirname(os.path.abspath(args.graphs)), exist_ok=True)
         os.environ[GRAPH_FILE], os.environ["XLA_SAVE_TENSORS_FMT"] = args.graphs, "hlo"
         GRAPHS.path = args.graphs + ".0"
     import torch
@@ -256,8 +275,7 @@ def main() -> None:
             print(f"xla_check {name}: {len(steps)} steps, graphs compiled per step {compiles}, "
                   f"first losses {[round(x, 5) for x in report[name]['losses'][:3]]}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -824,7 +824,10 @@ def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path, pjrt):
 @pytest.mark.parametrize("argv,says", [(["xla_check.py", "--threads", "0"], "--threads 0"),
                                        (["xla_check.py", "--", "--tp=3"], "tp 3"),
                                        (["pp_graphs.py", "--microbatches", "0"], "--microbatches '0'"),
-                                       (["pp_graphs.py", "--", "--model.n_heads=0"], "--model.n_heads=0")])
+                                       (["pp_graphs.py", "--", "--model.n_heads=0"], "--model.n_heads=0"),
+                                       # written at the end: a traceback after the whole run, the report lost
+                                       (["xla_check.py", "--json", "tests", "--", "--tp=3"], "'tests' is a directory"),
+                                       (["pp_graphs.py", "--graphs", "README.md/g"], "README.md' is a file")])
 def test_the_xla_check_scripts_refuse_bad_arguments_in_one_line(argv, says):
     """scripts/xla_check.py and pp_graphs.py: were set_num_threads' RuntimeError, ConfigError's traceback from
     inside train.main, an AttributeError (no microbatches) and a ZeroDivisionError in the model's head_dim.
