@@ -285,3 +285,9 @@ if __name__ == "__main__":
         main()
     except ConfigError as e:            # a bad train.py argument: one line, as train.py says it, not a traceback
         sys.exit(f"error: {e}")
+    except RuntimeError as e:           # and what else train.cli says in one line (the run imported both modules)
+        from ckptdir import CheckpointError
+        from monitor import NonFiniteError
+        if not isinstance(e, (CheckpointError, NonFiniteError)):
+            raise
+        sys.exit(f"error: {e}")

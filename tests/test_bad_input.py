@@ -837,3 +837,16 @@ def test_the_xla_check_scripts_refuse_bad_arguments_in_one_line(argv, says):
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1 and says in lines[0], r.stderr
     assert not re.search(r"\| +torch_xla$", r.stderr, re.M), "torch_xla was imported before the refusal"
+
+
+@pytest.mark.slow
+def test_xla_check_says_train_pys_checkpoint_refusal_in_one_line(tmp_path):
+    """train.py's refusals that are not ConfigErrors (a CheckpointError, here: step folders without the
+    tokenizer their model was trained with) were a traceback from xla_check, which caught only ConfigError."""
+    (tmp_path / "ckpt" / "step_00000001").mkdir(parents=True)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "xla_check.py"), "--", f"--ckpt.dir={tmp_path}/ckpt",
+                        f"--out_dir={tmp_path}/o"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PJRT_DEVICE": "CPU"})
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert "holds checkpoints but not the tokenizer" in lines[0], r.stderr
