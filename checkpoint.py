@@ -31,7 +31,7 @@ from parallel import Grid
 import ckptdir
 import reshard
 from ckptdir import CheckpointError  # noqa: F401  (callers use checkpoint.CheckpointError)
-from ckptsave import Writer, to_host  # noqa: F401  (to_host: for train.py)
+from ckptsave import SaveFailed, Writer, to_host  # noqa: F401  (for train.py)
 from faults import Faults
 from reshard import Loaded, writer_dp_rank  # noqa: F401  (tests ask checkpoint.writer_dp_rank)
 

@@ -25,6 +25,11 @@ import ckptdir
 from ckptdir import CheckpointError
 
 
+class SaveFailed(CheckpointError):
+    """This rank's own write failed (a full disk): no other rank meets it, so train.cli says it at once, not
+    through monitor.say_once, which waits up to 30 s for rank 0 to say the same (and rank 0 for the others)."""
+
+
 class _CrcFile:
     """A write-only file that checksums what passes through it (one pass over the bytes)."""
 
@@ -242,11 +247,11 @@ class Writer:
                 # at keep=1 only the newest is beside a save (pruned once it is complete): nothing to lower
                 fewer = (f"lower --ckpt.keep ({self.keep}), " if self.keep > 1 else
                          "set --ckpt.keep (0 keeps them all), " if self.keep == 0 else "")
-                raise CheckpointError(
+                raise SaveFailed(
                     f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
-                    f"(this rank's part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
+                    f"(rank {self.rank}'s part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "
                     f"space, {fewer}or point --ckpt.dir at a larger disk") from None
-            raise CheckpointError(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
+            raise SaveFailed(f"could not write the checkpoint of step {step} to {self.root}: {e}") from None
 
     def _write_files(self, step: int, files: dict):
         t0, q0 = time.perf_counter(), runqueue_wait_s()

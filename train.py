@@ -41,8 +41,7 @@ from corpus import check_vocab, parse_mixture, resolve_paths
 # ----------------------------------------------------------------------------- device
 
 def pick_device(name: str) -> torch.device:
-    """The run's device, decided here once and passed down (no other module works it out): xla when
-    an XLA device exists or is asked for, else cuda, else cpu."""
+    """The run's device, decided here once and passed down: xla when one exists or is asked for, else cuda, else cpu."""
     # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
     # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
     if name == "xla" or (name == "auto" and os.environ.get("PJRT_DEVICE")):
@@ -549,9 +548,10 @@ def cli(argv: list[str]) -> None:
     try:
         main(argv)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
-        # Before the process group, each rank of a node checked the same arguments and files: under torchrun the
-        # node's first rank says it (torchrun prints every rank's stderr: 32 copies on a trn1); the others wait for
-        # torchrun to stop them at its exit, and say their own after 30 s. After it, rank 0 once (monitor.say_once).
+        # Before the process group each rank of a node checked the same input: its first rank says it, the others
+        # 30 s later unless torchrun has stopped them (it prints every rank's stderr); after it rank 0, once (say_once).
+        if isinstance(e, checkpoint.SaveFailed):        # this rank's own write (a full disk): no other rank says it
+            sys.exit(f"error: {e}")
         if torch.distributed.is_initialized():
             sys.exit(monitor.say_once(f"error: {e}"))
         if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK", "0") != "0":

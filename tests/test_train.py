@@ -240,3 +240,25 @@ def test_a_finished_runs_command_again_says_so_and_redoes_nothing(tmp_path, caps
     os.rename(f"{tmp_path}/out/hf", f"{tmp_path}/moved")
     train.main(args)
     assert "saved the final model" in capsys.readouterr().out and os.path.isfile(export)
+
+
+def test_a_ranks_own_failed_save_is_said_at_once(monkeypatch):
+    """A full disk fails one rank's write (ckptsave.SaveFailed): no other rank meets that error, so the rank says it
+    at once. Through monitor.say_once (for refusals every rank reaches) a 2-rank torchrun run sat 30 s silent, rank 1
+    waiting for rank 0's line while rank 0 waited in the next step's collective (black-box, a 60 MB tmpfs)."""
+    import ckptsave
+    import monitor
+    import torch
+    import train
+
+    def run(argv):
+        raise ckptsave.SaveFailed("disk full: no space left on the device of /x writing the checkpoint of step 15")
+
+    def say_once(message, *a, **k):
+        raise AssertionError(f"said through say_once, which waits for rank 0: {message}")
+    monkeypatch.setattr(train, "main", run)
+    monkeypatch.setattr(monitor, "say_once", say_once)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        train.cli([])
+    assert str(e.value.code) == "error: disk full: no space left on the device of /x writing the checkpoint of step 15"
