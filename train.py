@@ -91,15 +91,14 @@ def forward_backward(model, batches: list[dict], scale: torch.Tensor, cut) -> to
 
 def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: configs.Config,
                guard=None, cut=pipeline.no_cut) -> dict:
-    """Forward and backward over this rank's microbatches (under PP pipeline.forward_backward, the
-    stage's schedule), then reduce, clip and update. The loss is torchtitan's: the sum of token
-    losses over the valid tokens of the WHOLE global batch. Each rank back-propagates
-    local_sum * dp / global_tokens, and the gradients are summed over DP once per step and divided
-    by the DP degree, never the world size (HLAT diverged when torch-xla divided by it): every layout
-    and accumulation gives one process's gradient. guard(loss, grad_norm) -> bool runs between
-    clipping and the update (the non-finite policy): False skips it. cut() ends the traced graph
-    (train.sync on XLA) after the token count and each microbatch; the caller's sync ends the
-    reduce/clip/update graph. Returns tensors (and the pipeline's statistics): no host sync on XLA."""
+    """Forward and backward over this rank's microbatches (under PP pipeline.forward_backward, the stage's schedule),
+    then reduce, clip and update. The loss is torchtitan's: the sum of token losses over the valid tokens of the WHOLE
+    global batch. Each rank back-propagates local_sum * dp / global_tokens, and the gradients are summed over DP once
+    per step and divided by the DP degree, never the world size (HLAT diverged when torch-xla divided by it): every
+    layout and accumulation gives one process's gradient. guard(loss, grad_norm) -> bool runs between clipping and the
+    update (the non-finite policy): False skips it. cut() ends the traced graph (train.sync on XLA) after the token
+    count and each microbatch; the caller's sync ends the reduce/clip/update graph. Returns tensors (and the
+    pipeline's statistics): no host sync on XLA."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
@@ -406,11 +405,12 @@ def run(argv: list[str]) -> None:
         cut = lambda: sync(device)           # noqa: E731  the graph cuts inside a step (see sync)
         if device.type == "xla":
             log("the first steps trace and compile their graphs (minutes with neuronx-cc; cached for later runs)")
-        # A signal heard in the set-up (a resume's load, the index) stops the run before a step: nothing new to save.
-        stopping, reloaded = stop.requested(step), False
+        stopping, reloaded = stop.requested(step), False   # a signal heard in the set-up: no step, nothing new to save
         if done := loaded is not None and step >= cfg.optim.max_steps:     # this command's run finished before
+            # done: and exported, as rank 0 sees it (every rank then skips the export's gather, a collective, together)
+            done = bool(checkpoint.agree(grid, not grid.is_main or os.path.isfile(f"{out_dir}/config.json")))
             log(f"the run is already complete (step {step}, --optim.max_steps={cfg.optim.max_steps}): nothing to "
-                f"train" + (f"; its final model is in {out_dir}" if os.path.isfile(f"{out_dir}/config.json") else ""))
+                f"train" + (f"; its final model is in {out_dir}" if done else ""))
 
         def guard(loss, grad_norm):      # between clipping and the update (train_step)
             ckpt.before_update()         # the last save's copy of the weights and moments is complete
@@ -515,7 +515,7 @@ def run(argv: list[str]) -> None:
         # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
         # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
-    elif not (done and os.path.isfile(f"{out_dir}/config.json")):   # the end: the model exported (HF), a sample
+    elif not done:           # the end: the full model exported in Hugging Face format, and a short sample
         full = layout.gather_full_state_dict(model, grid)
         if grid.is_main:
             final = llama.Llama(cfg.model)

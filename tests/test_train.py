@@ -262,3 +262,30 @@ def test_a_ranks_own_failed_save_is_said_at_once(monkeypatch):
     with pytest.raises(SystemExit) as e:
         train.cli([])
     assert str(e.value.code) == "error: disk full: no space left on the device of /x writing the checkpoint of step 15"
+
+
+def _rerun_on_two_nodes(rank: int, port: int, args: list):
+    """A rank of a 2-rank rerun whose rank 1 sees no export in --out_dir (a node's own disk, not shared)."""
+    import torch
+    import train
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    if rank == 1:
+        real = os.path.isfile
+        os.path.isfile = lambda p: not str(p).endswith(os.path.join("hf", "config.json")) and real(p)
+    train.main(args)
+
+
+def test_a_finished_runs_rerun_skips_the_export_on_every_rank_together(tmp_path):
+    """Whether the export is already there is rank 0's view, which every rank follows: the export gathers the model
+    (a collective), so a rank whose node does not see <out_dir>/hf (a node-local out_dir) must not gather alone while
+    rank 0 skips it (it failed: 'Connection closed by peer', or hung until the timeout)."""
+    import train
+    from gloo_spawn import free_ports, spawn
+    args = [*SMALL, "--optim.max_steps=1", f"--out_dir={tmp_path}/out",
+            f"--ckpt.dir={tmp_path}/out/ckpt", "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg()]
+    train.main(args)                                   # the finished run, one process
+    before = os.stat(f"{tmp_path}/out/hf/model.safetensors").st_mtime_ns
+    spawn(_rerun_on_two_nodes, (free_ports(1)[0], [*args, "--tp=2"]), 2, timeout_s=120)
+    assert os.stat(f"{tmp_path}/out/hf/model.safetensors").st_mtime_ns == before
