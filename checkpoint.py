@@ -370,7 +370,11 @@ def cli(argv: list[str]):
     bad = [f for f in flags if f != "--overwrite" and not f.startswith("--dtype=")]
     if argv and argv[0] not in ("ls", "export"):
         raise CheckpointError(f"unknown command {argv[0]!r}; {usage}")
-    if not argv or bad or dtype not in ("auto", "fp32", "bf16") or len(argv) != {"ls": 2, "export": 3}[argv[0]]:
+    if bad or dtype not in ("auto", "fp32", "bf16"):      # the flag given and its fix, not only the usage
+        flag = bad[0] if bad else f"--dtype={dtype}"
+        raise CheckpointError(f"{flag}: " + ("give --dtype=auto, --dtype=fp32 or --dtype=bf16" if flag.startswith("--dtype")
+                                             else "unknown flag") + f"; {usage}")
+    if not argv or len(argv) != {"ls": 2, "export": 3}[argv[0]]:
         raise CheckpointError(usage)
     root = argv[1]
     if (kind := path_kind(root)) != "a directory":

@@ -377,8 +377,11 @@ CASES = [
     ("ckpt: ls ''", ("checkpoint", ["ls", ""]), ["'' is missing"], 1, True),      # was " is missing": no value named
     ("ckpt: ls a file", ("checkpoint", ["ls", "{W}/afile"]), ["afile", "is a file"], 1, True),
     ("ckpt: ls no checkpoint", ("checkpoint", ["ls", "{W}/emptydir"]), ["emptydir", "holds no checkpoint"], 1, True),
-    ("ckpt: bad flag", ("checkpoint", ["ls", "{W}/run/ckpt", "--force"]), ["usage"], 1, True),
-    ("ckpt: bad dtype", ("checkpoint", ["export", "--dtype=fp16", "{W}/run/ckpt", "{t}/hf"]), ["--dtype=auto|fp32|bf16"], 1, True),
+    ("ckpt: bad flag", ("checkpoint", ["ls", "{W}/run/ckpt", "--force"]), ["--force: unknown flag", "usage"], 1, True),
+    ("ckpt: bad dtype", ("checkpoint", ["export", "--dtype=fp16", "{W}/run/ckpt", "{t}/hf"]),   # was the usage alone
+     ["--dtype=fp16: give --dtype=auto, --dtype=fp32 or --dtype=bf16"], 1, True),
+    ("ckpt: dtype without '='", ("checkpoint", ["export", "--dtype", "bf16", "{W}/run/ckpt", "{t}/hf"]),
+     ["--dtype: give", "--dtype=bf16"], 1, True),
     ("ckpt: export missing", ("checkpoint", ["export", "{W}/nope", "{t}/hf"]), ["nope", "missing"], 1, True),
     ("ckpt: export over a model", ("checkpoint", ["export", "{W}/run/ckpt", "{W}/hfout"]),
      ["hfout", "not empty", "--overwrite"], 1, True),
