@@ -75,8 +75,8 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
                 why = f" (and {r})" if (r := cannot_run(cfg, world, tp, pp, d.micro_batch)) else ""
                 lines.append(f"  {'':33s}{tp:3d} {pp:3d} {dp:4d}  {gib(y.weights + y.grads + y.optimizer)} "
                              f"{gib(y.activations)}  {gib(y.total)}  {'fits' if y.fits else 'no'}" + why)
-    every = layouts(cfg, world)
-    fit = sorted((x for x in (estimate(cfg, y, world) for y in every) if x.fits), key=lambda x: x.step_s)
+    every = [estimate(cfg, y, world) for y in layouts(cfg, world)]
+    fit = sorted((x for x in every if x.fits), key=lambda x: x.step_s)
     lines += ["", f"layouts that fit, fastest first ({len(fit)} of {len(every)}):",
               "   TP  PP   DP  SP  ZeRO-1 ckpt       mb    GiB  step s  MFU   TP GB  PP GB  DP GB"]
     for x in fit[:top]:
@@ -84,7 +84,11 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         lines.append(f"  {y.tp:3d} {y.pp:3d} {y.dp:4d}  {'yes' if y.sp else 'no ':3s} {'yes' if y.zero1 else 'no ':6s} "
                      f"{y.checkpointing:9s} {y.micro_batch:3d} {gib(x.total)} {x.step_s:7.2f} {x.mfu:4.0%} "
                      f"{x.tp_bytes / 1e9:7.2f} {x.pp_bytes / 1e9:6.2f} {x.dp_bytes / 1e9:6.2f}")
-    if not fit:
+    if not fit and every:               # layouts that run, none in memory: the batch is not why
+        lines.append(f"  none: the smallest needs {min(x.total for x in every) / 2**30:.2f} GiB per core of "
+                     f"{(hw.hbm - RESERVE) / 2**30:.0f} usable; give more cores (--parallel.cores): more pipeline "
+                     f"stages, fewer layers on each")
+    elif not fit:
         lines.append(f"  none: give more cores (--parallel.cores), or a global batch ({d.global_batch}) that "
                      f"splits into micro-batches over the data-parallel ranks")
     return "\n".join(lines)

@@ -436,6 +436,14 @@ def test_the_other_layouts_table_says_why_a_layout_cannot_run(capsys):
     assert "(and 1 microbatches per step, fewer than 8 stages)" in capsys.readouterr().out
 
 
+def test_when_no_layout_fits_in_memory_the_report_says_so(capsys):
+    # 70B on one trn1: 540 layouts run and none fits in HBM; the report blamed the global batch
+    plan.main(["--preset", "llama2_70b", "--parallel.cores=32", "--parallel.tp=32", "--parallel.pp=1"])
+    out = capsys.readouterr().out
+    assert "layouts that fit, fastest first (0 of 540)" in out and "global batch" not in out.split("(0 of 540)")[1]
+    assert "none: the smallest needs 37.39 GiB per core of 14 usable; give more cores (--parallel.cores)" in out, out
+
+
 @pytest.mark.timeout(30)
 def test_the_cores_fix_for_a_billion_cores_ends(capsys):
     # Looking for the cores that run a layout tried every DP below the cores planned for: 1.25e8 of
