@@ -36,7 +36,9 @@ COMPRESSED = (".gz", ".zst")
 JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
 STRUCTURED = (".arrow", ".parquet") + JSON_LINES
-SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+# datasets' SPLIT_KEYWORDS: a word of a data file's or folder's name -> the split it names
+SPLITS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation", "val": "validation",
+          "dev": "validation", "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
 INDEX_VERSION = {"lines": 2, "batches": 2}      # per kind of offsets index: a change rebuilds that kind
 BATCHES = 4     # Arrow record batches a reader keeps open (reads come grouped by batch): ~1 KB each
 PROGRESS_DELAY = 2.0        # seconds a build runs before its progress bar shows
@@ -93,14 +95,17 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
                   and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
     def split_of(p):    # a split's name as a word of a folder or file name, as datasets matches it (C4's
         # en/c4-validation.00000-of-00008.json.gz): the separators are datasets' NON_WORDS_CHARS
-        word = lambda x: next((w for w in SPLITS if re.fullmatch(rf"(.*[-._ 0-9])?{w}([-._ 0-9].*)?", x)), None)  # noqa: E731
-        return next(filter(None, map(word, os.path.relpath(p, folder).lower().split(os.sep))), None)
-    found = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}
+        for part in os.path.relpath(p, folder).lower().split(os.sep):
+            for word, name in SPLITS.items():
+                if re.fullmatch(rf"(.*[-._ 0-9])?{word}([-._ 0-9].*)?", part):
+                    return name
+        return None
+    found, want = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}, SPLITS.get(split, split)
     if any(found.values()):
-        if split not in found.values():
+        if want not in found.values():
             raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
                             f"not {split!r}; choose one with --data.split")
-        data_files = [p for p in data_files if found.get(p, split) == split]
+        data_files = [p for p in data_files if found.get(p, want) == want]
     return data_files
 
 

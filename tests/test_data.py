@@ -1064,9 +1064,15 @@ def test_datasets_folders_read_as_datasets_would(tmp_path):
     for name, part in (("c4-train.00000-of-00002", train[:40]), ("c4-train.00001-of-00002", train[40:]),
                        ("c4-validation.00000-of-00001", test)):
         (c4 / "en" / f"{name}.jsonl").write_text("".join(json.dumps({"text": t, "url": "u"}) + "\n" for t in part))
-    for split in ("train", "validation"):       # as datasets itself reads the folder
-        assert texts(str(c4), split=split) == datasets.load_dataset(str(c4), split=split, cache_dir=str(tmp_path / "hf"))["text"]
-    assert texts(str(c4)) == train
+    syn = tmp_path / "syn"                       # datasets' other words for the splits
+    os.makedirs(syn)
+    (syn / "training.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train))
+    (syn / "val-0.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in test))
+    for folder in (c4, syn):
+        for split in ("train", "validation"):   # as datasets itself reads the folder
+            want = datasets.load_dataset(str(folder), split=split, cache_dir=str(tmp_path / "hf"))["text"]
+            assert texts(str(folder), split=split) == want, (folder, split)
+    assert texts(str(c4)) == train and texts(str(syn), split="val") == test
 
 
 def test_one_document_spans_joined_equal_the_whole_and_it_trains(tok, tmp_path):
