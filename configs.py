@@ -533,11 +533,11 @@ def check_dir(key: str, path: str) -> None:
     """path is a directory this process can create or write into."""
     if not path.strip():                # "" or spaces: the current directory, or a folder named "   " in it
         raise ConfigError(f"--{key}={path!r} names no directory: give one")
-    if (kind := path_kind(path)) not in ("nothing", "a directory"):
-        raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")
     parent = os.path.abspath(path)
     while not os.path.lexists(parent):         # the nearest existing ancestor is what gets written
         parent = os.path.dirname(parent)
+    if (kind := path_kind(path)) not in ("nothing", "a directory") and (os.path.isdir(parent) or parent == os.path.abspath(path)):
+        raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")  # (under a file: below)
     if not os.path.isdir(parent):
         raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")
     if not os.access(parent, os.W_OK | os.X_OK):      # a read-only mount: no user's rights would help

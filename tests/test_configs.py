@@ -207,3 +207,14 @@ def test_the_readmes_training_commands_start_without_a_warning():
         cfg = configs.from_args(argv)
         configs.check_values(cfg)
         assert configs.warnings(cfg) == [], argv
+
+
+def test_a_path_under_a_file_names_the_file(tmp_path):
+    # `--out_dir=notes.txt/run`: "'notes.txt/run' is unreadable (Not a directory), not a directory;
+    # remove it" named no file to remove; the file in the way is what to fix
+    (tmp_path / "notes.txt").write_text("a user's notes")
+    with pytest.raises(configs.ConfigError) as e:
+        configs.check_dir("out_dir", str(tmp_path / "notes.txt" / "run"))
+    assert str(e.value) == (f"--out_dir='{tmp_path}/notes.txt/run': {tmp_path}/notes.txt is a file, not a directory; "
+                            f"give another path")
+    assert (tmp_path / "notes.txt").read_text() == "a user's notes"
