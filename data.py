@@ -538,20 +538,20 @@ class DeviceLoader:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("prepare", help="text/jsonl(.gz/.zst)/arrow/parquet shards -> one Arrow file (--out x.arrow) "
-                                       "or one per shard (--out dir/), in parallel (prepare.py)")
-    a.add_argument("sources", nargs="+")
-    a.add_argument("--out", required=True)
-    a.add_argument("--text-field", default="text")
+    a = sub.add_parser("prepare", help="text/jsonl(.gz/.zst)/arrow/parquet shards -> Arrow, in parallel (prepare.py)")
+    a.add_argument("sources", nargs="+", help="files, directories or globs of text/jsonl/arrow/parquet, or 'stdlib'")
+    a.add_argument("--out", required=True, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
+    a.add_argument("--text-field", default="text", help="the JSON key or column holding the text (default: text)")
     a.add_argument("-j", "--workers", type=int, default=0, help="worker processes (default: one per core)")
-    for flag in ("--doc-per-line", "--force", "--strict"):
-        a.add_argument(flag, action="store_true", help="stop at the first bad record" if flag == "--strict" else None)
+    for flag, what in (("--doc-per-line", ".txt: a document per line"), ("--force", "replace --out"), ("--strict", "stop at the first bad record")):
+        a.add_argument(flag, action="store_true", help=what)
     t = sub.add_parser("tokenizer", help="train and cache the default tokenizer (once, before a launch)")
     # train.py's --data.* keys the trained tokenizer depends on, so that it finds this one in the cache
     for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache"), ("--text-field", "text"),
                           ("--split", "train"), ("--val-fraction", DataConfig.val_fraction)):
-        t.add_argument(flag, default=default, type=type(default))
-    t.add_argument("--doc-per-line", action="store_true")
+        key = "model.vocab_size" if flag == "--vocab" else "data." + flag[2:].replace("-", "_")
+        t.add_argument(flag, default=default, type=type(default), help=f"train.py's --{key} (default: {default})")
+    t.add_argument("--doc-per-line", action="store_true", help="train.py's --data.doc_per_line")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

@@ -172,3 +172,19 @@ def test_training_cache_of_a_compressed_shard_keeps_its_bytes_for_the_loader_to_
     c = corpus.Corpus(str(tmp_path / "a.txt.gz"), cache_dir=str(tmp_path / "cache"))
     assert c.read([0]) == [("caf\ufffd au lait \ufffd and more text", 2, False)]
     assert c.examples["utf8"].startswith(f"{tmp_path / 'a.txt.gz'}: 2 invalid UTF-8 sequences replaced")
+
+
+@pytest.mark.parametrize("cmd,flags", [("prepare", ["sources", "--out OUT", "--text-field", "--doc-per-line", "--force"]),
+                                       ("tokenizer", ["--data DATA", "--vocab VOCAB", "--cache-dir", "--doc-per-line"])])
+def test_data_py_help_says_what_every_argument_is(capsys, cmd, flags):
+    # `python data.py prepare --help` left the sources, --out, --text-field, --doc-per-line and --force
+    # unexplained (tokenizer: every flag); each now says what it is, the tokenizer's which train.py key it mirrors
+    with pytest.raises(SystemExit) as e:
+        data.main([cmd, "--help"])
+    out = capsys.readouterr().out
+    lines = out.split("positional arguments:" if cmd == "prepare" else "options:")[1].splitlines()
+    for flag in flags:
+        i = next(i for i, x in enumerate(lines) if x.strip().startswith(flag))
+        said = lines[i].strip()[len(flag):].strip() or lines[i + 1].strip()      # beside it, else below
+        assert e.value.code == 0 and said and not said.startswith("-"), f"{flag} has no help:\n{out}"
+    assert cmd == "prepare" or "train.py's --model.vocab_size (default: 4096)" in out, out
