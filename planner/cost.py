@@ -354,7 +354,8 @@ def cannot_run(cfg: Config, world: int, tp: int, pp: int, mb: int) -> str:
         return f"{n} layers do not split over {pp} stages"
     if g % (mb * dp):
         return f"global batch {g} does not split over micro-batch x DP = {mb * dp}"
-    return f"{g // (mb * dp)} microbatches per step, fewer than {pp} stages" if g // (mb * dp) < pp else ""
+    m = g // (mb * dp)
+    return f"{m} microbatch{'es' * (m != 1)} per step, fewer than {pp} stages" if m < pp else ""
 
 
 def runnable(cfg: Config, world: int, tp: int, pp: int, sp: bool, zero1: bool, ckpt: str, mb: int):

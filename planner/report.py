@@ -41,7 +41,7 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         f"{tokens / 1e6:.2f}M tokens per step",
         f"step time at {STATED_MFU:.0%} MFU ({peak / 1e12:g} TFLOPS per core): "
         f"{fpt * tokens / (world * peak * STATED_MFU):.2f} s",
-        "", f"configured layout: {L}, {e.microbatches} microbatches per step"
+        "", f"configured layout: {L}, {e.microbatches} microbatch{'es' * (e.microbatches != 1)} per step"
         + (f" (cannot run: {r})" if (r := cannot_run(cfg, world, L.tp, L.pp, L.micro_batch)) else ""),
         f"  per NeuronCore ({'every core' if L.pp == 1 else e.stage + ' stage, the fuller'})      GiB",
         f"  weights      {e.params / 1e6:8.1f}M params  {gib(e.weights)}",

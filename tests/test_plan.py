@@ -136,6 +136,7 @@ def test_plan_command_on_trn2(capsys):
     out = capsys.readouterr().out
     assert "on 8192 NeuronCores (128 trn2.48xlarge)" in out and "of 22 usable (24 GiB" in out
     assert "166.75 TFLOPS per core" in out
+    assert "TP=8 PP=1 DP=1024 SP selective mb=1, 1 microbatch per step\n" in out, out     # (was "1 microbatches")
 
 
 def test_plan_with_no_arguments_plans_the_blogs_run(capsys):
@@ -433,7 +434,7 @@ def test_the_other_layouts_table_says_why_a_layout_cannot_run(capsys):
     out = capsys.readouterr().out
     assert "1   1   96" in out and "(and global batch 1024 does not split over micro-batch x DP = 96)" in out
     plan.main(["--preset=llama2_70b", "--data.global_batch=128"])
-    assert "(and 1 microbatches per step, fewer than 8 stages)" in capsys.readouterr().out
+    assert "(and 1 microbatch per step, fewer than 8 stages)" in capsys.readouterr().out
 
 
 def test_when_no_layout_fits_in_memory_the_report_says_so(capsys):
