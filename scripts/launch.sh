@@ -19,13 +19,15 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 cd "$root"
 
-usage() {
-    echo "usage: [DRY_RUN=1] scripts/launch.sh [--dry-run] train|compile|health [train.py arguments]" >&2
-    exit 2
-}
+usage="usage: [DRY_RUN=1] scripts/launch.sh [--dry-run] train|compile|health [train.py arguments]"
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 mode="${1:-}"
-case "$mode" in train | compile | health) shift ;; *) usage ;; esac
+case "$mode" in
+    train | compile | health) shift ;;
+    -h | --help) echo "$usage"; exit 0 ;;                     # a request for help, not an error
+    "") echo "$usage" >&2; exit 2 ;;
+    *) echo "launch.sh: unknown mode '$mode'; $usage" >&2; exit 2 ;;
+esac
 
 NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"

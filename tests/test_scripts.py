@@ -216,6 +216,16 @@ def test_dry_run_trn2():
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
 
 
+def test_launch_sh_help_is_not_an_error_and_an_unknown_mode_is_named():
+    # `scripts/launch.sh --help` printed the usage as an error (exit 2); `launch.sh trian` did not say what was wrong
+    r = run_script([SCRIPTS / "launch.sh", "--help"])
+    assert r.returncode == 0 and r.stdout.startswith("usage: [DRY_RUN=1] scripts/launch.sh") and not r.stderr, r
+    r = run_script([SCRIPTS / "launch.sh", "trian", "--preset", "llama2_7b"], DRY_RUN="1")
+    assert r.returncode == 2 and r.stderr.startswith("launch.sh: unknown mode 'trian'; usage:") and not r.stdout, r
+    r = run_script([SCRIPTS / "launch.sh"])
+    assert r.returncode == 2 and r.stderr.startswith("usage:"), r
+
+
 def test_bad_layout_fails_before_anything_starts():
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B, "--tp=7"], NNODES="16", MASTER_ADDR="x")
     assert r.returncode != 0
