@@ -104,7 +104,7 @@ def task_label() -> str:
         name, local = f.f_code.co_name, f.f_locals
         if os.path.basename(f.f_code.co_filename) == "pipeline.py":
             if name == "p2p":
-                comm, to_next = local["comm"], local["peer"] == local["comm"].next
+                to_next = local["peer"] == local["comm"].next
                 what = []
                 if local["send"] is not None:
                     what.append("send " + ("activation" if to_next else "gradient"))
