@@ -108,10 +108,14 @@ def check_args(args) -> None:
         bad.append(f"--inject-delay {args.inject_delay}: give RANK:SECONDS, e.g. 3:0.5")
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
         bad.append(f"--json {args.json}: give a file name in an existing directory")
-    if "WORLD_SIZE" not in os.environ:
-        bad.append("no WORLD_SIZE: run it under torchrun (scripts/launch.sh health does), which sets the rendezvous")
+    if not {"WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):     # (launch_env takes a world of 1 without a rendezvous)
+        bad.append("no WORLD_SIZE or MASTER_ADDR: run it under torchrun (scripts/launch.sh health does), which sets "
+                   "the rendezvous")
     try:
-        launch_env()
+        world = launch_env()[0]
+        per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if args.tp >= 1 and args.pp >= 1 and (world % (args.tp * args.pp) or world % per_node):
+            bad.append(f"world {world} must be a multiple of tp*pp={args.tp * args.pp} and of ranks per node {per_node}")
     except ValueError as e:                 # configs.ConfigError
         bad.append(str(e))
     if bad:
@@ -284,10 +288,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend, device, sync, host_group = setup(args.backend, args.timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % (args.tp * args.pp) or world % per_node:
-        sys.exit(f"healthcheck: world {world} must be a multiple of tp*pp={args.tp * args.pp} "
-                 f"and of ranks per node {per_node}")
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))     # (check_args checked both)
     delay = None
     if args.inject_delay:
         r, s = args.inject_delay.split(":")

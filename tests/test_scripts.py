@@ -320,6 +320,18 @@ def test_host_group_connects_lazily(tmp_path):
 
 # ----------------------------------------------------------------------------- health check
 
+@pytest.mark.slow
+@pytest.mark.parametrize("env,says", [({"WORLD_SIZE": "1"}, "no WORLD_SIZE or MASTER_ADDR: run it under torchrun"),
+                                      ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": "1"}, "world 4 must be a multiple of tp*pp=3")])
+def test_healthcheck_refuses_before_any_process_group(env, says):
+    # WORLD_SIZE=1 without a rendezvous was init_process_group's ValueError traceback; --tp 3 on 4 ranks was
+    # refused only after the process group, which waits for the other ranks (here: none come, a hang)
+    r = subprocess.run([sys.executable, str(SCRIPTS / "healthcheck.py"), "--tp", "3"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env})
+    assert r.returncode == 1 and r.stderr.startswith(f"healthcheck error: {says}") and "Traceback" not in r.stderr, r
+
+
 def test_healthcheck_uses_the_training_groups():
     kinds = healthcheck.group_kinds(world=64, tp=8, pp=2, ranks_per_node=32)
     ref = rank_groups(64, 8, 2)
