@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write the report here")
     ap.add_argument("--eager-steps", type=int, default=0,
                     help="first run the same config this many steps on the eager CPU (loss reference)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (1 to 1024)")
     ap.add_argument("--graphs", default="", help="record every graph run (HLO) in this file: the census")
     ap.add_argument("--resume-steps", type=int, default=0,
                     help="then run train.py again, resuming from the XLA run's last checkpoint, this many more steps")
@@ -221,6 +221,8 @@ def main() -> None:
     for k, least in (("threads", 1), ("eager_steps", 0), ("resume_steps", 0), ("precompile_steps", 0)):
         if getattr(args, k) < least:
             sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}")
+    if args.threads > 1024:     # torch's pool hangs near 3,000 threads (as bench.py's cap); 5000 took 4 min a step
+        sys.exit(f"error: --threads {args.threads}: give a whole number <= 1024 (1 is the default)")
     for flag in ("json", "graphs"):
         if getattr(args, flag):
             check_out_file(f"--{flag}", getattr(args, flag) + (".0" if flag == "graphs" else ""))
