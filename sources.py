@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import sys
 import sysconfig
 import tempfile
@@ -273,6 +274,20 @@ def give_back_heap() -> None:
         pass
 
 
+def array_to_lines(path: str) -> str:
+    """The shell line that writes a file of one JSON array as JSON lines, into a file not there yet: never the
+    input (`jq ... a.jsonl > a.jsonl` empties a.jsonl before jq reads it) nor a file of the user's; jq reads
+    no .gz or .zst, so those are decompressed first."""
+    base = path[:-len(next((s for s in JSON_LINES if path.endswith(s)), ""))] or path
+    out, i = base + ".jsonl", 0
+    while os.path.exists(out):
+        i += 1
+        out = f"{base}.{i}.jsonl"
+    q = shlex.quote
+    unpack = {".gz": "gzip -dc", ".zst": "zstd -dc"}.get(os.path.splitext(path)[1])
+    return (f"{unpack} {q(path)} | jq -c '.[]'" if unpack else f"jq -c '.[]' {q(path)}") + f" > {q(out)}"
+
+
 class Source:
     """n documents; read(ids) -> bytes (None: a null) each; lengths(lo, hi) -> their sizes unread;
     read_range(i, start, stop) -> a slice of one (stop -1: to its end); where(i) names one."""
@@ -292,7 +307,7 @@ class Source:
         line = self.read([i])[0].decode("utf-8", "replace")
         if line.lstrip().startswith("["):      # a .json of one JSON array (Alpaca's): what users meet first
             raise DataError(f"{self.path} holds one JSON array, not JSON lines (one object a line): convert it, "
-                            f"e.g. jq -c '.[]' {self.path} > {os.path.splitext(self.path)[0]}.jsonl")
+                            f"e.g. {array_to_lines(self.path)}")
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:

@@ -257,3 +257,36 @@ def test_a_json_file_of_one_array_is_refused_naming_the_conversion(tmp_path, ind
     with pytest.raises(data.DataError, match=r"alpaca.json holds one JSON array, not JSON lines.*jq -c '\.\[\]' "
                                              r"\S+alpaca.json > \S+alpaca.jsonl"):
         data.Corpus(str(p))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["alpaca.jsonl", "alpaca.json", "alpaca.json.gz", "my data.jsonl.zst"])
+def test_the_array_conversion_line_writes_a_new_file_and_works(tmp_path, name):
+    """The line suggested for a file of one JSON array is run as given (jq, gzip, zstd are here): it must write a
+    new file that reads as the records, never the input (`jq ... a.jsonl > a.jsonl` empties a.jsonl before jq
+    reads it: the user's data lost) nor a file already there, and must decompress what it reads."""
+    import shlex
+    import shutil
+    import data
+    if not all(map(shutil.which, ("jq", "gzip", "zstd"))):
+        pytest.skip("needs jq, gzip and zstd")
+    records = [{"instruction": "x", "text": f"doc {i}"} for i in range(3)]
+    raw = json.dumps(records, indent=2).encode()
+    p = tmp_path / name
+    if name.endswith(".gz"):
+        import gzip
+        raw = gzip.compress(raw)
+    elif name.endswith(".zst"):
+        raw = subprocess.run(["zstd", "-c"], input=raw, capture_output=True, check=True).stdout
+    p.write_bytes(raw)
+    if name == "alpaca.json":            # a .jsonl of the same name is the user's: not to be written over
+        (tmp_path / "alpaca.jsonl").write_text('{"text": "mine"}\n')
+    with pytest.raises(data.DataError, match="holds one JSON array") as e:
+        data.Corpus(str(p), cache_dir=str(tmp_path / "cache"))
+    line = str(e.value).split("e.g. ", 1)[1]
+    subprocess.run(line, shell=True, cwd=tmp_path, check=True)
+    assert p.read_bytes() == raw
+    if name == "alpaca.json":
+        assert (tmp_path / "alpaca.jsonl").read_text() == '{"text": "mine"}\n'
+    out = shlex.split(line)[-1]
+    assert [json.loads(x) for x in open(out)] == records
