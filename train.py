@@ -250,11 +250,12 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
 
 
 def check_tokenizer(cfg: configs.Config) -> None:
-    """--data.tokenizer loads and fits the vocabulary (build_tokenizer's checks) before the corpus is indexed; under
-    --init_from, the folder's (--model.vocab_size cannot fix it). A weights-only folder: build_tokenizer says so later.
-    None given and no run's own to resume with (tokenizer_for_run): one will be trained, of a vocabulary that fits."""
+    """The tokenizer tokenizer_for_run will take, checked before the corpus is indexed: --data.tokenizer loads and fits
+    the vocabulary (under --init_from, the folder's); a weights-only folder: build_tokenizer says so later."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
-    if not tok and not (cfg.ckpt.resume and checkpoint.ckptdir.scan(cfg.ckpt.dir)):   # a tokenizer/ alone: trains one
+    if not tok and cfg.ckpt.resume and checkpoint.ckptdir.scan(cfg.ckpt.dir):    # a resume: the run's own, or refused
+        checkpoint.kept_tokenizer(cfg.ckpt.dir, os.path.join(cfg.ckpt.dir, "tokenizer"))
+    elif not tok:                       # one will be trained (a tokenizer/ alone too), of a vocabulary that fits
         check_vocab(cfg.model.vocab_size)
     if not tok or (tok == folder and data.find_tokenizer(folder) is None):
         return
@@ -299,8 +300,7 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
 # ----------------------------------------------------------------------------- the run
 
 def run(argv: list[str]) -> None:
-    # The whole config, checked before any work: every key's domain, the model's shape, the layout
-    # (the xla backend has rules of its own), every path's kind, the memory, the export folder.
+    # All checked before any work: keys, model shape, layout (xla's rules), paths, tokenizer, memory, export folder.
     if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
         return print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
     cfg = configs.from_args(argv)

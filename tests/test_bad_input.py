@@ -559,6 +559,18 @@ def test_a_kept_tokenizer_without_checkpoints_does_not_skip_the_vocabulary_check
     assert not (tmp_path / "cache").exists(), "the corpus was indexed first"
 
 
+def test_a_resume_without_its_kept_tokenizer_is_refused_before_the_corpus_is_indexed(W, tmp_path, capsys):
+    """Step folders without the tokenizer their model was trained with (an older nanotrn's, or copied without
+    it): refused in one line before any work (it came after the claim and the span index of the whole corpus)."""
+    (tmp_path / "out" / "ckpt" / "step_00000001").mkdir(parents=True)
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T("--data.tokenizer=")[1]]
+    code, text = run_entry("train", argv, capsys)
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert code == 1 and len(errors) == 1 and "not the tokenizer their model" in errors[0] and "Traceback" not in text, text
+    assert not (tmp_path / "cache").exists(), "the corpus was indexed first"
+    assert not (tmp_path / "out" / "ckpt" / "run.lock").exists(), "the checkpoint directory was claimed first"
+
+
 @pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
 def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
     """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is
@@ -849,7 +861,7 @@ def test_xla_check_says_train_pys_checkpoint_refusal_in_one_line(tmp_path):
     tokenizer their model was trained with) were a traceback from xla_check, which caught only ConfigError."""
     (tmp_path / "ckpt" / "step_00000001").mkdir(parents=True)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "xla_check.py"), "--", f"--ckpt.dir={tmp_path}/ckpt",
-                        f"--out_dir={tmp_path}/o"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                        f"--out_dir={tmp_path}/o", f"--data.cache_dir={tmp_path}/cache"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "PJRT_DEVICE": "CPU"})
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
