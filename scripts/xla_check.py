@@ -185,6 +185,9 @@ def check_args(train_args: list[str]) -> None:
         import hf
         hf.apply_init_from(cfg, train_args)
     world = os.environ.get("WORLD_SIZE", "1")
+    if cfg.parallel.pp > 1 and world == "1":     # one process cannot hold two stages: pp_graphs.py can
+        raise configs.ConfigError(f"--parallel.pp={cfg.parallel.pp}: xla_check.py runs one process; the pipeline "
+                                  f"step's graphs are checked by scripts/pp_graphs.py (every stage in one process)")
     configs.validate(cfg, int(world) if world.isdigit() else 1, "xla")   # (a bad WORLD_SIZE: train.py says it)
 
 

@@ -839,6 +839,7 @@ def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path, pjrt):
 @pytest.mark.parametrize("argv,says", [(["xla_check.py", "--threads", "0"], "--threads 0"),
                                        (["xla_check.py", "--threads", "5000", "--", "--tp=3"], "--threads 5000"),
                                        (["xla_check.py", "--", "--tp=3"], "tp 3"),
+                                       (["xla_check.py", "--", "--parallel.pp=2"], "scripts/pp_graphs.py"),
                                        (["pp_graphs.py", "--microbatches", "0"], "--microbatches '0'"),
                                        (["pp_graphs.py", "--", "--model.n_heads=0"], "--model.n_heads=0"),
                                        # written at the end: a traceback after the whole run, the report lost
