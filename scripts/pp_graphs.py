@@ -256,7 +256,8 @@ def main() -> None:
     if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.microbatches) or args.steps < 1 or args.resume_steps < 0:
         sys.exit(f"error: --microbatches {args.microbatches!r} --steps {args.steps} --resume-steps {args.resume_steps}: "
                  f"give whole numbers >= 1 (comma-separated microbatches), resume steps >= 0")
-    from xla_check import check_out_file, write_json
+    from xla_check import check_out_file
+    from benchmarks.common import write_json     # strict JSON, as bench.py and xla_check.py write it
     check_out_file("--graphs", args.graphs + ".0")
     if args.json:
         check_out_file("--json", args.json)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import sys
@@ -200,12 +199,6 @@ def check_out_file(flag: str, path: str) -> None:
         raise configs.ConfigError(f"{flag} {path!r} is {kind}, not a file: give a file path")
 
 
-def write_json(path: str, report: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="", help="write the report here")
@@ -221,11 +214,12 @@ def main() -> None:
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
     args = ap.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
-    for k, least in (("threads", 1), ("eager_steps", 0), ("resume_steps", 0), ("precompile_steps", 0)):
-        if getattr(args, k) < least:
-            sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}")
-    if args.threads > 1024:     # torch's pool hangs near 3,000 threads (as bench.py's cap); 5000 took 4 min a step
-        sys.exit(f"error: --threads {args.threads}: give a whole number <= 1024 (1 is the default)")
+    # --threads at most 1024, as bench.py: torch's pool hangs near 3,000 threads (5000 took 4 min a step)
+    for k, least, most in (("threads", 1, 1024), ("eager_steps", 0, None), ("resume_steps", 0, None),
+                           ("precompile_steps", 0, None)):
+        if not least <= getattr(args, k) <= (most or getattr(args, k)):
+            sys.exit(f"error: --{k.replace('_', '-')} {getattr(args, k)}: give a whole number >= {least}"
+                     + (f" and <= {most}" if most else ""))
     for flag in ("json", "graphs"):
         if getattr(args, flag):
             check_out_file(f"--{flag}", getattr(args, flag) + (".0" if flag == "graphs" else ""))
@@ -279,7 +273,8 @@ def main() -> None:
             compiles = [s["in_step"]["UncachedCompile"] + s["after"]["UncachedCompile"] for s in steps]
             print(f"xla_check {name}: {len(steps)} steps, graphs compiled per step {compiles}, "
                   f"first losses {[round(x, 5) for x in report[name]['losses'][:3]]}")
-    if args.json:
+    if args.json:                       # strict JSON (a diverged run's loss: null), as bench.py writes it
+        from benchmarks.common import write_json
         write_json(args.json, report)
 
 
