@@ -330,6 +330,7 @@ class Checkpointer:
             parallel.barrier(self.grid)         # every rank is done looking at them
             if self.grid.rank == 0:
                 where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
+                self.dir.point_latest(d)
             parallel.barrier(self.grid)
         kept = lambda x: f" (kept as {where[x].name})" if x in where else ""
         if loaded is None:

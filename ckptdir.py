@@ -314,6 +314,14 @@ class CkptDir:
             fsync_dir(self.root)
         return where
 
+    def point_latest(self, d: Path | None):
+        """After folders were set aside: `latest` names d, the checkpoint resumed from, or is gone when
+        none is left; it named a folder now renamed aside, and a script reading it found nothing."""
+        if d is None:
+            (self.root / "latest").unlink(missing_ok=True)
+        else:
+            atomic_write(self.root / "latest", d.name.encode())
+
     def wait_for_markers(self, step: int, world: int, timeout_s: float, give_up=lambda: False) -> list[int]:
         """Rank 0's writer: the ranks whose marker of `step` is still missing after timeout_s, or at
         the first look after give_up() is true. Polls (no collective in a background thread) the

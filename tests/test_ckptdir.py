@@ -81,6 +81,7 @@ def test_damaged_newest_resumes_the_older_one_loudly_and_keeps_it(tmp_path, caps
     assert "3 steps (5 to 7) will be trained again" in err, err
     kept = list(tmp_path.glob("step_00000007.bad*"))
     assert len(kept) == 1 and tree(kept[0]) == before           # set aside, byte for byte
+    assert (tmp_path / "latest").read_text() == "step_00000004"     # not the folder set aside
     ck.save(7, {"w": torch.zeros(4)}, {"m": torch.zeros(2)})    # a new step 7 goes into a new folder
     ck.close()
     assert tree(kept[0]) == before and (tmp_path / "step_00000007" / ckptdir.MANIFEST).exists()
@@ -153,6 +154,7 @@ def test_interrupted_saves_are_set_aside_and_kept_after_the_next_good_save(tmp_p
     ck = start(cfg)
     assert ck.load_latest() is None
     assert "step_00000005 was interrupted (kept as step_00000005.incomplete" in capsys.readouterr().err
+    assert not (tmp_path / "latest").exists()                   # it named step_00000005, now set aside
     ck.save(2, {"w": torch.ones(4)})
     ck.save(3, {"w": torch.ones(4)})
     ck.close()
