@@ -365,9 +365,12 @@ def cli(argv: list[str]):
              "CKPT_DIR HF_OUT_DIR")
     if "-h" in argv or "--help" in argv:
         return print(f"{usage}\n\n" + cli.__doc__.replace("\n    ", "\n"))     # (the docstring's indent)
-    flags = [a for a in argv if a.startswith("--")]
-    argv = [a for a in argv if not a.startswith("--")]
-    dtype = next((f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")), "auto")
+    flags = [a for a in argv if a.startswith("-")]       # -x too: named as a flag, not counted as a path
+    argv = [a for a in argv if not a.startswith("-")]
+    dtypes = sorted({f.split("=", 1)[1] for f in flags if f.startswith("--dtype=")})
+    if len(dtypes) > 1:
+        raise CheckpointError(f"--dtype given as {' and '.join(dtypes)}: give it once; {usage}")
+    dtype = dtypes[0] if dtypes else "auto"
     bad = [f for f in flags if f != "--overwrite" and not f.startswith("--dtype=")]
     if argv and argv[0] not in ("ls", "export"):
         raise CheckpointError(f"unknown command {argv[0]!r}; {usage}")
@@ -375,8 +378,11 @@ def cli(argv: list[str]):
         flag = bad[0] if bad else f"--dtype={dtype}"
         raise CheckpointError(f"{flag}: " + ("give --dtype=auto, --dtype=fp32 or --dtype=bf16" if flag.startswith("--dtype")
                                              else "unknown flag") + f"; {usage}")
-    if not argv or len(argv) != {"ls": 2, "export": 3}[argv[0]]:
+    if not argv:
         raise CheckpointError(usage)
+    if len(argv) != {"ls": 2, "export": 3}[argv[0]]:      # what was given, not only the usage
+        want = "CKPT_DIR" if argv[0] == "ls" else "CKPT_DIR HF_OUT_DIR"
+        raise CheckpointError(f"{argv[0]} takes {want}, given {' '.join(map(repr, argv[1:])) or 'nothing'}; {usage}")
     root = argv[1]
     if (kind := path_kind(root)) != "a directory":
         raise CheckpointError(f"{root!r} is {'missing' if kind == 'nothing' else kind}: give a checkpoint "

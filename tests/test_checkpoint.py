@@ -334,6 +334,27 @@ def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, cap
     assert modes["model.safetensors"] == modes["config.json"], modes
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["ls", "{ck}", "extra"], "ls takes CKPT_DIR, given '{ck}' 'extra'"),                # was the usage alone
+    (["export", "{ck}"], "export takes CKPT_DIR HF_OUT_DIR, given '{ck}'"),
+    (["ls", "-x", "{ck}"], "-x: unknown flag"),                                      # was counted as a path
+    (["export", "--dtype=fp32", "--dtype=bf16", "{ck}", "{hf}"], "--dtype given as bf16 and fp32: give it once")])
+def test_the_cli_names_what_it_was_given_in_one_line(tmp_path, capsys, argv, says):
+    """checkpoint.py's bad input names the argument, not only the usage: a missing or extra path, a
+    one-dash flag; two --dtype values (the first one used to win, silently). Nothing is written."""
+    cfg = tiny_cfg(tmp_path / "ck")
+    model, opt = trained(cfg, steps=1)
+    ck = Checkpointer(cfg)
+    ck.save(1, model.state_dict(), opt.state_dict())
+    ck.close()
+    fill = lambda a: a.format(ck=tmp_path / "ck", hf=tmp_path / "hf")       # noqa: E731
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main([fill(a) for a in argv])
+    msg = str(e.value.code)
+    assert msg.startswith(f"checkpoint error: {fill(says)}") and "usage: " in msg and "\n" not in msg, msg
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_export_of_a_checkpoint_pruned_meanwhile_is_one_line(tmp_path, monkeypatch):
     """checkpoint.py export while a run writes into the same directory: the run's keep-N pruning (or
     a resume setting a folder aside) can remove the checkpoint being read. Here it goes right after
