@@ -133,6 +133,7 @@ class SpikeDetector:
         self.current: list[int] | None = None       # [first step, length so far] of an open spike
         self.lowest_mean = math.inf
         self.growing = False
+        self.earlier = (0, 0, 0)      # spikes, one-step spikes, longest: of the run before a resume
 
     def update(self, step: int, norm: float) -> list[str]:
         if not math.isfinite(norm):
@@ -161,12 +162,28 @@ class SpikeDetector:
             self.growing = mean > self.growth * self.lowest_mean
         return warnings
 
+    def totals(self) -> tuple[int, int, int]:
+        """Spikes, one-step spikes, the longest: this process's and the run's before a resume."""
+        lengths = [length for _, length in self.spikes]
+        return (self.earlier[0] + len(lengths), self.earlier[1] + lengths.count(1),
+                max([self.earlier[2], *lengths]))
+
     def summary(self) -> dict:
-        n = len(self.spikes)
-        one = sum(1 for _, length in self.spikes if length == 1)
+        n, one, longest = self.totals()
         return {"spikes": n, "one_step_share": one / n if n else None,      # (no spikes: no share; JSON null)
-                "longest": max((length for _, length in self.spikes), default=0),
-                "open": self.current[1] if self.current else 0}
+                "longest": longest, "open": self.current[1] if self.current else 0}
+
+    def state_dict(self) -> dict:
+        """JSON for a checkpoint: a resumed run goes on with the running mean, an open spike and the
+        totals (the finished spikes as three counts: a fixed size however long the run)."""
+        return {"history": list(self.history), "current": self.current, "growing": self.growing,
+                "lowest_mean": self.lowest_mean if math.isfinite(self.lowest_mean) else None,
+                "earlier": list(self.totals())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.extend(state["history"])
+        self.current, self.growing, self.earlier = state["current"], state["growing"], tuple(state["earlier"])
+        self.lowest_mean = math.inf if state["lowest_mean"] is None else state["lowest_mean"]
 
 
 # ----------------------------------------------------------------------------- non-finite steps
@@ -187,21 +204,27 @@ def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
 class Monitor:
     """Per-step metrics, console lines and TensorBoard. Every rank makes one and applies the
     non-finite policy to the globally reduced values (all skip or stop together); the main rank
-    prints and writes. peak_flops: every device's (a rate above it replaces it: MFU <= 100%)."""
+    prints and writes. peak_flops: every device's (a rate above it replaces it: MFU <= 100%).
+    resume: the checkpoint's extra (meta.json), state_dict() when saved: the run goes on as if never stopped."""
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops: float, is_main: bool = True,
-                 device: torch.device | str = "cpu", start_step: int = 0, tokens_seen: int = 0,
+                 device: torch.device | str = "cpu", start_step: int = 0, resume: dict | None = None,
                  print_fn=print, max_consecutive_skips: int = 20):
         self.flops_per_token, self.peak_flops, self.device = flops_per_token, peak_flops, torch.device(device)
         self.lazy = self.device.type == "xla"
         self.policy = cfg.log.on_nonfinite
         self.interval = max(1, cfg.log.interval)
-        self.tokens_seen = tokens_seen
+        resume = resume or {}
+        self.tokens_seen = resume.get("tokens_seen", 0)
         self.print = print_fn if is_main else (lambda *a, **k: None)
         self.spikes = SpikeDetector()
         self.pending: list[dict] = []
         self.skipped = self.consecutive_skips = 0
         self.max_consecutive_skips = max_consecutive_skips
+        if "monitor" in resume:         # (a checkpoint saved before the monitor's state was: a fresh detector)
+            state = resume["monitor"]
+            self.spikes.load_state_dict(state["spikes"])
+            self.skipped, self.consecutive_skips = state["skipped"], state["consecutive_skips"]
         self._peak_raised = False
         self._t_flush, self._tokens_since = time.perf_counter(), 0
         self.writer = None
@@ -210,6 +233,12 @@ class Monitor:
             # purge_step: after a restart (from a checkpoint or from scratch), TensorBoard hides what a
             # crashed run logged past it: every step from the first one this run logs.
             self.writer = SummaryWriter(cfg.log.tensorboard, purge_step=start_step + 1)
+
+    def state_dict(self) -> dict:
+        """The run's state for the checkpoint of the step just flushed (a save comes after
+        off_the_clock's flush), JSON: the tokens seen, the spike detector, the skipped steps."""
+        mine = {"spikes": self.spikes.state_dict(), "skipped": self.skipped, "consecutive_skips": self.consecutive_skips}
+        return {"tokens_seen": self.tokens_seen, "monitor": mine}
 
     # -------------------------------------------------------------- non-finite policy
     def check_finite(self, step: int, loss, grad_norm) -> bool:

@@ -376,7 +376,7 @@ def run(argv: list[str]) -> None:
 
         # The rest of a resume: optimizer, data position (by global window index: at another DP
         # degree each rank takes the streams it now owns, data.py), RNG streams.
-        step, tokens_seen, saved = 0, 0, None            # saved: the newest checkpoint of this run's lineage
+        step, saved = 0, None            # saved: the newest checkpoint of this run's lineage
         if loaded is not None:
             if loaded.optim is not None:
                 optimizer.load_state_dict(loaded.optim)
@@ -389,7 +389,7 @@ def run(argv: list[str]) -> None:
                     log(f"{e}; the model and optimizer continue, the data stream restarts from its beginning")
             if loaded.rng is not None:
                 checkpoint.set_rng_state(loaded.rng, device)
-            step, tokens_seen, saved = loaded.step, loaded.extra.get("tokens_seen", 0), loaded.step
+            step, saved = loaded.step, loaded.step
             sync(device)        # the loaded state as a graph of its own, not folded into the first step's
         batches = data.DeviceLoader(train_loader, device)   # torch-xla's parallel loader on XLA
 
@@ -397,7 +397,7 @@ def run(argv: list[str]) -> None:
                                                    shapes=monitor.matmul_shapes(cfg, grid.tp))
         log(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per device ({peak_how})")
         mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
-                              device=device, start_step=step, tokens_seen=tokens_seen)
+                              device=device, start_step=step, resume=loaded.extra if loaded else None)
         tokens_per_step = d.global_batch * d.seq_len
         said = []                            # the kinds of data warnings already said (data_warnings)
         for line in corpus.start_warnings():    # empty files skipped, files of a folder left out
@@ -426,7 +426,6 @@ def run(argv: list[str]) -> None:
             sync(device)                                # the reduce/clip/update graph
             step += 1
             dog.step_done()
-            tokens_seen += tokens_per_step
             log_now = step % cfg.log.interval == 0
             # The blog's parameter norm, and its spread over the DP replicas (which must stay
             # identical: bf16_sr without ZeRO-1 updates each replica on its own), at log steps only.
@@ -462,7 +461,7 @@ def run(argv: list[str]) -> None:
                         # On a CPU host the weights and moments are copied while the next step's
                         # forward and backward run (guard waits before its update): bench.py ckpt.
                         ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
-                                  extra={"tokens_seen": tokens_seen}, defer_copy=True)
+                                  extra=mon.state_dict(), defer_copy=True)
                         saved = step
                     else:
                         log(f"{stopping}: the checkpoint of step {step} cannot be written before the launcher's "

@@ -1,5 +1,6 @@
 """Monitoring: the blog's spike detector finds exactly the known spikes, non-finite steps skip or
 stop as configured, metrics stay lazy on XLA, TensorBoard files read back, curves."""
+import json
 import math
 import os
 import re
@@ -183,6 +184,35 @@ def test_tensorboard_hides_what_a_crashed_run_logged_past_the_restart(tmp_path, 
         mon.close()
     got = monitor.read_scalars(cfg.log.tensorboard)["train/loss"]
     assert got == [(s, 9.0) for s in range(1, restart_from + 1)] + [(s, 5.0) for s in range(restart_from + 1, 9)], got
+
+
+def test_a_resumed_run_watches_as_one_never_stopped(tmp_path):
+    """The monitor's state goes into the checkpoint (JSON, meta.json's extra) and back: a run resumed
+    at step 79, inside a 3-step spike, finds the recorded run's spikes and counts its skipped step as
+    one never stopped does. Before, the resumed monitor started empty: blind for 20 steps (no running
+    mean yet), the spikes and skipped steps in TensorBoard fell back to 0, and the closing line
+    counted only the steps after the resume."""
+    path = os.path.join(ROOT, "tests", "data", "monitor_grad_norms.txt")
+    norms = [float(line) for line in open(path) if not line.startswith("#")][:120]
+    norms[29] = float("nan")                # step 30: skipped (--log.on_nonfinite=skip)
+
+    def run(tb, first, last, state=None):
+        cfg, lines = small_cfg(tmp_path / tb, interval=1, on_nonfinite="skip"), []
+        mon = Monitor(cfg, 1e6, 1e12, print_fn=lines.append, start_step=first - 1, resume=state)
+        for s in range(first, last + 1):
+            g = torch.tensor(norms[s - 1])
+            go = mon.check_finite(s, torch.tensor(2.0), g)
+            mon.step(s, loss=torch.tensor(2.0), grad_norm=g, lr=1e-3, tokens=torch.tensor(64), skipped=not go)
+        state = json.loads(json.dumps(mon.state_dict(), allow_nan=False))     # as meta.json holds it
+        mon.close()
+        return state, [x for x in lines if not x.startswith("step ")], monitor.read_scalars(cfg.log.tensorboard)
+
+    _, straight, want = run("straight", 1, 120)
+    state, _, _ = run("resumed", 1, 79)
+    _, resumed, got = run("resumed", 80, 120, state)
+    assert straight[-1].startswith("gradient-norm spikes: 21,") and resumed[-1] == straight[-1]
+    for tag in ("stability/spikes", "stability/one_step_spike_share", "stability/skipped_steps"):
+        assert got[tag] == want[tag], tag
 
 
 def monitor_cli(argv, monkeypatch, capsys) -> tuple[int, str, str]:

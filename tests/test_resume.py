@@ -106,6 +106,12 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
         merged = lambda d: {s: p for st in data_states(d) for s, p in st["streams"].items()}
         assert merged(want) == merged(got), step
     assert {**losses(a.stdout), **losses(b.stdout), **losses(c.stdout)} == losses(ref.stdout)
+    # The monitor goes on as if never stopped (issue 10): its spike detector's running mean holds all 12
+    # steps' gradient norms, not the last resume's 4 (before, meta.json held the tokens seen only).
+    extra = lambda x: json.loads((tmp_path / x / "ckpt" / "step_00000012" / "meta.json").read_text())["extra"]
+    want, got = extra("ref"), extra("run")
+    assert got["tokens_seen"] == want["tokens_seen"] == 12 * 4 * 32 and len(got["monitor"]["spikes"]["history"]) == 12
+    assert got["monitor"]["spikes"]["history"] == pytest.approx(want["monitor"]["spikes"]["history"], rel=1e-5)
     # The global batches after each resume, built from the saved positions at the new DP degree
     # exactly as train.py does, are the uninterrupted run's.
     straight = global_batches(cfg, 1, 12)
