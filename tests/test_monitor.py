@@ -215,6 +215,23 @@ def test_a_resumed_run_watches_as_one_never_stopped(tmp_path):
         assert got[tag] == want[tag], tag
 
 
+def test_the_docs_name_every_tensorboard_tag_the_monitor_writes(tmp_path):
+    """docs/monitoring.md's table of scalars is the list a user (or a check) reads the event files by:
+    it names exactly the tags a run writes, with data parallelism, a spike and an evaluation."""
+    cfg = small_cfg(tmp_path, interval=2)
+    mon = Monitor(cfg, 1e6, 1e12, print_fn=lambda *a: None)
+    for s in range(1, 23):              # a one-step spike at step 21: the one-step share has a value
+        mon.step(s, loss=torch.tensor(3.0), grad_norm=torch.tensor(2.0 if s == 21 else 0.5), lr=1e-3, tokens=64,
+                 data_wait=0.01, param_norm=torch.tensor(10.0), param_spread=torch.tensor(0.0))
+    mon.eval(22, torch.tensor(3.0))
+    mon.close()
+    written = set(monitor.read_scalars(cfg.log.tensorboard))
+    text = open(os.path.join(ROOT, "docs", "monitoring.md")).read()
+    rows = re.findall(r"^\| (`[^|]+) \|", text, re.M)
+    documented = {tag for row in rows for tag in re.findall(r"`([a-z_]+/[a-z_]+)`", row)}
+    assert written == documented, (sorted(written - documented), sorted(documented - written))
+
+
 def monitor_cli(argv, monkeypatch, capsys) -> tuple[int, str, str]:
     """`python monitor.py ARGV` run in this process (its __main__, by runpy: 0.1 s where a process that
     loads torch took ~3 s): (exit status, stdout, stderr as the interpreter writes it). An exception
