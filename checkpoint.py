@@ -28,6 +28,7 @@ import torch.distributed as dist
 from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
 import parallel
 from parallel import Grid
+import pipeline
 import ckptdir
 import reshard
 from ckptdir import CheckpointError  # noqa: F401  (callers use checkpoint.CheckpointError)
@@ -203,6 +204,8 @@ class Checkpointer:
         # ZeRO-1 shards exist only when there is more than one DP rank (optim.build_optimizer).
         self.layout = {"world": g.world, "tp": g.tp, "pp": g.pp, "dp": g.dp,
                        "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
+        if g.pp > 1:     # which layers each stage holds: the same PP degree at other --parallel.pp_cuts reshards too
+            self.layout["stages"] = [list(b) for b in pipeline.stage_bounds(cfg)]
         self.faults = faults or Faults.from_env(g.rank, self.root)
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,

@@ -91,8 +91,8 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     reads = [not shared or g.dp_rank == r for r in readers]
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
     # at another TP degree, every TP shard of the stage, joined and re-split. After a change of
-    # PP degree every saved stage is looked at (mmap: only the names this rank has are read).
-    stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
+    # PP degree or split every saved stage is looked at (mmap: only the names this rank has are read).
+    stages = [g.pp_rank] if same_stages(saved, now) else range(saved["pp"])
     model = {}
     for p in stages if reads[0] else ():
         if saved["tp"] == now["tp"]:
@@ -100,7 +100,7 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
         else:
             model.update(reshard([load(f"model_{tag(t, p)}.pt") for t in range(saved["tp"])],
                                  m, g.tp, g.tp_rank, keep=names))
-    if names is not None and saved["pp"] != now["pp"]:
+    if names is not None and not same_stages(saved, now):
         model = {k: v for k, v in model.items() if k in names}
     if shared:
         model = broadcast_state(model if reads[0] else None, g, readers[0], device)
@@ -130,9 +130,16 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     return Loaded(meta["step"], d, meta, model, optim, data, rng)
 
 
+def same_stages(saved: dict, now: dict) -> bool:
+    """Each stage holds the layers it held when saved: the same PP degree and split (layout["stages"], absent
+    without PP and in PP checkpoints from before it was saved: those are read as another split, from every stage)."""
+    return saved["pp"] == now["pp"] and saved.get("stages") == now.get("stages")
+
+
 def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dict:
     load = lambda name: load_file(d / name, weights_only=False)
-    same = all(saved[k] == now[k] for k in ("tp", "pp", "zero1")) and (not now["zero1"] or saved["dp"] == now["dp"])
+    same = (same_stages(saved, now) and all(saved[k] == now[k] for k in ("tp", "zero1"))
+            and (not now["zero1"] or saved["dp"] == now["dp"]))
     if same:
         return load(optim_name(g.dp_rank, tag(g.tp_rank, g.pp_rank), now["zero1"]))
     # Any other layout: the state is rebuilt per parameter ("<name>.<moment>", shaped as the
@@ -140,7 +147,7 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
     # asks only for the parameters of its shard, and a saved ZeRO-1 tensor is cut from the one
     # or two saved shards holding it (memory-mapped): at 4096 ranks a rank still reads about
     # its own share, times saved_tp / tp when the TP degree changes.
-    stages = [g.pp_rank] if saved["pp"] == now["pp"] else range(saved["pp"])
+    stages = [g.pp_rank] if same_stages(saved, now) else range(saved["pp"])
     tps = [g.tp_rank] if saved["tp"] == now["tp"] else range(saved["tp"])
     src = {(t, p): SavedOptim(d, tag(t, p), saved, d.name) for p in stages for t in tps}
     stage = {k: p for (t, p), s in src.items() if t == tps[0] for k in s.index}

@@ -804,3 +804,41 @@ def test_a_tied_model_saved_without_pp_resumes_at_pp2_with_the_heads_moments(tmp
             want = sharding.cut("embed.weight", saved[f"embed.weight.{moment}"], cfg.model, tp, tp_rank)
             assert torch.equal(state[f"lm_head.weight.{moment}"], want)
         assert torch.equal(last.lm_head.weight, sharding.cut("embed.weight", model.embed.weight, cfg.model, tp, tp_rank))
+
+
+@pytest.mark.parametrize("cuts", ["3", ""])
+def test_a_pp_checkpoint_resumes_at_other_stage_cuts(tmp_path, cuts):
+    """Saved at PP=2 with --parallel.pp_cuts=1 (stages [0,1), [1,4)), resumed at the same PP degree
+    but other cuts (3, or even): each stage gets its layers' weights and moments from whichever
+    saved stage held them. Before, only the PP degree decided a reshard: each rank read its own
+    stage's file, and load_state_dict failed on the layers it had not saved (found by a black-box
+    train.py resume under torchrun --pp=2)."""
+    cfg = tiny_cfg(tmp_path, n_layers=4)
+    cfg.ckpt.async_save = False
+    cfg.parallel.pp, cfg.parallel.pp_cuts = 2, "1"
+    full, full_opt = trained(cfg)                  # the whole model and its moments: what each stage must get
+    want = full_opt.state_dict()["state"]
+    for rank in (1, 0):                            # rank 0 last: it completes the save once both have written
+        g = parallel.Grid(world=2, rank=rank, pp=2, pp_rank=rank)
+        stage = parallel.build_model(cfg, g, "cpu", stage=lambda m: pipeline.PipelineStage(m, pipeline.stage_bounds(cfg), rank))
+        stage.load_state_dict({k: v for k, v in full.state_dict().items() if k in stage.state_dict()})
+        opt = optim.build_optimizer(stage, cfg, g)
+        sd = opt.state_dict()
+        opt.load_state_dict({**sd, "state": {k: want[k] for k in sd["state"]}})
+        c = Checkpointer(cfg, g)
+        if rank == 0:
+            c.claim()
+        c.save(2, stage.state_dict(), opt.state_dict(), data={"d": 0})
+        c.close()
+    cfg.parallel.pp_cuts = cuts
+    for rank in (0, 1):
+        g = parallel.Grid(world=2, rank=rank, pp=2, pp_rank=rank)
+        stage = parallel.build_model(cfg, g, "cpu", stage=lambda m: pipeline.PipelineStage(m, pipeline.stage_bounds(cfg), rank))
+        got = Checkpointer(cfg, g).load_latest(names=set(stage.state_dict()))
+        stage.load_state_dict(got.model)
+        resumed = optim.build_optimizer(stage, cfg, g)
+        resumed.load_state_dict(got.optim)
+        for k, v in stage.state_dict().items():
+            assert torch.equal(v, full.state_dict()[k]), (cuts, rank, k)
+        for k, v in resumed.state_dict()["state"].items():
+            assert torch.equal(v, want[k]), (cuts, rank, k)
