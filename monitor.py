@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import logging
 import math
 import os
 import resource
@@ -394,7 +395,15 @@ def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in the TensorBoard event files of tb_dir: tag -> [(step, value)], by step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})     # 0: keep every point
-    acc.Reload()
+    # After a resume the reader drops what the crashed run logged past the checkpoint, as designed
+    # (purge_step), and warns of "a TensorFlow restart": alarm about nothing, so its warnings are muted.
+    log = logging.getLogger("tensorboard")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        acc.Reload()
+    finally:
+        log.setLevel(level)
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 

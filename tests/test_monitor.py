@@ -1,6 +1,7 @@
 """Monitoring: the blog's spike detector finds exactly the known spikes, non-finite steps skip or
 stop as configured, metrics stay lazy on XLA, TensorBoard files read back, curves."""
 import json
+import logging
 import math
 import os
 import re
@@ -417,6 +418,23 @@ def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path, mo
     assert err.strip() == f"error: {tmp_path / 'no_tb'} is not a directory of TensorBoard event files " \
                           "(the run's --log.tensorboard)"
     assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_of_a_resumed_run_says_only_the_png(tmp_path, monkeypatch, capsys, caplog):
+    """A resumed run's event files hold what the crashed run logged past the checkpoint, which the
+    reader drops (purge_step) as designed. It also logged 'Detected out of order event.step likely
+    caused by a TensorFlow restart. Purging expired events ...', twice, on stderr of the documented
+    `python monitor.py plot` after every resume: alarm about nothing."""
+    cfg = small_cfg(tmp_path, interval=1)
+    for start, end in ((0, 6), (3, 8)):
+        mon = Monitor(cfg, 1e6, 1e12, print_fn=lambda *a: None, start_step=start)
+        for s in range(start + 1, end + 1):
+            mon.step(s, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=64)
+        mon.close()
+    code, out, err = monitor_cli(["plot", cfg.log.tensorboard, tmp_path / "c.png"], monkeypatch, capsys)
+    assert (code, out, err) == (0, f"{tmp_path / 'c.png'}\n", "")
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]   # (pytest takes the log)
+    assert [s for s, _ in monitor.read_scalars(cfg.log.tensorboard)["train/loss"]] == list(range(1, 9))
 
 
 @pytest.mark.parametrize("out,says", [("c.txt", "c.txt' does not end in an image format"),
