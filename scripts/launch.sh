@@ -51,6 +51,13 @@ if ((10#$MASTER_PORT > 65535)); then
     echo "error: MASTER_PORT=$MASTER_PORT: give a TCP port, 1 to 65535" >&2
     exit 2
 fi
+# The pre-compile pass (below) evaluates at step 4 and saves at step 5: with fewer than 6 steps the eval, the
+# save or the step after it (aws-neuron-sdk #813) stays out of the cache, and the run compiles it there (minutes).
+if [[ "$mode" == compile ]] && ((10#$COMPILE_STEPS < 6)); then
+    echo "error: COMPILE_STEPS=$COMPILE_STEPS: give 6 or more (the pass evaluates at step 4, saves at step 5 and" \
+         "must run the step after that save)" >&2
+    exit 2
+fi
 if [[ -n "$NODE_RANK" ]] && { [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || ((10#$NODE_RANK >= 10#$NNODES)); }; then
     echo "error: NODE_RANK=$NODE_RANK: give a whole number below NNODES=$NNODES" >&2
     exit 2

@@ -245,6 +245,19 @@ def test_bad_layout_fails_before_anything_starts():
         "one instance's NeuronLink; pick --parallel.tp from 1, 2, 4, 8, 16, 32"], r.stderr
 
 
+def test_a_compile_pass_too_short_for_its_eval_and_save_is_refused():
+    """The pre-compile pass evaluates at step 4 and saves at step 5: COMPILE_STEPS=5 ran without the step after
+    the save (aws-neuron-sdk #813), 3 without the save and the eval, and the run compiled them at its own (minutes)."""
+    for steps in ("3", "5"):
+        r = run_script([SCRIPTS / "launch.sh", "compile", *ARGS_7B], DRY_RUN="1", COMPILE_STEPS=steps)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(
+            f"error: COMPILE_STEPS={steps}: give 6 or more") and len(r.stderr.splitlines()) == 1, r
+    r = run_script([SCRIPTS / "launch.sh", "compile", *ARGS_7B], DRY_RUN="1", COMPILE_STEPS="6")
+    assert r.returncode == 0 and "--optim.max_steps=6 --log.eval_interval=4 --ckpt.interval=5" in r.stdout, r
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", COMPILE_STEPS="3")    # not its business
+    assert r.returncode == 0, r
+
+
 @pytest.mark.slow
 def test_a_bad_path_fails_in_launch_sh_not_in_every_worker(tmp_path):
     """A missing --tokenizer or --data, an --out_dir that is a file: launch.sh says it in one line with the
