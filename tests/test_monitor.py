@@ -377,6 +377,20 @@ def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
     assert len(mfu) == 2 and mfu[0] == 1.0 and max(mfu) <= 1.0, mfu
 
 
+def test_the_documented_flops_per_token_are_the_products():
+    """docs/monitoring.md gives the FLOPs per token an outside check computes MFU with, and the convention
+    (causal attention at half the square; PaLM and torchtitan count it whole): its figures for llama2_7b
+    and llama3_8b (GQA) are model.flops_per_token's."""
+    import model
+    text = " ".join(open(os.path.join(ROOT, "docs", "monitoring.md")).read().split())
+    for name, seq in (("llama2_7b", 4096), ("llama3_8b", 8192)):
+        m = getattr(configs, name)().model
+        ours, attention = model.flops_per_token(m, seq), 6 * m.n_layers * seq * m.n_heads * m.head_dim
+        assert f"{(ours - attention) / 1e9:.2f} + {attention / 1e9:.2f} = {ours / 1e9:.2f}" in text, name
+    m = configs.llama2_7b().model
+    assert f"theirs {(model.flops_per_token(m, 4096) + 6 * m.n_layers * 4096 * m.dim) / 1e9:.2f}" in text
+
+
 @pytest.mark.slow
 def test_the_measured_cpu_peak_is_not_a_busy_hosts_accident():
     """Two busy processes on the cores (a shared host; the 2-core machine under other work): the
