@@ -11,7 +11,8 @@ re-created between rounds, so several small layouts share one spawn and the file
                           pp_cuts=1).
 Each layout runs 3 AdamW steps (clipping active) and writes what it gathered to full shape
 (initial weights, step-0 gradients after reduction and clipping, final weights) plus its loss,
-grad norm, live-activation peak, message counts and one step's collectives. The tests compare
+grad norm, live-activation peak (the schedule's list, and autograd's saved tensors), step 0's order
+of tasks, message counts and one step's collectives. The tests compare
 them, in this process, with a plain single-process Llama on the same global batches. The grad
 norm is compared before clipping: a uniform gradient scale error (picotron's grad_acc-times-larger
 PP gradients) would survive clipping in the gradients themselves, not in the norm.
@@ -78,6 +79,22 @@ class RecordingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class SavedBy:
+    """A tensor autograd saved in microbatch i's forward for its backward, counted while alive (freed by
+    that backward): peak is how many microbatches' activations a stage held at once, counted by autograd
+    itself rather than by the schedule's own list."""
+    alive: dict = {}
+    peak = 0
+
+    def __init__(self, t: torch.Tensor, i: int):
+        self.t, self.i = t, i
+        SavedBy.alive[i] = SavedBy.alive.get(i, 0) + 1
+        SavedBy.peak = max(SavedBy.peak, sum(n > 0 for n in SavedBy.alive.values()))
+
+    def __del__(self):
+        SavedBy.alive[self.i] -= 1
+
+
 class FixedLoader:
     """The held-out loader's interface as train.evaluate uses it: reset(), then next()."""
     def __init__(self, batches):
@@ -123,7 +140,23 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
     opt = RecordingAdamW(model, grid)
     for step in range(STEPS):
         batches = rank_batches(step, grid, cfg)
-        if step == STEPS - 1:          # one step's collectives, and its point-to-point messages
+        if step == 0:      # the order of this stage's tasks ("F" or "B", microbatch), and what autograd saved
+            res["order"], real_tasks = [], (pipeline._Microbatches.forward, pipeline._Microbatches.backward)
+            SavedBy.alive, SavedBy.peak = {}, 0
+
+            def forward(mb, x):
+                res["order"].append(("F", mb.next_fwd))
+                with torch.autograd.graph.saved_tensors_hooks(lambda t, i=mb.next_fwd: SavedBy(t, i), lambda s: s.t):
+                    return real_tasks[0](mb, x)
+            pipeline._Microbatches.forward = forward
+            pipeline._Microbatches.backward = lambda mb, dy: (res["order"].append(("B", mb.next_fwd - len(mb.live)))
+                                                              or real_tasks[1](mb, dy))
+            try:
+                r = train.train_step(model, opt, batches, grid, cfg)
+            finally:
+                pipeline._Microbatches.forward, pipeline._Microbatches.backward = real_tasks
+            res["saved_peak"] = SavedBy.peak
+        elif step == STEPS - 1:          # one step's collectives, and its point-to-point messages
             messages, real_p2p = [0, 0], pipeline.p2p
 
             def counted(comm, send, peer, recv):       # what p2p exchanges: nothing past either end
@@ -305,12 +338,43 @@ def test_tied_copies_stay_equal_and_export(spawned, name, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2_1f1b_send", "pp2_gpipe_allgather", "pp4_1f1b", "pp4_gpipe"])
 def test_1f1b_keeps_at_most_pp_minus_stage_microbatches_alive_gpipe_all(spawned, name):
-    """1F1B: stage s holds at most PP - s microbatches (<= PP) whatever m; GPipe holds all m."""
+    """1F1B: stage s holds at most PP - s microbatches (<= PP) whatever m; GPipe holds all m. Counted twice:
+    the schedule's list of microbatches in flight, and the microbatches whose saved activations autograd
+    still holds (a graph kept past its backward shows in the second only)."""
     for res in load(spawned, name):
         pp, s, m = res["pp"], res["pp_rank"], res["microbatches"]
         assert m > pp                                 # otherwise the two schedules could not differ
         want = pp - s if "1f1b" in name else m
         assert res["max_live"] == [want] * STEPS, f"{name} stage {s}: live activations {res['max_live']}"
+        assert res["saved_peak"] == want, f"{name} stage {s}: microbatches with saved activations {res['saved_peak']}"
+
+
+def one_f_one_b_order(pp: int, s: int, m: int) -> list[tuple[str, int]]:
+    """Stage s's tasks under 1F1B as Megatron-LM runs them (megatron/core/pipeline_parallel/schedules.py,
+    forward_backward_pipelining_without_interleaving) and NxD (pipeline/scheduler.py, Train1F1BSchedule):
+    min(pp - s - 1, m) warm-up forwards, then one forward and one backward in turn, then the last backwards."""
+    w = min(pp - s - 1, m)
+    steady = [task for i in range(m - w) for task in (("F", w + i), ("B", i))]
+    return [("F", i) for i in range(w)] + steady + [("B", i) for i in range(m - w, m)]
+
+
+def test_the_1f1b_order_is_nxds_table():
+    """The table in NxD's Train1F1BSchedule docstring (PP4, 6 microbatches), row by row."""
+    nxd = ["F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5", "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+           "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5", "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"]
+    assert [" ".join(f"{k}{i}" for k, i in one_f_one_b_order(4, s, 6)) for s in range(4)] == nxd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_stage_runs_its_tasks_in_its_schedules_order(spawned, name):
+    """What each stage ran at step 0, in order: 1F1B's order (above), or GPipe's (every forward, then
+    every backward, oldest first)."""
+    for res in load(spawned, name):
+        pp, s, m = res["pp"], res["pp_rank"], res["microbatches"]
+        gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        want = gpipe if "gpipe" in name else one_f_one_b_order(pp, s, m)
+        assert [tuple(t) for t in res["order"]] == want, f"{name} stage {s}: {res['order']}"
 
 
 @pytest.mark.slow
