@@ -175,13 +175,14 @@ compile)
     # invalid), then compiles every graph in parallel into NEURON_CACHE_DIR. Everything that
     # shapes a graph must match the real run, so only the step count changes; an eval and a
     # checkpoint save inside the few steps put the eval graph and the steps after a save
-    # (aws-neuron-sdk #813) in the cache too. train.py sees NEURON_EXTRACT_GRAPHS_ONLY and writes
+    # (aws-neuron-sdk #813) in the cache too, and a log at step 5 the log graph, whatever the run's
+    # --log.interval (no graph's shape depends on it: XLA:CPU census at 2 and 4). train.py sees NEURON_EXTRACT_GRAPHS_ONLY and writes
     # no checkpoint and no export (its values are invalid), yet traces the save and load graphs;
     # the side directories are never created, let alone resumed from.
     side="$out_dir/precompile"
     cmd=(neuron_parallel_compile "${launcher[@]}" --max-restarts=0 train.py "$@"
          --optim.max_steps="$COMPILE_STEPS" --log.eval_interval=4 --ckpt.interval=5
-         --ckpt.dir="$side/ckpt" --out_dir="$side" --log.tensorboard=) ;;
+         --log.interval=5 --ckpt.dir="$side/ckpt" --out_dir="$side" --log.tensorboard=) ;;
 health)
     read -r -a extra <<< "${HEALTHCHECK_ARGS:-}"
     cmd=("${launcher[@]}" --max-restarts=0 scripts/healthcheck.py --tp="$tp" --pp="$pp" "${extra[@]}") ;;

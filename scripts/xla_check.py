@@ -250,7 +250,7 @@ def main() -> None:
         try:
             report["precompile"] = watched_run(train_args + [
                 "--device=xla", f"--optim.max_steps={args.precompile_steps}", "--log.eval_interval=4",
-                "--ckpt.interval=5", f"--ckpt.dir={side}/ckpt", f"--out_dir={side}", "--log.tensorboard="])
+                "--ckpt.interval=5", "--log.interval=5", f"--ckpt.dir={side}/ckpt", f"--out_dir={side}", "--log.tensorboard="])
         finally:
             del os.environ["NEURON_EXTRACT_GRAPHS_ONLY"]
         report["precompile"]["wrote"] = os.path.exists(side)

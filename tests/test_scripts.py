@@ -137,7 +137,7 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     # and everything that shapes a graph is the run's own: only these keys may differ
     ours, theirs = flat_config(compile_[i + 1:]), flat_config(train[train.index("train.py") + 1:])
     differ = {k for k in ours if ours[k] != theirs[k]}
-    assert differ <= {"optim.max_steps", "log.eval_interval", "ckpt.interval", "ckpt.dir",
+    assert differ <= {"optim.max_steps", "log.eval_interval", "ckpt.interval", "log.interval", "ckpt.dir",
                       "out_dir", "log.tensorboard"}, differ
     assert "--cache_dir=/opt/local-nvme/neuron-cache" in tenv["NEURON_CC_FLAGS"]
     # static node ranks under SLURM: torchrun does not restart, the sbatch loop starts the step again
@@ -254,6 +254,17 @@ def test_a_compile_pass_too_short_for_its_eval_and_save_is_refused():
             f"error: COMPILE_STEPS={steps}: give 6 or more") and len(r.stderr.splitlines()) == 1, r
     r = run_script([SCRIPTS / "launch.sh", "compile", *ARGS_7B], DRY_RUN="1", COMPILE_STEPS="6")
     assert r.returncode == 0 and "--optim.max_steps=6 --log.eval_interval=4 --ckpt.interval=5" in r.stdout, r
+
+
+def test_the_compile_pass_logs_whatever_the_runs_log_interval():
+    """A run logging every 100 steps: its pass of 10 steps logged never, so the run compiled the log graph
+    (the parameter norm) at its step 100. The pass now logs at step 5, beside its save; no graph's shape
+    depends on --log.interval (scripts/xla_check.py's census at 2 and 4: the same sizes)."""
+    r = run_script([SCRIPTS / "launch.sh", "compile", *ARGS_7B, "--log.interval=100"], DRY_RUN="1")
+    assert r.returncode == 0, r
+    (cmd,) = parse_dry_run(r.stdout)[1]
+    cfg = flat_config(cmd[cmd.index("train.py") + 1:])
+    assert cfg["log.interval"] <= 5 < cfg["optim.max_steps"] and cfg["ckpt.interval"] == 5, cfg
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", COMPILE_STEPS="3")    # not its business
     assert r.returncode == 0, r
 
