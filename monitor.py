@@ -378,6 +378,8 @@ class Monitor:
         if s["spikes"]:
             self.print(f"gradient-norm spikes: {s['spikes']}, {s['one_step_share']:.0%} lasted one step "
                        f"(the blog: over 86%), longest {s['longest']} steps")
+        if s["open"]:       # counted once it ends: a run that stops inside one (diverging?) says so
+            self.print(f"gradient-norm spike still open at the end: the last {s['open']} steps, not counted above")
         if self.writer:
             self.writer.close()
             self.writer = None

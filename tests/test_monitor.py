@@ -51,6 +51,20 @@ def test_a_run_without_spikes_has_no_one_step_share():
     assert d.summary() == {"spikes": 0, "one_step_share": None, "longest": 0, "open": 0}
 
 
+def test_a_run_that_ends_inside_a_spike_says_so():
+    """The closing line counts finished spikes. A run that ended inside one (the norm still high: the
+    sign of divergence the detector is for) printed nothing about it, or nothing at all if it was the
+    only spike."""
+    lines = []
+    mon = Monitor(small_cfg(None, interval=1), 1e6, 1e18, print_fn=lines.append)
+    for s, g in enumerate([0.5] * 20 + [2.0] + [0.5] * 3 + [3.0] * 8, start=1):
+        mon.step(s, loss=torch.tensor(3.0), grad_norm=torch.tensor(g), lr=1e-3, tokens=64)
+    mon.close()
+    closing = [x for x in lines if not x.startswith(("step ", "warning: "))]
+    assert closing == ["gradient-norm spikes: 1, 100% lasted one step (the blog: over 86%), longest 1 steps",
+                       "gradient-norm spike still open at the end: the last 8 steps, not counted above"], closing
+
+
 def test_growth_warning_when_mean_triples():
     norms = [1.0] * 40 + [1.0 + 0.05 * k for k in range(1, 81)]       # lowest mean 1.0, then a ramp to 5.0
     first_over = next(t for t in range(20, len(norms) + 1) if sum(norms[t - 20:t]) / 20 > 3.0)
