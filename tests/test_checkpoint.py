@@ -806,13 +806,14 @@ def test_a_tied_model_saved_without_pp_resumes_at_pp2_with_the_heads_moments(tmp
         assert torch.equal(last.lm_head.weight, sharding.cut("embed.weight", model.embed.weight, cfg.model, tp, tp_rank))
 
 
-@pytest.mark.parametrize("cuts", ["3", ""])
+@pytest.mark.parametrize("cuts", ["3", "", "1"])
 def test_a_pp_checkpoint_resumes_at_other_stage_cuts(tmp_path, cuts):
     """Saved at PP=2 with --parallel.pp_cuts=1 (stages [0,1), [1,4)), resumed at the same PP degree
     but other cuts (3, or even): each stage gets its layers' weights and moments from whichever
     saved stage held them. Before, only the PP degree decided a reshard: each rank read its own
     stage's file, and load_state_dict failed on the layers it had not saved (found by a black-box
-    train.py resume under torchrun --pp=2)."""
+    train.py resume under torchrun --pp=2). At the same cuts it is the same layout: each rank's own files,
+    its RNG streams included."""
     cfg = tiny_cfg(tmp_path, n_layers=4)
     cfg.ckpt.async_save = False
     cfg.parallel.pp, cfg.parallel.pp_cuts = 2, "1"
@@ -835,6 +836,7 @@ def test_a_pp_checkpoint_resumes_at_other_stage_cuts(tmp_path, cuts):
         g = parallel.Grid(world=2, rank=rank, pp=2, pp_rank=rank)
         stage = parallel.build_model(cfg, g, "cpu", stage=lambda m: pipeline.PipelineStage(m, pipeline.stage_bounds(cfg), rank))
         got = Checkpointer(cfg, g).load_latest(names=set(stage.state_dict()))
+        assert (got.rng is not None) == (cuts == "1"), (cuts, rank)      # None: read as another layout
         stage.load_state_dict(got.model)
         resumed = optim.build_optimizer(stage, cfg, g)
         resumed.load_state_dict(got.optim)
