@@ -480,3 +480,21 @@ def test_init_from_plans_the_folders_model(capsys, tmp_path):
     with pytest.raises(SystemExit) as x:                          # no such folder: one line, as train.py says it
         plan.main([f"--init_from={tmp_path / 'none'}"])
     assert "has no config.json" in str(x.value)
+
+
+def test_the_readmes_memory_table_is_the_planners():
+    """Issue 10 asks for the 7B and 70B memory tables in the README: its rows are estimate()'s, in GiB
+    per NeuronCore, and so are the totals of the layouts it names as not fitting."""
+    rows = {line.split(",")[0]: line for line in open(os.path.join(ROOT, "README.md")).read().splitlines()
+            if line.startswith(("| 7B,", "| 70B,"))}
+    gib = lambda x: f"{x / 2**30:.2f}"                                               # noqa: E731
+    tp1, tp2 = Layout(1, 1, 4096, False, False, "selective", 1), Layout(2, 1, 2048, True, False, "selective", 1)
+    tp8_zero1 = Layout(8, 1, 512, True, True, "selective", 1)
+    for name, c, others in (("| 7B", configs.llama2_7b(), {"TP=1": tp1, "TP=2": tp2}),
+                            ("| 70B", configs.llama2_70b(), {"TP=8 PP=1": tp8_zero1})):
+        e = estimate(c, world=WORLD)
+        cells = [gib(x) for x in (e.weights, e.grads, e.optimizer, e.activations, e.loss)] + [f"**{gib(e.total)}**"]
+        assert e.fits and " | ".join(cells) in rows[name], (rows[name], cells)
+        for label, layout in others.items():
+            x = estimate(c, layout, WORLD)
+            assert not x.fits and f"{label} ({gib(x.total)})" in rows[name], label
