@@ -34,6 +34,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})(\.(?:bad|incomplete)\d*)?$")   # step_0000
 OURS = re.compile(r"^(meta\.json|manifest\.json|rank\d{5}\.(done|pt)|model_tp\d+_pp\d+\.pt|"
                   r"optim_(dp\d+_)?tp\d+_pp\d+\.pt|\.tmp-rank\d{5}|\.(rank\d{5}\.done|manifest\.json)\.tmp)$")
 LATEST = re.compile(r"^step_\d{8}$")
+PRUNING = ".pruning"          # step_N.pruning: a folder being deleted by prune (only prune deletes it)
 MANIFEST = "manifest.json"
 # 1: no manifest (before issue 25); 2: manifest, lineage, "format" in meta.json and markers. Bump it
 # when an old reader would misread the new one: a reader refuses a newer format by name.
@@ -350,7 +351,7 @@ class CkptDir:
 
     def prune(self, keep: int):
         """Delete this lineage's complete checkpoints beyond the newest `keep` (one manifest read
-        per folder); never a folder without a manifest of this lineage."""
+        per folder); never a folder without a manifest of this lineage (but what a prune cut short left)."""
         if keep <= 0:
             return
         ours = []
@@ -366,5 +367,13 @@ class CkptDir:
                 self.say(f"not pruning {d.name}: it holds files nanotrn did not write ({', '.join(theirs[:3])}); "
                          f"delete it yourself when you no longer need them")
                 continue
-            (d / MANIFEST).unlink(missing_ok=True)     # first: a crash mid-delete leaves an interrupted
-            shutil.rmtree(d, ignore_errors=True)       # folder, never a "complete" one with files missing
+            # Renamed first: a crash mid-delete leaves step_N.pruning, never a step folder with files missing
+            # (kept forever as interrupted: no manifest), and the next prune finishes it.
+            try:
+                os.replace(d, d.with_name(d.name + PRUNING))
+                fsync_dir(self.root)
+            except OSError:
+                continue
+        for p in self.root.glob("step_*" + PRUNING):
+            if LATEST.match(p.name[:-len(PRUNING)]):
+                shutil.rmtree(p, ignore_errors=True)

@@ -208,6 +208,34 @@ def test_prune_keeps_a_checkpoint_holding_a_users_file(tmp_path, capsys):
     assert "not pruning step_00000002: it holds files nanotrn did not write (NOTES.txt)" in capsys.readouterr().out
 
 
+def test_a_prune_cut_short_leaves_no_step_folder_and_the_next_prune_finishes_it(tmp_path, monkeypatch):
+    """A kill halfway through deleting a pruned checkpoint (here rmtree stops after one file) left
+    step_N without its manifest and with some of its files: `ls` said BAD, and its space was never freed,
+    since prune deletes only folders with this lineage's manifest. Now the folder becomes step_N.pruning
+    before the delete, which no resume or `ls` takes for a checkpoint, and the next prune finishes it."""
+    import shutil
+    root = tmp_path / "run"
+    ck = Checkpointer(cfg_for(root, "--ckpt.keep=1"))
+    ck.save(1, {"w": torch.ones(4)}, {"m": torch.ones(2)})
+    real = shutil.rmtree
+
+    def cut_short(path, *a, **k):
+        if "step_00000001" not in str(path):
+            return real(path, *a, **k)
+        next(Path(path).glob("*.pt")).unlink()
+        raise SystemExit("killed mid-delete")
+    monkeypatch.setattr(shutil, "rmtree", cut_short)
+    with pytest.raises(SystemExit):
+        ck.save(2, {"w": torch.ones(4)}, {"m": torch.ones(2)})     # complete, then prunes step 1
+    monkeypatch.undo()
+    assert [d.name for _, d in ckptdir.scan(root)] == ["step_00000002"]
+    ck = start(cfg_for(root, "--ckpt.keep=1"))
+    assert ck.load_latest().step == 2
+    ck.save(3, {"w": torch.ones(4)}, {"m": torch.ones(2)})
+    ck.close()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003"]
+
+
 # ----------------------------------------------------------------------------- item 3
 
 def test_a_rank_that_never_writes_its_marker_leaves_the_step_incomplete_and_training_goes_on(tmp_path, capsys):
