@@ -20,7 +20,12 @@ root="$(dirname "$here")"
 cd "$root"
 
 usage="usage: [DRY_RUN=1] scripts/launch.sh [--dry-run] train|compile|health [train.py arguments]"
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+# --dry-run anywhere (train.py has no such key): `launch.sh train --dry-run ...` was a config error.
+args=()
+for arg in "$@"; do
+    if [[ "$arg" == --dry-run ]]; then DRY_RUN=1; else args+=("$arg"); fi
+done
+set -- ${args[@]+"${args[@]}"}          # (an empty array under set -u fails in bash < 4.4)
 mode="${1:-}"
 case "$mode" in
     train | compile | health) shift ;;
