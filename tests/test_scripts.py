@@ -151,7 +151,8 @@ def test_sbatch_gives_the_final_save_its_early_warning():
     must be those N s, or it refuses exactly the saves the early warning is there for. A value the
     user gives stays."""
     early = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (SCRIPTS / "slurm_train.sbatch").read_text(), re.M).group(1))
-    for extra, budget in (([], early), (["--ckpt.grace_s=40"], 40)):
+    for extra, budget in (([], early), (["--ckpt.grace_s=40"], 40), (["--ckpt.grace_s", "40"], 40),
+                          (["--ckpt.grace-s=40"], 40)):       # the last was overridden by --ckpt.grace_s=300
         r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B, *extra], DRY_RUN="1", SLURM_JOB_NUM_NODES="16",
                        SLURM_JOB_ID="42", SLURM_SUBMIT_DIR=str(ROOT), MASTER_ADDR="trn001")
         assert r.returncode == 0, r.stderr
