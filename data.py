@@ -542,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("sources", nargs="+", help="files, directories or globs of text/jsonl/arrow/parquet, or 'stdlib'")
     a.add_argument("--out", required=True, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
     a.add_argument("--text-field", default="text", help="the JSON key or column holding the text (default: text)")
+    a.add_argument("--split", default="train", help="a DatasetDict's or dataset repository's split (default: train)")
     a.add_argument("-j", "--workers", type=int, default=0, help="worker processes (default: one per core)")
     for flag, what in (("--doc-per-line", ".txt: a document per line"), ("--force", "replace --out"), ("--strict", "stop at the first bad record")):
         a.add_argument(flag, action="store_true", help=what)
@@ -558,9 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "prepare":
             if not args.text_field.strip():
                 raise DataError("--text-field is empty: name the column or JSON key holding the text")
-            if args.workers < 0:
-                raise DataError(f"--workers {args.workers}: give a number of processes >= 1 (0: one per core)")
-            prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force, args.workers, args.strict)
+            prepare(args.sources, args.out, args.text_field, args.doc_per_line, args.force, args.workers, args.strict, args.split)
         else:
             cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir, text_field=args.text_field,
                                          doc_per_line=args.doc_per_line, split=args.split, val_fraction=args.val_fraction))

@@ -220,9 +220,12 @@ def shard_name(i: int, path: str) -> str:
 
 
 def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line: bool = False,
-            force: bool = False, workers: int = 0, strict: bool = False) -> dict:
-    """Convert every shard of `sources` (as --data names them) into the one file `out` (*.arrow) or
-    one file per shard in the directory `out`, in `workers` processes (0: one per core). Returns the counts."""
+            force: bool = False, workers: int = 0, strict: bool = False, split: str = "train") -> dict:
+    """Convert every shard of `sources` (as --data names them, a dataset folder's `split`) into the one file
+    `out` (*.arrow) or one file per shard in the directory `out`, in `workers` processes (0: one per core).
+    Returns the counts."""
+    if workers < 0:
+        raise DataError(f"--workers {workers}: give a number of processes >= 1 (0: one per core)")
     from tqdm import tqdm
     if not out.strip():                 # else the working directory: one shard file per source dropped into it
         raise DataError(f"--out {out!r} is empty; give an .arrow file to write, or a directory (ending in /)")
@@ -237,7 +240,10 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         raise DataError(f"{out} exists; pass --force to replace it")
     folder = os.path.dirname(os.path.abspath(out)) if one else os.path.abspath(out)
     check_dir("out", folder)
-    paths = resolve_paths(",".join(sources), left_out=(left_out := []))
+    try:
+        paths = resolve_paths(",".join(sources), split, left_out=(left_out := []))
+    except DataError as e:      # its refusals name train.py's key for the split; here the flag is --split
+        raise DataError(str(e).replace("--data.split", "--split")) from None
     if left_out:
         print("[prepare] " + left_out_line(left_out).removeprefix("data warning: "), file=sys.stderr, flush=True)
     if one and os.path.realpath(out) in {os.path.realpath(p) for p in paths}:

@@ -188,3 +188,16 @@ def test_data_py_help_says_what_every_argument_is(capsys, cmd, flags):
         said = lines[i].strip()[len(flag):].strip() or lines[i + 1].strip()      # beside it, else below
         assert e.value.code == 0 and said and not said.startswith("-"), f"{flag} has no help:\n{out}"
     assert cmd == "prepare" or "train.py's --model.vocab_size (default: 4096)" in out, out
+
+
+@pytest.mark.slow      # ~3 s: datasets' import and save_to_disk
+def test_prepare_takes_a_split_and_its_refusal_names_its_own_flag(tmp_path, capsys):
+    """A DatasetDict without a train split was refused naming --data.split, which prepare did not take."""
+    datasets = pytest.importorskip("datasets")
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["a validation doc"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["a test doc", "another"]})}).save_to_disk(dd)
+    with pytest.raises(SystemExit, match=r"splits validation, test, not 'train'; choose one with --split$"):
+        data.main(["prepare", str(dd), "--out", str(tmp_path / "x.arrow")])
+    data.main(["prepare", str(dd), "--out", str(tmp_path / "x.arrow"), "--split", "test"])
+    assert "documents 2," in capsys.readouterr().err
