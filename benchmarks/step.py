@@ -44,6 +44,7 @@ def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None 
     x, y = tokens[:, :-1], tokens[:, 1:]
     doc_ids = (torch.arange(seq) * 3 // seq).expand(batch, seq)
     positions = torch.cat([torch.arange(n) for n in torch.bincount(doc_ids[0])]).expand(batch, seq)
+    scale = 1 / y.numel()       # told to the model's fused loss, as train.py does: in bf16 it scales in fp32
     fns = {}
     for name in which:
         ours = llama.Llama(cfg).init_weights(0).to(dtype)
@@ -51,7 +52,7 @@ def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None 
             opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=fused)
 
             def step(m=ours, opt=opt):
-                (m(x, targets=y) / y.numel()).backward()
+                (m(x, targets=y, grad_scale=scale) * scale).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         elif name == "transformers":
@@ -73,7 +74,7 @@ def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None 
             opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=fused)
 
             def step(m=ours, opt=opt):
-                (m(x, positions, doc_ids, y) / y.numel()).backward()
+                (m(x, positions, doc_ids, y, scale) * scale).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         else:                                                  # the trainer
