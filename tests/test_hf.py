@@ -497,6 +497,10 @@ def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(sa
     cfg = configs.from_args([f"--init_from={saved}", *given])
     hf_io.apply_init_from(cfg, given)
     assert cfg.model.max_seq_len == 32
+    cfg = configs.from_args([f"--init_from={saved}", "--seq_len=16"])   # not given: the folder's, in the export too
+    hf_io.apply_init_from(cfg, [])
+    claimed = json.loads((saved / "config.json").read_text())["max_position_embeddings"]
+    assert hf_io.hf_config(cfg.model)["max_position_embeddings"] == claimed != 32
     bad = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2"])
     with pytest.raises(configs.ConfigError, match="round differently"):
         configs.validate(bad, 2)
