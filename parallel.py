@@ -170,6 +170,13 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In place: global rank src's t on all ranks of group, a SUM of it and zeros (a where: garbage x 0 is NaN). The xla
+    backend's dist.broadcast on a sub-group compares the group-local src with the global ordinal (pytorch/xla#9657)."""
+    keep = torch.tensor(group is None or dist.get_rank() == src, device=t.device)
+    return all_reduce(t.copy_(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))), group)
+
+
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate every rank's x along dim (collectives concatenate along dim 0: move dim there)."""
     x = x.movedim(dim, 0).contiguous()
@@ -309,8 +316,7 @@ class VocabParallelHead(ColumnParallelLinear):
     (finite, as every mask on trn1), so no softmax, loss or sampler gives them probability."""
     def __init__(self, dim: int, vocab_local: int, n_real: int, vocab_start: int, group, sequence_parallel: bool):
         super().__init__(dim, vocab_local, group, sequence_parallel)
-        self.n_real = n_real          # real (non-padding) vocabulary entries in this rank's slice
-        self.vocab_start = vocab_start
+        self.n_real, self.vocab_start = n_real, vocab_start     # n_real: non-padding entries in this rank's slice
 
     def forward(self, x):
         logits = super().forward(x)
@@ -377,7 +383,6 @@ def move_model(model: nn.Module, device) -> nn.Module:
     """Move every parameter, each Parameter once (a tied pair stays one Parameter, where Module.to()
     would make two), keeping its tags (sharding.mark); then check the tie. On the device already
     (CPU, CUDA: build_model allocated it there) nothing is copied."""
-    device = torch.device(device)
     params = list(model.parameters())              # each tied matrix once
     moved = {id(p): nn.Parameter(t, requires_grad=p.requires_grad)
              for p, t in zip(params, to_device([p.detach() for p in params], device))}
@@ -447,8 +452,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1)          # -100 and other ranks' targets: any column
         picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - top
         picked = torch.where(mine, picked, torch.zeros_like(picked))   # other ranks' targets: 0
-        stats = all_reduce(torch.stack((exp.sum(-1), picked)), group)
-        sum_exp, target_logit = stats[0], stats[1]
+        sum_exp, target_logit = all_reduce(torch.stack((exp.sum(-1), picked)), group)
         valid = targets != -100
         loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine & valid, valid)
@@ -482,17 +486,14 @@ def _buckets(tensors: list[torch.Tensor], bucket_bytes: int):
 def _all_reduce_flat(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
     """Sum tensors over group in ONE collective: flatten, scale, all-reduce, copy back."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if scale != 1.0:
-        flat.mul_(scale)
-    all_reduce(flat, group)
+    all_reduce(flat.mul_(scale) if scale != 1.0 else flat, group)
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))
 
 
 def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
     """The gradient to reduce, clip and apply: mixed precision's fp32 p.main_grad, else p.grad."""
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
+    return g if (g := getattr(p, "main_grad", None)) is not None else p.grad
 
 
 @torch.no_grad()
@@ -576,8 +577,7 @@ def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) ->
     """Full-shape weights (or gradients) on every TP rank: tests, HF export, tiny runs (7B: from a checkpoint)."""
     out = {}
     for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
-        t = grad_of(p) if grads else p
-        if t is None:
+        if (t := grad_of(p) if grads else p) is None:
             continue
         t = t.detach()
         if grid.tp > 1 and sharding.kind(name) != "replicated":

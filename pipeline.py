@@ -306,7 +306,7 @@ def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Ten
 @torch.no_grad()
 def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full-shape weights (or gradients) of the WHOLE model on every rank: each stage gathers its TP
-    shards, then broadcasts each tensor over PP (plain broadcasts: XLA too). One full model a rank."""
+    shards, then broadcasts each tensor over PP (parallel.broadcast: XLA too). One full model a rank."""
     mine = parallel.gather_full_state_dict(model, grid, grads)
     cfg = model.cfg
     shapes = llama.param_shapes(cfg)                  # tied: both names
@@ -316,7 +316,7 @@ def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False
     for name, shape in shapes.items():
         s = stage_of(name, model.bounds)
         t = mine[name] if s == grid.pp_rank else torch.empty(shape, dtype=p.dtype, device=p.device)
-        dist.broadcast(t, src=ranks[s], group=grid.pp_group)
+        parallel.broadcast(t, ranks[s], grid.pp_group)     # not dist.broadcast: wrong on xla sub-groups
         out[name] = t
     return out
 

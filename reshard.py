@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ckptdir import CheckpointError
 from ckptsave import map_tree
 from configs import ModelConfig
+import parallel
 import sharding
 from parallel import Grid
 
@@ -188,8 +189,8 @@ def broadcast_state(obj, g: Grid, reader: int, device=None):
     """obj (a state dict) as the DP group's reader (DP rank) holds it, on every rank of the group (obj: None
     elsewhere). Only broadcasts of plain int32 tensors (the xla backend's rules): the pickled
     structure, then the tensors' bytes in buckets of BUCKET_BYTES (one XLA graph for all full ones).
-    Receivers start from zeros: xla broadcasts by an all-reduce of root x 1 + others x 0 (float
-    garbage x 0 can be NaN). Cost per rank: the state's bytes once, whatever the DP degree."""
+    Through parallel.broadcast (an all-reduce: xla's own broadcast is wrong on sub-groups). Cost per
+    rank: about twice the state's bytes (a ring all-reduce), whatever the DP degree."""
     device = torch.device(device or "cpu")
     src = g.pp_rank * g.tp * g.dp + reader * g.tp + g.tp_rank      # its global rank
     mine = g.rank == src
@@ -238,8 +239,7 @@ class _TensorRef:
 
 def _broadcast(t: torch.Tensor, src: int, g: Grid, device: torch.device) -> torch.Tensor:
     """t (host, int32) from global rank src to g's DP group, back on the host."""
-    x = t.to(device)
-    dist.broadcast(x, src=src, group=g.dp_group)
+    x = parallel.broadcast(t.to(device), src, g.dp_group)     # not dist.broadcast: wrong on xla sub-groups
     return x.cpu() if device.type != "cpu" else x
 
 

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gloo_spawn import spawn_and_wait  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
+import reshard  # noqa: E402
 import xla_rules  # noqa: E402
 
 
@@ -49,6 +50,8 @@ VIOLATIONS = {
     "reduce on a sub-group": (lambda g, t: dist.reduce(t, 0, group=g["pair"]), "on a sub-group"),
     "gather on a sub-group": (lambda g, t: dist.gather(t, None, group=g["pair"]), "on a sub-group"),
     "AVG": (lambda g, t: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=g["pair"]), "no such reduction"),
+    "broadcast on a sub-group": (lambda g, t: dist.broadcast(t, 2 * (dist.get_rank() // 2) + 1, group=g["pair"]),
+                                 "group-local src"),
     "barrier": (lambda g, t: dist.barrier(), "cannot run on the xla"),
     "sub-group without mesh": (lambda g, t: dist.new_group([0, 1]), "must name each of the 4 ranks once"),
     "odd pairs without wrap-around": (lambda g, t: dist.new_group(
@@ -67,7 +70,19 @@ def _worker(rank: int, ports: list[int], out_dir: str):
     groups = {"pair": [dist.new_group(r, pg_options={"xla_pg_options": {"mesh": mesh}}) for r in mesh][rank // 2]}
     t = torch.ones(2)
     dist.all_reduce(t, group=groups["pair"])                    # allowed: checked, logged, run
-    assert t.tolist() == [2.0, 2.0] and rules.log == [("all_reduce", ((0, 1), (2, 3)))]
+    assert t.tolist() == [2.0, 2.0] and rules.log[:1] == [("all_reduce", ((0, 1), (2, 3)))]
+    # parallel.broadcast from each pair's second rank (group-local 1: on xla, dist.broadcast took global
+    # rank 1 for the root, so pair [2, 3] got zeros), as the resume's one read per DP group and the
+    # pipeline's full state dict use it: under the rules, each pair holds its source's tensor.
+    src = 2 * (rank // 2) + 1
+    got = parallel.broadcast(torch.full((3,), 10.0 + rank) if rank == src else torch.full((3,), float("nan")),
+                             src, groups["pair"])
+    assert got.tolist() == [10.0 + src] * 3, (rank, got)    # NaN garbage on the others: not NaN x 0
+    # The resume's one read per DP group at TP=2 x DP=2 (DP groups [0, 2], [1, 3]), read by DP rank 1.
+    dp = [dist.new_group(r, pg_options={"xla_pg_options": {"mesh": [[0, 2], [1, 3]]}}) for r in ([0, 2], [1, 3])]
+    grid = parallel.Grid(world=4, rank=rank, tp=2, dp=2, tp_rank=rank % 2, dp_rank=rank // 2, dp_group=dp[rank % 2])
+    state = reshard.broadcast_state({"w": torch.arange(5.0) + rank} if rank >= 2 else None, grid, reader=1)
+    assert torch.equal(state["w"], torch.arange(5.0) + 2 + rank % 2), (rank, state)
     caught = {}
     for name, (fn, message) in VIOLATIONS.items():
         try:

@@ -10,6 +10,10 @@ worker runs on gloo as before, but:
   - every group's mesh must pass the verifier's rule (CheckReplicaGroups): the groups of one
     collective name every rank of the world exactly once, in groups of equal size. A sub-group
     created without a mesh gets [ranks] on xla (new_xla_process_group), which fails it;
+  - broadcast on a sub-group fails: ProcessGroupXla hands the group-local src (torch 2.9's
+    opts.rootRank) to xm.collective_broadcast, which compares it with the GLOBAL ordinal (pytorch/xla
+    PR #9657, open): a group whose local src is not that global rank gets zeros or another rank's
+    tensor, silently. parallel.broadcast is the form that works there;
   - operations the xla backend cannot do fail at once with XlaRuleError: send, recv, isend, irecv,
     batch_isend_irecv (group-local peers taken for global ranks, a sync per op); all_to_all,
     gather, scatter and reduce on a sub-group (all_to_all ignores the mesh, the others run over
@@ -81,6 +85,9 @@ class Rules:
                                f"{'send/recv take group-local peers as global ranks and sync per op; use the all-gather pairs (pipeline.py)' if 'send' in op or 'recv' in op else 'not supported there'}")
         if op in NOT_ON_SUBGROUPS and sub:
             raise XlaRuleError(f"dist.{op} on a sub-group: the xla backend runs it over the whole world")
+        if op == "broadcast" and len(mesh[0]) < dist.get_world_size():
+            raise XlaRuleError("dist.broadcast on a sub-group: the xla backend takes the group-local src for a "
+                               "global ordinal (pytorch/xla#9657), other groups get zeros; use parallel.broadcast")
         if reduce_op is not None and reduce_op not in ALLOWED_REDUCE_OPS:
             raise XlaRuleError(f"dist.{op} with {reduce_op}: the xla backend has no such reduction")
         self.log.append((op, tuple(tuple(g) for g in mesh)))
