@@ -226,8 +226,8 @@ class SafetensorsFolder:
         else:
             files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("consolidated"))
         if not files:
-            raise HFError(f"no .safetensors files in {folder} (a .bin checkpoint: re-save it with "
-                          f"save_pretrained(..., safe_serialization=True))")
+            raise HFError(f"no .safetensors files in {folder}: download the model's *.safetensors beside its config.json, "
+                          f"or re-save a .bin checkpoint with save_pretrained(..., safe_serialization=True)")
         try:
             self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
         except Exception as e:          # safetensors' own error type: a truncated or foreign file

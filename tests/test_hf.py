@@ -168,6 +168,13 @@ def test_mixed_up_checkpoint_is_refused(saved, tmp_path, config, tensors, expect
         load_hf(_edit(saved, tmp_path, config, tensors))
 
 
+def test_a_folder_without_weights_is_told_to_download_them(saved, tmp_path):
+    # config.json alone (a download that skipped the weights) was told it was "a .bin checkpoint: re-save it"
+    (tmp_path / "config.json").write_text((saved / "config.json").read_text())
+    with pytest.raises(hf_io.HFError, match=r"no .safetensors files in .*: download the model's \*.safetensors"):
+        hf_io.check_weights(str(tmp_path), hf_io.read_config(str(tmp_path)))
+
+
 def test_head_dim_and_tie_in_our_config_match_num_params():
     cfg = hf_io.model_config_from_hf({**BASE, "head_dim": 24, "tie_word_embeddings": True})
     assert llama.num_params(cfg) == sum(p.numel() for p in llama.Llama(cfg).parameters())
