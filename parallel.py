@@ -172,7 +172,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
     """In place: global rank src's t on all ranks of group, a SUM of it and zeros (a where: garbage x 0 is NaN). The xla
-    backend's dist.broadcast on a sub-group compares the group-local src with the global ordinal (pytorch/xla#9657)."""
+    backend's dist.broadcast on a sub-group gave zeros on trn1 (aws-neuron-sdk#1240; pytorch/xla#9657, group vs global src)."""
     keep = torch.tensor(group is None or dist.get_rank() == src, device=t.device)
     return all_reduce(t.copy_(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))), group)
 
