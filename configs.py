@@ -204,12 +204,10 @@ def llama3_2_1b() -> Config:
 
 PRESETS = {f.__name__: f for f in (tiny, llama2_7b, llama2_70b, llama3_8b, llama3_2_1b)}
 
-CHOICES = {
-    "model.checkpointing": ("none", "selective", "full"), "model.attention": ("sdpa", "explicit"),
-    "model.rope_scaling": ("none", "llama3"), "parallel.pp_schedule": ("1f1b", "gpipe"),
-    "parallel.pp_p2p": ("send", "allgather"), "parallel.instance": ("trn1", "trn1n", "trn2"),
-    "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"), "log.on_nonfinite": ("stop", "skip"),
-    "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16")}
+CHOICES = {"model.checkpointing": ("none", "selective", "full"), "model.attention": ("sdpa", "explicit"),
+           "model.rope_scaling": ("none", "llama3"), "parallel.pp_schedule": ("1f1b", "gpipe"), "parallel.pp_p2p": ("send", "allgather"),
+           "parallel.instance": ("trn1", "trn1n", "trn2"), "optim.precision": ("fp32", "mixed", "bf16", "bf16_sr"),
+           "log.on_nonfinite": ("stop", "skip"), "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16")}
 
 # Short flags a reader types most; each maps to one dotted key.
 ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
@@ -584,11 +582,13 @@ INSTANCES = {
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["plan"]:    # issue 10's spelling of `python plan.py ...`: the planner, imported only when asked
+        return __import__("planner.report", fromlist=["main"]).main(argv[1:])
     try:                                # --help reads the flags too: `--help --bogus` is the same one line
         if wants_help(argv):
             return print(help_text(__doc__, [a for a in argv if a != "show"]))
         if not argv or argv[0] != "show":
-            sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]  (the planner: python plan.py)")
+            sys.exit("usage: python configs.py show [--preset NAME] [--section.key=value ...]  (the planner: python configs.py plan, or plan.py)")
         check_values(cfg := from_args(argv[1:]))
     except ConfigError as e:
         sys.exit(f"config error: {e}")

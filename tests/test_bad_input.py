@@ -398,7 +398,8 @@ CASES = [
      ["--fsx-claim 'FSx_Claim'", "PersistentVolumeClaim name"], 1, True),
     # ---- configs.py and plan.py
     ("configs: no command", ("configs", []), ["usage: python configs.py show"], 1, True),
-    ("configs: plan moved", ("configs", ["plan"]), ["python plan.py"], 1, True),
+    ("configs: plan, a bad value", ("configs", ["plan", "--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
+    ("configs: another command", ("configs", ["plans"]), ["python configs.py plan"], 1, True),
     ("configs: bad key", ("configs", ["show", "--model.n_layer=2"]), ["--model.n_layer"], 1, True),
     ("configs: bad value", ("configs", ["show", "--model.n_heads=0"]), ["--model.n_heads=0"], 1, True),
     ("configs: help with a bad key", ("configs", ["--help", "--bogus"]), ["--bogus"], 1, True),   # was a traceback

@@ -66,6 +66,14 @@ def test_plan_command_prints_the_tables(capsys):
     assert steps and steps == sorted(steps)
 
 
+def test_issue_10s_spelling_configs_py_plan_is_the_planner(capsys):
+    # issue 10 names `python configs.py plan --preset llama2_7b`: it printed the usage and exited 1
+    configs.main(["plan", "--preset", "llama2_7b"])
+    ours = capsys.readouterr().out
+    plan.main(["--preset", "llama2_7b"])
+    assert ours == capsys.readouterr().out and "configured layout: TP=8 PP=1" in ours
+
+
 def measured_peak_bytes(cfg) -> int:
     """Peak bytes held by PyTorch's CPU allocator during one real training step (train.train_step:
     two microbatches of 8 x 256 with gradient accumulation, clipping, fp32 AdamW) of the tiny model,
