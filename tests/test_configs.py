@@ -209,6 +209,13 @@ def test_the_readmes_training_commands_start_without_a_warning():
         assert configs.warnings(cfg) == [], argv
 
 
+def test_the_readme_stays_under_11_kb():
+    """Issue 29: the README is the short way in (what nanotrn is, two commands, the files, a run, presets, trn1, EKS)
+    and docs/*.md the long one; a section added there must pay for itself by moving or cutting another."""
+    size = os.path.getsize(os.path.join(ROOT, "README.md"))
+    assert size < 11_000, f"README.md is {size} bytes: move detail to docs/*.md"
+
+
 def test_a_path_under_a_file_names_the_file(tmp_path):
     # `--out_dir=notes.txt/run`: "'notes.txt/run' is unreadable (Not a directory), not a directory;
     # remove it" named no file to remove; the file in the way is what to fix
