@@ -225,3 +225,57 @@ def test_a_path_under_a_file_names_the_file(tmp_path):
     assert str(e.value) == (f"--out_dir='{tmp_path}/notes.txt/run': {tmp_path}/notes.txt is a file, not a directory; "
                             f"give another path")
     assert (tmp_path / "notes.txt").read_text() == "a user's notes"
+
+
+DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+
+
+def doc_commands(text):
+    """The shell commands a page shows: each line of its fenced blocks, each inline code span (joined across lines)."""
+    import re
+    for block in re.findall(r"^```\w*\n(.*?)^```", text, re.S | re.M):
+        yield from block.splitlines()
+    for span in re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)):
+        yield span.replace("\n", " ")
+
+
+def test_the_docs_train_flags_and_commands_exist():
+    """A new user copies the docs' commands: every `--section.key` a page names is a config key, and every command
+    line that reaches train.py (python train.py, torchrun, launch.sh, the sbatch, `make train ARGS=`) parses. A key
+    renamed in configs.py with a page left behind fails here, not in the user's shell."""
+    import re
+    import shlex
+    keys = set(configs._all_keys(configs.tiny()))
+    to_train = re.compile(r"(?:\bpython train\.py|\btorchrun .*?\btrain\.py|scripts/launch\.sh +(?:train|compile|health)"
+                          r"|slurm_train\.sbatch|make train ARGS=\")(.*)")
+    parsed = 0
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc)).read()
+        named = set(re.findall(r"(?<![\w-])--([a-z_]+\.[\w.]*\w)", text)) - {"section.key"}   # README's pattern
+        assert named <= keys, (doc, sorted(named - keys))
+        for command in doc_commands(text):
+            m = to_train.search(command)
+            argv = shlex.split(re.split(r"\s#|[\"|;&]", m.group(1))[0]) if m else ["--help"]
+            if "--help" not in argv:
+                configs.from_args(argv)                 # ConfigError names the doc's bad flag
+                parsed += 1
+    assert parsed >= 20, parsed                         # the pattern still finds the pages' commands
+
+
+def test_the_docs_links_and_cited_names_exist():
+    """Every relative link of README.md and docs/*.md resolves, and every `module.name` they cite (spans.span_bytes,
+    monitor.Watchdog) is still in that module: the pages send readers to code by these names."""
+    import importlib
+    import re
+    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc)).read()
+        for link in re.findall(r"\]\(([^)\s#]+)[^)\s]*\)", text):
+            if not re.match(r"[a-z]+:", link):
+                assert os.path.exists(os.path.join(ROOT, os.path.dirname(doc), link)), (doc, link)
+        for module, name in set(re.findall(r"`([a-z_]+)\.([A-Za-z_][\w.]*)`", text)):
+            if module in modules and name not in ("py", "log", "safetensors"):
+                obj = importlib.import_module(module)
+                for part in name.split("."):
+                    assert hasattr(obj, part), (doc, f"{module}.{name}")
+                    obj = getattr(obj, part)
