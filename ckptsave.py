@@ -31,13 +31,18 @@ class SaveFailed(CheckpointError):
 
 
 class _CrcFile:
-    """A write-only file that checksums what passes through it (one pass over the bytes)."""
+    """A write-only file that checksums what passes through it (one pass over the bytes). error: the
+    write's own OSError, which torch.save's zip writer turns into a RuntimeError without its errno."""
 
     def __init__(self, f):
-        self.f, self.n, self.crc = f, 0, 0
+        self.f, self.n, self.crc, self.error = f, 0, 0, None
 
     def write(self, b) -> int:
-        n = self.f.write(b)
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
         self.crc, self.n = ckptdir.crc32(b, self.crc), self.n + n
         return n
 
@@ -53,7 +58,12 @@ def write_file(path: Path, obj, wrap=None) -> dict:
         if isinstance(obj, bytes):
             f.write(obj)
         else:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError:        # "[enforce fail ...] unexpected pos": the cause (a quota, a full disk) is f's
+                if f.error is None:
+                    raise
+                raise f.error from None
         raw.flush()
         os.fsync(raw.fileno())
     return {"bytes": f.n, "crc32": f.crc}
@@ -243,10 +253,15 @@ class Writer:
             need = sum(map(tensor_bytes, files.values()))
             free = shutil.disk_usage(self.root).free if self.root.exists() else 0     # before cleaning up
             shutil.rmtree(ckptdir.step_dir(self.root, step) / f".tmp-rank{self.rank:05d}", ignore_errors=True)
+            # at keep=1 only the newest is beside a save (pruned once it is complete): nothing to lower
+            fewer = (f"lower --ckpt.keep ({self.keep}), " if self.keep > 1 else
+                     "set --ckpt.keep (0 keeps them all), " if self.keep == 0 else "")
+            if getattr(e, "errno", None) == errno.EDQUOT:      # FSx for Lustre's and NFS's quotas: df shows room
+                raise SaveFailed(
+                    f"disk quota exceeded on {self.root} writing the checkpoint of step {step} (rank {self.rank}'s "
+                    f"part needs {need / 2**20:,.1f} MiB): free space under the quota, {fewer}raise the quota, or point "
+                    f"--ckpt.dir at another disk") from None
             if getattr(e, "errno", None) == errno.ENOSPC or free < need:
-                # at keep=1 only the newest is beside a save (pruned once it is complete): nothing to lower
-                fewer = (f"lower --ckpt.keep ({self.keep}), " if self.keep > 1 else
-                         "set --ckpt.keep (0 keeps them all), " if self.keep == 0 else "")
                 raise SaveFailed(
                     f"disk full: no space left on the device of {self.root} writing the checkpoint of step {step} "
                     f"(rank {self.rank}'s part needs {need / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB were free); free "

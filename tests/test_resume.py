@@ -346,6 +346,34 @@ def test_disk_full_advises_keeping_fewer_only_where_that_frees_room(tmp_path, mo
     assert ("--ckpt.keep" in str(e.value)) == (keep != 1), str(e.value)
 
 
+@pytest.mark.parametrize("code,says", [(errno.ENOSPC, "disk full: no space left on the device of"),
+                                       (errno.EDQUOT, "disk quota exceeded on"),
+                                       (errno.EIO, "Input/output error")])
+def test_a_write_failing_inside_torch_save_is_named_by_its_cause(tmp_path, monkeypatch, code, says):
+    """torch.save's zip writer turns the file's OSError into a RuntimeError without its errno
+    ("[enforce fail at inline_container.cc] unexpected pos ..."): a quota (EDQUOT: FSx for Lustre,
+    NFS) or one full Lustre OST where df still shows free space was not named, only that "disk
+    full" guessed from free < need. The write's own error is what the user is told."""
+    class Fails:                    # a .pt file fails once torch.save has written 1 KiB into it
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 1024:
+                raise OSError(code, os.strerror(code))
+            return self.f.write(b)
+    ck = checkpoint.Checkpointer(configs.from_args([f"--ckpt.dir={tmp_path}/ck", "--ckpt.async_save=false"]))
+    monkeypatch.setattr(ck.faults, "file", lambda step, name, sizes: Fails if name.endswith(".pt") else None)
+    ck.claim()
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        ck.save(1, {"w": torch.ones(4096)}, {"m": torch.zeros(4)}, data={"pos": 1})
+    ck.close()
+    assert says in str(e.value) and "enforce fail" not in str(e.value), str(e.value)
+    assert "writing the checkpoint of step 1" in str(e.value) or code == errno.EIO, str(e.value)
+    assert not (tmp_path / "ck" / "step_00000001" / ".tmp-rank00000").exists()
+
+
 def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypatch):
     """train.py on a resume fills the empty model from the checkpoint and nothing else: no
     parameter is initialized (work thrown away: 5.9 s per restart at 134M, bench.py ckpt) nor read
