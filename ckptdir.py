@@ -228,7 +228,12 @@ class CkptDir:
             return f"--ckpt.dir {root} {what}: checkpoints could not be saved; give a writable --ckpt.dir"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):    # ENOSYS, EOPNOTSUPP, ENOLCK: no flock here,
+                os.close(fd)                                         # and run.lock names a run that has ended
+                return (f"cannot lock {root / 'run.lock'} ({e.strerror}): its file system does not carry flock, by "
+                        f"which a run keeps a second one out of its --ckpt.dir; mount it with flock (FSx for Lustre: "
+                        f"-o flock; NFS: v4, or v3 with its lock manager), or give a --ckpt.dir on a disk that has it")
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             return (f"{root} is in use by another run ({holder}): two runs in one directory resume each "

@@ -143,6 +143,30 @@ def test_foreign_step_folder_and_latest_are_refused_with_their_path(tmp_path):
     start(cfg).close()
 
 
+def test_a_file_system_without_flock_is_named_not_taken_for_another_run(tmp_path, monkeypatch):
+    """flock fails with ENOSYS / EOPNOTSUPP / ENOLCK where the file system does not carry it (FSx for
+    Lustre mounted without -o flock, NFS without its lock manager): that was told as "in use by
+    another run (<the last run's line, still in run.lock>)", a holder that had ended, so a user
+    looked for a run that did not exist. A real holder (another open of run.lock) is still named."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 1)
+    start(cfg).close()                  # run.lock keeps the ended run's line
+    held = start(cfg)
+    with pytest.raises(CheckpointError, match="is in use by another run"):
+        start(cfg)
+    held.close()
+    before = tree(tmp_path)
+    for code in (ckptdir.errno.ENOSYS, ckptdir.errno.EOPNOTSUPP, ckptdir.errno.ENOLCK):
+        def no_flock(fd, op, code=code):
+            raise OSError(code, ckptdir.os.strerror(code))
+        monkeypatch.setattr(ckptdir.fcntl, "flock", no_flock)
+        with pytest.raises(CheckpointError) as e:
+            start(cfg)
+        assert "in use by another run" not in str(e.value), str(e.value)
+        assert f"cannot lock {tmp_path / 'run.lock'}" in str(e.value) and "-o flock" in str(e.value), str(e.value)
+        assert tree(tmp_path) == before
+
+
 def test_interrupted_saves_are_set_aside_and_kept_after_the_next_good_save(tmp_path, capsys):
     """An interrupted save (no manifest, or no marker from rank 0) is not a checkpoint a user had:
     the run passes over it (starting fresh if nothing else is there), keeps it aside, and the next
