@@ -2,12 +2,19 @@
 #   make train   installs into .venv and trains the tiny Llama on the embedded corpus (CPU)
 #   make test    installs into .venv and runs the test suite
 #   make test-fast   the tests that start no torch process (pytest -m "not slow"): under 2 minutes
+#   make bench ARGS="step --threads 1"   a benchmark of bench.py through .venv (docs/benchmarks.md)
+#   make clean   removes .venv, out and .cache
+#   make help    this list (also plain `make`, which installs nothing)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-fast bench install clean
+.PHONY: help train test test-fast bench install clean
+.DEFAULT_GOAL := help
+
+help:
+	@sed -n '/^#/!q; s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-torch.txt
 	$(PYTHON) -m venv $(VENV)

@@ -289,3 +289,16 @@ def test_a_finished_runs_rerun_skips_the_export_on_every_rank_together(tmp_path)
     before = os.stat(f"{tmp_path}/out/hf/model.safetensors").st_mtime_ns
     spawn(_rerun_on_two_nodes, (free_ports(1)[0], [*args, "--tp=2"]), 2, timeout_s=120)
     assert os.stat(f"{tmp_path}/out/hf/model.safetensors").st_mtime_ns == before
+
+
+def test_plain_make_and_make_help_list_the_targets_and_install_nothing(tmp_path):
+    """`make` alone installed the venv (its first target, .venv/.installed: gigabytes, minutes) and `make help` was
+    "No rule to make target": both now print the header's list of commands and touch nothing."""
+    import shutil
+    shutil.copy(os.path.join(ROOT, "Makefile"), tmp_path)
+    for argv in (["make"], ["make", "help"]):
+        r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        for target in ("train", "test", "test-fast", "bench", "clean"):
+            assert f"make {target} " in r.stdout, (argv, target, r.stdout)
+    assert os.listdir(tmp_path) == ["Makefile"]
