@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field, fields
 
 
@@ -148,8 +149,7 @@ def tiny() -> Config:
     return Config(preset="tiny")
 
 
-def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float,
-            precision: str = "bf16_sr") -> Config:
+def _llama2(name: str, model: ModelConfig, parallel: ParallelConfig, lr: float, min_lr: float, precision: str = "bf16_sr") -> Config:
     """The blog's and HLAT's table (sources: README, Presets). Log every 10 steps: a log line waits for the device. Its
     "LR decay steps 480,000" count from step 0 as NxD's CosineAnnealing max_steps (examples/training/llama/lr.py)."""
     return Config(preset=name, model=model, parallel=parallel,
@@ -180,8 +180,7 @@ def llama2_70b() -> Config:
     # HLAT 70B: TP=32 PP=8, ZeRO-1 with fp32 master weights, NxD's all-gather point-to-point on XLA.
     return _llama2("llama2_70b", ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                                              ffn_dim=28672, max_seq_len=4096, checkpointing="selective", attention="explicit"),
-                   ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5,
-                   precision="mixed")
+                   ParallelConfig(tp=32, pp=8, sp=True, zero1=True, pp_p2p="allgather"), lr=1.5e-4, min_lr=1.5e-5, precision="mixed")
 
 
 def llama3_8b() -> Config:
@@ -423,8 +422,7 @@ def check_values(cfg: Config) -> None:
     if d.val_fraction == 0 and cfg.log.eval_interval:     # no document is ever held out (spans.held_out)
         raise ConfigError("--data.val_fraction=0 holds no text out to evaluate on: raise it, or set --log.eval_interval=0")
     if cfg.ckpt.start_fresh and cfg.ckpt.resume:
-        raise ConfigError("--ckpt.start_fresh moves the checkpoint directory's checkpoints aside to start over: "
-                          "it goes with --ckpt.resume=false (drop it to resume them)")
+        raise ConfigError("--ckpt.start_fresh moves the checkpoints aside to start over: it goes with --ckpt.resume=false (drop it to resume them)")
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"--model.rope_high_freq_factor={m.rope_high_freq_factor} must be above --model.rope_low_"
                           f"freq_factor={m.rope_low_freq_factor} (llama3 rope scaling interpolates between them)")
@@ -538,9 +536,11 @@ def check_dir(key: str, path: str) -> None:
         raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")  # (under a file: below)
     if not os.path.isdir(parent):
         raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):      # a read-only mount: no user's rights would help
-        why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else "not writable by this user"
-        raise ConfigError(f"--{key}={path!r}: {parent} is {why}; give another path")
+    try:        # os.access lets root write anywhere, yet /proc, /sys and read-only mounts refuse even root: a real try
+        os.rmdir(tempfile.mkdtemp(prefix=".nanotrn-check-", dir=parent))      # (2 metadata ops per directory and rank)
+    except OSError as e:            # a read-only mount: no user's rights would help
+        why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else f"not writable ({e.strerror})"
+        raise ConfigError(f"--{key}={path!r}: {parent} is {why}; give another path") from None
 
 
 def check_paths(cfg: Config) -> None:

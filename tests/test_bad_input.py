@@ -456,6 +456,14 @@ CASES = [
         ("checkpoint.py export", ("checkpoint", ["export", "{W}/run/ckpt", "{t}/h\udcff"])))],
     ("data: vocab 1", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "1", "--cache-dir", "{t}/c"]),
      ["1-piece", "--vocab=260 or more"], 1, True),           # was "could not train ...: ; lower --vocab"
+    # ---- a folder even root cannot write into (/proc; os.access says root may): were tracebacks or errors after the work
+    *[(f"unwritable {k}", T(f"--{k}=/proc/nanotrn/x"), [f"--{k}='/proc/nanotrn/x'", "/proc is not writable"], 1, True)
+      for k in ("out_dir", "log.tensorboard")],
+    ("data: --out unwritable", ("data", ["prepare", "{W}/corpus", "--out", "/proc/x.arrow"]), ["/proc is not writable"], 1, True),
+    ("data: --cache-dir unwritable", ("data", ["tokenizer", "--data", "{W}/corpus", "--cache-dir", "/proc/c"]),
+     ["--cache-dir='/proc/c'", "/proc is not writable"], 1, True),
+    ("ckpt: export unwritable", ("checkpoint", ["export", "{W}/run/ckpt", "/proc/hf"]), ["/proc is not writable"], 1, True),
+    ("bench: --out unwritable", ("bench", ["ckpt", "--out=/proc/b"]), ["--out='/proc/b'", "/proc is not writable"], 2, True),
     # ---- scripts/healthcheck.py: every flag was a traceback (init_process_group's first, run bare)
     *[(f"health: {' '.join(a)}", ("health", a), [" ".join(a[:2]) if a else "torchrun", "give" if a else "WORLD_SIZE"], 1, True)
       for a in (["--tp", "0"], ["--pp", "-1"], ["--reps", "0"], ["--mb", "nan"], ["--mb", "0"], ["--timeout-s", "0"],

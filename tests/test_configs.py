@@ -279,3 +279,13 @@ def test_the_docs_links_and_cited_names_exist():
                 for part in name.split("."):
                     assert hasattr(obj, part), (doc, f"{module}.{name}")
                     obj = getattr(obj, part)
+
+
+def test_a_folder_even_root_cannot_write_into_is_refused(tmp_path):
+    """/proc (and /sys, a read-only mount) refuse a new folder even to root, whom os.access lets write anywhere: the
+    output folders were accepted, and a run failed at its first TensorBoard event or its export, after training
+    (`--log.tensorboard=/proc/x`: FileNotFoundError's traceback). The check tries for real and leaves nothing."""
+    with pytest.raises(ConfigError, match=r"^--log.tensorboard='/proc/nanotrn/tb': /proc is not writable \(.+\); give"):
+        configs.check_dir("log.tensorboard", "/proc/nanotrn/tb")
+    configs.check_dir("out_dir", str(tmp_path / "new" / "run"))       # a folder that can be made: no error, nothing left
+    assert os.listdir(tmp_path) == []
