@@ -219,6 +219,11 @@ class CkptDir:
         root = self.root
         if root.exists() and not root.is_dir():
             return f"--ckpt.dir {root} is a file, not a directory; remove it or give another --ckpt.dir"
+        if STEP_DIR.match(root.resolve().name) and root.is_dir() and os.listdir(root) and is_ours(root):
+            # (meant as "resume from this one": the run found no step folder in it and started afresh inside it)
+            return (f"--ckpt.dir {root} is one checkpoint, not a checkpoint directory: give the directory that "
+                    f"holds it, {root.resolve().parent} (a run resumes from its newest valid checkpoint; to resume "
+                    f"from this one, copy it and that directory's tokenizer/ into a new directory, and give that)")
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd = os.open(root / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)

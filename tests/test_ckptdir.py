@@ -143,6 +143,24 @@ def test_foreign_step_folder_and_latest_are_refused_with_their_path(tmp_path):
     start(cfg).close()
 
 
+@pytest.mark.parametrize("name", ["step_00000003", "step_00000003.bad123"])
+def test_a_ckpt_dir_that_is_one_checkpoint_is_refused_naming_the_directory_that_holds_it(tmp_path, name):
+    """--ckpt.dir=out/ckpt/step_00000003 (meaning "resume from this one") found no step folder in
+    it: the run started afresh from step 0 ("holds no checkpoint: starting fresh") and wrote its
+    run.lock, latest, tokenizer/ and step folders into that checkpoint's folder. Refused now, before
+    anything is written, naming the folder that holds it (checkpoint.py ls/export said so already)."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 3)
+    if name != "step_00000003":
+        (tmp_path / "step_00000003").rename(tmp_path / name)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"--ckpt.dir {tmp_path / name} is one checkpoint, not a "
+                                              f"checkpoint directory: give the directory that holds it, {tmp_path}"):
+        start(cfg_for(tmp_path / name))
+    assert tree(tmp_path) == before and not (tmp_path / name / "run.lock").exists()
+    start(cfg_for(tmp_path / "new" / "step_00000001")).close()     # named so, but no checkpoint's: a run's own
+
+
 def test_a_file_system_without_flock_is_named_not_taken_for_another_run(tmp_path, monkeypatch):
     """flock fails with ENOSYS / EOPNOTSUPP / ENOLCK where the file system does not carry it (FSx for
     Lustre mounted without -o flock, NFS without its lock manager): that was told as "in use by
