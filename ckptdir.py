@@ -328,10 +328,20 @@ class CkptDir:
     def point_latest(self, d: Path | None):
         """After folders were set aside: `latest` names d, the checkpoint resumed from, or is gone when
         none is left; it named a folder now renamed aside, and a script reading it found nothing."""
-        if d is None:
+        if d is None or not self.write_latest(d):     # (not left naming a folder set aside)
             (self.root / "latest").unlink(missing_ok=True)
-        else:
+
+    def write_latest(self, d: Path) -> bool:
+        """`latest` names d; where it cannot be written (a full disk) that is said, not raised: resume
+        finds checkpoints by scanning, and rank 0 raising here (load_latest) left the others in a barrier."""
+        try:
             atomic_write(self.root / "latest", d.name.encode())
+            return True
+        except OSError as e:
+            self.say(f"warning: {d.name} is complete but `latest` could not be updated ({e.strerror or e}); "
+                     f"resuming finds checkpoints without it")
+            (self.root / ".latest.tmp").unlink(missing_ok=True)
+            return False
 
     def wait_for_markers(self, step: int, world: int, timeout_s: float, give_up=lambda: False) -> list[int]:
         """Rank 0's writer: the ranks whose marker of `step` is still missing after timeout_s, or at
@@ -352,12 +362,7 @@ class CkptDir:
         manifest = {"format": FORMAT, "step": step, "world": world, "lineage": self.lineage,
                     "by": f"pid {os.getpid()} on {socket.gethostname()}", "time": time.time()}
         atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
-        try:
-            atomic_write(self.root / "latest", d.name.encode())
-        except OSError as e:      # the checkpoint is complete: resume finds it by scanning, not by `latest`
-            self.say(f"warning: {d.name} is complete but `latest` could not be updated ({e.strerror or e}); "
-                     f"resuming finds checkpoints without it")
-            (self.root / ".latest.tmp").unlink(missing_ok=True)
+        self.write_latest(d)
 
     def prune(self, keep: int):
         """Delete this lineage's complete checkpoints beyond the newest `keep` (one manifest read

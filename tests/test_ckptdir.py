@@ -204,6 +204,35 @@ def test_interrupted_saves_are_set_aside_and_kept_after_the_next_good_save(tmp_p
     assert tree(aside) == before
 
 
+def test_a_resume_on_the_full_disk_that_interrupted_a_save_goes_on_without_latest(tmp_path, capsys, monkeypatch):
+    """A save cut short by a full disk ("disk full", exit 1), then the same command (what torchrun
+    --max-restarts does by itself) on the still full disk: setting the interrupted folder aside,
+    rank 0 rewrote `latest` between two barriers and died there with a traceback (OSError: No space
+    left on device; seen on a full tmpfs), the other ranks waiting in the barrier. `latest` is a
+    convenience (resume scans the folders): it is said, and the run resumes; its save names the disk."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 1, 2)
+    (tmp_path / "step_00000002" / ckptdir.MANIFEST).unlink()   # the save of step 2 found the disk full
+    real = ckptdir.atomic_write
+
+    def full(path, data):
+        if path.name == "latest":
+            path.with_name(".latest.tmp").write_bytes(b"")     # (what open() leaves before its write fails)
+            raise OSError(ckptdir.errno.ENOSPC, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(ckptdir, "atomic_write", full)
+    ck = start(cfg)
+    assert ck.load_latest().step == 1
+    ck.close()
+    assert "step_00000001 is complete but `latest` could not be updated (No space left on device)" in capsys.readouterr().out
+    # not left naming the folder set aside (871454d's rule: it names the one resumed from, or is gone)
+    assert not (tmp_path / "latest").exists() and not (tmp_path / ".latest.tmp").exists()
+    (aside,) = tmp_path.glob("step_00000002.incomplete*")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000001", aside.name]
+    monkeypatch.undo()
+    assert Checkpointer(cfg).load_latest().step == 1        # found without `latest`
+
+
 def test_prune_deletes_only_this_lineages_complete_checkpoints(tmp_path):
     """keep=2: another run's complete checkpoint (another lineage, copied in), a format-1 one and
     this run's damaged and incomplete ones stay; of this lineage's, the newest 2 stay."""
