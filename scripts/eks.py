@@ -40,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from configs import INSTANCES, ConfigError, from_args, path_kind, validate  # noqa: E402  (the planner's table)
+from configs import INSTANCES, ConfigError, check_dir, from_args, path_kind, validate  # noqa: E402  (the planner's table)
 from planner.instances import check_instances  # noqa: E402
 
 WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
@@ -110,6 +110,11 @@ def check(args, train_args: list[str]):
         fail(f"--shm {args.shm!r} is not a Kubernetes quantity: give e.g. 64Gi")
     if args.out and (kind := path_kind(args.out)) not in ("nothing", "a directory"):
         fail(f"--out {args.out} is {kind}: give a directory")
+    try:                    # one it can write into: /proc is a directory even root cannot (mkdir's traceback after the checks)
+        if args.out:
+            check_dir("out", args.out)
+    except ConfigError as e:
+        fail(str(e))
     if args.max_restarts < 0:
         fail(f"--max-restarts {args.max_restarts}: give 0 or more")
     if args.grace_period < TORCHRUN_STOP_S + 5:

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parallel import launch_env, rank_groups  # noqa: E402  (the repository root, where parallel.py lives)
+from configs import ConfigError, check_dir  # noqa: E402  (the repository root, where configs.py and parallel.py live)
+from parallel import launch_env, rank_groups  # noqa: E402
 
 OPS = ("all_reduce", "all_gather")
 
@@ -108,6 +109,11 @@ def check_args(args) -> None:
         bad.append(f"--inject-delay {args.inject_delay}: give RANK:SECONDS, e.g. 3:0.5")
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
         bad.append(f"--json {args.json}: give a file name in an existing directory")
+    elif args.json and not os.path.lexists(args.json):      # a folder it can write into (/proc is not), else the report,
+        try:                                                # written at the end, fails after every measurement
+            check_dir("json", args.json)
+        except ConfigError as e:
+            bad.append(str(e))
     if not {"WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):     # (launch_env takes a world of 1 without a rendezvous)
         bad.append("no WORLD_SIZE or MASTER_ADDR: run it under torchrun (scripts/launch.sh health does), which sets "
                    "the rendezvous")

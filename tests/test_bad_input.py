@@ -394,6 +394,8 @@ CASES = [
        [flag, value, "give"], 1, True) for flag, value in (
         ("--port", "0"), ("--port", "99999"), ("--shm", "lots"), ("--image", ""), ("--image", "a b"),
         ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"))],
+    ("eks: --out unwritable", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", "--out", "/proc/m"]),
+     ["--out='/proc/m'", "/proc is not writable"], 1, True),     # was mkdir's traceback, after every check
     ("eks: --fsx-claim", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "FSx_Claim"]),
      ["--fsx-claim 'FSx_Claim'", "PersistentVolumeClaim name"], 1, True),
     # ---- configs.py and plan.py
@@ -468,6 +470,9 @@ CASES = [
     *[(f"health: {' '.join(a)}", ("health", a), [" ".join(a[:2]) if a else "torchrun", "give" if a else "WORLD_SIZE"], 1, True)
       for a in (["--tp", "0"], ["--pp", "-1"], ["--reps", "0"], ["--mb", "nan"], ["--mb", "0"], ["--timeout-s", "0"],
                 ["--factor", "1"], ["--inject-delay", "x"], ["--json", "{W}/emptydir"], [])],
+    # the report is written after every measurement: into /proc (a directory root cannot write) it was a traceback then
+    ("health: --json unwritable", ("health", ["--json", "/proc/nanotrn.json"]), ["--json='/proc/nanotrn.json'",
+                                                                              "/proc is not writable"], 1, True),
 ]
 
 
