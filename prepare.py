@@ -240,10 +240,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         raise DataError(f"{out} exists; pass --force to replace it")
     folder = os.path.dirname(os.path.abspath(out)) if one else os.path.abspath(out)
     check_dir("out", folder)
-    try:
-        paths = resolve_paths(",".join(sources), split, left_out=(left_out := []))
-    except DataError as e:      # its refusals name train.py's key for the split; here the flag is --split
-        raise DataError(str(e).replace("--data.split", "--split")) from None
+    paths = resolve_paths(",".join(sources), split, left_out=(left_out := []), split_flag="--split")
     if left_out:
         print("[prepare] " + left_out_line(left_out).removeprefix("data warning: "), file=sys.stderr, flush=True)
     if one and os.path.realpath(out) in {os.path.realpath(p) for p in paths}:

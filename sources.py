@@ -64,19 +64,21 @@ def stdlib_files() -> list[str]:
     return out
 
 
-def dataset_files(folder: str, split: str = "train", left_out: list | None = None) -> list[str]:
+def dataset_files(folder: str, split: str = "train", left_out: list | None = None,
+                  split_flag: str = "--data.split") -> list[str]:
     """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only
     `split`'s files, never its card or scripts), any other directory every text file, recursively;
     hidden entries never (docs/data.md lists the rules). `left_out` gets the files skipped that a user
-    may have meant as data (.json, a type not read): said at start, not dropped silently."""
+    may have meant as data (.json, a type not read): said at start, not dropped silently. A refusal names
+    `split_flag`, the option of the command at hand that chooses the split."""
     marker = os.path.join(folder, "dataset_dict.json")
     if os.path.isfile(marker):
         with open(marker) as f:
             splits = json.load(f).get("splits", [])
         if split not in splits:
             raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
-                            f"choose one with --data.split")
-        return dataset_files(os.path.join(folder, split), split, left_out)
+                            f"choose one with {split_flag}")
+        return dataset_files(os.path.join(folder, split), split, left_out, split_flag)
     state = os.path.join(folder, "state.json")
     if os.path.isfile(state):
         with open(state) as f:
@@ -105,20 +107,21 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
     if any(found.values()):
         if want not in found.values():
             raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
-                            f"not {split!r}; choose one with --data.split")
+                            f"not {split!r}; choose one with {split_flag}")
         data_files = [p for p in data_files if found.get(p, want) == want]
     return data_files
 
 
-def resolve_paths(spec: str, split: str = "train", left_out: list | None = None) -> list[str]:
+def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,
+                  split_flag: str = "--data.split") -> list[str]:
     """'stdlib', files, directories and globs, comma-separated -> readable files, each once (and the
-    directories' files left out, into `left_out`: dataset_files)."""
+    directories' files left out, into `left_out`: dataset_files, whose refusals name `split_flag`)."""
     paths = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         if entry == "stdlib":
             found = stdlib_files()
         elif os.path.isdir(entry):
-            found = dataset_files(entry, split, left_out)
+            found = dataset_files(entry, split, left_out, split_flag)
         elif any(c in entry for c in "*?["):
             found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
         elif (kind := path_kind(entry)) == "a file":

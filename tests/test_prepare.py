@@ -190,6 +190,18 @@ def test_data_py_help_says_what_every_argument_is(capsys, cmd, flags):
     assert cmd == "prepare" or "train.py's --model.vocab_size (default: 4096)" in out, out
 
 
+def test_the_split_refusal_names_prepares_flag_and_leaves_the_folders_name_as_it_is(tmp_path):
+    """The flag reaches the refusal as a parameter: rewriting '--data.split' in the message also
+    rewrote a folder whose name holds it."""
+    folder = tmp_path / "dump--data.split"
+    folder.mkdir()
+    for name in ("validation.jsonl", "test.jsonl"):
+        (folder / name).write_text('{"text": "a document"}\n')
+    with pytest.raises(prepare.DataError) as e:
+        prepare.prepare([str(folder)], str(tmp_path / "x.arrow"))
+    assert str(e.value) == (f"{folder} holds the splits test, validation, not 'train'; choose one with --split")
+
+
 @pytest.mark.slow      # ~3 s: datasets' import and save_to_disk
 def test_prepare_takes_a_split_and_its_refusal_names_its_own_flag(tmp_path, capsys):
     """A DatasetDict without a train split was refused naming --data.split, which prepare did not take."""
