@@ -51,9 +51,9 @@ def pick_device(name: str) -> torch.device:
             if name == "xla":
                 raise configs.ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None
         else:   # a device named but missing is refused, never run on the CPU instead: "No PjRtPlugin
-            try:    # registered for: X", or NEURON without the Neuron runtime ("No module named 'libneuronxla'")
+            try:    # registered for: X", NEURON without its runtime ("No module named 'libneuronxla'"), TPU without libtpu
                 return torch_xla.device()
-            except (RuntimeError, ImportError) as e:
+            except (RuntimeError, ImportError, OSError) as e:
                 raise configs.ConfigError(f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}: {str(e).split('. ')[0]}; "
                                           f"use NEURON on Trainium (its venv), CPU for XLA:CPU, or unset it") from None
     if name in ("auto", "cuda") and torch.cuda.is_available():

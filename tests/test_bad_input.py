@@ -835,14 +835,15 @@ def test_a_hang_limit_beyond_the_clocks_range_is_no_traceback():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pjrt", ["BOGUS", "NEURON"])
+@pytest.mark.parametrize("pjrt", ["BOGUS", "NEURON", "TPU"])
 def test_a_pjrt_device_torch_xla_does_not_know_is_one_line(tmp_path, pjrt):
     """PJRT_DEVICE=BOGUS (torch-xla's own variable): was torch_xla's RuntimeError traceback ('No PjRtPlugin
     registered for: BOGUS'). PJRT_DEVICE=NEURON where the Neuron runtime is missing (libneuronxla: a broken
-    venv, or no Trainium): trained on the CPU, exit 0. A process: importing torch_xla here would change the
+    venv, or no Trainium): trained on the CPU, exit 0. PJRT_DEVICE=TPU, a plugin torch-xla registers, without
+    libtpu: OSError's traceback ('libtpu not found'). A process: importing torch_xla here would change the
     device later tests pick."""
-    if pjrt == "NEURON" and importlib.util.find_spec("libneuronxla"):
-        pytest.skip("the Neuron runtime is installed: NEURON is a device here")
+    if importlib.util.find_spec({"NEURON": "libneuronxla", "TPU": "libtpu"}.get(pjrt, "nanotrn_none")):
+        pytest.skip(f"the {pjrt} runtime is installed: {pjrt} is a device here")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o"], capture_output=True,
                        text=True, cwd=ROOT, timeout=120, env={**os.environ, "PJRT_DEVICE": pjrt})
     assert r.returncode == 1 and r.stderr.startswith(f"error: PJRT_DEVICE='{pjrt}'") and "Traceback" not in r.stderr, r.stderr
