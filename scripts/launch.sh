@@ -81,6 +81,9 @@ from planner.instances import check_instances
 try:
     cfg = from_args(sys.argv[4:])
     hw = INSTANCES[cfg.parallel.instance]
+    if int(sys.argv[2] or 0) > hw.cores:     # the ranks past them get no NeuronCore: each fails in the runtime, retried
+        raise ConfigError(f"NPROC_PER_NODE={sys.argv[2]}: a {hw.name} has {hw.cores} NeuronCores (one rank each; "
+                          f"trn2: logical cores at LNC=2); give at most {hw.cores}, or the --instance it runs on")
     world = int(sys.argv[1]) * int(sys.argv[2] or hw.cores)
     validate(cfg, world, "xla")      # Trainium: the rules of the xla backend too (pp_p2p, even pp)
     if world == int(sys.argv[1]) * hw.cores:

@@ -745,10 +745,14 @@ def test_launch_sh_refuses_a_bad_number_in_its_environment(var, value):
 
 @pytest.mark.parametrize("env,message", [({"MASTER_PORT": "70000"}, "error: MASTER_PORT=70000: give a TCP port, 1 to 65535"),
                                          ({"NODE_RANK": "2"}, "error: NODE_RANK=2: give a whole number below NNODES=2"),
-                                         ({"SLURM_NODEID": "x"}, "error: NODE_RANK=x: give a whole number below NNODES=2")])
+                                         ({"SLURM_NODEID": "x"}, "error: NODE_RANK=x: give a whole number below NNODES=2"),
+                                         ({"NPROC_PER_NODE": "64"}, "config error: NPROC_PER_NODE=64: a trn1.32xlarge has 32 "
+                                          "NeuronCores (one rank each; trn2: logical cores at LNC=2); give at most 32, or the "
+                                          "--instance it runs on")])
 def test_launch_sh_refuses_a_port_or_node_rank_out_of_range(env, message):
     """Out of range for torchrun: its ValueError traceback (port) or ranks past the world on every node,
-    as a retried failure (exit 1) on each; launch.sh says it in one line with the config error's 2."""
+    as a retried failure (exit 1) on each; launch.sh says it in one line with the config error's 2. More ranks
+    per node than NeuronCores (64 on a trn1): was printed and started, the ranks past 32 failing in the runtime."""
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
            "DRY_RUN": "1", "NNODES": "2", "MASTER_ADDR": "node-0", **env}
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", "--preset=llama2_7b"],
