@@ -537,7 +537,7 @@ def check_dir(key: str, path: str) -> None:
     if not os.path.isdir(parent):
         raise ConfigError(f"--{key}={path!r}: {parent} is {path_kind(parent)}, not a directory; give another path")
     try:        # os.access lets root write anywhere, yet /proc, /sys and read-only mounts refuse even root: a real try
-        os.rmdir(tempfile.mkdtemp(prefix=".nanotrn-check-", dir=parent))      # (2 metadata ops per directory and rank)
+        os.rmdir(tempfile.mkdtemp(prefix=".nanotrn-check-", dir=parent))    # 4096 ranks x 4 folders x 2 ops: ~33k at start
     except OSError as e:            # a read-only mount: no user's rights would help
         why = "on a read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY else f"not writable ({e.strerror})"
         raise ConfigError(f"--{key}={path!r}: {parent} is {why}; give another path") from None
