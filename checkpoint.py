@@ -37,6 +37,9 @@ from faults import Faults
 from reshard import Loaded, writer_dp_rank  # noqa: F401  (tests ask checkpoint.writer_dp_rank)
 
 MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
+# A new run beside an old one needs its own checkpoints and its own export, which a fresh run will not write over:
+# --out_dir moves both, where --ckpt.dir alone led into the export folder's refusal.
+NEW_RUN = "--out_dir (its ckpt/, hf/ and tb/ follow it unless given)"
 
 
 # ----------------------------------------------------------------------------- RNG streams
@@ -118,13 +121,13 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
     if diffs:
         raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
                               "\nresume with the checkpoint's --model.* settings, or start a new run "
-                              "in another --ckpt.dir")
+                              f"in another {NEW_RUN}")
     saved_precision = meta["config"].get("optim", {}).get("precision", cfg.optim.precision)
     if saved_precision != cfg.optim.precision:
         raise CheckpointError(f"{d} was trained with --optim.precision={saved_precision} and this run asks "
                               f"for {cfg.optim.precision}: its optimizer state is kept in the other "
                               f"precision; resume with --optim.precision={saved_precision}, or start a new "
-                              f"run in another --ckpt.dir")
+                              f"run in another {NEW_RUN}")
     other = [x for x in _diff(meta["config"], cfg.to_dict())
              if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
     if other:
@@ -226,7 +229,7 @@ class Checkpointer:
                 f"({', '.join(d.name for _, d in found[:4])}"
                 f"{' ...' if len(found) > 4 else ''}), which this run would overwrite; resume (--ckpt.resume=true), "
                 f"or add --ckpt.start_fresh to move them aside into {self.root}/previous_<time>/ and start over, "
-                f"or start the new run in another --ckpt.dir")
+                f"or start the new run in another {NEW_RUN}")
 
     def say(self, msg: str):
         if self.grid.rank == 0:

@@ -282,7 +282,7 @@ CASES = [
     ("resume=false over checkpoints", ("train", [*TINY, "--data={W}/corpus", "--data.tokenizer={W}/tok.model",
                                                  "--out_dir={t}/o", "--ckpt.dir={W}/run/ckpt", "--ckpt.resume=false",
                                                  "--data.cache_dir={t}/c"]),
-     ["--ckpt.resume=false", "run/ckpt"], 1, True),
+     ["--ckpt.resume=false", "run/ckpt", "another --out_dir"], 1, True),
     ("ckpt.dir is the export folder", T("--ckpt.dir={t}/out/hf"), ["--ckpt.dir", "inside the export folder"], 1, True),
     ("tensorboard in the export folder", T("--log.tensorboard={t}/out/hf/tb"), ["--log.tensorboard", "out/hf"], 1, True),
     ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
@@ -302,8 +302,8 @@ CASES = [
                                                                 "--ckpt.dir={t}/ck", "--data.cache_dir={t}/cache", "--steps=3"]),
      ["/ck/tokenizer", "--data.tokenizer="], 1, True),      # was: a tokenizer trained now, silently
     # ---- train.py: resuming as something else (a model exists by then: not early)
-    ("resume other precision", CK("--precision=bf16"), ["--optim.precision=fp32", "bf16"], 1, False),
-    ("resume other model", CK("--model.n_layers=2"), ["model.n_layers: checkpoint 1, now 2"], 1, False),
+    ("resume other precision", CK("--precision=bf16"), ["--optim.precision=fp32", "bf16", "another --out_dir"], 1, False),
+    ("resume other model", CK("--model.n_layers=2"), ["model.n_layers: checkpoint 1, now 2", "another --out_dir"], 1, False),
     ("new corpus, same layout", CK(data="{W}/other"), ["corpus=", "--ckpt.reset_data"], 1, False),
     ("new corpus, new tokenizer", CK("--ckpt.reset_data", data="{W}/other", tok="{W}/tokother.model"),
      ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
