@@ -195,7 +195,9 @@ def test_a_read_only_mount_is_named_not_the_users_rights(tmp_path):
 
 def test_the_readmes_training_commands_start_without_a_warning():
     """Each `python train.py ...` and `make train ARGS="..."` of README.md is valid and says no warning at start: a new
-    user's first commands (`--steps=100` cut the tiny preset's 280-step cosine at 80: 'lr schedule does not end ...')."""
+    user's first commands (`--steps=100` cut the tiny preset's 280-step cosine at 80: 'lr schedule does not end ...').
+    Each writes outside `make train`'s out/: run after it there, another model was refused ('out/ckpt holds another
+    model')."""
     import re
     import shlex
     text = open(os.path.join(ROOT, "README.md")).read()
@@ -207,6 +209,8 @@ def test_the_readmes_training_commands_start_without_a_warning():
         cfg = configs.from_args(argv)
         configs.check_values(cfg)
         assert configs.warnings(cfg) == [], argv
+        default = configs.from_args([])
+        assert cfg.out_dir != default.out_dir and cfg.ckpt.dir != default.ckpt.dir, argv
 
 
 def test_the_readme_stays_under_11_kb():
