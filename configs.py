@@ -373,8 +373,8 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
 
 
 # Every numeric key's domain: (test, what it must be). Checked first: a zero divisor or a negative seed is a
-# message naming the key, never a ZeroDivisionError deep inside a run.
-_AT_LEAST_1, _NON_NEGATIVE = (lambda v: v >= 1, ">= 1"), (lambda v: v >= 0, ">= 0")
+# message naming the key, never a ZeroDivisionError deep inside a run (nor torch's OverflowError past a 64-bit int).
+_AT_LEAST_1, _NON_NEGATIVE = (lambda v: 1 <= v < 2**63, ">= 1 and below 2**63"), (lambda v: v >= 0, ">= 0")
 _POSITIVE, _FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v < 1, "in [0, 1)")
 # Seconds: a timedelta, faulthandler's timer and a thread's wait overflow past ~9.2e9 (2 * hang_startup_s included).
 _SECONDS = (lambda v: 0 < v <= 1e9, "> 0 and at most 1e9 (about 30 years)")
