@@ -12,17 +12,17 @@ seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, 
 """
 from __future__ import annotations
 
+import signal
+if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds, even the stdlib's on a busy host):
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # end quietly, not with a traceback; main() restores it
+
 import dataclasses
 import errno
 import filecmp
 import os
-import signal
 import sys
 import threading
 import time
-
-if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds): end quietly, not
-    signal.signal(signal.SIGINT, signal.SIG_DFL)   # with a traceback from inside torch; main() restores it
 
 import torch
 
