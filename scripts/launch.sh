@@ -223,7 +223,10 @@ ulimit -n "$NOFILE"
 if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_ports=$ports"; then
     echo "warning: could not reserve ports ${missing[*]} (needs sudo): another process may take them" >&2
 fi
-mkdir -p "$NEURON_CACHE_DIR"
+if ! mkdir -p "$NEURON_CACHE_DIR" 2>/dev/null; then     # (mkdir's own line named neither the variable nor a fix)
+    echo "error: NEURON_CACHE_DIR=$NEURON_CACHE_DIR cannot be created here; give a folder on this node's own disk" >&2
+    exit 2
+fi
 if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
 
 # The run: a stop must reach the workers without torchrun's fixed 30 s. torchrun turns SIGTERM

@@ -762,6 +762,19 @@ def test_launch_sh_refuses_a_port_or_node_rank_out_of_range(env, message):
     assert r.returncode == 2 and r.stderr.strip() == message and not r.stdout, (r.stderr, r.stdout)
 
 
+@pytest.mark.slow
+def test_launch_sh_names_a_compile_cache_it_cannot_create(tmp_path):
+    """NEURON_CACHE_DIR under /proc (or any folder it cannot make): was mkdir's own line, naming neither the
+    variable nor a fix, after the node's setup; now one line naming both, exit 2 as a config error, nothing run."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
+           "NPROC_PER_NODE": "1", "TORCHRUN": "/bin/echo", "NEURON_CACHE_DIR": "/proc/nanotrn-cache"}
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", f"--out_dir={tmp_path}/o"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd="/tmp")
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 2 and errors == ["error: NEURON_CACHE_DIR=/proc/nanotrn-cache cannot be created here; give a "
+                                            "folder on this node's own disk"] and not r.stdout, (r.stderr, r.stdout)
+
+
 def test_a_checkpoint_disk_too_full_for_the_tokenizer_is_one_line(W, tmp_path, monkeypatch):
     """The run keeps its tokenizer beside the checkpoints before its first step: on a disk with room
     for run.lock and no more (an 8 KiB tmpfs; a simulated ENOSPC where mounting is not allowed) that
