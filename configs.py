@@ -209,10 +209,9 @@ CHOICES = {"model.checkpointing": ("none", "selective", "full"), "model.attentio
            "log.on_nonfinite": ("stop", "skip"), "device": ("auto", "cpu", "cuda", "xla"), "export_dtype": ("auto", "fp32", "bf16")}
 
 # Short flags a reader types most; each maps to one dotted key.
-ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp",
-           "zero1": "parallel.zero1", "instance": "parallel.instance", "lr": "optim.lr", "steps": "optim.max_steps",
-           "precision": "optim.precision", "data": "data.data", "tokenizer": "data.tokenizer",
-           "seq_len": "data.seq_len", "global_batch": "data.global_batch", "micro_batch": "data.micro_batch"}
+ALIASES = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "sp": "parallel.sp", "zero1": "parallel.zero1",
+           "instance": "parallel.instance", "lr": "optim.lr", "steps": "optim.max_steps", "precision": "optim.precision", "data": "data.data",
+           "tokenizer": "data.tokenizer", "seq_len": "data.seq_len", "global_batch": "data.global_batch", "micro_batch": "data.micro_batch"}
 # Other trainers' names for ours (nanoGPT, torchtitan, Hugging Face) that no spelling brings near: the typo hint's.
 SYNONYMS = {"learning_rate": "lr", "batch_size": "global_batch micro_batch", "block_size": "seq_len", "n_embd": "dim",
             "hidden_size": "dim", "lr_decay_iters": "decay_steps", "max_norm": "grad_clip", "max_grad_norm": "grad_clip",
@@ -230,8 +229,7 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
     """Every settable dotted key -> (the dataclass that holds it, its field)."""
     keys = {}
     for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value := getattr(cfg, f.name)):
             keys.update({f"{f.name}.{g.name}": (value, g) for g in fields(value)})
         else:
             keys[f.name] = (cfg, f)
@@ -241,10 +239,12 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-def _parse_value(key: str, text: str, typ) -> object:
+def _parse_value(key: str, text: str | None, typ) -> object:
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
+    if text is None and typ is not bool:    # a bare --flag other than a bool's (it was told "--model.dim='true': expected an int")
+        raise ConfigError(f"--{key} was given no value: set it as --{key}=VALUE")
     try:
-        return BOOLS[text.lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
+        return BOOLS[("true" if text is None else text).lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
     except (KeyError, ValueError):
         raise ConfigError(f"--{key}={text!r}: expected {({int: 'an int', float: 'a number'}).get(typ, 'true or false')}") from None
 
@@ -263,7 +263,7 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
             key, text = body, args[i + 1]
             i += 1
         else:
-            key, text = body, "true"          # a bare --flag sets a bool
+            key, text = body, None            # a bare --flag sets a bool
         key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if key not in keys:     # hint: another trainer's name for it (SYNONYMS), else a key or alias spelled near its last part
             names, last = {**{n: k for k in keys for n in (k.rpartition(".")[2], k)}, **ALIASES}, key.rpartition(".")[2]

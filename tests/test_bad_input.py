@@ -218,6 +218,9 @@ CASES = [
     ("preset twice", ("train", ["--preset=tiny", "--preset=llama2_7b"]), ["--preset tiny", "--preset=llama2_7b",
                                                                          "give one preset"], 1, True),
     ("stray argument", T("foo"), ["'foo'", "--model.n_layers=4"], 1, True),
+    # a bare flag is a bool's true; any other key's was "--model.dim='true': expected an int", a value never typed
+    *[(f"bare {a}", T(a), [f"--{k} was given no value", f"--{k}=VALUE"], 1, True)
+      for a, k in (("--model.dim", "model.dim"), ("--data", "data.data"))],
     # ---- train.py: the model's shape and the layout
     ("tp splits heads", T("--tp=3"), ["n_heads 2", "tp 3"], 1, True),
     ("dim by heads", T("--model.dim=30", "--model.n_heads=4"), ["--model.dim=30", "--model.n_heads=4"], 1, True),
