@@ -178,6 +178,18 @@ class Corpus:
                 out[j] = (self._decode(r, src, int(i), True)[0] or "").encode() if src.jsonl else (r or b"")
         return out
 
+    def raw_blocks(self, doc: int, size: int):
+        """raw() of one document as (bytes, last) blocks of `size` bytes: a long file is never held whole
+        (a .jsonl record is: its text is parsed whole)."""
+        (src, local, _), = self._where([doc])
+        i, n = int(local[0]), int(self.doc_lengths(doc, doc + 1)[0])
+        if src.jsonl:
+            yield self.raw([doc])[0], True
+            return
+        for start in range(0, max(n, 1), size):
+            last = start + size >= n            # read to the end: a line's \r is dropped as read() drops it
+            yield src.read_range(i, start, -1 if last else start + size) or b"", last
+
     def read_spans(self, rows: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
         """read() of spans (rows of the span index); a part of a long document is a slice of its bytes."""
         rows = np.asarray(rows, np.int64).reshape(-1, 3)
