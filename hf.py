@@ -530,6 +530,8 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     config fails before any work; a --model.* key that would change the architecture is refused."""
     if not cfg.init_from:
         return
+    if not os.path.exists(cfg.init_from):              # read_config would say only 'has no config.json'
+        raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
     export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
     if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
         raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "

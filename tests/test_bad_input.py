@@ -311,6 +311,8 @@ CASES = [
     ("new corpus, new tokenizer", CK("--ckpt.reset_data", data="{W}/other", tok="{W}/tokother.model"),
      ["trained with the tokenizer", "--data.tokenizer=", "ck/tokenizer/tokenizer.model"], 1, False),
     # ---- train.py --init_from: a folder that is not a Llama export, refused before any work
+    ("init: no such folder", TI("--init_from={W}/no/such/folder"),     # was: 'has no config.json'
+     ["--init_from={W}/no/such/folder does not exist", "save_pretrained"], 1, True),
     ("init: config not JSON", TI("--init_from={W}/init_notjson"), ["init_notjson/config.json", "not a readable JSON"], 1, True),
     ("init: config a list", TI("--init_from={W}/init_list"), ["init_list/config.json", "JSON list"], 1, True),
     ("init: config not UTF-8", TI("--init_from={W}/init_latin1"), ["init_latin1/config.json", "utf-8"], 1, True),
