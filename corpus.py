@@ -97,6 +97,10 @@ class Corpus:
         if any(p.endswith(COPIED) for p in paths):      # and how their copies read (a resume over an older
             ident.append(prepare.RECIPE)                # copy's documents is refused); raw corpora: as before
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+        # and, for the span index's file (not its resume key), where the files are and when they last changed:
+        # a file rewritten at its size (its lines shuffled) reused the old cuts (one stat a file, as above)
+        stats = [(os.path.realpath(p), st.st_size, st.st_mtime_ns) for p in paths for st in [os.stat(p)]]
+        self.stamp = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:8]
         self.groups = [(spec, 1.0, 0, self.n_docs)]
         if entries[0][1] is not None:
             ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])

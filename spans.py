@@ -208,7 +208,7 @@ class SpanIndex:
     def __init__(self, corpus, seq_len: int, cache_dir: str, val_fraction: float = 0.0):
         self.corpus, self.span_bytes, self.val_fraction = corpus, span_bytes(seq_len), val_fraction
         self.path = self.path_for(corpus, seq_len, cache_dir)
-        self.key = os.path.basename(self.path)[6:-4]
+        self.key = os.path.basename(self.path)[6:18]        # the resume key: the corpus's names and sizes
         build_once(self.path, self._build)
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
@@ -233,7 +233,7 @@ class SpanIndex:
         # neither reused nor dealt beside a correct one another node builds now. Other corpora keep theirs.
         gap = ["gap"] if 0 in np.trim_zeros([s.n for s in corpus.sources]) else []
         key = hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION] + gap).encode()).hexdigest()[:12]
-        return os.path.join(cache_dir, f"spans-{key}.bin")
+        return os.path.join(cache_dir, f"spans-{key}-{corpus.stamp}.bin")     # (stamp: the files' paths and mtimes)
 
     def _build(self, tmp: str):
         c, t0, n, total, long_docs = self.corpus, time.time(), 0, 0, 0

@@ -704,6 +704,27 @@ def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path
     assert data.SpanIndex(c, SEQ, str(tmp_path / "old")).n_spans == idx.n_spans
 
 
+def test_a_file_rewritten_at_the_same_size_gets_a_new_span_index(tmp_path):
+    """The span index was keyed by the files' names and sizes only: a corpus file rewritten in place at the
+    same size (its lines shuffled, its words reordered) reused the old index, whose cuts fell at the old
+    text's spaces: spans cut mid-word, or past a shorter document's end, silently. Its files' real paths and
+    mtimes now pick the index file (as they pick the per-file document index); the resume key stays."""
+    words = " ".join(DOCS).split()
+    f = tmp_path / "corpus.txt"
+    f.write_text(" ".join(words))
+    cache = str(tmp_path / "cache")
+    before = data.SpanIndex(data.Corpus(str(f), cache_dir=cache), SEQ, cache)
+    size = f.stat().st_size
+    f.write_text(" ".join(reversed(words)))             # the same bytes in another order: the same size
+    os.utime(f, ns=(f.stat().st_mtime_ns + 10**9,) * 2)  # (a coarse clock could give the same mtime)
+    assert f.stat().st_size == size
+    c = data.Corpus(str(f), cache_dir=cache)
+    again, fresh = data.SpanIndex(c, SEQ, cache), data.SpanIndex(c, SEQ, str(tmp_path / "fresh"))
+    assert before.n_spans > 5 and again.key == before.key       # a checkpoint's data state still resumes
+    assert np.array_equal(np.asarray(again.rows), np.asarray(fresh.rows))
+    assert not np.array_equal(np.asarray(before.rows), np.asarray(fresh.rows))   # the cuts do move
+
+
 def test_a_utf16_file_of_a_folder_is_refused_at_start_not_when_a_lane_first_reads_it(tok, tmp_path):
     """A one-document file is opened only when a lane reads it: a UTF-16 file (with a BOM or without) in a
     big folder stopped the run mid-training, on data start-up accepted. The span index build (once per
