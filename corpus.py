@@ -312,6 +312,7 @@ def iter_pieces(text: str, limit: int = PIECE_CHARS):
 
 
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
+SAMPLE_BYTES = 4 * TOKENIZER_CHARS  # read of one document at most, and about that much a read
 TOKENIZER_RECIPE = "bpe-v2"   # bump when the training settings below change (invalidates caches)
 
 
@@ -392,19 +393,33 @@ def check_vocab(vocab_size: int) -> None:
                         f"--model.vocab_size=260 or more (the corpus's characters add to that), or pass --data.tokenizer")
 
 
+def sample_texts(corpus: Corpus, val_fraction: float):
+    """(text, utf8 replacements) of the train documents in a fixed permutation (the same on every node),
+    read as consumed: a document longer than SAMPLE_BYTES gives the whole lines of its first SAMPLE_BYTES
+    (a single line: its start), and a read takes about SAMPLE_BYTES. A one-document 10 GB .txt file was
+    read whole, and 256 long documents at once, for the 8M characters kept."""
+    n = corpus.n_docs
+    for start in range(0, n, 256):
+        order = permute(np.arange(start, min(n, start + 256)), n, (0,))
+        if by_hash(n, val_fraction):
+            order = order[~held_out(order, val_fraction)]
+        lengths = np.asarray([corpus.doc_lengths(d, d + 1)[0] for d in order.tolist()], np.int64)
+        long, ends = lengths > SAMPLE_BYTES, np.cumsum(np.minimum(lengths, SAMPLE_BYTES)) // SAMPLE_BYTES
+        for group in np.split(np.arange(len(order)), np.flatnonzero(np.diff(ends)) + 1) if len(order) else []:
+            rows = np.stack([order[group], 0 * group, np.where(long[group], SAMPLE_BYTES, -1)], 1)
+            for (text, repl, _), cut in zip(corpus.read_spans(rows, quiet=True), long[group]):
+                text = text or ""
+                yield (text[:text.rfind("\n") + 1 or None] if cut else text), repl
+
+
 def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
     t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
-    for start in range(0, n, 256):
-        order = permute(np.arange(start, min(n, start + 256)), n, (0,))
-        if by_hash(n, val_fraction):
-            order = order[~held_out(order, val_fraction)]
-        docs = corpus.read(order, quiet=True)
-        bad += sum(repl for _, repl, _ in docs)
-        for c in (c for text, _, _ in docs for line in (text or "").split("\n") if line.strip()
-                  for c in line_chunks(line)):
+    for text, repl in sample_texts(corpus, val_fraction):
+        bad += repl
+        for c in (c for line in text.split("\n") if line.strip() for c in line_chunks(line)):
             lines.append(c)
             chars += len(c)
             if chars >= TOKENIZER_CHARS:    # bounded: a 1 GB one-line document gives 8M chars, not 1 GB
