@@ -10,6 +10,7 @@ lm-evaluation-harness and llama.cpp's converter load with no other argument.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 import sharding
-from ckptdir import STEP_DIR
+from ckptdir import STEP_DIR, scan
 from configs import Config, ConfigError, ModelConfig, path_kind
 from model import num_params, param_shapes
 
@@ -530,18 +531,24 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
     config fails before any work; a --model.* key that would change the architecture is refused."""
     if not cfg.init_from:
         return
-    if not os.path.exists(cfg.init_from):              # read_config would say only 'has no config.json'
-        raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
-    export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
-    if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
-        raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "
-                      f"export would replace the weights it starts from; copy them elsewhere or set another --out_dir")
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("model.") for a in argv if a.startswith("--model.")}
     other = sorted(given - set(RUN_MODEL_KEYS))
     if other:
         raise HFError(f"--model.{other[0]} with --init_from: the architecture is {cfg.init_from}/config.json's; "
                       f"drop it (a run may set only --model.{', --model.'.join(RUN_MODEL_KEYS)})")
     run = {k: getattr(cfg.model, k) for k in RUN_MODEL_KEYS if k in given or k != "max_seq_len"}
+    if not os.path.exists(cfg.init_from):              # read_config would say only 'has no config.json'
+        # A resume needs it no more: its checkpoints hold the model's config, its tokenizer is kept beside them
+        metas = [p / "meta.json" for _, p in (scan(cfg.ckpt.dir) if cfg.ckpt.resume else []) if (p / "meta.json").is_file()]
+        if not metas:
+            raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
+        saved = json.loads(metas[0].read_text())["config"]["model"]
+        cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved.items() if hasattr(cfg.model, k)}), **run)
+        return
+    export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
+    if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
+        raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "
+                      f"export would replace the weights it starts from; copy them elsewhere or set another --out_dir")
     cfg.model = read_config(cfg.init_from, **run)
     check_weights(cfg.init_from, cfg.model)
     if not cfg.data.tokenizer:

@@ -488,6 +488,14 @@ def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", torch_dtype="auto")
     assert again.dtype == torch.bfloat16 and transformers.AutoTokenizer.from_pretrained(tmp_path / "bf16")(TEXTS[0])["input_ids"] == auto_tok(TEXTS[0])["input_ids"]
 
+    # The folder gone, the run resumes (here at TP=1): the model's config and tokenizer are the checkpoint's.
+    src.rename(tmp_path / "moved_away")
+    again = [a.replace("--tp=2", "--tp=1").replace("max_steps=2", "max_steps=3") for a in args]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *again], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and re.search(r"step\s+3 \| loss", r.stdout), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "resum" in (r.stdout + r.stderr).lower()
+
 
 def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(saved, tmp_path):
     import configs
@@ -511,6 +519,26 @@ def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(sa
     bad = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2"])
     with pytest.raises(configs.ConfigError, match="round differently"):
         configs.validate(bad, 2)
+
+
+def test_a_resume_needs_no_init_from_folder_its_checkpoints_hold_the_model(saved, tmp_path):
+    """A run started --init_from=FOLDER could not resume once FOLDER was gone (a download deleted after the
+    start, a node without the mount): the folder is read only for the model's config and tokenizer, which
+    the checkpoints hold (meta.json) and keep (ckpt/tokenizer). A fresh run still needs the folder."""
+    import dataclasses
+    import configs
+    cfg = configs.from_args([f"--init_from={saved}"])
+    hf_io.apply_init_from(cfg, [])
+    step = tmp_path / "ckpt" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"config": cfg.to_dict()}))
+    gone = str(tmp_path / "moved_away")
+    again = configs.from_args([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt", "--model.checkpointing=full"])
+    hf_io.apply_init_from(again, ["--model.checkpointing=full"])
+    assert again.model == dataclasses.replace(cfg.model, checkpointing="full") and not again.data.tokenizer
+    for fresh in ([f"--ckpt.dir={tmp_path}/none"], [f"--ckpt.dir={tmp_path}/ckpt", "--ckpt.resume=false"]):
+        with pytest.raises(hf_io.HFError, match="moved_away does not exist"):
+            hf_io.apply_init_from(configs.from_args([f"--init_from={gone}", *fresh]), [])
 
 
 def test_sharded_checkpoint_follows_its_index(tmp_path):
