@@ -487,7 +487,7 @@ def test_init_from_plans_the_folders_model(capsys, tmp_path):
     assert f"{sum(cost._layer_params(cfg, 2) for _ in range(3)) / 1e6 + 2 * 500 * 128 / 1e6 + 128 / 1e6:8.1f}M params" in out
     with pytest.raises(SystemExit) as x:                          # no such folder: one line, as train.py says it
         plan.main([f"--init_from={tmp_path / 'none'}"])
-    assert "has no config.json" in str(x.value)
+    assert str(x.value).endswith("none does not exist: give a Hugging Face model folder (save_pretrained's output)")
 
 
 def test_the_readmes_memory_table_is_the_planners():
