@@ -538,13 +538,15 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
                       f"drop it (a run may set only --model.{', --model.'.join(RUN_MODEL_KEYS)})")
     run = {k: getattr(cfg.model, k) for k in RUN_MODEL_KEYS if k in given or k != "max_seq_len"}
     if not os.path.exists(cfg.init_from):              # read_config would say only 'has no config.json'
-        # A resume needs it no more: its checkpoints hold the model's config, its tokenizer is kept beside them
-        metas = [p / "meta.json" for _, p in (scan(cfg.ckpt.dir) if cfg.ckpt.resume else []) if (p / "meta.json").is_file()]
-        if not metas:
-            raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
-        saved = json.loads(metas[0].read_text())["config"]["model"]
-        cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved.items() if hasattr(cfg.model, k)}), **run)
-        return
+        for _, step in scan(cfg.ckpt.dir) if cfg.ckpt.resume else []:    # a resume of a run started from it: the
+            try:                                # checkpoints hold the model's config, its tokenizer is kept there
+                saved = json.loads((step / "meta.json").read_text())["config"]
+            except (OSError, ValueError, KeyError):     # a save cut short: an older one may hold it
+                continue
+            if saved.get("init_from") == cfg.init_from:
+                cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved["model"].items() if hasattr(cfg.model, k)}), **run)
+                return
+        raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
     export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
     if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
         raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "

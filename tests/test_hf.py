@@ -529,16 +529,19 @@ def test_a_resume_needs_no_init_from_folder_its_checkpoints_hold_the_model(saved
     import configs
     cfg = configs.from_args([f"--init_from={saved}"])
     hf_io.apply_init_from(cfg, [])
+    gone = str(tmp_path / "moved_away")                 # the folder the run started from, deleted since
     step = tmp_path / "ckpt" / "step_00000004"
     step.mkdir(parents=True)
-    (step / "meta.json").write_text(json.dumps({"config": cfg.to_dict()}))
-    gone = str(tmp_path / "moved_away")
+    (step / "meta.json").write_text(json.dumps({"config": {**cfg.to_dict(), "init_from": gone}}))
     again = configs.from_args([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt", "--model.checkpointing=full"])
     hf_io.apply_init_from(again, ["--model.checkpointing=full"])
     assert again.model == dataclasses.replace(cfg.model, checkpointing="full") and not again.data.tokenizer
-    for fresh in ([f"--ckpt.dir={tmp_path}/none"], [f"--ckpt.dir={tmp_path}/ckpt", "--ckpt.resume=false"]):
-        with pytest.raises(hf_io.HFError, match="moved_away does not exist"):
-            hf_io.apply_init_from(configs.from_args([f"--init_from={gone}", *fresh]), [])
+    # Still refused in one line: a fresh run, a run told not to resume, another folder (a typo) beside the checkpoints
+    for args in ([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/none"],
+                 [f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt", "--ckpt.resume=false"],
+                 [f"--init_from={tmp_path}/moved_awya", f"--ckpt.dir={tmp_path}/ckpt"]):
+        with pytest.raises(hf_io.HFError, match="does not exist"):
+            hf_io.apply_init_from(configs.from_args(args), [])
 
 
 def test_sharded_checkpoint_follows_its_index(tmp_path):
