@@ -62,10 +62,11 @@ class Corpus:
             per_entry.append([p for p in resolve_paths(entry, split, self.left_out)
                               if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
         paths = [p for ps in per_entry for p in ps]
-        empty = [p for p in paths if os.path.getsize(p) == 0]
+        stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
+        empty = [p for p in paths if stat[p].st_size == 0]
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
-            if os.path.getsize(p) == 0:
+            if stat[p].st_size == 0:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
                 self.sources.append(CachedDocs(p, prepare.cached(p, text_field, doc_per_line, cache_dir), text_field,
@@ -93,14 +94,14 @@ class Corpus:
             raise DataError(f"no documents in {spec!r} ({len(paths)} files, {self.empty_files} empty)")
         # Identity for caches and resume checks: file names and sizes (hashing a terabyte of content at
         # every start costs more than it protects; names, so the same files mounted elsewhere match).
-        ident = [text_field, doc_per_line, [(os.path.basename(p), os.path.getsize(p)) for p in paths]]
+        ident = [text_field, doc_per_line, [(os.path.basename(p), stat[p].st_size) for p in paths]]
         if any(p.endswith(COPIED) for p in paths):      # and how their copies read (a resume over an older
             ident.append(prepare.RECIPE)                # copy's documents is refused); raw corpora: as before
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
         # and, for the span index's file (not its resume key), where the files are and when they last changed:
-        # a file rewritten at its size (its lines shuffled) reused the old cuts (one stat a file, as above)
-        stats = [(os.path.realpath(p), st.st_size, st.st_mtime_ns) for p in paths for st in [os.stat(p)]]
-        self.stamp = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:8]
+        # a file rewritten at its size (its lines shuffled) reused the old cuts
+        stamp = [(os.path.realpath(p), stat[p].st_size, stat[p].st_mtime_ns) for p in paths]
+        self.stamp = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:8]
         self.groups = [(spec, 1.0, 0, self.n_docs)]
         if entries[0][1] is not None:
             ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])

@@ -207,8 +207,8 @@ class SpanIndex:
 
     def __init__(self, corpus, seq_len: int, cache_dir: str, val_fraction: float = 0.0):
         self.corpus, self.span_bytes, self.val_fraction = corpus, span_bytes(seq_len), val_fraction
+        self.key = self.key_for(corpus, seq_len)       # the resume key: the corpus's names and sizes
         self.path = self.path_for(corpus, seq_len, cache_dir)
-        self.key = os.path.basename(self.path)[6:18]        # the resume key: the corpus's names and sizes
         build_once(self.path, self._build)
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
@@ -227,13 +227,16 @@ class SpanIndex:
         self.tail_end = self.groups[-1 if sizes[-1] > self.tail else int(np.argmax(sizes))][1]
 
     @staticmethod
-    def path_for(corpus, seq_len: int, cache_dir: str) -> str:
+    def key_for(corpus, seq_len: int) -> str:
         # A source of no documents between others (an Arrow shard of no rows) hid the documents after it from
         # builds before d6023f0 (Corpus._ranges): such a corpus gets a key of its own, so an index built then is
         # neither reused nor dealt beside a correct one another node builds now. Other corpora keep theirs.
         gap = ["gap"] if 0 in np.trim_zeros([s.n for s in corpus.sources]) else []
-        key = hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION] + gap).encode()).hexdigest()[:12]
-        return os.path.join(cache_dir, f"spans-{key}-{corpus.stamp}.bin")     # (stamp: the files' paths and mtimes)
+        return hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION] + gap).encode()).hexdigest()[:12]
+
+    @staticmethod
+    def path_for(corpus, seq_len: int, cache_dir: str) -> str:       # (stamp: the files' paths and mtimes)
+        return os.path.join(cache_dir, f"spans-{SpanIndex.key_for(corpus, seq_len)}-{corpus.stamp}.bin")
 
     def _build(self, tmp: str):
         c, t0, n, total, long_docs = self.corpus, time.time(), 0, 0, 0
