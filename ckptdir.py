@@ -184,6 +184,13 @@ def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, di
     return OK, None, files
 
 
+def interrupted(d: Path) -> bool:
+    """Whether resume will pass d over as a save cut short, asked on each rank before they can agree:
+    rank 0's marker, the manifest and this rank's share of the markers (check's), a few reads a rank."""
+    share = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    return check(d, share)[0] == INTERRUPTED
+
+
 def is_ours(d: Path) -> bool:
     """A step-named folder nanotrn could have made: empty (a save killed between mkdirs) or with its files."""
     try:

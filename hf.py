@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import sharding
-from ckptdir import STEP_DIR, scan
+from ckptdir import STEP_DIR, interrupted, scan
 from configs import Config, ConfigError, ModelConfig, path_kind
 from model import num_params, param_shapes
 
@@ -543,7 +543,7 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
                 saved = json.loads((step / "meta.json").read_text())["config"]
             except (OSError, ValueError, KeyError):     # a save cut short: an older one may hold it
                 continue
-            if saved.get("init_from") == cfg.init_from:
+            if saved.get("init_from") == cfg.init_from and not interrupted(step):   # resume would load the folder
                 cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved["model"].items() if hasattr(cfg.model, k)}), **run)
                 return
         raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")

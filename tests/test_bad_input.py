@@ -326,6 +326,9 @@ CASES = [
     *[(f"init: a nanotrn checkpoint {what}", TI(f"--init_from={{W}}/run/ckpt{sub}"),       # was: only 'give a Hugging Face folder'
        ["has no config.json", "--ckpt.dir={W}/run/ckpt", "python checkpoint.py export {W}/run/ckpt OUT"], 1, True)
       for what, sub in (("directory", ""), ("step folder", "/step_00000002"))],
+    # was: a traceback after the corpus index (resume set step_2 aside, then loaded the missing folder)
+    ("init: folder gone, its checkpoints all interrupted", TI("--init_from={t}/gone", "--ckpt.dir={t}/ck"),
+     ["--init_from={t}/gone does not exist"], 1, True),
     ("init: no weights", TI("--init_from={W}/init_noweights"), ["no .safetensors files", "init_noweights"], 1, True),
     ("init: another vocabulary's tokenizer", TI("--init_from={W}/run/hf", "--data.tokenizer={W}/tok1024.model"),
      ["tok1024.model has 1024 pieces", "vocab_size is 512", "leave --data.tokenizer empty"], 1, True),
@@ -488,7 +491,7 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
         W, tmp_path, monkeypatch, capsys, name, call, expect, code, early):
     entry, argv = call
     t = tmp_path
-    if name.startswith(("resume other", "new corpus", "ckpt: foreign", "ckpt: only")):
+    if name.startswith(("resume other", "new corpus", "ckpt: foreign", "ckpt: only", "init: folder gone")):
         shutil.copytree(W / "run" / "ckpt", t / "ck")          # the finished run's checkpoint, to continue
     if name == "ckpt: foreign step folder":
         (t / "ck" / "step_00000009").mkdir()
@@ -507,6 +510,11 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
     if name == "ckpt: only checkpoint damaged":
         f = t / "ck" / "step_00000002" / "model_tp00_pp00.pt"
         f.write_bytes(f.read_bytes()[:1000])
+    if name == "init: folder gone, its checkpoints all interrupted":     # a run started --init_from={t}/gone
+        meta = json.loads((t / "ck" / "step_00000002" / "meta.json").read_text())
+        meta["config"]["init_from"] = f"{t}/gone"
+        (t / "ck" / "step_00000002" / "meta.json").write_text(json.dumps(meta))
+        os.remove(t / "ck" / "step_00000002" / "manifest.json")
     if name == "data: --out a directory":
         (t / "d.arrow").mkdir()
     if name == "export folder is a file":
@@ -515,7 +523,7 @@ def test_bad_input_is_one_line_with_its_exit_code_no_traceback_no_work_no_file_c
     if name == "fault spec":
         monkeypatch.setenv("NANOTRN_FAULT", "boom")
     argv = [a.replace("{W}", str(W)).replace("{t}", str(t)) for a in argv]
-    expect = [e.replace("{W}", str(W)) for e in expect]
+    expect = [e.replace("{W}", str(W)).replace("{t}", str(t)) for e in expect]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     if name.startswith("env: "):            # a rendezvous that is never reached, unless the case takes it away
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **eval(f"dict({name[5:]})")}

@@ -533,6 +533,11 @@ def test_a_resume_needs_no_init_from_folder_its_checkpoints_hold_the_model(saved
     step = tmp_path / "ckpt" / "step_00000004"
     step.mkdir(parents=True)
     (step / "meta.json").write_text(json.dumps({"config": {**cfg.to_dict(), "init_from": gone}}))
+    (step / "rank00000.done").write_text(json.dumps({"step": 4, "rank": 0, "world": 1, "files": {}, "format": 2}))
+    (step / "manifest.json").write_text(json.dumps({"format": 2, "step": 4, "world": 1, "lineage": "a"}))
+    cut = tmp_path / "ckpt" / "step_00000008"           # a save cut short (no manifest): resume passes it over
+    cut.mkdir()
+    (cut / "meta.json").write_text(json.dumps({"config": {**cfg.to_dict(), "init_from": gone, "model": {"n_layers": 9}}}))
     again = configs.from_args([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt", "--model.checkpointing=full"])
     hf_io.apply_init_from(again, ["--model.checkpointing=full"])
     assert again.model == dataclasses.replace(cfg.model, checkpointing="full") and not again.data.tokenizer
@@ -542,6 +547,9 @@ def test_a_resume_needs_no_init_from_folder_its_checkpoints_hold_the_model(saved
                  [f"--init_from={tmp_path}/moved_awya", f"--ckpt.dir={tmp_path}/ckpt"]):
         with pytest.raises(hf_io.HFError, match="does not exist"):
             hf_io.apply_init_from(configs.from_args(args), [])
+    os.remove(step / "manifest.json")     # every save cut short: resume would fall back to the folder (a traceback)
+    with pytest.raises(hf_io.HFError, match="does not exist"):
+        hf_io.apply_init_from(configs.from_args([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt"]), [])
 
 
 def test_sharded_checkpoint_follows_its_index(tmp_path):
