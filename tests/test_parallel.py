@@ -491,6 +491,22 @@ def test_rank_groups_follow_nxd_layout():
     assert len(g["tp"][0]) == 32 and len(g["dp"][0]) == 1 and len(g["pp"][0]) == 8
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 50.0])
+def test_clip_grad_norm_is_torchs_above_and_below_the_limit(max_norm):
+    # Every layout above clips (test_clipping_was_active), so they never see a norm under the limit,
+    # where the gradients must stay as they are, not be scaled up to it.
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.zeros(4, 3)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(torch.zeros(4, 3)) for _ in range(3)]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(4, 3)
+        b.grad = a.grad.clone()
+    norm = parallel.clip_grad_norm_(ours, max_norm, parallel.Grid())
+    assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm), "norm")
+    for a, b in zip(ours, theirs):
+        assert_close(a.grad, b.grad, "clipped gradient")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("world,change,message", [
