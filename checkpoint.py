@@ -128,8 +128,10 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
                               f"for {cfg.optim.precision}: its optimizer state is kept in the other "
                               f"precision; resume with --optim.precision={saved_precision}, or start a new "
                               f"run in another {NEW_RUN}")
-    other = [x for x in _diff(meta["config"], cfg.to_dict())
-             if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
+    now = cfg.to_dict()
+    if not now["data"]["tokenizer"]:     # none given: the run's own, kept in ckpt/tokenizer (train.py), the same
+        now["data"]["tokenizer"] = meta["config"].get("data", {}).get("tokenizer", "")
+    other = [x for x in _diff(meta["config"], now) if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
     if other:
         say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
 

@@ -229,6 +229,7 @@ def test_kill_during_write_keeps_previous(tmp_path, capsys):
 
 def test_model_config_mismatch_lists_differences(tmp_path, capsys):
     cfg = tiny_cfg(tmp_path)
+    cfg.data.tokenizer = "/gone/llama3"          # the folder --init_from set it to, deleted since
     model, opt = trained(cfg, steps=1)
     ck = Checkpointer(cfg)
     ck.save(1, model.state_dict(), opt.state_dict())
@@ -244,7 +245,13 @@ def test_model_config_mismatch_lists_differences(tmp_path, capsys):
     other = tiny_cfg(tmp_path)
     other.optim.lr = 5e-4
     assert Checkpointer(other).load_latest().step == 1
-    assert "optim.lr: checkpoint 0.001, now 0.0005" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "optim.lr: checkpoint 0.001, now 0.0005" in out
+    # None given: the resume takes the run's own, kept in ckpt/tokenizer: no change (it said "checkpoint '/gone/llama3', now ''")
+    assert "data.tokenizer" not in out, out
+    other.data.tokenizer = "/mine/tok.model"     # one given: train.py compares it with the kept one; said here
+    Checkpointer(other).load_latest()
+    assert "data.tokenizer: checkpoint '/gone/llama3', now '/mine/tok.model'" in capsys.readouterr().out
 
 
 def test_fresh_start_and_refusal_to_overwrite(tmp_path, capsys):
