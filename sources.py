@@ -84,9 +84,10 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
         with open(state) as f:
             named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
         return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
-    files = []
-    for d, dirs, fs in os.walk(folder):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+    files, walked = [], set()
+    for d, dirs, fs in os.walk(folder, followlinks=True):      # a folder linked in is data too (the glob ** reads it);
+        walked.add(os.path.realpath(d))                         # a link loop or a second link to one folder: once
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and os.path.realpath(os.path.join(d, x)) not in walked)
         files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
     if left_out is not None:
         left_out += [p for p in files if not p.endswith(SUFFIXES) or p.endswith(".json")]

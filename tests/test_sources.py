@@ -321,3 +321,23 @@ def test_the_array_conversion_line_writes_a_new_file_and_works(tmp_path, name):
         assert (tmp_path / "alpaca.jsonl").read_text() == '{"text": "mine"}\n'
     out = shlex.split(line)[-1]
     assert [json.loads(x) for x in open(out)] == records
+
+
+def test_a_folder_reads_a_linked_folder_once_and_a_link_loop_ends(tmp_path):
+    """A folder of a corpus linked into it (`ln -s /data/more corpus/more`) is read, as the glob corpus/**/*.txt
+    reads it: os.walk passed over every linked folder, dropping its documents silently. A link back to an
+    ancestor (a loop) and a second link to one folder are walked once."""
+    from sources import resolve_paths
+    (tmp_path / "corpus" / "real").mkdir(parents=True)
+    (tmp_path / "more").mkdir()
+    (tmp_path / "corpus" / "real" / "a.txt").write_text("a")
+    (tmp_path / "more" / "c.txt").write_text("c")
+    (tmp_path / "corpus" / "more").symlink_to(tmp_path / "more")
+    (tmp_path / "corpus" / "again").symlink_to(tmp_path / "more")
+    (tmp_path / "corpus" / "real" / "loop").symlink_to(tmp_path / "corpus")
+    got = resolve_paths(str(tmp_path / "corpus"))
+    assert sorted(os.path.realpath(p) for p in got) == [str(tmp_path / "corpus" / "real" / "a.txt"),
+                                                        str(tmp_path / "more" / "c.txt")]
+    assert sorted(map(os.path.realpath, resolve_paths(str(tmp_path / "corpus" / "**" / "*.txt")))) == \
+        sorted(map(os.path.realpath, got))
+
