@@ -143,6 +143,8 @@ def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,
             raise DataError(f"{p}: unsupported file type; use one of {', '.join(SUFFIXES)} "
                             f"(convert it to JSON lines or text first)")
         if not os.access(p, os.R_OK):
+            if os.path.islink(p) and not os.path.exists(p):     # a folder's (a named one: path_kind above)
+                raise DataError(f"{p} is {path_kind(p)}: fix the link or remove it")
             raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
     seen = set()
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]

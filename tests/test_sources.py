@@ -341,3 +341,11 @@ def test_a_folder_reads_a_linked_folder_once_and_a_link_loop_ends(tmp_path):
     assert sorted(map(os.path.realpath, resolve_paths(str(tmp_path / "corpus" / "**" / "*.txt")))) == \
         sorted(map(os.path.realpath, got))
 
+
+def test_a_broken_link_in_a_folder_is_named_as_one_not_as_a_permission_problem(tmp_path):
+    """A link to nothing in a corpus folder was refused as 'not readable by this user: fix its permissions'."""
+    from sources import DataError, resolve_paths
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(DataError, match=r"b.txt is a broken symbolic link \(to \S+gone.txt\): fix the link or remove it"):
+        resolve_paths(str(tmp_path))
