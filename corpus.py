@@ -30,21 +30,47 @@ COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.ca
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
-    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; all weights or none."""
+    """'code.arrow:0.7,prose.jsonl:0.3' -> [('code.arrow', 0.7), ('prose.jsonl', 0.3)]; all weights or none.
+    The weight is what follows an entry's last ':'; an entry that names a path whole is that path (a ':'
+    in a file's name), and a name with ':' takes a weight after it (a:b.jsonl:0.5)."""
     out = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         head, sep, tail = entry.rpartition(":")
-        try:
-            out.append((head, float(tail)) if sep and head else (entry, None))
-        except ValueError:
+        if not sep or os.path.lexists(entry):
             out.append((entry, None))
+            continue
+        try:
+            out.append((head.strip(), float(tail)) if head.strip() else (entry, None))
+        except ValueError:      # a glob may hold a ':' (run:*/x.jsonl); anything else meant a weight or a path
+            if any(c in entry for c in "*?["):
+                out.append((entry, None))
+                continue
+            raise DataError(f"--data: no file {entry!r} exists, and {tail.strip()!r} after its last ':' is not a "
+                            f"mixture weight; give a path, or a path and a positive number (a.arrow:0.7,b.jsonl:0.3)")
     weights = [w for _, w in out]
     if None in weights and any(w is not None for w in weights):
-        raise DataError(f"--data {spec!r}: give every source a weight (a.arrow:0.7,b.jsonl:0.3) or none")
+        raise DataError(f"--data {spec!r}: {out[weights.index(None)][0]!r} has no weight; give every source a "
+                        f"weight (a.arrow:0.7,b.jsonl:0.3) or none")
     bad = [f"{e}:{w:g}" for e, w in out if w is not None and not (0 < w < float("inf"))]
     if bad:
-        raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)}")
+        raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)} (leave a source "
+                        f"out rather than weigh it 0)")
     return out
+
+
+def mixture_files(spec: str, split: str = "train", left_out: list | None = None
+                  ) -> tuple[list[tuple[str, float | None]], list[list[str]]]:
+    """parse_mixture's entries and each one's files; a file named by two entries counts in the first. A
+    weighted source left no file of its own is refused: train.py calls this before any work."""
+    entries, seen, per_entry = parse_mixture(spec), set(), []
+    for entry, _ in entries:
+        per_entry.append([p for p in resolve_paths(entry, split, left_out)
+                          if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
+    empty = [e for (e, w), ps in zip(entries, per_entry) if w is not None and not ps]
+    if empty:
+        raise DataError(f"mixture source {empty[0]!r} holds no files of its own: they are an earlier source's too; "
+                        f"name each file in one source only")
+    return entries, per_entry
 
 
 class Corpus:
@@ -56,11 +82,8 @@ class Corpus:
                  split: str = "train", cache_dir: str = ".cache"):
         self.spec, self.sources, self.examples = spec, [], {}
         self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
-        entries = parse_mixture(spec)
-        seen, per_entry, self.left_out = set(), [], []      # a file named by two entries counts in the first
-        for entry, _ in entries:
-            per_entry.append([p for p in resolve_paths(entry, split, self.left_out)
-                              if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
+        self.left_out = []
+        entries, per_entry = mixture_files(spec, split, self.left_out)
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
@@ -107,10 +130,9 @@ class Corpus:
             ends = np.cumsum([sum(docs_of.get(p, 0) for p in ps) for ps in per_entry])
             total = sum(w for _, w in entries)
             self.groups = [(e, w / total, int(lo), int(hi)) for (e, w), lo, hi in zip(entries, [0, *ends[:-1]], ends)]
-            empty = [(g[0], ps) for g, ps in zip(self.groups, per_entry) if g[2] == g[3]]
-            if empty:
-                raise DataError(f"mixture source {empty[0][0]!r} holds no documents" + ("" if empty[0][1] else
-                                "; its files are an earlier source's too: name each file in one source only"))
+            empty = [g[0] for g in self.groups if g[2] == g[3]]
+            if empty:       # (only empty files: mixture_files refused a source of no files)
+                raise DataError(f"mixture source {empty[0]!r} holds no documents")
 
     def warn(self, kind: str, msg: str):
         """Keep the first data problem of each kind as its example (the loader's stats count them). Not

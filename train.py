@@ -35,7 +35,7 @@ import monitor
 import optim
 import parallel
 import pipeline
-from corpus import check_vocab, parse_mixture, resolve_paths
+from corpus import check_vocab, mixture_files
 
 
 # ----------------------------------------------------------------------------- device
@@ -308,8 +308,8 @@ def run(argv: list[str]) -> None:
     device = pick_device(cfg.device)
     configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
     configs.check_paths(cfg)
-    for entry, _ in parse_mixture(cfg.data.data):      # --data's sources exist and are readable: refused before the claim.
-        resolve_paths(entry, cfg.data.split)           # A listing per rank, as data.Corpus's: 2 x 4096 of one folder at 4096 ranks
+    mixture_files(cfg.data.data, cfg.data.split)   # --data's sources exist, are readable, each has files of its own:
+    # refused before the claim. A listing per rank, as data.Corpus's: 2 x 4096 of one folder at 4096 ranks
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)

@@ -562,6 +562,27 @@ def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed
     assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
 
 
+@pytest.mark.parametrize("spec,says", [
+    ("{W}/corpus:", ["{W}/corpus:'", "'' after its last ':' is not a mixture weight"]),   # was: 'does not exist'
+    ("{W}/corpus:x", ["{W}/corpus:x'", "'x' after its last ':'"]),
+    ("{W}/corpus:-1", ["{W}/corpus:-1", "positive"]),
+    ("{W}/corpus:0", ["{W}/corpus:0", "positive", "leave a source out"]),
+    ("{W}/corpus:0.5,{W}/corpus:0.5", ["mixture source '{W}/corpus'", "one source only"]),  # was: after the claim
+    ("{W}/corpus:0.5,{W}/corpus/copy.py:0.5", ["'{W}/corpus/copy.py'", "one source only"]),
+    ("{W}/corpus:0.7,{W}/other", ["'{W}/other' has no weight"]),
+    ("{W}/no/such:1", ["'{W}/no/such' does not exist"])])
+def test_a_bad_mixture_is_refused_in_one_line_before_the_claim(W, tmp_path, capsys, spec, says):
+    """--data's mixture syntax (a weight empty, not a number, not positive; a source whose files an earlier one
+    names; a source of no weight among weighted ones): one line naming the entry, before the checkpoint directory
+    is claimed. A source named twice was refused after the claim and the process group's start."""
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T(f"--data={spec}")[1]]
+    code, text = run_entry("train", argv, capsys)
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in text, text
+    assert all(s.replace("{W}", str(W)) in errors[0] for s in says), text
+    assert not (tmp_path / "out").exists(), "the checkpoint directory was claimed first"
+
+
 @pytest.mark.parametrize("args,says", [(["--data=,"], ["--data.data=','", "a source"]),
                                        (["--data.tokenizer=", "--model.vocab_size=100"], ["100-piece", "260 or more"])])
 def test_a_run_that_cannot_get_data_or_a_tokenizer_is_refused_before_the_claim(W, tmp_path, capsys, args, says):

@@ -275,6 +275,20 @@ def test_mixed_sources_dir_glob_and_list(files):
     assert data.Corpus(files["txt"]).n_docs == len(DOCS)          # a directory, recursively
 
 
+
+def test_a_path_with_a_colon_is_that_path_and_takes_a_weight_after_it(tmp_path, monkeypatch):
+    """A mixture's weight follows an entry's last ':'. A folder named 'corpus:2' beside a folder 'corpus' is
+    read as itself (it was read as 'corpus' at weight 2: the wrong documents, silently); 'corpus:2:0.5' weighs it."""
+    for name, text in (("corpus", "the plain folder"), ("corpus:2", "the folder with a colon")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert [t for t, _, _ in data.Corpus("corpus:2").read(np.array([0]))] == ["the folder with a colon"]
+    both = data.Corpus("corpus:2:0.5,corpus:1.5")
+    assert [(name, w) for name, w, _, _ in both.groups] == [("corpus:2", 0.25), ("corpus", 0.75)]
+    assert [t for t, _, _ in both.read(np.array([0, 1]))] == ["the folder with a colon", "the plain folder"]
+    assert data.Corpus(f"{tmp_path}/corpus:*/a.txt").n_docs == 1       # a glob with a ':' is a glob
+
 # ----------------------------------------------------------------------------- resume
 
 def test_resume_mid_document_with_prefetch_thread(files, tok):
