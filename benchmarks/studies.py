@@ -163,16 +163,21 @@ def bench_init(args):
         det = monitor.SpikeDetector()
         warnings = [w for s, g in enumerate(r["grad_norm"], 1) for w in det.update(s, g)]
         s = det.summary()
+        # The divergence this study looks for ends in NaN, which the detector skips and max() may pass over:
+        # said as the first step of a loss or norm not finite, and the largest norm is over the finite ones.
+        bad = [i for i, (x, g) in enumerate(zip(r["loss"], r["grad_norm"]), 1) if not math.isfinite(x + g)]
+        finite = [g for g in r["grad_norm"] if math.isfinite(g)]
         results[name] = {"final_loss": sum(r["loss"][-tail:]) / tail, "min_loss": min(r["loss"]),
                        "loss_at_half": statistics.fmean(r["loss"][steps // 2 - tail // 2:steps // 2 + tail // 2 + 1]),
-                       "max_grad_norm": max(r["grad_norm"]), "spikes": s["spikes"] + bool(s["open"]),
-                       "one_step_share": s["one_step_share"], "longest_spike": max(s["longest"], s["open"]),
-                       "warnings": len(warnings)}
-    print(f"\nfinal loss = mean train loss of the last {tail} steps; spikes: the blog's detector (monitor.py)")
-    table(["init", "final loss", "at half", "max grad norm", "spikes", "1-step", "longest", "warnings"],
+                       "max_grad_norm": max(finite, default=math.nan), "diverged_at": bad[0] if bad else None,
+                       "spikes": s["spikes"] + bool(s["open"]), "one_step_share": s["one_step_share"],
+                       "longest_spike": max(s["longest"], s["open"]), "warnings": len(warnings)}
+    print(f"\nfinal loss = mean train loss of the last {tail} steps; spikes: the blog's detector (monitor.py); "
+          f"diverged: the first step of a loss or gradient norm not finite")
+    table(["init", "final loss", "at half", "max grad norm", "spikes", "1-step", "longest", "warnings", "diverged"],
           [[name, f"{row['final_loss']:.4f}", f"{row['loss_at_half']:.4f}", f"{row['max_grad_norm']:.3f}",
             row["spikes"], "-" if row["one_step_share"] is None else f"{row['one_step_share']:.0%}",
-            row["longest_spike"], row["warnings"]]
+            row["longest_spike"], row["warnings"], "-" if row["diverged_at"] is None else f"step {row['diverged_at']}"]
            for name, row in results.items()])
 
     window = max(1, steps // 40)

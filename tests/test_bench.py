@@ -58,3 +58,25 @@ def test_the_steps_compared_run_the_models_loss_as_the_trainer_does(monkeypatch)
     for name, step in step_fns(cfg, 2, 8, torch.bfloat16, ("ours", "bare step", "trainer")).items():
         step()
     assert seen == {"ours": 1 / 16, "bare step": 1 / 16, "trainer": 1 / 16}
+
+
+@pytest.mark.slow      # ~2-4 s: matplotlib draws and saves the study's figure
+def test_the_init_study_says_a_run_that_diverged(tmp_path, monkeypatch, capsys):
+    # `bench.py init` at a learning rate where a run goes to NaN printed that run's largest gradient norm
+    # as the one before the NaN (max() passes over NaN after the first value) and 0 spikes (the detector
+    # skips NaN): the divergence the study exists to show was nowhere in its table or JSON.
+    import argparse
+    from benchmarks import studies
+    trajectories = {"default init": ([8.3, 7.9, math.nan, math.nan], [1.1, 3.0, math.nan, math.nan]),
+                    "scaled init": ([8.3, 7.8, 7.5, 7.2], [0.9, 1.2, 1.0, 0.8])}
+
+    def lockstep(runs, cfg, steps):         # the trajectories as if trained: the study's own table and JSON
+        for name, r in runs.items():
+            r.update(loss=trajectories[name][0], grad_norm=trajectories[name][1], time=1.0)
+    monkeypatch.setattr(studies, "_lockstep", lockstep)
+    studies.bench_init(argparse.Namespace(steps=4, layers=2, lr=1e-2, out=str(tmp_path)))
+    rows = json.loads((tmp_path / "init.json").read_text())["table"]
+    assert rows["default init"]["diverged_at"] == 3 and rows["scaled init"]["diverged_at"] is None, rows
+    assert math.isclose(rows["default init"]["max_grad_norm"], 3.0), rows
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| default init"))
+    assert row.endswith("| step 3 |") and "| 3.000 |" in row, row
