@@ -56,9 +56,9 @@ def backward(model, tokens, targets, scale=None):
     (loss / (scale or targets.numel())).backward()
 
 
-def reference_step(ref, ref_opt, tokens, targets, clip: float) -> torch.Tensor:
+def reference_step(ref, ref_opt, tokens, targets, clip: float, active: bool = True) -> torch.Tensor:
     """One unsharded step on the full batch, torch's clipping formula (on the fp32 buffers that mixed
-    precision accumulates into); returns the (active) clipped norm."""
+    precision accumulates into); returns the norm, which is above clip iff active."""
     backward(ref, tokens, targets)
     grads = [g for g in map(parallel.grad_of, ref.parameters()) if g is not None]
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
@@ -66,7 +66,7 @@ def reference_step(ref, ref_opt, tokens, targets, clip: float) -> torch.Tensor:
         g.mul_(torch.clamp(clip / (ref_norm + 1e-6), max=1.0))
     ref_opt.step()
     ref_opt.zero_grad()
-    assert ref_norm > clip
+    assert (ref_norm > clip) == active
     return ref_norm
 
 
@@ -504,9 +504,10 @@ def _zero1_worker(rank: int, world: int, store_file: str):
     _init_gloo(rank, world, store_file)
     grid = Grid(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))))
     try:
-        for precision in ("fp32", "mixed", "bf16", "bf16_sr"):
-            # clip 0.5 is below the tiny model's grad norm: clipping is active, so the global norm matters
-            cfg = tiny_config(precision, grad_clip=0.5, lr=3e-3)
+        # clip 0.5 is below the tiny model's grad norm: clipping is active, so the global norm matters;
+        # clip 50 is above it: the gradients must stay as they are, not be scaled up to the limit
+        for precision, clip in (("fp32", 0.5), ("mixed", 0.5), ("bf16", 0.5), ("bf16_sr", 0.5), ("fp32", 50.0)):
+            cfg = tiny_config(precision, grad_clip=clip, lr=3e-3)
             cfg.parallel.zero1 = True
             model, ref = tiny_model(cfg), tiny_model(cfg)
             opt = optim.build_optimizer(model, cfg, grid)
@@ -522,7 +523,7 @@ def _zero1_worker(rank: int, world: int, store_file: str):
                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
                 opt.step()
                 opt.zero_grad()
-                ref_norm = reference_step(ref, ref_opt, tokens, targets, cfg.optim.grad_clip)
+                ref_norm = reference_step(ref, ref_opt, tokens, targets, clip, active=clip < 1)
                 if precision == "fp32":
                     assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item()
             # every rank holds the same full model after the all-gather
