@@ -284,4 +284,12 @@ if ((rc > 128)); then       # perhaps a trap's, with torchrun gone meanwhile: it
     if wait "$torchrun_pid" 2>/dev/null; then last=0; else last=$?; fi
     if ((last != 127)); then rc=$last; fi
 fi
+# In a Kubernetes Job's pod, exit 0 marks the pod Succeeded and its index complete: a pod stopped short
+# (SIGTERM: a drain, a spot reclaim, `kubectl delete pod`) whose workers saved and exited 0 (a 1-node Job,
+# or every pod signalled) left the Job Complete at that step, never resumed. 143 (128 + TERM) fails the
+# pod instead: the Job replaces it (an eviction is no retry: DisruptionTarget) and the new pod resumes.
+if ((stopping && rc == 0)) && [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
+    echo "launch.sh: stopped with a checkpoint: exit 143, so that the Job replaces this pod to continue" >&2
+    rc=143
+fi
 exit "$rc"
