@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -49,8 +50,16 @@ ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users
     "qwen2": "q/k/v biases and sliding-window layers", "qwen3": "q/k norms",
     "phi3": "fused projections and partial RoPE variants", "mixtral": "mixture-of-experts MLPs",
     "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows",
-    "mistral": "", "llama": "",
 }
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # Llama 3.1 rope_scaling
+RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
+EXPORT_TMP = ".export.tmp"      # save_hf writes into it first: a killed export's is removed by the next
+EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                "tokenizer_config.json", "special_tokens_map.json", EXPORT_TMP}
+# The LlamaConfig format hf_config writes: the oldest transformers requirements-dev.txt allows
+# (tests/test_hf.py keeps them equal). Without a stamp <= 4.57.2, transformers 4.57.3-4.57.6 warn
+# wrongly that Llama 3's tokenizer.json tokenizes badly (transformers #44031).
+TRANSFORMERS_FORMAT = "4.45.0"
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -96,9 +105,6 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
 def _rope(hf: dict) -> dict:
     """RoPE settings from transformers 5's rope_parameters or 4's rope_theta + rope_scaling."""
     params = hf.get("rope_parameters")
@@ -121,12 +127,6 @@ def _rope(hf: dict) -> dict:
             "rope_low_freq_factor": float(params["low_freq_factor"]),
             "rope_high_freq_factor": float(params["high_freq_factor"]),
             "rope_original_max_len": int(params["original_max_position_embeddings"])}
-
-
-# The LlamaConfig format hf_config writes: the oldest transformers requirements-dev.txt allows
-# (tests/test_hf.py keeps them equal). Without a stamp <= 4.57.2, transformers 4.57.3-4.57.6 warn
-# wrongly that Llama 3's tokenizer.json tokenizes badly (transformers #44031).
-TRANSFORMERS_FORMAT = "4.45.0"
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
@@ -293,11 +293,6 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
     return st, tables
 
 
-EXPORT_TMP = ".export.tmp"      # save_hf writes into it first: a killed export's is removed by the next
-EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                "tokenizer_config.json", "special_tokens_map.json", EXPORT_TMP}
-
-
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
             tokenizer=None, overwrite: bool = False, bos: bool = True) -> None:
     """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer files
@@ -371,9 +366,7 @@ class HFTokenizer:
         self.bos_id, self.eos_id = self._id(bos), self._id(eos)
         if bos is None:        # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")
             self.bos_id = (self.tk.encode("", add_special_tokens=True).ids or [-1])[0]
-        with open(file, "rb") as f:
-            import hashlib
-            self.fingerprint = hashlib.sha256(f.read()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(Path(file).read_bytes()).hexdigest()[:16]
 
     def _id(self, token: str | None) -> int:
         i = self.tk.token_to_id(token) if token else None
@@ -520,9 +513,6 @@ def check_sentencepiece_export(tok) -> None:
             raise HFError(f"{tok.path}: its Hugging Face export would encode {text!r} as {theirs[:12]}, but "
                           f"training reads {ours[:12]}: a sentencepiece setting the export does not reproduce; "
                           f"use a model trained with default normalization, or leave --data.tokenizer empty")
-
-
-RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
 
 
 def apply_init_from(cfg, argv: list[str] = ()) -> None:
