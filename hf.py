@@ -91,15 +91,18 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     for key in ("rms_norm_eps", "initializer_range", "rope_theta"):
         if hf.get(key) is not None and type(hf[key]) not in (int, float):
             raise HFError(f"{key}={hf[key]!r}: a Llama config gives a number")
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if heads % kv:                      # else a reshape error deep in the loader
+        raise HFError(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}: each KV head serves a "
+                      f"whole group of query heads in a Llama; config.json is damaged, re-download it")
     rope = _rope(hf)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
-                  n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-                  n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                  n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=kv,
                   max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
                   init_std=hf.get("initializer_range", 0.02),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  head_dim_override=head_dim if head_dim * hf["num_attention_heads"] != hf["hidden_size"] else 0,
+                  head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0,
                   **rope)
     fields.update(overrides)
     return ModelConfig(**fields)

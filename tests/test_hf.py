@@ -38,6 +38,7 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
      "per layer type"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),   # was a reshape error
 ])
 def test_refused_config_keys_are_named(change, expected):
     with pytest.raises(hf_io.HFError, match=expected.replace("(", r"\(")) as e:
