@@ -76,7 +76,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         if hf.get(key) is not None and hf[key] != off:
             raise HFError(f"{key}={hf[key]!r} means {what}, which nanotrn's Llama does not implement; "
                           f"load a checkpoint with {key}={off!r} (Llama 2 and 3 have it)")
-    max_len = overrides.get("max_seq_len", hf.get("max_position_embeddings", 4096))
+    max_len = overrides.get("max_seq_len", hf.get("max_position_embeddings") or 4096)
     window = hf.get("sliding_window")
     if window is not None and (hf.get("use_sliding_window", True) and window < max_len):
         raise HFError(f"sliding_window={window} is shorter than the sequence ({max_len}): nanotrn has no "
@@ -88,8 +88,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         if (key in required or hf.get(key) is not None) and not (type(hf.get(key)) is int and hf[key] >= 1):
             raise HFError(f"{key}={hf[key]!r}: a Llama config gives a whole number >= 1" if key in hf else
                           f"no {key}: a Llama config.json gives {', '.join(required)}")
-    for key in ("rms_norm_eps", "initializer_range", "rope_theta"):
-        if hf.get(key) is not None and type(hf[key]) not in (int, float):
+    for key in ("rms_norm_eps", "initializer_range"):    # null too: a TypeError later
+        if key in hf and type(hf[key]) not in (int, float):
             raise HFError(f"{key}={hf[key]!r}: a Llama config gives a number")
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % kv:                      # else a reshape error deep in the loader
@@ -99,7 +99,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
                   n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=kv,
-                  max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                  max_seq_len=hf.get("max_position_embeddings") or 4096, norm_eps=hf.get("rms_norm_eps", 1e-6),
                   init_std=hf.get("initializer_range", 0.02),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0,
@@ -117,6 +117,8 @@ def _rope(hf: dict) -> dict:
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     else:
         params, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
+    if type(theta) not in (int, float) or not isinstance(params, dict):     # null, text: a TypeError later
+        raise HFError(f"rope_theta={theta!r}, rope scaling {params!r}: a Llama config gives a number and an object (or null)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rope_theta": float(theta), "rope_scaling": "none"}

@@ -39,6 +39,11 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
      "per layer type"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),   # was a reshape error
+    ({"rope_theta": None}, "rope_theta=None"),            # null or text where a number goes: was a TypeError
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": None}}, "rope_theta=None"),
+    ({"rope_scaling": "llama3"}, "rope scaling 'llama3'"),
+    ({"rms_norm_eps": None}, "rms_norm_eps=None"),
+    ({"initializer_range": None}, "initializer_range=None"),
 ])
 def test_refused_config_keys_are_named(change, expected):
     with pytest.raises(hf_io.HFError, match=expected.replace("(", r"\(")) as e:
@@ -52,6 +57,7 @@ def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load()
     assert m.rope_theta == 10000.0 and m.rope_scaling == "none"
     assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 64
     assert hf_io.model_config_from_hf({**BASE, "head_dim": 24}).head_dim == 24
+    assert hf_io.model_config_from_hf({**BASE, "max_position_embeddings": None}).max_seq_len == 4096   # null: absent
     v5 = {k: v for k, v in BASE.items() if k != "rope_theta"}
     assert hf_io.model_config_from_hf({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}).rope_theta == 500000.0
     m = hf_io.model_config_from_hf({**v5, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}})
