@@ -366,7 +366,13 @@ class HFTokenizer:
         self.path = file
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         conf_path = os.path.join(folder, "tokenizer_config.json")
-        self.config = json.load(open(conf_path)) if os.path.isfile(conf_path) else {}
+        try:                # a download cut short, or another file: one line, not a traceback
+            self.config = json.loads(Path(conf_path).read_text(encoding="utf-8")) if os.path.isfile(conf_path) else {}
+        except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
+            self.config = e
+        if not isinstance(self.config, dict):
+            raise HFError(f"{conf_path} is not a JSON object ({str(self.config):.80}): re-download it, or remove it "
+                          f"to take BOS from tokenizer.json's post-processor")
         bos, eos = _token_text(self.config.get("bos_token")), _token_text(self.config.get("eos_token"))
         self.bos_id, self.eos_id = self._id(bos), self._id(eos)
         if bos is None:        # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")

@@ -287,6 +287,10 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
     assert tok.decode(tok.encode(TEXTS[7])) == TEXTS[7]
     with pytest.raises(data.DataError, match="neither tokenizer.model nor tokenizer.json"):
         data.load_tokenizer(str(tmp_path))
+    for text in ("{cut short", "[1, 2]"):          # was a JSONDecodeError / AttributeError traceback
+        (tmp_path / "b" / "tokenizer_config.json").write_text(text)
+        with pytest.raises(hf_io.HFError, match=r"b/tokenizer_config.json is not a JSON object \(.*re-download it"):
+            data.load_tokenizer(str(tmp_path / "b"))
 
 
 def test_tokenizer_json_without_a_bos_processor_exports_the_runs_bos(tmp_path):
