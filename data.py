@@ -346,12 +346,14 @@ class PackedLoader:
                        len(self.lanes) - 1)
         return g, (uniform(self.cfg.seed, 2, streams, b) * np.asarray(self.lanes)[g]).astype(np.int64)
 
-    def mixture_counts(self, n_batches: int) -> np.ndarray:
-        """Windows per source in the first n_batches global batches of every stream: the realized
+    def mixture_counts(self, n_batches: int | None = None) -> np.ndarray:
+        """Windows per source in the first n_batches global batches of every stream (default: the windows a
+        stream has handed out, since it began: not the step after a --ckpt.reset_data): the realized
         mixture, recomputed from the hash with no communication."""
-        done, counts = self._mix_counts
-        if n_batches < done:
-            done, counts = 0, np.zeros_like(counts)
+        per = len(self.lanes) * self.lanes_max      # a stream's lanes (global_lane): their windows, summed
+        n_batches = sum(p["stats"]["windows"] for k, p in self._state["streams"].items()
+                        if int(k) // per == self.streams[0]) if n_batches is None else n_batches
+        done, counts = self._mix_counts if n_batches >= self._mix_counts[0] else (0, 0 * self._mix_counts[1])
         for b0 in range(done, n_batches, 4096):
             b = np.arange(b0, min(n_batches, b0 + 4096))
             g, _ = self.draw_source_and_lane(np.arange(self.n_streams)[:, None], b[None, :])

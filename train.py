@@ -447,7 +447,7 @@ def run(argv: list[str]) -> None:
                 with dog.phase(f"the evaluation at step {step}"), mon.off_the_clock():
                     mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
             if len(corpus.groups) > 1 and eval_now:
-                counts = train_loader.mixture_counts(step)    # a weighted --data mixture's realized shares
+                counts = train_loader.mixture_counts()    # a weighted --data mixture's realized shares
                 log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
                     f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})"
                     for (name, w, _, _), n in zip(corpus.groups, counts)))

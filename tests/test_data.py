@@ -234,6 +234,22 @@ def test_shuffle_and_mixture_same_at_any_layout_and_resume_across_dp(files, tok)
         data.Corpus(f"{files['jsonl']}:0.7,{files['arrow_file_large']}")
 
 
+def test_the_logged_mixture_counts_the_windows_read_also_after_a_data_reset(files, tok):
+    """train.py logged mixture_counts(step): after --ckpt.reset_data at step 6 of a 0.6/0.4 mixture (a weight
+    changed), step 9 said 'over 108 windows' where the new stream had handed out 36. mixture_counts() counts
+    the windows each stream has handed out: resumed, the whole stream's; restarted, the new stream's only."""
+    c = cfg(f"{files['jsonl']}:0.6,{files['arrow_file_large']}:0.4", micro_batch=2, shuffle=2)
+    first = data.PackedLoader(c, tok, prefetch=0)
+    take(first, 6)                                      # 3 global batches of 4 windows
+    assert first.mixture_counts().tolist() == first.stats()["windows_by_source"] and first.mixture_counts().sum() == 12
+    resumed, restarted = data.PackedLoader(c, tok, prefetch=0), data.PackedLoader(c, tok, prefetch=0)
+    resumed.load_state_dict(first.state_dict())
+    take(resumed, 4)
+    take(restarted, 4)                                  # the data stream afresh: its first 2 global batches
+    assert resumed.mixture_counts().tolist() == resumed.mixture_counts(5).tolist() and resumed.mixture_counts().sum() == 20
+    assert restarted.mixture_counts().tolist() == restarted.stats()["windows_by_source"] == restarted.mixture_counts(2).tolist()
+    assert restarted.mixture_counts().sum() == 8
+
 def test_eval_windows_are_the_same_at_every_layout(files, tok):
     """Evaluation is a property of the model: the held-out windows split over DP ranks and padded
     to micro-batches give the same windows and the same loss at every DP degree and micro-batch."""
