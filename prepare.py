@@ -270,6 +270,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     workers = max(1, min(workers or os.cpu_count() or 1, len(paths)))
     counts = collections.Counter(empty_files=len(empty))
     examples: list[str] = []
+    not_text: list[str] = []            # shards skipped as a whole, said with the fix
     tmp = f"{out}.tmp{os.getpid()}"
     bar = tqdm(total=sum(map(os.path.getsize, paths)), desc="[prepare]", unit="B", unit_scale=True,
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
@@ -298,7 +299,18 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
             sink = pa.OSFile(tmp, "wb")
             writer = pa.ipc.new_stream(sink, SCHEMA)
         for (i, p, w, *_), t, r in zip(tasks, targets, results):
-            counts.update(r["counts"])
+            c = collections.Counter(r["counts"])
+            if c["utf8_replacements"] > c["chars"] / 10:     # as training's sample refuses it: written, it would be
+                why = (f"{p} ({c['utf8_replacements']:,} of its {c['chars']:,} characters are invalid UTF-8: binary "   # U+FFFDs:
+                       f"or another encoding); convert it to UTF-8 (iconv) or leave it out")      # valid, trained on
+                if strict:
+                    raise DataError(f"{why} (--strict stops at the first file that is not text; without it such a "
+                                    f"file is skipped and counted)")
+                counts["not_text_files"] += 1
+                not_text.append(why)
+                os.remove(w)
+                continue
+            counts.update(c)
             examples += r["examples"][:MAX_EXAMPLES - len(examples)]
             if one:                                 # append the shard, then free its disk space
                 with pa.memory_map(w) as src:
@@ -313,7 +325,8 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         bar.close()
         if not counts["documents"]:
             raise DataError(f"{', '.join(sources)}: no document has text ({counts['empty_docs']} empty, "
-                            f"{counts['bad_records']} bad records" + (f", the first: {examples[0]}" if examples else "")
+                            f"{counts['bad_records']} bad records" + (f", the first: {(not_text + examples)[0]}"
+                                                                      if not_text + examples else "")
                             + f"): nothing written to {out}; check the sources and --text-field")
         if one:
             os.replace(tmp, out)
@@ -334,6 +347,9 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
             shutil.rmtree(parts, ignore_errors=True)
             if os.path.exists(tmp):
                 os.remove(tmp)
+    if not_text:
+        print(f"[prepare] {len(not_text):,} file{'s' * (len(not_text) > 1)} skipped, not UTF-8 text: "
+              + ("the first: " if len(not_text) > 1 else "") + not_text[0], file=sys.stderr)
     if counts["bad_records"]:
         print(f"[prepare] {counts['bad_records']:,} bad records skipped (pass --strict to stop at the first): "
               + "; ".join(examples), file=sys.stderr)

@@ -213,3 +213,27 @@ def test_prepare_takes_a_split_and_its_refusal_names_its_own_flag(tmp_path, caps
         data.main(["prepare", str(dd), "--out", str(tmp_path / "x.arrow")])
     data.main(["prepare", str(dd), "--out", str(tmp_path / "x.arrow"), "--split", "test"])
     assert "documents 2," in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("j", ["1", "2"])
+def test_a_binary_file_named_txt_is_skipped_and_named_not_written_as_text(shards, tmp_path, capsys, j):
+    """A shard that is not UTF-8 text (a gzip file named .txt: 45% of its characters invalid) was written as
+    text full of U+FFFD, said only as 'utf8_replacements 168,512' in the summary; training on the output then
+    met no invalid byte (U+FFFD is valid UTF-8) and failed on the tokenizer's vocabulary, or trained on garbage.
+    Now it is skipped as a whole, named with the fix and counted; --strict stops at it; alone, nothing is written."""
+    blob = tmp_path / "blob.txt"
+    blob.write_bytes(gzip.compress(os.urandom(3000) + b"x" * 3000).replace(b"\0", b"\1"))
+    latin1 = tmp_path / "latin1.txt"                    # a few invalid bytes in text: kept, counted as before
+    latin1.write_bytes("Le café est bon, le thé aussi, et le pain est frais ce matin. ".encode("latin-1") * 20)
+    out = tmp_path / "o.arrow"
+    counts = prepare.prepare([str(shards / "g.txt"), str(blob), str(latin1)], str(out), workers=int(j))
+    assert counts["documents"] == 2 and counts["not_text_files"] == 1 and read(out)[0] == "a whole file\nis one document\n"
+    assert read(out)[1].startswith("Le caf\ufffd est") and counts["utf8_replacements"] == 40
+    err = capsys.readouterr().err
+    assert re.search(r"\[prepare\] 1 file skipped, not UTF-8 text: \S+blob.txt \(\d[\d,]* of its [\d,]+ characters are "
+                     r"invalid UTF-8: binary or another encoding\); convert it to UTF-8 \(iconv\) or leave it out", err), err
+    with pytest.raises(SystemExit, match=r"blob.txt \(.* invalid UTF-8: binary or another encoding\).*--strict"):
+        data.main(["prepare", str(blob), "--out", str(tmp_path / "s.arrow"), "--strict", "-j", j])
+    with pytest.raises(SystemExit, match=r"no document has text .*blob.txt .*invalid UTF-8"):
+        data.main(["prepare", str(blob), "--out", str(tmp_path / "d") + "/", "-j", j])
+    assert not os.path.exists(tmp_path / "s.arrow") and os.listdir(tmp_path / "d") == []
