@@ -268,7 +268,8 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
         "subdomain": args.name,                     # + the Job's host name <job>-<index>: the DNS name
         "restartPolicy": "Never",                   # a failed pod is replaced (podFailurePolicy below)
         "terminationGracePeriodSeconds": args.grace_period,
-        # The pause container is PID 1 and reaps orphans; torchrun stays the container's main process.
+        # The pause container is PID 1 and reaps orphans; launch.sh (exec'd by the command) stays the
+        # container's main process, which gets the kubelet's SIGTERM.
         "shareProcessNamespace": True,
         # The rendezvous ports and the Neuron runtime's bootstrap port (launch.sh reserves them with sudo
         # on SLURM nodes): a safe, per-pod sysctl here (Kubernetes >= 1.27), so no ephemeral port takes them.
