@@ -22,4 +22,9 @@ COPY . .
 RUN pin="$(sed -n 's/^NANOTRN_TORCH_NEURONX=//p' scripts/env.sh)" && \
     python3 -c 'import importlib.metadata as m, sys; v = m.version("torch-neuronx"); \
 sys.exit(0 if v.startswith(sys.argv[1]) else f"torch-neuronx {v} is not {sys.argv[1]}, the pin of scripts/env.sh")' "$pin" && \
-    bash -n scripts/launch.sh && command -v torchrun neuron_parallel_compile
+    bash -n scripts/launch.sh
+# And it has every command the pods run outside bash: torchrun, neuron_parallel_compile (launch.sh compile) and
+# procps's pkill and pgrep (launch.sh's stop path: without them a SIGTERM never reaches the workers and the
+# final save is lost). One name at a time: `command -v a b` in /bin/sh (dash) answers for a alone.
+RUN for c in torchrun neuron_parallel_compile pkill pgrep; do \
+        command -v "$c" >/dev/null || { echo "error: the image has no $c (see the Dockerfile)"; exit 1; }; done

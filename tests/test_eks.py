@@ -253,6 +253,28 @@ def test_dockerfile_is_the_release_env_sh_pins():
     assert "-r requirements.txt" in docker and "-r requirements-torch.txt" not in docker   # the image's torch stays
 
 
+def test_the_image_build_stops_without_a_command_the_pods_run(tmp_path):
+    """The Dockerfile's check of the commands the pods run outside bash, run as docker runs a RUN line
+    (/bin/sh -c: dash on the Ubuntu base), with a PATH that holds them all, then lacks each in turn. It was
+    `command -v torchrun neuron_parallel_compile`: dash answers for the first name alone, so an image
+    without neuron_parallel_compile passed."""
+    docker = (ROOT / "Dockerfile").read_text().replace("\\\n", "")
+    (check,) = [line[len("RUN "):] for line in docker.splitlines() if line.startswith("RUN ") and "command -v" in line]
+    needed = ["torchrun", "neuron_parallel_compile", "pkill", "pgrep"]
+    launch = (SCRIPTS / "launch.sh").read_text()
+    assert all(re.search(rf"\b{c}\b", launch) for c in needed)          # launch.sh runs each of them
+    for missing in [None, *needed]:
+        bin_dir = tmp_path / f"bin-{missing}"
+        bin_dir.mkdir()
+        for c in needed:
+            if c != missing:        # only found, never run: an empty executable file is what command -v looks for
+                (bin_dir / c).touch(mode=0o755)
+        r = subprocess.run(["/bin/sh", "-c", check], env={"PATH": str(bin_dir)}, capture_output=True, text=True)
+        assert (r.returncode == 0) == (missing is None), (missing, r.returncode, r.stdout, r.stderr)
+        if missing:
+            assert f"the image has no {missing} " in r.stdout
+
+
 # ----------------------------------------------------------------------------- the pod contract, for real
 
 TINY = ["--device=cpu", "--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2",
