@@ -15,6 +15,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
@@ -255,6 +256,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     empty = [p for p in paths if os.path.getsize(p) == 0]
     paths = [p for p in paths if os.path.getsize(p) > 0]
     os.makedirs(folder, exist_ok=True)
+    _remove_leftovers(out, one, folder)
     parts = f"{out}.parts{os.getpid()}" if one else folder
     targets = [os.path.join(parts, shard_name(i, p)) for i, p in enumerate(paths)]
     # each shard converted under a temporary name, renamed when complete (one file: the parts folder is temporary)
@@ -356,6 +358,36 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     print(f"[prepare] wrote {out}" + (f" ({len(paths)} shards)" if not one else "") + ": "
           + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())), file=sys.stderr, flush=True)
     return dict(counts)
+
+
+def _remove_leftovers(out: str, one: bool, folder: str) -> None:
+    """Remove the temporaries an earlier prepare to `out` left when it was killed (SIGKILL, a lost node: no
+    cleanup runs), each up to the corpus's size: OUT.partsPID/ and OUT.tmpPID, or a folder's NNNNN-x.arrow.tmpPID,
+    of a process that is gone. A live one's (a prepare still running) stay; names of ours only."""
+    pattern = re.escape(os.path.basename(out)) + r"\.(?:parts|tmp)(\d+)" if one else r"\d{5}-.*\.arrow\.tmp(\d+)"
+    gone, pids = [], set()
+    for name in sorted(os.listdir(folder)):
+        if (m := re.fullmatch(pattern, name)) and not _alive(int(m[1])):
+            gone.append(os.path.join(folder, name))
+            pids.add(int(m[1]))
+    for p in gone:
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
+    if gone:
+        print(f"[prepare] removed {len(gone)} temporaries of an interrupted prepare (process"
+              f"{'es' * (len(pids) > 1)} {', '.join(map(str, sorted(pids)))}, gone): {gone[0]}", file=sys.stderr, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)             # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's: alive
+        pass
+    return True
 
 
 def _drain(pending, q, progress):

@@ -237,3 +237,31 @@ def test_a_binary_file_named_txt_is_skipped_and_named_not_written_as_text(shards
     with pytest.raises(SystemExit, match=r"no document has text .*blob.txt .*invalid UTF-8"):
         data.main(["prepare", str(blob), "--out", str(tmp_path / "d") + "/", "-j", j])
     assert not os.path.exists(tmp_path / "s.arrow") and os.listdir(tmp_path / "d") == []
+
+
+def test_a_rerun_after_a_killed_prepare_removes_what_the_killed_one_left(shards, tmp_path, capsys):
+    """A prepare killed (SIGKILL, a node lost) left its temporaries for ever: OUT.arrow.partsPID/ and OUT.arrow.tmpPID
+    beside a one-file output, NNNNN-x.arrow.tmpPID in a shard folder (each up to the corpus's size, and said as
+    'left out' by every run on the folder). A rerun removes those of a process that is gone, and says so; those of
+    a live process (a prepare still running) and the user's files stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getppid()
+    out = tmp_path / "o.arrow"
+    for pid in (dead.pid, live):
+        (tmp_path / f"o.arrow.parts{pid}").mkdir()
+        (tmp_path / f"o.arrow.parts{pid}" / "00000-a.arrow").write_bytes(b"half")
+        (tmp_path / f"o.arrow.tmp{pid}").write_bytes(b"half")
+    (tmp_path / "o.arrow.tmpnotes").write_text("mine")
+    prepare.prepare([str(shards / "g.txt")], str(out), workers=1)
+    assert read(out) == ["a whole file\nis one document\n"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["src", "o.arrow", f"o.arrow.parts{live}", f"o.arrow.tmp{live}",
+                                                   "o.arrow.tmpnotes"])
+    assert re.search(rf"\[prepare\] removed 2 temporaries of an interrupted prepare \(process {dead.pid}, gone\): "
+                     rf"\S+o.arrow.parts{dead.pid}", capsys.readouterr().err)
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in (f"00000-a.arrow.tmp{dead.pid}", f"00003-z.arrow.tmp{live}", "notes.txt"):
+        (d / name).write_bytes(b"half")
+    prepare.prepare([str(shards / "g.txt")], str(d) + "/", workers=1)
+    assert sorted(os.listdir(d)) == ["00000-g.arrow", f"00003-z.arrow.tmp{live}", "notes.txt"]
