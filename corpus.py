@@ -363,7 +363,8 @@ def load_tokenizer(path: str):
     or a model folder holding one of them."""
     if os.path.isdir(path):
         if (found := find_tokenizer(path)) is None:
-            raise DataError(f"tokenizer folder {path!r} holds neither tokenizer.model nor tokenizer.json")
+            raise DataError(f"tokenizer folder {path!r} holds neither tokenizer.model nor tokenizer.json: put the "
+                            f"model's tokenizer file there, or name one with --data.tokenizer")
         path = found
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path!r} does not exist; give a sentencepiece .model, a tokenizer.json "

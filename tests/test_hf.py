@@ -285,7 +285,8 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
     ids = tok.encode_batch(TEXTS[:3], bos=True, eos=True)
     assert [list(x) for x in ids] == [[0] + tok.encode(t) + [1] for t in TEXTS[:3]]
     assert tok.decode(tok.encode(TEXTS[7])) == TEXTS[7]
-    with pytest.raises(data.DataError, match="neither tokenizer.model nor tokenizer.json"):
+    with pytest.raises(data.DataError, match="neither tokenizer.model nor tokenizer.json: put the model's tokenizer "
+                                            "file there, or name one with --data.tokenizer"):   # it named no fix
         data.load_tokenizer(str(tmp_path))
     for text in ("{cut short", "[1, 2]"):          # was a JSONDecodeError / AttributeError traceback
         (tmp_path / "b" / "tokenizer_config.json").write_text(text)
