@@ -222,18 +222,18 @@ class SafetensorsFolder:
     def __init__(self, folder: str):
         from safetensors import safe_open
         index = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.isfile(index):         # the files transformers reads (Mistral also ships consolidated.*)
+        # What transformers reads, in its order: model.safetensors, else the index's files (not consolidated.*)
+        files = [n for n in ("model.safetensors",) if os.path.isfile(os.path.join(folder, n))]
+        if not files and os.path.isfile(index):
             try:
                 with open(index, encoding="utf-8") as f:
                     files = sorted(set(json.load(f)["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HFError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-download "
                               f"it or give another --init_from") from None
-        else:
-            files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("consolidated"))
         if not files:
-            raise HFError(f"no .safetensors files in {folder}: download the model's *.safetensors beside its config.json, "
-                          f"or re-save a .bin checkpoint with save_pretrained(..., safe_serialization=True)")
+            raise HFError(f"no .safetensors files in {folder} (model.safetensors, or an index): download the model's "
+                          f"*.safetensors beside its config.json, or re-save a .bin with save_pretrained(..., safe_serialization=True)")
         try:
             self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
         except Exception as e:          # safetensors' own error type: a truncated or foreign file

@@ -119,6 +119,7 @@ def W(tmp_path_factory):
     f.write_bytes(f.read_bytes()[:3000])
     shutil.copytree(w / "run" / "hf", w / "init_badindex")
     (w / "init_badindex" / "model.safetensors.index.json").write_text('{"weight_map": 3}')
+    os.remove(w / "init_badindex" / "model.safetensors")       # else read first, as transformers does
     shutil.copytree(w / "run" / "hf", w / "init_noweights")
     os.remove(w / "init_noweights" / "model.safetensors")
     return w

@@ -576,6 +576,15 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
     tokens = torch.randint(0, 101, (1, 20))
     with torch.no_grad():
         assert max_rel_err(load_hf(str(tmp_path)).eval()(tokens), hf(tokens).logits) < 1e-5
+    # Saved whole, then sharded into the same folder (save_pretrained keeps the old model.safetensors):
+    # transformers reads model.safetensors, not the index, and so must --init_from (it read the shards).
+    torch.manual_seed(1)
+    llama3_hf().save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert max_rel_err(hf(tokens).logits, theirs(tokens).logits) > 0.1         # not the sharded model
+        assert max_rel_err(load_hf(str(tmp_path)).eval()(tokens), theirs(tokens).logits) < 1e-5
 
 
 def test_a_run_replaces_only_its_own_export(tmp_path):
