@@ -139,6 +139,13 @@ class Corpus:
         printed: the packing thread's line would cut into the step lines (train.py says each kind once)."""
         self.examples.setdefault(kind, msg)
 
+    def mixture_line(self, counts) -> str:
+        """A weighted mixture's realized shares (windows per source) beside its weights, to 3 digits: a
+        weight of 0.5% is not '0%' nor 99.5% '100%'."""
+        n = int(sum(counts))
+        return f"data mixture over {n:,} windows: " + ", ".join(
+            f"{name} {100 * c / max(n, 1):.3g}% (weight {100 * w:.3g}%)" for (name, w, _, _), c in zip(self.groups, counts))
+
     def warning(self, kind: str, count: int) -> str:
         """The line that says a kind of data problem: the run's count and this rank's first example."""
         what = {"bad_records": "bad records skipped (not JSON, or no text field)",

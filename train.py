@@ -446,11 +446,8 @@ def run(argv: list[str]) -> None:
             if val_loader is not None and eval_now:     # (--log.eval_interval=0: no val_loader, evaluation off)
                 with dog.phase(f"the evaluation at step {step}"), mon.off_the_clock():
                     mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
-            if len(corpus.groups) > 1 and eval_now:
-                counts = train_loader.mixture_counts()    # a weighted --data mixture's realized shares
-                log(f"step {step:6d} | data mixture over {counts.sum():,} windows: " + ", ".join(
-                    f"{name} {n / max(counts.sum(), 1):.1%} (weight {w:.0%})"
-                    for (name, w, _, _), n in zip(corpus.groups, counts)))
+            if len(corpus.groups) > 1 and eval_now:     # a weighted --data mixture's realized shares
+                log(f"step {step:6d} | {corpus.mixture_line(train_loader.mixture_counts())}")
             stopping = stop.requested(step)             # every rank agrees: stop after this step?
             periodic = (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps
             if periodic or stopping:

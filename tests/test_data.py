@@ -250,6 +250,14 @@ def test_the_logged_mixture_counts_the_windows_read_also_after_a_data_reset(file
     assert restarted.mixture_counts().tolist() == restarted.stats()["windows_by_source"] == restarted.mixture_counts(2).tolist()
     assert restarted.mixture_counts().sum() == 8
 
+def test_the_mixture_line_says_a_small_weight_as_it_is(files):
+    """The logged mixture said weights as whole percents: a 0.995/0.005 mixture read 'a 99.5% (weight 100%),
+    b 0.5% (weight 0%)', a weight of 0 that --data refuses. Shares and weights now to 3 digits."""
+    a, b = files["jsonl"], files["arrow_file_large"]
+    assert data.Corpus(f"{a}:199,{b}:1").mixture_line(np.array([9950, 50])) == (
+        f"data mixture over 10,000 windows: {a} 99.5% (weight 99.5%), {b} 0.5% (weight 0.5%)")
+    assert data.Corpus(f"{a}:2,{b}:1").mixture_line([700, 300]).endswith(f"{a} 70% (weight 66.7%), {b} 30% (weight 33.3%)")
+
 def test_eval_windows_are_the_same_at_every_layout(files, tok):
     """Evaluation is a property of the model: the held-out windows split over DP ranks and padded
     to micro-batches give the same windows and the same loss at every DP degree and micro-batch."""
