@@ -548,11 +548,15 @@ def test_sbatch_early_usr1_reaches_the_workers_not_torchrun(tmp_path):
 def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
     """Kubernetes sends SIGTERM to the container's first process, launch.sh: it passes it on as
     SIGUSR1 to torchrun's workers only, so the pod's terminationGracePeriodSeconds, not torchrun's
-    fixed 30 s, bounds the final save. The run stops with a checkpoint and exits 0."""
+    fixed 30 s, bounds the final save. The run stops with a checkpoint. The pod is the one pod of a
+    1-node Indexed Job (eks.py's, JOB_COMPLETION_INDEX 0): it exits 143, not the workers' 0, which
+    marked the pod Succeeded and its index complete, so the Job was Complete at the step of the
+    drain or `kubectl delete pod` and nothing resumed it."""
     (tmp_path / "bin").mkdir()
-    env = launch_env(tmp_path)
+    env = launch_env(tmp_path, JOB_COMPLETION_INDEX="0")
     rc, out, err = run_until_step(["bash", str(SCRIPTS / "launch.sh"), "train", f"--out_dir={tmp_path}/run",
                                    "--dp=2", *TINY_RUN, cache_arg()], env, 3, signal.SIGTERM)
-    assert rc == 0, err[-3000:]
+    assert rc == 143, err[-3000:]
     assert "launch.sh: SIGTERM: asking the workers of torchrun" in err
+    assert "launch.sh: stopped with a checkpoint: exit 143, so that the Job replaces this pod" in err
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
