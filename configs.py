@@ -401,18 +401,18 @@ DOMAINS = {
 NON_EMPTY = ("data.data", "data.text_field", "data.cache_dir", "ckpt.dir", "out_dir")
 
 
-def check_values(cfg: Config) -> None:
-    """What holds at any world size: every key's domain, the model's shape alone and against TP/PP."""
+def check_values(cfg: Config, flag=lambda key: f"--{key}") -> None:
+    """What holds at any world size: every key's domain (named as flag(key): data.py tokenizer's own flags
+    for its keys), the model's shape alone and against TP/PP."""
     for key, (holder, f) in _all_keys(cfg).items():
-        value = getattr(holder, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"--{key}={value}: must be a finite number")
+        if isinstance(value := getattr(holder, f.name), float) and not math.isfinite(value):
+            raise ConfigError(f"{flag(key)}={value}: must be a finite number")
         if key in NON_EMPTY and not str(value).strip():
-            raise ConfigError(f"--{key} is empty: give a value (default {f.default!r})")
+            raise ConfigError(f"{flag(key)} is empty: give a value (default {f.default!r})")
         if key in DOMAINS and not DOMAINS[key][0](value):       # (--data=, too: a mixture of no source)
-            raise ConfigError(f"--{key}={value!r}: must be {DOMAINS[key][1]}")
+            raise ConfigError(f"{flag(key)}={value!r}: must be {DOMAINS[key][1]}")
         if key in CHOICES and value not in CHOICES[key]:
-            raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
+            raise ConfigError(f"{flag(key)}={value!r}: choose one of {', '.join(CHOICES[key])}")
     m, p, o, d = cfg.model, cfg.parallel, cfg.optim, cfg.data
     if not o.min_lr <= o.lr:
         raise ConfigError(f"--optim.min_lr={o.min_lr} is above --optim.lr={o.lr} (the schedule decays lr to it): lower min_lr")

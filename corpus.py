@@ -27,6 +27,14 @@ from sources import (COMPRESSED, CachedDocs, ColumnDocs, DataError, FileDocs, Li
 from spans import by_hash, held_out, permute
 
 COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.cached): no cheap random access
+# The flags a corpus or tokenizer refusal names: train.py's. `data.py tokenizer` passes its own (and has no
+# --data.tokenizer to offer): passed down, not rewritten into the message, which would rewrite a path too.
+FLAGS = {"data.data": "--data", "data.text_field": "--data.text_field", "data.split": "--data.split",
+         "model.vocab_size": "--model.vocab_size", "data.tokenizer": "--data.tokenizer"}
+
+
+def or_given(flags: dict) -> str:
+    return f", or pass {flags['data.tokenizer']}" if "data.tokenizer" in flags else ""
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
@@ -58,13 +66,13 @@ def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
     return out
 
 
-def mixture_files(spec: str, split: str = "train", left_out: list | None = None
+def mixture_files(spec: str, split: str = "train", left_out: list | None = None, split_flag: str = "--data.split"
                   ) -> tuple[list[tuple[str, float | None]], list[list[str]]]:
     """parse_mixture's entries and each one's files; a file named by two entries counts in the first. A
     weighted source left no file of its own is refused: train.py calls this before any work."""
     entries, seen, per_entry = parse_mixture(spec), set(), []
     for entry, _ in entries:
-        per_entry.append([p for p in resolve_paths(entry, split, left_out)
+        per_entry.append([p for p in resolve_paths(entry, split, left_out, split_flag)
                           if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
     empty = [e for (e, w), ps in zip(entries, per_entry) if w is not None and not ps]
     if empty:
@@ -79,11 +87,11 @@ class Corpus:
     (`a.arrow:0.7,b/:0.3`, weights summing to 1); unweighted, one group of every document."""
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
-                 split: str = "train", cache_dir: str = ".cache"):
+                 split: str = "train", cache_dir: str = ".cache", flags: dict = FLAGS):
         self.spec, self.sources, self.examples = spec, [], {}
         self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
         self.left_out = []
-        entries, per_entry = mixture_files(spec, split, self.left_out)
+        entries, per_entry = mixture_files(spec, split, self.left_out, flags["data.split"])
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
@@ -93,13 +101,13 @@ class Corpus:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
                 self.sources.append(CachedDocs(p, prepare.cached(p, text_field, doc_per_line, cache_dir), text_field,
-                                               doc_per_line, cache_dir))
+                                               doc_per_line, cache_dir, flags["data.text_field"]))
                 if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
                     empty.append(p)                                         # said as its raw twin is
             elif p.endswith((".jsonl", ".json")):
-                self.sources.append(LineDocs(p, True, text_field, cache_dir))
+                self.sources.append(LineDocs(p, True, text_field, cache_dir, flags["data.text_field"]))
             elif p.endswith(".arrow"):
-                self.sources.append(ColumnDocs(p, text_field, cache_dir))
+                self.sources.append(ColumnDocs(p, text_field, cache_dir, flags["data.text_field"]))
             elif doc_per_line and p.endswith(".txt"):
                 self.sources.append(LineDocs(p, False, text_field, cache_dir))
             elif self.sources and isinstance(self.sources[-1], FileDocs):
@@ -382,8 +390,9 @@ def load_tokenizer(path: str):
     return Tokenizer(path)
 
 
-def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None) -> Tokenizer:
-    """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces."""
+def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None, flags: dict = FLAGS) -> Tokenizer:
+    """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces (a refusal
+    names `flags`, FLAGS or a command's own)."""
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         if tok.vocab_size > vocab_size:
@@ -397,7 +406,8 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
                             f"and the sample would draw from them; set --model.vocab_size={tok.vocab_size} "
                             f"(or padded, at most {padded})")
     else:
-        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir)
+        check_vocab(vocab_size, flags)          # before the corpus is read
+        corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir, flags)
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
                                          TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
         path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
@@ -406,7 +416,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
         with open(path + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(path):
-                train_tokenizer(corpus, cfg.val_fraction, vocab_size, path)
+                train_tokenizer(corpus, cfg.val_fraction, vocab_size, path, flags)
         tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0:
@@ -417,11 +427,11 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     return tok
 
 
-def check_vocab(vocab_size: int) -> None:
+def check_vocab(vocab_size: int, flags: dict = FLAGS) -> None:
     """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work)."""
     if vocab_size < 260:            # sentencepiece's own error for these is an empty message
         raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
-                        f"--model.vocab_size=260 or more (the corpus's characters add to that), or pass --data.tokenizer")
+                        f"{flags['model.vocab_size']}=260 or more (the corpus's characters add to that){or_given(flags)}")
 
 
 def sample_texts(corpus: Corpus, val_fraction: float):
@@ -443,7 +453,7 @@ def sample_texts(corpus: Corpus, val_fraction: float):
                 yield (text[:text.rfind("\n") + 1 or None] if cut else text), repl
 
 
-def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str) -> None:
+def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str, flags: dict = FLAGS) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
     t0, lines, n = time.time(), [], corpus.n_docs
@@ -459,7 +469,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
             break
     if not lines:
         raise DataError(f"{corpus.spec!r} holds no text to train a tokenizer on ({n} documents, "
-                        f"all empty or unreadable records); check --data and --data.text_field")
+                        f"all empty or unreadable records); check {flags['data.data']} and {flags['data.text_field']}")
     if bad > chars / 10:
         raise DataError(f"{corpus.spec!r} does not look like text: {bad:,} of the {chars:,} characters sampled "
                         f"are invalid UTF-8 (binary or another encoding); convert it to UTF-8 or leave it out")
@@ -468,7 +478,6 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     tmp = f"{path}.tmp{os.getpid()}"
     # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
     # process at once (the model file is only ever renamed into place).
-    check_vocab(vocab_size)
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:
@@ -483,10 +492,10 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
         if m := re.search(r"smaller than required_chars. (\d+) vs (\d+)", str(e)):
             need = int(m[2])        # a piece per distinct character, + 256 byte pieces + unk/bos/eos (above)
             raise DataError(f"{corpus.spec!r} needs at least {need} pieces ({need - 259} distinct characters, 256 bytes, "
-                            f"unk/bos/eos), more than a {vocab_size}-piece tokenizer holds; set --model.vocab_size={need} "
-                            f"or more, or pass --data.tokenizer") from None
+                            f"unk/bos/eos), more than a {vocab_size}-piece tokenizer holds; set "
+                            f"{flags['model.vocab_size']}={need} or more{or_given(flags)}") from None
         raise DataError(f"could not train a {vocab_size}-piece tokenizer on {corpus.spec!r}: {_spm_message(e)}; "
-                        f"lower --model.vocab_size, add data, or pass --data.tokenizer") from None
+                        f"lower {flags['model.vocab_size']}, add data{or_given(flags)}") from None
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)

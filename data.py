@@ -20,7 +20,6 @@ import atexit
 import collections
 import dataclasses
 import queue
-import re
 import signal
 import sys
 import threading
@@ -32,7 +31,7 @@ if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds):
 import numpy as np
 import torch
 
-from configs import Config, ConfigError, DataConfig, check_paths, check_values
+from configs import Config, ConfigError, DataConfig, check_dir, check_values
 
 # data.py is what train.py and benchmarks/ read: the names they need from the other modules come from here.
 from corpus import Corpus, DataError, Tokenizer, build_tokenizer, find_tokenizer, load_tokenizer  # noqa: F401
@@ -549,10 +548,12 @@ def main(argv: list[str] | None = None) -> None:
     for flag, what in (("--doc-per-line", ".txt: a document per line"), ("--force", "replace --out"), ("--strict", "stop at the first bad record")):
         a.add_argument(flag, action="store_true", help=what)
     t = sub.add_parser("tokenizer", help="train and cache the default tokenizer (once, before a launch)")
-    # train.py's --data.* keys the trained tokenizer depends on, so that it finds this one in the cache
-    for flag, default in (("--data", "stdlib"), ("--vocab", 4096), ("--cache-dir", ".cache"), ("--text-field", "text"),
-                          ("--split", "train"), ("--val-fraction", DataConfig.val_fraction)):
-        key = "model.vocab_size" if flag == "--vocab" else "data." + flag[2:].replace("-", "_")
+    # train.py's keys the trained tokenizer depends on, so that it finds this one in the cache. Its refusals name
+    # these flags, passed down (a message rewritten afterwards also rewrote a path holding '--data.split').
+    flags = {"data.data": "--data", "model.vocab_size": "--vocab", "data.cache_dir": "--cache-dir",
+             "data.text_field": "--text-field", "data.split": "--split", "data.val_fraction": "--val-fraction"}
+    for key, flag in flags.items():
+        default = getattr(getattr(Config(), key.split(".")[0]), key.split(".")[1])
         t.add_argument(flag, default=default, type=type(default), help=f"train.py's --{key} (default: {default})")
     t.add_argument("--doc-per-line", action="store_true", help="train.py's --data.doc_per_line")
     args = p.parse_args(argv)
@@ -565,17 +566,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg = Config(data=DataConfig(data=args.data, cache_dir=args.cache_dir, text_field=args.text_field,
                                          doc_per_line=args.doc_per_line, split=args.split, val_fraction=args.val_fraction))
-            cfg.model.vocab_size = args.vocab
-            check_values(cfg)                           # the checks train.py runs on the same keys
-            check_paths(cfg)
-            tok = build_tokenizer(cfg.data, args.vocab)
-            print(tok.path)
+            cfg.model.vocab_size, cfg.log.eval_interval = args.vocab, 0     # nothing evaluated: any --val-fraction
+            check_values(cfg, lambda k: flags.get(k, f"--{k}"))     # train.py's checks of its keys
+            check_dir("cache-dir", args.cache_dir)
+            print(build_tokenizer(cfg.data, args.vocab, flags=flags).path)
     except ConfigError as e:
-        msg = str(e)
-        if args.cmd == "tokenizer":         # its own flags only: this command takes no --data.tokenizer
-            msg = re.sub(r",? or pass --data\.tokenizer", "", msg.replace("--model.vocab_size", "--vocab"))
-            msg = re.sub(r"--data\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), msg)
-        sys.exit("data error: " + msg)
+        sys.exit(f"data error: {e}")
     except KeyboardInterrupt:
         sys.exit("interrupted")
 

@@ -322,7 +322,7 @@ class Source:
         if not isinstance(rec, dict) or self.field not in rec:
             raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
                             f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
-                            f"--data.text_field to the one holding the text")
+                            f"{self.field_flag} to the one holding the text")
 
 
 class FileDocs(Source):
@@ -360,8 +360,8 @@ class LineDocs(Source):
     holds -1 (2 after a UTF-8 byte order mark), then where each line ends: line i is bytes
     bounds[i] + 1 .. bounds[i + 1] of the file."""
 
-    def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache"):
-        self.path, self.jsonl, self.field = path, jsonl, field
+    def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache", field_flag: str = "--data.text_field"):
+        self.path, self.jsonl, self.field, self.field_flag = path, jsonl, field, field_flag
         self.text = mapped(path)                           # the file's bytes, memory-mapped
         not_utf16(self.text[:NUL_PROBE], path)             # before its newlines are indexed
         self.bounds = offsets_file(path, "lines", cache_dir, self.scan)
@@ -408,18 +408,18 @@ class ColumnDocs(Source):
     ~18 us). A compressed batch is opened by Arrow (the last BATCHES kept); a schema with dictionary
     columns (never written by prepare or datasets) is read whole."""
 
-    def __init__(self, path: str, field: str, cache_dir: str = ".cache"):
-        self.path, self.field, self.table = path, field, None
+    def __init__(self, path: str, field: str, cache_dir: str = ".cache", field_flag: str = "--data.text_field"):
+        self.path, self.field, self.table, self.field_flag = path, field, None, field_flag
         try:
             self.map = map_file(path)                           # the whole file, zero-copy
             self.first = 8 if self.map.size >= 8 and self.map[:6].to_pybytes() == b"ARROW1" else 0
             self.schema = pa.ipc.read_schema(pa.ipc.read_message(self.map.slice(self.first)))
-            text_column(self.schema.empty_table(), field, path)             # checks name and type
+            text_column(self.schema.empty_table(), field, path, field_flag)             # checks name and type
             self.column, self.bytes = self.schema.get_field_index(field), np.frombuffer(self.map, np.uint8)
             self.wide = pa.types.is_large_string(self.schema.field(field).type) or pa.types.is_large_binary(self.schema.field(field).type)
             if any(pa.types.is_dictionary(f.type) for f in self.schema):
                 reader = pa.ipc.open_file if self.first else pa.ipc.open_stream
-                self.table = text_column(reader(self.map).read_all(), field, path)
+                self.table = text_column(reader(self.map).read_all(), field, path, field_flag)
                 self.starts = np.cumsum([0] + [len(c) for c in self.table.chunks])
             else:
                 index = offsets_file(path, "batches", cache_dir, self.scan)
@@ -539,9 +539,10 @@ class CachedDocs(ColumnDocs):
     the file, its bytes): its documents named, parsed and counted as its raw reader does (LineDocs,
     FileDocs, ColumnDocs), so that a .jsonl.gz trains as its .jsonl does."""
 
-    def __init__(self, path: str, copy: str, field: str, doc_per_line: bool, cache_dir: str = ".cache"):
+    def __init__(self, path: str, copy: str, field: str, doc_per_line: bool, cache_dir: str = ".cache",
+                 field_flag: str = "--data.text_field"):
         super().__init__(copy, "text", cache_dir)
-        self.path, self.field, self.jsonl = path, field, path.endswith(JSON_LINES)
+        self.path, self.field, self.jsonl, self.field_flag = path, field, path.endswith(JSON_LINES), field_flag
         self.lines = self.jsonl or doc_per_line
         if self.jsonl:
             self._check_first_record()
@@ -552,11 +553,11 @@ class CachedDocs(ColumnDocs):
         return f"{self.path}:{i + 1}" if self.lines else self.path
 
 
-def text_column(table: pa.Table, field: str, path: str) -> pa.ChunkedArray:
+def text_column(table: pa.Table, field: str, path: str, field_flag: str = "--data.text_field") -> pa.ChunkedArray:
     """The text column viewed as bytes (the Corpus decodes and counts bad UTF-8)."""
     if field not in table.column_names:
         raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
-                        f"--data.text_field to the one holding the text")
+                        f"{field_flag} to the one holding the text")
     col = table.column(field)
     if pa.types.is_string(col.type) or pa.types.is_binary(col.type):
         return col.cast(pa.binary())                    # same offsets layout: a view, no copy

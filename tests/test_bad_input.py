@@ -553,6 +553,26 @@ def test_data_tokenizer_says_only_its_own_flags(W, tmp_path, capsys):
     assert code == 1 and "set --vocab=" in text and "--data.tokenizer" not in text, text
 
 
+def test_data_tokenizer_names_its_flags_by_itself_and_checks_only_what_it_uses(W, tmp_path, capsys, monkeypatch):
+    """Its refusals name its flags as the checks are made, not rewritten afterwards: the rewrite also renamed
+    a path holding '--data.split' or '--data.cache_dir'. It checked train.py's --out_dir too (refused where
+    ./out is a file) and refused --val-fraction 0 telling to set --log.eval_interval, which it does not take."""
+    folder = tmp_path / "dump--data.split"
+    folder.mkdir()
+    (folder / "validation.jsonl").write_text('{"text": "a document"}\n')
+    cache = ["--cache-dir", str(tmp_path / "c")]
+    code, text = run_entry("data", ["tokenizer", "--data", str(folder), *cache], capsys)
+    assert code == 1 and text.strip() == f"data error: {folder} holds the splits validation, not 'train'; choose one with --split"
+    code, text = run_entry("data", ["tokenizer", "--data", f"{tmp_path}/x--data.cache_dir/a.txt", *cache], capsys)
+    assert code == 1 and f"'{tmp_path}/x--data.cache_dir/a.txt' does not exist" in text, text
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("a user's file, where train.py's --out_dir would be")
+    for extra in ([], ["--val-fraction", "0"]):     # refused for --vocab 10 alone, before any corpus is read
+        code, text = run_entry("data", ["tokenizer", "--data", str(W / "corpus"), "--vocab", "10", *cache, *extra], capsys)
+        assert code == 1 and text.strip().startswith("data error: a 10-piece tokenizer") and "set --vocab=260" in text, text
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("source", ["nope.txt", "fifo.txt", "table.csv", "emptydir"])
 def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed(W, tmp_path, capsys, source):
     """A --data missing, a FIFO, of a type nanotrn does not read or a folder without files: refused before the run
