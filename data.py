@@ -308,7 +308,7 @@ class PackedLoader:
         self.want = max(8 * (cfg.seq_len + 1), 262144 // len(self.global_lanes))
         # What a saved position means depends on these; a resume must match them.
         self.fingerprint = {"corpus": self.corpus.fingerprint, "spans": idx.key, "tokenizer": tok.fingerprint,
-                            "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
+                            "content": idx.content, "seed": cfg.seed, "val_fraction": cfg.val_fraction, "bos": cfg.bos, "eos": cfg.eos,
                             "shuffle": self.lanes_max, "mixture": [round(float(w), 12) for w in self.weights]}
         start = {"i": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
         self._start_state = {"format": FORMAT, "split": split, "n_streams": self.n_streams, "dp_size": dp_size,
@@ -429,12 +429,12 @@ class PackedLoader:
                             f"stream afresh with --ckpt.reset_data")
         for key in ("split",) + tuple(self.fingerprint):
             want = self._start_state[key]
-            if sd.get(key) != want:     # a corpus: its hashes say nothing, and no setting restores an older copy
-                why = {"corpus": " (another corpus: its files' names or sizes, or how this nanotrn reads a .gz/.zst/"
-                                 ".parquet file, changed)",
+            if sd.get(key) != want and None not in (sd.get(key), want):    # None: a content digest not known
+                why = {"corpus": " (another corpus: its files' names or sizes, or how this nanotrn reads a .gz/.zst/.parquet file, changed)",
+                       "content": " (a file of the corpus was rewritten at its name and size)",
                        "spans": " (another --data.seq_len, or a corpus with a file of no documents between others, "
                                 "which nanotrn now cuts into spans right)"}.get(key, "")
-                restore = "" if key == "corpus" else "restore the original setting, or "
+                restore = "" if key in ("corpus", "content") else "restore the original setting, or "
                 raise DataError(f"the data state was saved with {key}={sd.get(key)!r} but this loader has {key}={want!r}"
                                 f"{why}: the saved position means nothing here; {restore}keep the model and optimizer "
                                 f"and start the data stream afresh with --ckpt.reset_data")

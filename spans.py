@@ -153,6 +153,7 @@ def tail_spans(n_docs: int, n_spans: int, val_fraction: float) -> int:
 INDEX_VERSION = 1
 BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
 READ_BYTES = 1 << 26        # bytes of long documents read at once while building (a longer one in blocks)
+SAMPLE_SPANS = 1024         # spans whose text the index's content digest reads (at most 32 MB at seq_len 2048)
 _SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
 
 
@@ -213,6 +214,7 @@ class SpanIndex:
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
         self.n_spans, self.bytes = self.meta["spans"], self.meta["bytes"]
+        self.content = self.meta.get("content")        # None: an index built before the digest (not checked)
         if self.meta.get("documents") != corpus.n_docs or os.path.getsize(self.path) != 24 * self.n_spans:
             raise DataError(f"the span index {self.path} does not match the corpus {corpus.spec!r}; delete it "
                             f"(rm {self.path}*) and it is built again")
@@ -240,12 +242,14 @@ class SpanIndex:
 
     def _build(self, tmp: str):
         c, t0, n, total, long_docs = self.corpus, time.time(), 0, 0, 0
+        digest = hashlib.sha256()
         with open(tmp, "wb") as f, progress(c.n_docs, "[data] span index", " documents") as bar:
             for lo in range(0, c.n_docs, BLOCK):
                 hi = min(c.n_docs, lo + BLOCK)
                 c.check_heads(lo, hi)           # refused now, not when a lane first reads the file
                 lengths = c.doc_lengths(lo, hi)
                 total += int(lengths.sum())
+                digest.update(lengths.tobytes())
                 rows = np.stack([np.arange(lo, hi), np.zeros(hi - lo, np.int64), np.full(hi - lo, -1)], 1)
                 big = np.flatnonzero(lengths > self.span_bytes)
                 parts, prev = [], 0
@@ -263,10 +267,20 @@ class SpanIndex:
                         prev, long_docs = j + 1, long_docs + (len(starts) > 1)
                 block = np.concatenate(parts + [rows[prev:]]).astype(np.int64)
                 f.write(block.tobytes())
+                digest.update(block.tobytes())
                 n += len(block)
                 bar.update(hi - lo)
+        # The resume key is the files' names and sizes; a file rewritten at its size is told by this digest of
+        # the cuts, the lengths and the text of SAMPLE_SPANS spans spread over the corpus (sure for a corpus of up to
+        # that many spans, a sample beyond). Paths and times are not in it: a copy on another node resumes.
+        rows = np.memmap(tmp, np.int64, "r", shape=(n, 3))
+        for text, _, _ in c.read_spans(rows[np.unique(np.linspace(0, n - 1, min(n, SAMPLE_SPANS)).astype(np.int64))], True):
+            digest.update((text or "").encode("utf-8", "surrogatepass") + b"\0")
+        del rows
+        c._record = (-1, b"")     # a long .jsonl record the sample parsed: not held by this rank for the whole run
         with open(self.path + ".json", "w") as f:       # before the rows are renamed into place
             json.dump({"version": INDEX_VERSION, "spans": n, "documents": c.n_docs, "bytes": total,
+                       "content": digest.hexdigest()[:16],
                        "long_documents": long_docs, "span_bytes": self.span_bytes, "corpus": c.spec}, f)
         print(f"[data] span index: {n:,} spans of {c.n_docs:,} documents ({long_docs:,} cut, {total / 1e6:,.1f} MB "
               f"of text) in {time.time() - t0:.1f} s -> {self.path}", file=sys.stderr, flush=True)
