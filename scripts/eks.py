@@ -177,18 +177,20 @@ def under(path: str, mount: str) -> bool:
 
 def env_sh(cfg, nodes: int, cache_dir: str) -> dict[str, str]:
     """The variables scripts/env.sh exports for this run, read by sourcing it (its own list,
-    NANOTRN_ENV_VARS): SLURM and EKS share one source, nothing is copied here."""
+    NANOTRN_ENV_VARS): SLURM and EKS share one source, nothing is copied here. With them the inputs
+    of env.sh given here: launch.sh sources it again in the pod, where without them the seed went
+    back to 0 and the extra compiler flags were dropped, under a manifest that stated both."""
     script = 'source "$1" >&2 && for v in "${NANOTRN_ENV_VARS[@]}"; do printf "%s\\0%s\\0" "$v" "${!v}"; done'
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "NNODES": str(nodes),
            "NANOTRN_PRECISION": cfg.optim.precision, "NANOTRN_INSTANCE": cfg.parallel.instance,
            "NEURON_CACHE_DIR": cache_dir}
-    env.update({k: os.environ[k] for k in ("NANOTRN_SR_SEED", "NEURON_CC_EXTRA_FLAGS") if k in os.environ})
-    r = subprocess.run(["bash", "-c", script, "env.sh", str(HERE / "env.sh")], env=env,
+    inputs = {k: os.environ[k] for k in ("NANOTRN_SR_SEED", "NEURON_CC_EXTRA_FLAGS") if k in os.environ}
+    r = subprocess.run(["bash", "-c", script, "env.sh", str(HERE / "env.sh")], env={**env, **inputs},
                        capture_output=True, text=True)
     if r.returncode != 0:
         fail(f"scripts/env.sh refused: {r.stderr.strip()}")
     words = r.stdout.split("\0")[:-1]
-    return dict(zip(words[::2], words[1::2]))
+    return {**inputs, **dict(zip(words[::2], words[1::2]))}
 
 
 # ----------------------------------------------------------------------------- the objects

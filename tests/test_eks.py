@@ -229,6 +229,29 @@ def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
     assert "--ckpt.grace_s=100" in r.stderr and "--grace-period" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_the_pods_launch_exports_what_its_manifest_states(tmp_path):
+    """env.sh's inputs given to eks.py (the stochastic-rounding seed, extra compiler flags) reach the run:
+    launch.sh sources env.sh again in the pod, with exactly the container's environment. They were
+    left out of it, so the manifest stated seed 7 and the flags while the run got seed 0 and none
+    (the compile cache too: its graphs built without the flags)."""
+    out = tmp_path / "m"
+    given = {"NANOTRN_SR_SEED": "7", "NEURON_CC_EXTRA_FLAGS": "--verbose=35"}
+    r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **given})
+    assert r.returncode == 0, r.stderr
+    for mode in ("compile", "train"):
+        job = list(yaml.safe_load_all((out / f"nanotrn-{mode}.yaml").read_text()))[1]
+        env = container_env(job)
+        assert env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] == "7" and "--verbose=35" in env["NEURON_CC_FLAGS"].split()
+        launch = shlex.split(job["spec"]["template"]["spec"]["containers"][0]["command"][2].splitlines()[-1])
+        assert launch[:3] == ["exec", "scripts/launch.sh", mode]
+        # pod 1, with nothing but the pod's environment (run_script clears the rest)
+        d = run_script([SCRIPTS / "launch.sh", *launch[2:]], DRY_RUN="1", JOB_COMPLETION_INDEX="1", **env)
+        assert d.returncode == 0, d.stderr
+        exported = parse_dry_run(d.stdout)[0]
+        assert exported and {k: env.get(k) for k in exported} == exported, mode
+
+
 def test_a_reader_that_leaves_is_no_traceback():
     """`python scripts/eks.py ... | kubectl apply -f -` where kubectl exits first (no cluster
     configured, a bad context): one failed status, no BrokenPipeError traceback."""
