@@ -270,10 +270,12 @@ class AdamW:
         """apply, a boolean tensor (--log.on_nonfinite=skip on XLA), decides on the device whether the
         update lands: a select restores the kept weights and states where it is False, so the host
         never waits for the flag (on XLA the kept copies are the graph's inputs: no extra memory).
-        Adam's t advances either way (fp32 no longer resolves the shift after t ~ 330)."""
+        Adam's t advances either way (fp32 no longer resolves the shift after t ~ 330). The slots'
+        views, which the update writes: a select on their bases too made step 2's update another
+        graph on XLA (one more compile of the largest graph, minutes of neuronx-cc)."""
         if apply is None:
             return []
-        return [(t, t.clone()) for t in [p.data for _, p in self.named] + list(self._state_tensors().values())]
+        return [(t, t.clone()) for s in self.slots for t in (s.value, s.exp_avg, s.exp_avg_sq, s.master) if t is not None]
 
     @staticmethod
     def _select(apply: torch.Tensor | None, keep: list) -> None:

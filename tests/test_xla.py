@@ -406,7 +406,7 @@ SKIP_CHILD = textwrap.dedent('''
     reads = lambda: (met.metric_data("TransferFromDeviceTime") or [0])[0]
     sync = torch_xla.sync
     g = torch.Generator().manual_seed(0)
-    transfers, weights = [], []
+    transfers, weights, compiles = [], [], []
     for step in range(1, 7):
         toks = torch.randint(0, 97, (4, 17), generator=g)
         b = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "positions": torch.arange(16).expand(4, 16),
@@ -414,10 +414,11 @@ SKIP_CHILD = textwrap.dedent('''
         micro = [{k: v[i:i + 2].to(dev) for k, v in b.items()} for i in (0, 2)]
         sync()
         poison = [p.register_hook(lambda x: x * float("nan")) for p in model.parameters()] if step == 3 else []
-        before = reads()
+        before, compiled = reads(), met.counter_value("UncachedCompile") or 0
         out = train.train_step(model, opt, micro, parallel.Grid(), cfg, cut=sync,
                                guard=lambda loss, gnorm: mon.check_finite(step, loss, gnorm))
         sync()
+        compiles.append((met.counter_value("UncachedCompile") or 0) - compiled)
         mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=1e-3, tokens=64, skipped=out["skipped"])
         transfers.append(reads() - before)
         for h in poison:
@@ -426,7 +427,7 @@ SKIP_CHILD = textwrap.dedent('''
         sync()
     mon.flush()                                   # the batched read: the verdicts come with the metrics
     w = [t.cpu() for t in weights]
-    json.dump({"transfers": transfers, "skipped": mon.skipped, "finite": bool(torch.isfinite(w[-1]).all()),
+    json.dump({"transfers": transfers, "compiles": compiles, "skipped": mon.skipped, "finite": bool(torch.isfinite(w[-1]).all()),
                "moved": [not torch.equal(a, b) for a, b in zip(w, w[1:])]}, open(OUT, "w"))
 ''')
 
@@ -435,12 +436,14 @@ def test_skip_nonfinite_decides_on_device(probes):
     """--log.on_nonfinite=skip on XLA:CPU: six steps of train.train_step, the third with NaN
     gradients: no step reads anything back (torch_xla's TransferFromDevice count stays put; the
     host check read the loss and norm every step), the third update does not land (a select on
-    the device), the others do, and the flush reports exactly one skip."""
+    the device), the others do, and the flush reports exactly one skip. Only the first step and
+    the poisoned one (its NaN hooks) compile graphs: step 2's update used to be a graph of its own."""
     probe(probes, "skip")
     res = json.loads(probes["skip_out"].read_text())
     print(res)
     assert res["transfers"] == [0] * 6, f"device-to-host transfers per step: {res['transfers']}"
     assert res["moved"] == [True, False, True, True, True], res["moved"]     # steps 2->3 unchanged
+    assert res["compiles"][0] > 0 and res["compiles"][1] == 0 and res["compiles"][3:] == [0] * 3, res["compiles"]
     assert res["skipped"] == 1 and res["finite"]
 
 
