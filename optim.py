@@ -492,21 +492,21 @@ class Zero1AdamW(AdamW):
         self._grad_shard = None
         self._select(apply, keep)        # before the all-gather: a skipped update gathers the old shard
         # Every rank updated only its shard: all-gather the params, bucket by bucket, so each holds
-        # the full model again; each param is then written once, from its runs in flat order.
-        dtype = self.named[0][1].dtype
-        mine = torch.zeros(self.shard, dtype=dtype, device=self.flat["exp_avg"].device)
+        # the full model again.
+        mine = torch.zeros(self.shard, dtype=self.named[0][1].dtype, device=self.flat["exp_avg"].device)
         for s in self.slots:
             mine[s.lo:s.hi] = s.value
-        runs_of = [[] for _ in self.named]
         for c0, c1, runs in self.buckets:
-            out = torch.empty((c1 - c0) * self.grid.dp, dtype=dtype, device=mine.device)
-            dist.all_gather_into_tensor(out, mine[c0:c1], group=self.grid.dp_group)
-            for (i, a, b), piece in zip(runs, out.split([b - a for _, a, b in runs])):
-                if i >= 0:
-                    runs_of[i].append((a, piece))
-        for (n, p), runs in zip(self.named, runs_of):
-            runs.sort(key=lambda run: run[0])
-            p.data.view(-1).copy_(torch.cat([t for _, t in runs]) if len(runs) > 1 else runs[0][1])
+            self._gather_bucket(mine[c0:c1], runs)
+
+    def _gather_bucket(self, piece: torch.Tensor, runs: list) -> None:
+        """One bucket's all-gather, its runs copied into their params at once: one bucket in flight
+        (kept until the end, the buckets held the whole local model: 1.1 GB at 70B in fp32)."""
+        out = torch.empty(piece.numel() * self.grid.dp, dtype=piece.dtype, device=piece.device)
+        dist.all_gather_into_tensor(out, piece, group=self.grid.dp_group)
+        for (i, a, b), run in zip(runs, out.split([b - a for _, a, b in runs])):
+            if i >= 0:
+                self.named[i][1].data.view(-1)[a:b].copy_(run)
 
 
 # ----------------------------------------------------------------------------- the guarded update
