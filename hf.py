@@ -362,7 +362,7 @@ class HFTokenizer:
         try:
             self.tk = Fast.from_file(file)
         except Exception as e:       # tokenizers raises its own Exception type for bad files
-            raise HFError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
+            raise HFError(f"{file}: not a Hugging Face tokenizer.json ({e}); give one with --data.tokenizer") from None
         self.path = file
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         conf_path = os.path.join(folder, "tokenizer_config.json")

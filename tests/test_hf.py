@@ -292,6 +292,9 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         (tmp_path / "b" / "tokenizer_config.json").write_text(text)
         with pytest.raises(hf_io.HFError, match=r"b/tokenizer_config.json is not a JSON object \(.*re-download it"):
             data.load_tokenizer(str(tmp_path / "b"))
+    (tmp_path / "b" / "tokenizer.json").write_text("")    # cut short: it named no fix
+    with pytest.raises(hf_io.HFError, match=r"b/tokenizer.json: not a Hugging Face tokenizer.json \(.*\); give one with --data.tokenizer"):
+        data.load_tokenizer(str(tmp_path / "b"))
 
 
 def test_tokenizer_json_without_a_bos_processor_exports_the_runs_bos(tmp_path):
