@@ -45,6 +45,7 @@ UNSUPPORTED = {
     "embedding_multiplier": (1.0, "a scaled embedding"),
     "residual_multiplier": (1.0, "scaled residual branches"),
     "logits_scaling": (1.0, "scaled logits"),
+    "quantization_config": (None, "quantized weights (GPTQ, AWQ, FP8...)"),
 }
 ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users try most
     "qwen2": "q/k/v biases and sliding-window layers", "qwen3": "q/k norms",
@@ -371,8 +372,7 @@ class HFTokenizer:
         except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
             self.config = e
         if not isinstance(self.config, dict):
-            raise HFError(f"{conf_path} is not a JSON object ({str(self.config):.80}): re-download it, or remove it "
-                          f"to take BOS from tokenizer.json's post-processor")
+            raise HFError(f"{conf_path} is not a JSON object ({str(self.config):.80}): re-download it, or remove it")
         bos, eos = _token_text(self.config.get("bos_token")), _token_text(self.config.get("eos_token"))
         self.bos_id, self.eos_id = self._id(bos), self._id(eos)
         if bos is None:        # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")

@@ -44,6 +44,7 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"rope_scaling": "llama3"}, "rope scaling 'llama3'"),
     ({"rms_norm_eps": None}, "rms_norm_eps=None"),
     ({"initializer_range": None}, "initializer_range=None"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config=.* means quantized weights"),   # was "an architecture"
 ])
 def test_refused_config_keys_are_named(change, expected):
     with pytest.raises(hf_io.HFError, match=expected.replace("(", r"\(")) as e:
