@@ -84,6 +84,16 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
         with open(state) as f:
             named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
         return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
+    if len(configs := repo_configs(folder)) > 1:      # read one at a time, as datasets does (its default alone)
+        name, pats = next(((n, f) for n, f, default in configs if default), (None, None))
+        split = SPLITS.get(split, split)
+        if name is None:
+            names, pats = ", ".join(n for n, _, _ in configs), next((f[split] for _, f, _ in configs if split in f), [])
+            raise DataError(f"{folder} is a dataset repository of {len(configs)} configs ({names}: its README.md), read "
+                            f"one at a time as `datasets` does: give its files, e.g. '{','.join(os.path.join(folder, x) for x in pats)}'")
+        if split not in pats:
+            raise DataError(f"{folder}'s default config {name} has the splits {', '.join(pats)}, not {split!r}; choose one with {split_flag}")
+        return sorted({p for x in pats[split] for p in glob.glob(os.path.join(folder, x), recursive=True) if os.path.isfile(p)})
     files, walked = [], set()
     for d, dirs, fs in os.walk(folder, followlinks=True):      # a folder linked in is data too (the glob ** reads it);
         walked.add(os.path.realpath(d))                         # a link loop or a second link to one folder: once
@@ -111,6 +121,30 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
                             f"not {split!r}; choose one with {split_flag}")
         data_files = [p for p in data_files if found.get(p, want) == want]
     return data_files
+
+
+def repo_configs(folder: str) -> list[tuple[str, dict[str, list[str]], bool]]:
+    """A dataset repository's configs in its README.md's YAML header: (name, split -> patterns, default) each."""
+    import yaml
+    try:
+        with open(os.path.join(folder, "README.md"), encoding="utf-8", errors="replace") as f:
+            m = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---", f.read(1 << 20), re.S)
+        meta = yaml.safe_load(m[1]) if m else None
+    except (OSError, yaml.YAMLError):
+        return []
+    out = []
+    for c in [c for c in (meta.get("configs") or [] if isinstance(meta, dict) else []) if isinstance(c, dict)]:
+        files = c.get("data_files") or []       # a pattern, patterns (train), {split: ...} or [{split, path}]
+        if isinstance(files, dict):
+            files = [{"split": k, "path": v} for k, v in files.items()]
+        elif isinstance(files, str) or (files and isinstance(files[0], str)):
+            files = [{"split": "train", "path": files}]
+        splits = {}
+        for f in (f for f in files if isinstance(f, dict) and f.get("path")):
+            splits.setdefault(SPLITS.get(f.get("split", "train"), f.get("split", "train")), []).extend(
+                [f["path"]] if isinstance(f["path"], str) else f["path"])
+        out.append((str(c.get("config_name", "default")), splits, bool(c.get("default"))))
+    return out
 
 
 def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,

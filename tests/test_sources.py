@@ -389,3 +389,31 @@ def test_a_resume_over_a_file_rewritten_at_its_size_is_refused_and_a_copy_elsewh
 def torch_equal(x, y):
     import torch
     return torch.equal(x, y)
+
+
+def test_a_dataset_repository_of_several_configs_is_read_one_config_at_a_time(tmp_path):
+    """A cloned dataset repository of several configs (wikitext: wikitext-103-raw-v1/, wikitext-2-raw-v1/, ..., listed
+    in its README.md's YAML header) was read whole: every config's train files at once, wikitext-2 twice (it is a part
+    of wikitext-103), where `datasets` asks for one. Now refused naming the configs and the glob that reads one; a
+    config marked default is read alone, as `datasets` does."""
+    import pyarrow.parquet as pq
+    from sources import DataError, resolve_paths
+    repo = tmp_path / "wikitext"
+    for conf in ("wikitext-103-raw-v1", "wikitext-2-raw-v1"):
+        (repo / conf).mkdir(parents=True)
+        for split in ("train-00000-of-00001", "validation-00000-of-00001"):
+            pq.write_table(pa.table({"text": [f"{conf} {split}"]}), repo / conf / f"{split}.parquet")
+    card = ("---\nlicense: cc-by-sa-3.0\nconfigs:\n- config_name: wikitext-103-raw-v1\n  data_files:\n  - split: train\n"
+            "    path: wikitext-103-raw-v1/train-*\n  - split: validation\n    path: wikitext-103-raw-v1/validation-*\n"
+            "- config_name: wikitext-2-raw-v1\n  data_files:\n  - split: train\n    path: wikitext-2-raw-v1/train-*\n"
+            "  - split: validation\n    path: wikitext-2-raw-v1/validation-*\n---\n# WikiText\n")
+    (repo / "README.md").write_text(card)
+    with pytest.raises(DataError, match=r"wikitext is a dataset repository of 2 configs \(wikitext-103-raw-v1, "
+                                        r"wikitext-2-raw-v1: its README.md\), read one at a time as `datasets` does: "
+                                        r"give its files, e.g. '(\S+)'") as e:
+        resolve_paths(str(repo))
+    glob_ = re.search(r"e.g. '(\S+)'", str(e.value))[1]
+    assert resolve_paths(glob_) == [str(repo / "wikitext-103-raw-v1" / "train-00000-of-00001.parquet")]
+    (repo / "README.md").write_text(card.replace("- config_name: wikitext-2-raw-v1\n", "- config_name: wikitext-2-raw-v1\n  default: true\n"))
+    assert resolve_paths(str(repo)) == [str(repo / "wikitext-2-raw-v1" / "train-00000-of-00001.parquet")]
+    assert resolve_paths(str(repo), "validation") == [str(repo / "wikitext-2-raw-v1" / "validation-00000-of-00001.parquet")]
