@@ -410,8 +410,8 @@ def cli(argv: list[str]):
         if foreign := sorted(there - hf.EXPORT_FILES):     # --overwrite replaces an earlier export, not mixed in
             raise CheckpointError(f"{out} holds files that are not a nanotrn export ({', '.join(foreign[:3])}): "
                                   f"--overwrite replaces only an earlier export; move them, or export into a new folder")
-    found = ckptdir.scan(Path(root))
-    if not found:
+    found, aside = ckptdir.scan(Path(root)), ckptdir.aside(root) if argv[0] == "ls" else []
+    if not found and not aside:
         if ckptdir.STEP_DIR.match(Path(root).resolve().name):     # one checkpoint, not the directory of them
             raise CheckpointError(f"{root} is one checkpoint: give the directory that holds it, "
                                   f"{Path(root).resolve().parent}")
@@ -436,6 +436,8 @@ def cli(argv: list[str]):
                            bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
                 return print(f"exported {d} to {out}"
                              + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))
+        for d, why in aside:
+            print(f"{d.name}  set aside: {why}; kept, never resumed from")
     except FileNotFoundError as e:      # a run writing into root pruned or set it aside meanwhile
         raise CheckpointError(f"{e.filename} was removed while it was read (a run writing into {root} pruned or "
                               f"set aside that checkpoint): run the command again") from None

@@ -184,6 +184,14 @@ def check(d: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, str | None, di
     return OK, None, files
 
 
+def aside(root: Path) -> list[tuple[Path, str]]:
+    """The folders a run set aside and keeps, newest step first, each with why: resume never takes them,
+    but they are a user's work (`checkpoint.py ls` lists them after the step folders)."""
+    found = [(p, "damaged" if m.group(2).startswith(".bad") else "interrupted") for p in Path(root).iterdir()
+             if (m := STEP_DIR.match(p.name)) and m.group(2)]
+    return sorted(found, reverse=True) + [(p, "moved by --ckpt.start_fresh") for p in sorted(Path(root).glob("previous_*/"))]
+
+
 def interrupted(d: Path) -> bool:
     """Whether resume will pass d over as a save cut short, asked on each rank before they can agree:
     rank 0's marker, the manifest and this rank's share of the markers (check's), a few reads a rank."""

@@ -341,6 +341,28 @@ def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, cap
     assert modes["model.safetensors"] == modes["config.json"], modes
 
 
+def test_ls_lists_the_folders_set_aside_after_the_step_folders(tmp_path, capsys):
+    """A user looking for their work sees what resume set aside (kept, never deleted) and what
+    --ckpt.start_fresh moved: `ls` listed only the step folders, and with none said 'holds no checkpoint'."""
+    cfg = tiny_cfg(tmp_path / "ck")
+    model, opt = trained(cfg, steps=1)
+    ck = Checkpointer(cfg)
+    ck.save(1, model.state_dict(), opt.state_dict())
+    ck.close()
+    for name in ("step_00000003.bad1795865382362535150", "step_00000002.incomplete1795865382362535150",
+                 "previous_20261128-111111_42"):
+        (tmp_path / "ck" / name).mkdir()
+    checkpoint.main(["ls", str(tmp_path / "ck")])
+    assert capsys.readouterr().out.splitlines() == [
+        "step_00000001  ok",                                       # as before (issue 25 keeps ls's output)
+        "step_00000003.bad1795865382362535150  set aside: damaged; kept, never resumed from",
+        "step_00000002.incomplete1795865382362535150  set aside: interrupted; kept, never resumed from",
+        "previous_20261128-111111_42  set aside: moved by --ckpt.start_fresh; kept, never resumed from"]
+    os.rename(tmp_path / "ck" / "step_00000001", tmp_path / "ck" / "step_00000001.bad1")
+    checkpoint.main(["ls", str(tmp_path / "ck")])          # only folders set aside: listed, not refused
+    assert capsys.readouterr().out.splitlines()[0] == "step_00000003.bad1795865382362535150  set aside: damaged; kept, never resumed from"
+
+
 @pytest.mark.parametrize("argv,says", [
     (["ls", "{ck}", "extra"], "ls takes CKPT_DIR, given '{ck}' 'extra'"),                # was the usage alone
     (["export", "{ck}"], "export takes CKPT_DIR HF_OUT_DIR, given '{ck}'"),
