@@ -423,7 +423,7 @@ def plot_curves(tb_dir: str, png: str) -> str:
         for tag in tags:
             if s.get(tag):
                 steps, values = zip(*s[tag])
-                ax.plot(steps, values, label=tag, marker="o" if tag.startswith("val") else None,
+                ax.plot(steps, values, label=tag, marker="o" if tag.startswith("val") or len(steps) == 1 else None,
                         markersize=3, linewidth=1)
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -426,9 +426,9 @@ def run(argv: list[str]) -> None:
             sync(device)                                # the reduce/clip/update graph
             step += 1
             dog.step_done()
-            log_now = step % cfg.log.interval == 0
-            # The blog's parameter norm, and its spread over the DP replicas (which must stay
-            # identical: bf16_sr without ZeRO-1 updates each replica on its own), at log steps only.
+            log_now = step % cfg.log.interval == 0 or step == cfg.optim.max_steps    # (a shorter run: one point)
+            # The blog's parameter norm, and its spread over the DP replicas (which must stay identical:
+            # bf16_sr without ZeRO-1 updates each replica on its own), at log steps and the last only.
             pnorm = parallel.param_norm(model, grid) if log_now else None
             mon.step(step, loss=out["loss"], grad_norm=out["grad_norm"], lr=lr, tokens=tokens_per_step,
                      data_wait=data_wait, skipped=out["skipped"], param_norm=pnorm,

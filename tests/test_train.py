@@ -149,6 +149,24 @@ def test_the_last_step_is_evaluated_once_and_changes_nothing(tmp_path, capsys, m
     assert [n for n in os.listdir(f"{tmp_path}/c/ckpt") if n.startswith("step_")] == ["step_00000001"]
 
 
+def test_a_run_shorter_than_the_log_interval_plots_its_parameter_norm(tmp_path, capsys):
+    """The parameter norm is taken at log steps and at the last: a run shorter than --log.interval took none, and
+    `monitor.py plot`'s parameter-norm panel was empty. Its one point is drawn with a marker (a line of one point is
+    invisible). In-process, the SMALL model, 3 steps."""
+    import matplotlib.image
+    import monitor
+    import train
+    train.main([*SMALL, "--optim.max_steps=3", "--log.interval=10", f"--out_dir={tmp_path}/out",
+                f"--ckpt.dir={tmp_path}/out/ckpt", f"--log.tensorboard={tmp_path}/tb", "--device=cpu",
+                "--log.peak_tflops=1", cache_arg()])
+    assert re.search(r"step +3 \| loss .* \| param norm [0-9.]+ \|", capsys.readouterr().out)
+    norms = monitor.read_scalars(f"{tmp_path}/tb")["train/param_norm"]
+    assert [s for s, _ in norms] == [3], norms
+    png = matplotlib.image.imread(monitor.plot_curves(f"{tmp_path}/tb", f"{tmp_path}/curves.png"))
+    panel = png[:, 2 * png.shape[1] // 3:, :3]          # the third panel: drawn in C0 blue (31, 119, 180)
+    assert (abs(panel - [31 / 255, 119 / 255, 180 / 255]).max(axis=2) < 0.1).sum() > 10
+
+
 @pytest.mark.parametrize("message", [
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer",
     "[torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356] NCCL error: remote process exited\nLast error:\nsocket "
