@@ -195,15 +195,16 @@ def left_out_line(paths: list[str]) -> str:
 
 
 def not_utf16(head: bytes, path: str) -> bytes:
-    """`head` (a file's first bytes, which its reader has in hand anyway), or a DataError if it opens a
-    UTF-16 or UTF-32 file: its ASCII is valid UTF-8 with NULs between characters, trained on silently
-    as garbage. Without a byte order mark, by the NULs in its first NUL_PROBE bytes: UTF-8 text holds
-    none (a .jsonl may not), ASCII in UTF-16 is half NULs, in UTF-32 three quarters. Cost: ~1-2 us a
-    file (a copy of 4 KiB and a memchr), once per file as it is opened or first read: at 1e9 documents
-    in one-document files ~30 min of CPU over the whole run, <1% of their tokenization."""
+    """`head` (a file's first bytes, in its reader's hand anyway), or a DataError if it opens a UTF-16/32 file (its
+    ASCII is valid UTF-8 with NULs between, trained on as garbage; without a byte order mark: over 1/4 NULs in its
+    first NUL_PROBE bytes, UTF-8 text holds none, a .jsonl may not) or a binary one (NULs at every position of four).
+    Cost: ~1-2 us a file (a 4 KiB copy, a memchr) when first read: at 1e9 one-document files ~30 min of CPU a run."""
     probe = bytes(head[:NUL_PROBE])
     bom = probe[:2] in UTF16
     if bom or (probe.find(0) >= 0 and probe.count(0) * 4 > len(probe)):     # find: memchr, ~1 us
+        if not bom and min(per := [probe[r::4].count(0) for r in range(4)]) * 20 > sum(per):   # UTF-16/32: a NUL-free position
+            raise DataError(f"{path} is not text: {sum(per):,} of its first {len(probe):,} bytes are NUL, at every "
+                            f"position of four (binary: an executable, an image, an archive); leave it out")
         name, ext = os.path.splitext(path)
         tool = {".gz": "gzip", ".zst": "zstd"}.get(ext)      # iconv must read the text, not the compressed bytes
         if tool:
@@ -213,8 +214,7 @@ def not_utf16(head: bytes, path: str) -> bytes:
                f"iconv -f UTF-16 -t UTF-8 {path} > {name}.utf8{ext}")
         what = ("UTF-16 text (it opens with a UTF-16 byte order mark)" if bom else f"UTF-16 or UTF-32 text without a "
                 f"byte order mark ({probe.count(0):,} of its first {len(probe):,} bytes are NUL)")
-        raise DataError(f"{path} is {what}, not UTF-8: convert it to UTF-8 (e.g. {fix}; -f UTF-32 for UTF-32) "
-                        f"or leave it out")
+        raise DataError(f"{path} is {what}, not UTF-8: convert it to UTF-8 (e.g. {fix}; -f UTF-32 for UTF-32) or leave it out")
     return head
 
 

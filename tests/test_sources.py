@@ -417,3 +417,18 @@ def test_a_dataset_repository_of_several_configs_is_read_one_config_at_a_time(tm
     (repo / "README.md").write_text(card.replace("- config_name: wikitext-2-raw-v1\n", "- config_name: wikitext-2-raw-v1\n  default: true\n"))
     assert resolve_paths(str(repo)) == [str(repo / "wikitext-2-raw-v1" / "train-00000-of-00001.parquet")]
     assert resolve_paths(str(repo), "validation") == [str(repo / "wikitext-2-raw-v1" / "validation-00000-of-00001.parquet")]
+
+
+def test_a_binary_file_is_named_binary_not_utf16(tmp_path):
+    """A file of NULs everywhere (an executable, a zip named .txt) was refused as 'UTF-16 or UTF-32 text without a
+    byte order mark ... convert it with iconv': wrong words and a fix that cannot help. UTF-16/32 text leaves NULs
+    out of one position of four (its high or low bytes of ASCII); binary does not."""
+    import data
+    rng = np.random.default_rng(0)
+    body = np.where(rng.random(8192) < 0.6, 0, rng.integers(1, 256, 8192)).astype(np.uint8).tobytes()
+    (tmp_path / "blob.txt").write_bytes(b"\x7fELF" + body)
+    with pytest.raises(data.DataError, match=r"blob.txt is not text: [\d,]+ of its first 4,096 bytes are NUL, at every "
+                                             r"position of four \(binary: an executable, an image, an archive\); leave it out"):
+        data.Corpus(str(tmp_path / "blob.txt"), cache_dir=str(tmp_path / "c")).read([0])
+    with pytest.raises(data.DataError, match=r"blob.txt is not text"):
+        data.prepare([str(tmp_path / "blob.txt")], str(tmp_path / "o.arrow"), workers=1)
