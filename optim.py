@@ -275,7 +275,8 @@ class AdamW:
         graph on XLA (one more compile of the largest graph, minutes of neuronx-cc)."""
         if apply is None:
             return []
-        return [(t, t.clone()) for s in self.slots for t in (s.value, s.exp_avg, s.exp_avg_sq, s.master) if t is not None]
+        views = [t for s in self.slots for t in (s.value, s.exp_avg, s.exp_avg_sq, s.master) if t is not None]
+        return [(t, t.clone()) for t in views]
 
     @staticmethod
     def _select(apply: torch.Tensor | None, keep: list) -> None:
@@ -294,6 +295,10 @@ class AdamW:
     def set_lr(self, lr: float):
         for g in self.param_groups:
             g["lr"] = lr
+
+    def describe(self) -> str:
+        """Added to train.py's model line: what the console says of the optimizer's layout."""
+        return ""
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and master copy; not params/grads)."""
@@ -419,7 +424,8 @@ class Zero1AdamW(AdamW):
         the bucket holds them, row by row: (param index, start, end) in that param's flat elements,
         or (-1, 0, n): n padding zeros past the last parameter. bucket_bytes 0: one bucket."""
         dp, S = self.grid.dp, self.shard
-        itemsize = 4 if self.fp32_grads else self.named[0][1].element_size()   # the larger of the two
+        # the larger of the two dtypes: the reduce-scatter's gradients, the all-gather's params
+        itemsize = self.bucket_itemsize = 4 if self.fp32_grads else self.named[0][1].element_size()
         cols = S if bucket_bytes <= 0 else max(1, min(S, bucket_bytes // (dp * itemsize)))
         ends = [start + p.numel() for (_, p), start in zip(self.named, self.offsets)]
         plan = []
@@ -437,6 +443,13 @@ class Zero1AdamW(AdamW):
                     lo, i = end, i + 1
             plan.append((c0, c1, runs))
         return plan
+
+    def describe(self) -> str:
+        # the buckets a --parallel.zero1_bucket_mb gives, as each collective moves them (bytes over the DP group)
+        sizes = [(c1 - c0) * self.grid.dp * self.bucket_itemsize for c0, c1, _ in self.buckets]
+        most = f"{max(sizes) / 2**20:.3g} MB" if max(sizes) >= 2**20 else f"{max(sizes) / 2**10:.3g} KB"
+        return (f"; ZeRO-1: {self.shard:,} elements of optimizer state a rank, {len(sizes):,} collective "
+                f"bucket{'s' * (len(sizes) > 1)} of at most {most}")
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.flat)

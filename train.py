@@ -372,7 +372,7 @@ def run(argv: list[str]) -> None:
         optimizer = optim.build_optimizer(model, cfg, grid)
         flops_tok = llama.flops_per_token(cfg.model, d.seq_len)
         log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
-            f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}")
+            f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}{optimizer.describe()}")
 
         # The rest of a resume: optimizer, data position (by global window index: at another DP
         # degree each rank takes the streams it now owns, data.py), RNG streams.

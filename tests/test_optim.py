@@ -639,6 +639,9 @@ def _zero1_bucket_worker(rank: int, world: int, store_file: str):
             cols = shard if cap == 0 else min(shard, cap // (world * 4))
             want = [world * 4 * min(cols, shard - c) for c in range(0, shard, cols)]    # bytes per bucket
             assert len(opt.buckets) == len(want) == (-(-shard // 128) if cap == 1024 else 1), (cap, len(opt.buckets))
+            said = f"{shard:,} elements of optimizer state a rank, {len(want):,} collective bucket"   # train.py's console
+            most = f"at most {max(want) / 2**20:.3g} MB" if max(want) >= 2**20 else f"at most {max(want) / 2**10:.3g} KB"
+            assert said in opt.describe() and opt.describe().endswith(most), (opt.describe(), most)
             for step in range(3):
                 tokens, targets = batch(step, n=4)
                 scale = targets.numel() / world           # the train.py rule: local sum * dp / global tokens

@@ -95,6 +95,7 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     ref = ok(refs[0])
     assert "resuming from" in b.stdout and "resuming from" in c.stdout
     assert "'tp': 2" in b.stdout and "'zero1': True" in c.stdout            # both resumes changed layout
+    assert "; ZeRO-1: " in b.stdout and "1 collective bucket of at most" in b.stdout      # the console names the buckets
     cfg = configs.from_args([*ARGS, cache_arg()])     # (global_batches builds the tokenizer: in the session cache)
     m = cfg.model
     for step in (4, 8, 12):
