@@ -357,7 +357,24 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
               + "; ".join(examples), file=sys.stderr)
     print(f"[prepare] wrote {out}" + (f" ({len(paths)} shards)" if not one else "") + ": "
           + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())), file=sys.stderr, flush=True)
+    if not one and (note := _beside(out, folder, [t for t in targets if os.path.exists(t)])):
+        print(f"[prepare] note: {note}", file=sys.stderr, flush=True)
     return dict(counts)
+
+
+def _beside(out: str, folder: str, shards: list[str]) -> str | None:
+    """What --data=out/ reads other than the shards written: a folder that held the user's files (notes.txt, a
+    train.jsonl whose split name leaves the shards out) reads them too, silently."""
+    try:
+        read = set(map(os.path.realpath, resolve_paths(folder)))
+    except DataError as e:
+        return f"--data={out} is refused ({e}): give the shards as {os.path.join(folder, '*.arrow')}"
+    extra, missing = sorted(read - set(map(os.path.realpath, shards))), set(map(os.path.realpath, shards)) - read
+    if not extra and not missing:
+        return None
+    what = [f"reads {len(extra):,} file{'s' * (len(extra) > 1)} beside the shards written (the first: {extra[0]})"] * bool(extra)
+    what += [f"leaves out {len(missing):,} of them (a file beside them names a split)"] * bool(missing)
+    return f"--data={out} {' and '.join(what)}: move the other files out, or give the shards as {os.path.join(folder, '*.arrow')}"
 
 
 def _remove_leftovers(out: str, one: bool, folder: str) -> None:

@@ -265,3 +265,21 @@ def test_a_rerun_after_a_killed_prepare_removes_what_the_killed_one_left(shards,
         (d / name).write_bytes(b"half")
     prepare.prepare([str(shards / "g.txt")], str(d) + "/", workers=1)
     assert sorted(os.listdir(d)) == ["00000-g.arrow", f"00003-z.arrow.tmp{live}", "notes.txt"]
+
+
+def test_shards_written_into_a_folder_of_other_files_say_what_data_would_read_beside_them(shards, tmp_path, capsys):
+    """Shards written into a folder that holds the user's files keep those files, but --data=that/ then trained on a
+    notes.txt beside them, or (a train.jsonl there names a split) left the shards out, silently. Said at the end."""
+    out = tmp_path / "o"
+    out.mkdir()
+    prepare.prepare([str(shards / "g.txt")], str(out) + "/", workers=1)
+    assert "note:" not in capsys.readouterr().err
+    (out / "notes.txt").write_text("mine")
+    prepare.prepare([str(shards / "a.jsonl")], str(out) + "/", workers=1, force=True)
+    assert re.search(r"\[prepare\] note: --data=\S+/o/ reads 2 files beside the shards written \(the first: \S+00000-g.arrow\): "
+                     r"move the other files out, or give the shards as \S+/o/\*.arrow", capsys.readouterr().err)
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "train.jsonl").write_text('{"text": "mine"}\n')
+    prepare.prepare([str(shards / "a.jsonl")], str(out) + "/", workers=1, force=True)
+    assert re.search(r"reads 2 files beside .*notes.txt\) and leaves out 1 of them \(a file beside them names a split\)",
+                     capsys.readouterr().err)
