@@ -355,7 +355,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     if counts["bad_records"]:
         print(f"[prepare] {counts['bad_records']:,} bad records skipped (pass --strict to stop at the first): "
               + "; ".join(examples), file=sys.stderr)
-    print(f"[prepare] wrote {out}" + (f" ({len(paths)} shards)" if not one else "") + ": "
+    print(f"[prepare] wrote {out}" + (f" ({len(paths) - counts['not_text_files']} shards)" if not one else "") + ": "
           + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())), file=sys.stderr, flush=True)
     if not one and (note := _beside(out, folder, [t for t in targets if os.path.exists(t)])):
         print(f"[prepare] note: {note}", file=sys.stderr, flush=True)

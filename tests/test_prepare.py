@@ -237,6 +237,8 @@ def test_a_binary_file_named_txt_is_skipped_and_named_not_written_as_text(shards
     with pytest.raises(SystemExit, match=r"no document has text .*blob.txt .*invalid UTF-8"):
         data.main(["prepare", str(blob), "--out", str(tmp_path / "d") + "/", "-j", j])
     assert not os.path.exists(tmp_path / "s.arrow") and os.listdir(tmp_path / "d") == []
+    prepare.prepare([str(shards / "g.txt"), str(blob)], str(tmp_path / "d") + "/", workers=int(j))
+    assert os.listdir(tmp_path / "d") == ["00000-g.arrow"] and "wrote " + str(tmp_path / "d") + "/ (1 shards)" in capsys.readouterr().err
 
 
 def test_a_rerun_after_a_killed_prepare_removes_what_the_killed_one_left(shards, tmp_path, capsys):
