@@ -24,6 +24,8 @@ import uuid
 import zlib
 from pathlib import Path
 
+from configs import ConfigError
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked (another model, another layout, a failed save)."""
@@ -124,12 +126,17 @@ def crc_of(path: Path) -> int:
 # ----------------------------------------------------------------------------- complete, valid
 
 def scan(root: Path) -> list[tuple[int, Path]]:
-    """Step folders (not the set-aside ones), newest first."""
+    """Step folders (not the set-aside ones), newest first. A directory this user may write into but
+    not list (mode 0300, another user's): one line, the first place a run or checkpoint.py lists it."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and not m.group(2) and p.is_dir()]
+    try:
+        found = [(int(m.group(1)), p) for p in root.iterdir()
+                 if (m := STEP_DIR.match(p.name)) and not m.group(2) and p.is_dir()]
+    except PermissionError as e:
+        raise ConfigError(f"{root} cannot be listed by this user ({e.strerror}): checkpoints are found by listing "
+                          f"it; make it readable (chmod u+rx) or give another checkpoint directory") from None
     return sorted(found, reverse=True)
 
 

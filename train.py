@@ -253,7 +253,7 @@ def check_tokenizer(cfg: configs.Config) -> None:
     """The tokenizer tokenizer_for_run will take, checked before the corpus is indexed: --data.tokenizer loads and fits
     the vocabulary (under --init_from, the folder's); a weights-only folder: build_tokenizer says so later."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
-    if not tok and cfg.ckpt.resume and checkpoint.ckptdir.scan(cfg.ckpt.dir):    # a resume: the run's own, or refused
+    if checkpoint.ckptdir.scan(cfg.ckpt.dir) and not tok and cfg.ckpt.resume:    # (listed first: unlistable, one line)
         checkpoint.kept_tokenizer(cfg.ckpt.dir, os.path.join(cfg.ckpt.dir, "tokenizer"))
     elif not tok:                       # one will be trained (a tokenizer/ alone too), of a vocabulary that fits
         check_vocab(cfg.model.vocab_size)

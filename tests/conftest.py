@@ -155,3 +155,16 @@ def count_collectives():
     finally:
         for name, f in real.items():
             setattr(dist, name, f)
+
+
+def as_plain_user() -> list[str]:
+    """The command prefix that takes away root's bypass of file permissions: setpriv drops the capabilities that
+    grant it (the venv under /root stays readable, as `nobody` could not read it); a non-root user: as is."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0:
+        return []
+    cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all", "--"]
+    if not shutil.which("setpriv") or subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
+        pytest.skip("root without a working setpriv: file permissions cannot be made to apply to this process")
+    return cmd

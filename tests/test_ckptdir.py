@@ -24,6 +24,7 @@ import ckptdir  # noqa: E402
 import configs  # noqa: E402
 import parallel  # noqa: E402
 from checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from conftest import as_plain_user  # noqa: E402
 
 
 def cfg_for(root: Path, *args) -> configs.Config:
@@ -437,3 +438,26 @@ def test_a_checkpoint_of_an_older_nanotrn_without_later_model_keys_resumes(tmp_p
     assert loaded.step == 3 and torch.equal(loaded.model["w"], torch.full((4,), 3.0))
     with pytest.raises(CheckpointError, match="model.rope_scaling: checkpoint 'none', now 'llama3'"):
         Checkpointer(cfg_for(tmp_path, "--model.rope_scaling=llama3")).load_latest()
+
+
+@pytest.mark.slow       # one process (~4 s: torch's import)
+def test_a_ckpt_dir_this_user_cannot_list_is_one_line_before_any_work(tmp_path):
+    """A --ckpt.dir of mode 0300 (writable, not listable: another user's drop box) as a non-root user was a
+    PermissionError traceback: in train.py (check_tokenizer, or hf.check_export_dir with --data.tokenizer given)
+    and in checkpoint.py ls/export. Root lists it anyway, so this runs with root's bypass dropped."""
+    import subprocess
+    ck = tmp_path / "ck"
+    ck.mkdir(mode=0o300)
+    ck.chmod(0o300)
+    (tmp_path / "x.model").write_text("a tokenizer given: hf.check_export_dir listed --ckpt.dir first")
+    run = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+           f"--ckpt.dir={ck}", f"--out_dir={tmp_path}/out", f"--data.cache_dir={tmp_path}/cache", "--log.tensorboard="]
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport checkpoint, train\n"
+              f"for entry, argv in ((checkpoint.main, ['ls', {str(ck)!r}]), (checkpoint.main, ['export', {str(ck)!r}, "
+              f"{str(tmp_path / 'hf')!r}]), (train.cli, {run!r}), (train.cli, {run + [f'--data.tokenizer={tmp_path}/x.model']!r})):\n"
+              f"    try:\n        entry(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if f"{ck} cannot be listed by this user" in line]
+    assert len(said) == 4 and all("make it readable" in line for line in said), r.stderr
+    assert not any((tmp_path / d).exists() for d in ("out", "cache", "hf")), "work started"
