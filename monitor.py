@@ -574,13 +574,13 @@ if __name__ == "__main__":
         if os.path.splitext(png)[1][1:].lower() not in FigureCanvasBase.get_supported_filetypes():
             sys.exit(f"error: {png!r} does not end in an image format matplotlib writes: give e.g. curves.png "
                      f"(or .svg, .pdf)")
-        if not os.path.isdir(sys.argv[2]):
-            sys.exit(f"error: {sys.argv[2]} is not a directory of TensorBoard event files (the run's --log.tensorboard)")
-        if not read_scalars(sys.argv[2]).get("train/loss"):      # else a blank figure, silently
-            sys.exit(f"error: {sys.argv[2]} holds no train/loss scalars: give the run's --log.tensorboard "
-                     f"folder (default <out_dir>/tb)")
+        if not os.path.isdir(tb := sys.argv[2]) or not os.access(tb, os.R_OK | os.X_OK):     # (0300: was a traceback)
+            sys.exit(f"error: {tb} is not {'readable by this user' if os.path.isdir(tb) else 'a directory of TensorBoard event files'}"
+                     " (the run's --log.tensorboard)")
+        if not read_scalars(tb).get("train/loss"):      # else a blank figure, silently
+            sys.exit(f"error: {tb} holds no train/loss scalars: give the run's --log.tensorboard folder (default <out_dir>/tb)")
         try:
-            print(plot_curves(sys.argv[2], png))
+            print(plot_curves(tb, png))
         except OSError as e:                        # a parent that is a file, a full disk
             sys.exit(f"error: could not write {png!r}: {e.strerror or e}; give another path")
     else:

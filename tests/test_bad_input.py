@@ -573,6 +573,34 @@ def test_data_tokenizer_names_its_flags_by_itself_and_checks_only_what_it_uses(W
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow       # one process (~4 s: torch's import)
+def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
+    """--data (train.py, data.py prepare and tokenizer) a folder of mode 0300 as a non-root user: os.walk passed it
+    over silently, and the refusal said "'FOLDER' holds no .txt/... files", as if it were empty; `monitor.py plot` of a
+    TensorBoard folder of mode 0300 was a PermissionError traceback. Root reads them anyway: root's bypass is dropped."""
+    from conftest import as_plain_user
+    corpus, tb = tmp_path / "corpus", tmp_path / "tb"
+    shutil.copytree(W / "corpus", corpus)
+    tb.mkdir()
+    corpus.chmod(0o300)
+    tb.chmod(0o300)
+    calls = [("data.main", ["tokenizer", "--data", str(corpus), "--cache-dir", f"{tmp_path}/c"]),
+             ("data.main", ["prepare", str(corpus), "--out", f"{tmp_path}/x.arrow"]),
+             ("train.cli", [*TINY, f"--data={corpus}", f"--out_dir={tmp_path}/out", f"--data.cache_dir={tmp_path}/c"]),
+             ("plot", [str(tb), f"{tmp_path}/curves.png"])]
+    script = (f"import runpy, sys\nsys.path.insert(0, {ROOT!r})\nimport data, train\nfor f, argv in {calls!r}:\n"
+              f"    sys.argv = ['monitor.py', 'plot', *argv]\n    try:\n"
+              f"        eval(f)(argv) if f != 'plot' else runpy.run_path({ROOT + '/monitor.py'!r}, run_name='__main__')\n"
+              f"    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+    assert len(said) == 4, r.stderr
+    assert all(f"{corpus} cannot be listed by this user: fix its permissions" in line for line in said[:3]), r.stderr
+    assert f"{tb} is not readable by this user (the run's --log.tensorboard)" in said[3], r.stderr
+    assert not any((tmp_path / d).exists() for d in ("c", "out", "x.arrow", "curves.png")), "work started"
+
+
 @pytest.mark.parametrize("source", ["nope.txt", "fifo.txt", "table.csv", "emptydir"])
 def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed(W, tmp_path, capsys, source):
     """A --data missing, a FIFO, of a type nanotrn does not read or a folder without files: refused before the run
