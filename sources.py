@@ -85,8 +85,7 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
             named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
         return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
     if len(configs := repo_configs(folder)) > 1:      # read one at a time, as datasets does (its default alone)
-        name, pats = next(((n, f) for n, f, default in configs if default), (None, None))
-        split = SPLITS.get(split, split)
+        name, pats, split = next(((n, f) for n, f, default in configs if default), (None, None)) + (SPLITS.get(split, split),)
         if name is None:
             names, pats = ", ".join(n for n, _, _ in configs), next((f[split] for _, f, _ in configs if split in f), [])
             raise DataError(f"{folder} is a dataset repository of {len(configs)} configs ({names}: its README.md), read "
@@ -137,10 +136,9 @@ def repo_configs(folder: str) -> list[tuple[str, dict[str, list[str]], bool]]:
     out = []
     for c in [c for c in (meta.get("configs") or [] if isinstance(meta, dict) else []) if isinstance(c, dict)]:
         files = c.get("data_files") or []       # a pattern, patterns (train), {split: ...} or [{split, path}]
-        if isinstance(files, dict):
-            files = [{"split": k, "path": v} for k, v in files.items()]
-        elif isinstance(files, str) or (files and isinstance(files[0], str)):
-            files = [{"split": "train", "path": files}]
+        if isinstance(files, str) or (isinstance(files, list) and files and isinstance(files[0], str)):
+            files = {"train": files}
+        files = [{"split": k, "path": v} for k, v in files.items()] if isinstance(files, dict) else files
         splits = {}
         for f in (f for f in files if isinstance(f, dict) and f.get("path")):
             splits.setdefault(SPLITS.get(f.get("split", "train"), f.get("split", "train")), []).extend(
