@@ -63,6 +63,9 @@ def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
     if bad:
         raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)} (leave a source "
                         f"out rather than weigh it 0)")
+    if not np.isfinite(sum(w or 0 for w in weights)):   # 1e308 twice: normalized, each 0 (the first source's windows)
+        raise DataError(f"--data: the mixture weights {', '.join(f'{w:g}' for w in weights)} sum past the largest "
+                        f"float; weights are relative: give smaller ones (a.arrow:0.7,b.jsonl:0.3)")
     return out
 
 
@@ -151,8 +154,9 @@ class Corpus:
         """A weighted mixture's realized shares (windows per source) beside its weights, to 3 digits: a
         weight of 0.5% is not '0%' nor 99.5% '100%'."""
         n = int(sum(counts))
-        return f"data mixture over {n:,} windows: " + ", ".join(
-            f"{name} {100 * c / max(n, 1):.3g}% (weight {100 * w:.3g}%)" for (name, w, _, _), c in zip(self.groups, counts))
+        shares = [f"{name} {100 * c / max(n, 1):.3g}% (weight {100 * w:.3g}%)"
+                  for (name, w, _, _), c in zip(self.groups, counts)]
+        return f"data mixture over {n:,} windows: " + ", ".join(shares)
 
     def warning(self, kind: str, count: int) -> str:
         """The line that says a kind of data problem: the run's count and this rank's first example."""

@@ -619,7 +619,8 @@ def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed
     ("{W}/corpus:0.5,{W}/corpus:0.5", ["mixture source '{W}/corpus'", "one source only"]),  # was: after the claim
     ("{W}/corpus:0.5,{W}/corpus/copy.py:0.5", ["'{W}/corpus/copy.py'", "one source only"]),
     ("{W}/corpus:0.7,{W}/other", ["'{W}/other' has no weight"]),
-    ("{W}/no/such:1", ["'{W}/no/such' does not exist"])])
+    ("{W}/no/such:1", ["'{W}/no/such' does not exist"]),
+    ("{W}/corpus:1e308,{W}/other:1e308", ["1e+308, 1e+308", "relative"])])     # was: every window from corpus
 def test_a_bad_mixture_is_refused_in_one_line_before_the_claim(W, tmp_path, capsys, spec, says):
     """--data's mixture syntax (a weight empty, not a number, not positive; a source whose files an earlier one
     names; a source of no weight among weighted ones): one line naming the entry, before the checkpoint directory
