@@ -106,13 +106,14 @@ def llama3_hf(**kw):
 
 def test_llama3_both_ways_match_transformers(tmp_path):
     """transformers -> our loader -> same logits (fp32, 1e-5); ours -> our export -> transformers'
-    from_pretrained -> same logits, with the tie kept (one matrix, no lm_head tensor in the file)."""
+    from_pretrained -> same logits, with the tie kept (one matrix, no lm_head tensor in the file).
+    Llama 3's rope_theta and rms_norm_eps, not BASE's defaults: an export that wrote the defaults passed."""
     torch.manual_seed(0)
-    hf = llama3_hf()
+    hf = llama3_hf(rope_theta=500000.0, rms_norm_eps=1e-6)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_hf(str(tmp_path / "hf")).eval()
     assert ours.cfg.tie_embeddings and ours.lm_head.weight is ours.embed.weight and ours.cfg.head_dim == 24
-    assert ours.cfg.rope_scaling == "llama3"
+    assert (ours.cfg.rope_scaling, ours.cfg.rope_theta, ours.cfg.norm_eps) == ("llama3", 500000.0, 1e-6)
     tokens = torch.randint(0, 101, (2, 48))
     with torch.no_grad():
         ref = hf(tokens).logits
