@@ -146,6 +146,10 @@ def kept_tokenizer(root: Path, folder: str) -> str:
                               f"it); one trained now may give token ids other meanings. Give it with "
                               f"--data.tokenizer=FILE (an older nanotrn trained it into its --data.cache_dir, "
                               f"as tokenizer-<vocab>-<hash>.model)")
+    names = (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"))
+    if shut := [p for p in names if os.path.isfile(p) and not os.access(p, os.R_OK)]:    # else a traceback, later
+        raise CheckpointError(f"{shut[0]}, the tokenizer this run resumes with, is not readable by this user: fix its "
+                              f"permissions")
     return folder
 
 

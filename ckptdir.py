@@ -311,6 +311,9 @@ class CkptDir:
                     f"it out of the checkpoint directory, or give another --ckpt.dir")
         theirs = [p for p in sorted(self.root.iterdir())
                   if STEP_DIR.match(p.name) and (not p.is_dir() or p.is_symlink() or not is_ours(p))]
+        if shut := [p for p in theirs if p.is_dir() and not os.access(p, os.R_OK | os.X_OK)]:   # not "none inside"
+            return (f"{shut[0]} cannot be listed by this user, so it cannot be checked, and a save of that step would "
+                    f"write into it: fix its permissions, or move it out of the checkpoint directory")
         if theirs:
             return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
                     f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's (no "
