@@ -465,6 +465,10 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     # Another layout: shards without their index (not optim.py's) are refused; the model alone still loads.
     with pytest.raises(CheckpointError, match=r"cannot be resharded.*load_optim=False"):
         Checkpointer(cfg, parallel.Grid()).load_latest()
+    # ZeRO-1 again at another DP degree is another layout too: DP rank 1 of 4 must not take the shard of
+    # DP rank 1 of 2 as its own (the same file name, another slice of the flat state).
+    with pytest.raises(CheckpointError, match=r"cannot be resharded.*load_optim=False"):
+        Checkpointer(cfg, parallel.Grid(world=8, rank=3, tp=2, dp=4, tp_rank=1, dp_rank=1)).load_latest()
     one = Checkpointer(cfg, parallel.Grid()).load_latest(load_optim=False)
     assert one.optim is None and one.rng is None
     assert list(one.data) == [{"dp_rank": 0}, {"dp_rank": 1}]
