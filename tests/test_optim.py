@@ -403,6 +403,25 @@ def test_sr_streams_and_norm_weights_follow_tp_sharing():
     assert [sum(w[3] for w in weights)] == [1.0] and weights[1][2] == 0.5
 
 
+
+def test_sr_rounds_a_tied_embeddings_last_stage_copy_as_its_first_stage():
+    """With tied embeddings under PP, stage 0's embed.weight and the last stage's lm_head.weight copy
+    take the same summed gradient (pipeline.reduce_tied_embedding); bf16_sr must round them alike, or the
+    copies drift apart. Each step on each stage: the same weights, bit for bit."""
+    cfg = tiny_config("bf16_sr")
+    torch.manual_seed(0)
+    init, grads = torch.randn(8, 4).to(torch.bfloat16), [torch.randn(8, 4).to(torch.bfloat16) for _ in range(3)]
+    embed, copy = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    copy.tied_copy = True                    # pipeline.build_model marks the last stage's
+    first = optim.AdamW([("embed.weight", embed)], cfg.optim, Grid(pp=2, pp_rank=0))
+    last = optim.AdamW([("lm_head.weight", copy)], cfg.optim, Grid(pp=2, pp_rank=1))
+    for g in grads:
+        embed.grad, copy.grad = g.clone(), g.clone()
+        first.step()
+        last.step()
+        assert torch.equal(embed, copy)
+    assert not torch.equal(embed, init)
+
 # ----------------------------------------------------------------------------- schedule
 
 def test_schedule_7b_closed_form():
