@@ -220,7 +220,8 @@ if [[ "$hard" != unlimited ]] && ((hard < NOFILE)); then
     NOFILE="$hard"
 fi
 ulimit -n "$NOFILE"
-if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_ports=$ports"; then
+# (sudo's own complaint, "command not found" or "a password is required", would be a second line)
+if ((${#missing[@]})) && ! sudo -n sysctl -q -w "net.ipv4.ip_local_reserved_ports=$ports" 2>/dev/null; then
     echo "warning: could not reserve ports ${missing[*]} (needs sudo): another process may take them" >&2
 fi
 if ! mkdir -p "$NEURON_CACHE_DIR" 2>/dev/null; then     # (mkdir's own line named neither the variable nor a fix)
