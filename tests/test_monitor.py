@@ -51,6 +51,14 @@ def test_a_run_without_spikes_has_no_one_step_share():
     assert d.summary() == {"spikes": 0, "one_step_share": None, "longest": 0, "open": 0}
 
 
+def test_a_norm_at_the_mean_plus_the_margin_is_no_spike():
+    # The blog's spike is a norm that EXCEEDS the running mean of 20 plus 0.1: at it exactly, none
+    # (1.0 + 0.1 == 1.1 in floats); just above it, one.
+    d = SpikeDetector()
+    feed(d, [1.0] * 20 + [1.1, 1.0, 1.2, 1.0])
+    assert d.spikes == [(23, 1)]
+
+
 def test_a_run_that_ends_inside_a_spike_says_so():
     """The closing line counts finished spikes. A run that ended inside one (the norm still high: the
     sign of divergence the detector is for) printed nothing about it, or nothing at all if it was the
