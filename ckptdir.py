@@ -199,10 +199,9 @@ def aside(root: Path) -> list[tuple[Path, str]]:
     return sorted(found, reverse=True) + [(p, "moved by --ckpt.start_fresh") for p in sorted(Path(root).glob("previous_*/"))]
 
 
-def interrupted(d: Path) -> bool:
+def interrupted(d: Path, share: tuple[int, int]) -> bool:
     """Whether resume will pass d over as a save cut short, asked on each rank before they can agree:
-    rank 0's marker, the manifest and this rank's share of the markers (check's), a few reads a rank."""
-    share = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    rank 0's marker, the manifest and this rank's share (rank, world) of the markers (check's), a few reads a rank."""
     return check(d, share)[0] == INTERRUPTED
 
 

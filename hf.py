@@ -526,10 +526,10 @@ def check_sentencepiece_export(tok) -> None:
                           f"use a model trained with default normalization, or leave --data.tokenizer empty")
 
 
-def apply_init_from(cfg, argv: list[str] = ()) -> None:
+def apply_init_from(cfg, argv: list[str] = (), share: tuple[int, int] = (0, 1)) -> None:
     """--init_from=FOLDER: the model is the folder's config.json (with the run's RUN_MODEL_KEYS), the
     tokenizer its own unless --data.tokenizer names one. Runs before validation, so that a refused
-    config fails before any work; a --model.* key that would change the architecture is refused."""
+    config fails before any work; a --model.* key that would change the architecture is refused (share: RANK, WORLD)."""
     if not cfg.init_from:
         return
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("model.") for a in argv if a.startswith("--model.")}
@@ -544,7 +544,7 @@ def apply_init_from(cfg, argv: list[str] = ()) -> None:
                 saved = json.loads((step / "meta.json").read_text())["config"]
             except (OSError, ValueError, KeyError):     # a save cut short: an older one may hold it
                 continue
-            if saved.get("init_from") == cfg.init_from and not interrupted(step):   # resume would load the folder
+            if saved.get("init_from") == cfg.init_from and not interrupted(step, share):   # resume would load the folder
                 cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved["model"].items() if hasattr(cfg.model, k)}), **run)
                 return
         raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")

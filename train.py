@@ -304,9 +304,10 @@ def run(argv: list[str]) -> None:
     if configs.wants_help(argv):         # every key, its value and its comment, from configs.py
         return print(configs.help_text("\n\n".join(__doc__.split("\n\n")[:2]), argv))
     cfg = configs.from_args(argv)
-    hf.apply_init_from(cfg, argv)        # --init_from: the model (and tokenizer) of a Hugging Face folder
+    world, rank = parallel.launch_env()  # torchrun's WORLD_SIZE and RANK, checked: read here only
+    hf.apply_init_from(cfg, argv, (rank, world))    # --init_from: the model (and tokenizer) of a Hugging Face folder
     device = pick_device(cfg.device)
-    configs.validate(cfg, parallel.launch_env()[0], parallel.backend_for(device.type))
+    configs.validate(cfg, world, parallel.backend_for(device.type))
     configs.check_paths(cfg)
     mixture_files(cfg.data.data, cfg.data.split)   # --data's sources exist, are readable, each has files of its own:
     # refused before the claim. A listing per rank, as data.Corpus's: 2 x 4096 of one folder at 4096 ranks
