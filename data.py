@@ -301,7 +301,6 @@ class PackedLoader:
         self.cum_weights = np.cumsum(self.weights / self.weights.sum())
         self.global_lanes = [self.global_lane(s, g, c) for s in self.streams
                          for g in range(len(self.lanes)) for c in range(self.lanes[g])]
-        self._mix_counts = (0, np.zeros(len(self.lanes), np.int64))     # (batches, windows per source)
         self.read = SpanReader(self.corpus, idx, tok, cfg.bos, cfg.eos, threads)
         # Read blocks of ~8 windows: a block's work is paid over many tokens (~70-token documents: 2
         # windows a block packed at 0.74x the raw tokenizer, 8 at 0.85x); the blog's rank holds ~2 MB.
@@ -347,17 +346,16 @@ class PackedLoader:
 
     def mixture_counts(self, n_batches: int | None = None) -> np.ndarray:
         """Windows per source in the first n_batches global batches of every stream (default: the windows a
-        stream has handed out, since it began: not the step after a --ckpt.reset_data): the realized
-        mixture, recomputed from the hash with no communication."""
+        stream has handed out), recomputed from the hash: what the DP ranks' stats()["windows_by_source"]
+        sum to, which train.py logs (this costs global_batch x n_batches hashes, 4.9e8 at the blog's scale)."""
         per = len(self.lanes) * self.lanes_max      # a stream's lanes (global_lane): their windows, summed
         n_batches = sum(p["stats"]["windows"] for k, p in self._state["streams"].items()
                         if int(k) // per == self.streams[0]) if n_batches is None else n_batches
-        done, counts = self._mix_counts if n_batches >= self._mix_counts[0] else (0, 0 * self._mix_counts[1])
-        for b0 in range(done, n_batches, 4096):
+        counts = np.zeros(len(self.lanes), np.int64)
+        for b0 in range(0, n_batches, 4096):
             b = np.arange(b0, min(n_batches, b0 + 4096))
             g, _ = self.draw_source_and_lane(np.arange(self.n_streams)[:, None], b[None, :])
-            counts = counts + np.bincount(g.ravel(), minlength=len(self.lanes))
-        self._mix_counts = (n_batches, counts)
+            counts += np.bincount(g.ravel(), minlength=len(self.lanes))
         return counts
 
     # ---------------------------------------------------------------- producer

@@ -146,16 +146,19 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
 DATA_WARNINGS = ("bad_records", "utf8_replacements")
 
 
-def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
-    """The run's count of each data problem: every rank's loader stats summed and divided by tp * pp
-    (the ranks of one DP replica read the same data). On every rank at log steps: one all-reduce of
-    two numbers, a few ms of gloo at 4096 ranks."""
-    counts = torch.tensor([float(stats.get(k, 0)) for k in DATA_WARNINGS], dtype=torch.float64,
-                          device=grid.host_device)
+def run_total(counts: list, grid: parallel.Grid) -> list[int]:
+    """Counts of every rank's data loader (saved and resumed with its position) summed over the run, divided by tp * pp
+    (one DP replica's ranks read the same data): one all-reduce of a few numbers, a few ms of gloo at 4096 ranks."""
+    t = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=grid.host_device)
     if grid.world > 1 and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(counts, group=grid.host_group)
-        counts /= grid.tp * grid.pp
-    return dict(zip(DATA_WARNINGS, counts.round().long().tolist()))
+        torch.distributed.all_reduce(t, group=grid.host_group)
+        t /= grid.tp * grid.pp
+    return t.round().long().tolist()
+
+
+def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
+    """The run's count of each data problem (at log steps)."""
+    return dict(zip(DATA_WARNINGS, run_total([stats.get(k, 0) for k in DATA_WARNINGS], grid)))
 
 
 # ----------------------------------------------------------------------------- preemption
@@ -447,8 +450,8 @@ def run(argv: list[str]) -> None:
             if val_loader is not None and eval_now:     # (--log.eval_interval=0: no val_loader, evaluation off)
                 with dog.phase(f"the evaluation at step {step}"), mon.off_the_clock():
                     mon.eval(step, evaluate(model, val_loader, len(val_loader), grid, device, cut=cut))
-            if len(corpus.groups) > 1 and eval_now:     # a weighted --data mixture's realized shares
-                log(f"step {step:6d} | {corpus.mixture_line(train_loader.mixture_counts())}")
+            if len(corpus.groups) > 1 and eval_now:     # a weighted --data mixture's realized shares (trained on)
+                log(f"step {step:6d} | {corpus.mixture_line(run_total(batches.stats()['windows_by_source'], grid))}")
             stopping = stop.requested(step)             # every rank agrees: stop after this step?
             periodic = (cfg.ckpt.interval and step % cfg.ckpt.interval == 0) or step == cfg.optim.max_steps
             if periodic or stopping:

@@ -25,6 +25,7 @@ import ckptsave  # noqa: E402
 import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
+import sources  # noqa: E402
 from conftest import cache_arg, seeded_model  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
@@ -84,19 +85,30 @@ def global_batches(cfg: configs.Config, dp: int, n: int, states=None) -> list[to
 def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     """4 steps at TP=2 x DP=2, 4 at PP=2 x DP=2 with ZeRO-1, 4 in one process == 12 uninterrupted
     steps of one process: weights and optimizer state at each resume point and at the end (fp32,
-    1e-5), the data positions exactly, and the global batches after each resume torch.equal."""
+    1e-5), the data positions exactly, and the global batches after each resume torch.equal. The data is
+    a 0.7/0.3 mixture: its line at each evaluation is the uninterrupted run's, which is the hash's recount."""
+    text = [Path(f).read_text() for f in sources.stdlib_files()[:30]]
+    for name, part in (("a", text[:20]), ("b", text[20:])):
+        (tmp_path / f"{name}.txt").write_text("\n\n".join(part))
+    mix = [f"--data={tmp_path}/a.txt:0.7,{tmp_path}/b.txt:0.3", "--log.eval_interval=2", "--log.eval_windows=2"]
     refs = []                     # the uninterrupted run meanwhile: it fills the torchrun starts' idle time
-    reference = threading.Thread(target=lambda: refs.append(train(tmp_path / "ref", "--optim.max_steps=12")))
+    reference = threading.Thread(target=lambda: refs.append(train(tmp_path / "ref", "--optim.max_steps=12", *mix)))
     reference.start()
-    a = ok(train(tmp_path / "run", "--optim.max_steps=4", "--tp=2", "--dp=2", nproc=4))
-    b = ok(train(tmp_path / "run", "--optim.max_steps=8", "--pp=2", "--dp=2", "--parallel.zero1=true", nproc=4))
-    c = ok(train(tmp_path / "run", "--optim.max_steps=12"))
+    a = ok(train(tmp_path / "run", "--optim.max_steps=4", "--tp=2", "--dp=2", *mix, nproc=4))
+    b = ok(train(tmp_path / "run", "--optim.max_steps=8", "--pp=2", "--dp=2", "--parallel.zero1=true", *mix, nproc=4))
+    c = ok(train(tmp_path / "run", "--optim.max_steps=12", *mix))
     reference.join()
     ref = ok(refs[0])
     assert "resuming from" in b.stdout and "resuming from" in c.stdout
     assert "'tp': 2" in b.stdout and "'zero1': True" in c.stdout            # both resumes changed layout
     assert "; ZeRO-1: " in b.stdout and "1 collective bucket of at most" in b.stdout      # the console names the buckets
-    cfg = configs.from_args([*ARGS, cache_arg()])     # (global_batches builds the tokenizer: in the session cache)
+    cfg = configs.from_args([*ARGS, *mix, cache_arg()])     # (global_batches builds the tokenizer: the session cache)
+    # Each rank's loader stats, summed over the DP replicas at TP=2 and PP=2 (train.run_total): the mixture
+    # line of every evaluation equals the uninterrupted run's and the recount of the stream from window 0.
+    mixture = lambda *rs: re.findall(r"step +\d+ \| data mixture .*", "".join(r.stdout for r in rs))
+    assert mixture(a, b, c) == mixture(ref) and len(mixture(ref)) == 6, (mixture(a, b, c), mixture(ref))
+    loader = data.PackedLoader(cfg.data, data.build_tokenizer(cfg.data, cfg.model.vocab_size), prefetch=0)
+    assert mixture(ref)[-1] == f"step     12 | {loader.corpus.mixture_line(loader.mixture_counts(12))}"
     m = cfg.model
     for step in (4, 8, 12):
         want, got = (tmp_path / x / "ckpt" / f"step_{step:08d}" for x in ("ref", "run"))

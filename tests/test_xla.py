@@ -199,6 +199,27 @@ def test_first_losses_equal_eager_cpu(run):
     assert xla == pytest.approx(eager, abs=1e-4), (xla, eager)
 
 
+def test_the_mixture_line_counts_the_windows_trained_on_not_those_prefetched(tmp_path):
+    """torch-xla's MpDeviceLoader pulls batches ahead of the step (4 + 2 here): the logged mixture, recounted
+    from the loader's own position, said 'over 28 windows' at step 2 of global batch 4. It now sums the
+    stats of the batch last handed out (train.run_total): what eager CPU says, 4 windows a step."""
+    import sources
+    text = [Path(f).read_text() for f in sources.stdlib_files()[:40]]
+    (tmp_path / "a.txt").write_text("\n\n".join(text[:20]))
+    (tmp_path / "b.txt").write_text("\n\n".join(text[20:]))
+    args = [*TINY, f"--data={tmp_path}/a.txt:0.7,{tmp_path}/b.txt:0.3", "--optim.max_steps=4", "--log.interval=2",
+            "--log.eval_interval=2", "--ckpt.interval=0", "--log.tensorboard=", cache_arg()]
+    lines = {}
+    for device in ("xla", "cpu"):
+        r = subprocess.run([sys.executable, "train.py", *args, f"--device={device}", f"--out_dir={tmp_path}/{device}"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        lines[device] = [x for x in r.stdout.splitlines() if "data mixture" in x]
+    assert [x.split(":")[0] for x in lines["xla"]] == ["step      2 | data mixture over 8 windows",
+                                                       "step      4 | data mixture over 16 windows"], lines
+    assert lines["xla"] == lines["cpu"]
+
+
 def test_functionalization_off_computes_another_forward(tmp_path):
     """Why scripts/env.sh sets XLA_DISABLE_FUNCTIONALIZATION=0 (NxD's 70B scripts do too) although
     Neuron turns functionalization off by default: with it off (read when torch_xla is imported:
