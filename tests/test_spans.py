@@ -76,6 +76,9 @@ def test_held_out_rules():
     assert spans.tail_spans(1, 100, 0.01) == 1 and spans.tail_spans(3, 100, 0.1) == 10
     assert spans.tail_spans(1, 1, 0.5) == 0 and spans.tail_spans(3, 100, 0.0) == 0
     assert spans.by_hash(100_000, 0.01) and spans.tail_spans(100_000, 100_000, 0.01) == 0
+    # docs/data.md: by hash from "at least 64 expected held-out documents" on: 64 exactly is by hash
+    assert spans.by_hash(128, 0.5) and spans.tail_spans(128, 1000, 0.5) == 0
+    assert not spans.by_hash(127, 0.5) and spans.tail_spans(127, 1000, 0.5) == 500
     v = spans.held_out(np.arange(100_000), 0.05)
     assert abs(v.mean() - 0.05) < 0.005
     assert spans.lanes_per_stream(100, 16, 8) == 6 and spans.lanes_per_stream(5, 16, 8) == 1
