@@ -82,3 +82,19 @@ def test_held_out_rules():
     v = spans.held_out(np.arange(100_000), 0.05)
     assert abs(v.mean() - 0.05) < 0.005
     assert spans.lanes_per_stream(100, 16, 8) == 6 and spans.lanes_per_stream(5, 16, 8) == 1
+
+
+def test_spans_are_cut_only_at_a_space_between_two_non_space_bytes():
+    """cut_points' rule (corpus.iter_pieces' in bytes): a cut takes a space with a non-space byte on each side,
+    where the tokenizers merge nothing across it. A space beside a newline, a tab or another space is not one:
+    cut there, the two spans tokenize the run of whitespace otherwise than the whole document does."""
+    rng = np.random.default_rng(3)
+    seps = [b" "] * 4 + [b"  ", b" \n", b"\n ", b" \t", b"\t ", b"\n\n", b" \n "]
+    raw = b"".join(b"w" * int(rng.integers(1, 12)) + seps[int(rng.integers(len(seps)))] for _ in range(6000))
+    cuts = spans.cut_points(raw, 256)       # a clean space in every 128 bytes here: no hard cut
+    assert len(cuts) > 150
+    bounds = [0, *cuts, len(raw)]
+    assert max(b - a for a, b in zip(bounds, bounds[1:])) <= 256
+    ws = b" \t\n\r\x0b\x0c"
+    bad = [c for c in cuts if raw[c] != 32 or raw[c - 1] in ws or raw[c + 1] in ws]
+    assert not bad, [raw[c - 3:c + 4] for c in bad[:5]]
