@@ -98,3 +98,10 @@ def test_spans_are_cut_only_at_a_space_between_two_non_space_bytes():
     ws = b" \t\n\r\x0b\x0c"
     bad = [c for c in cuts if raw[c] != 32 or raw[c - 1] in ws or raw[c + 1] in ws]
     assert not bad, [raw[c - 3:c + 4] for c in bad[:5]]
+
+
+def test_a_span_is_hard_cut_only_where_its_second_half_holds_no_clean_space():
+    """Over limit/2 bytes without a clean space the span is cut hard at the limit (one word split), not at
+    a clean space early in it: that would leave a span of a few bytes, an index of many more spans."""
+    assert spans.cut_points(b"ab " + b"w" * 300, 128) == [128, 256]
+    assert spans.cut_points(b"w" * 70 + b" " + b"w" * 100, 128) == [70]
