@@ -567,7 +567,7 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
 def check_export_dir(cfg: Config) -> str:
     """<out_dir>/hf, where the run's final export goes (returned), checked before any work: a folder
     holding nothing but an earlier export's files, none of the run's other folders inside it, and a
-    model there only if this run continues from a checkpoint (a fresh run would replace another's)."""
+    model there only if this run continues from a checkpoint (not a fresh run, nor a --ckpt.start_fresh one)."""
     folder = os.path.join(cfg.out_dir, "hf")
     if os.path.lexists(folder) and not os.path.isdir(folder):     # else makedirs fails after the whole run
         raise HFError(f"{folder} is {path_kind(folder)}, where the export goes: move it, or choose another --out_dir")
@@ -580,11 +580,11 @@ def check_export_dir(cfg: Config) -> str:
         if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
             raise ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
                               f"next run would refuse the mixed folder; give another --{key}")
-    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) else []
+    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) and cfg.ckpt.resume else []
     if os.path.exists(os.path.join(folder, "config.json")) and not any(STEP_DIR.match(n) for n in ckpts):
-        raise ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts "
-                          f"afresh (no checkpoint in {cfg.ckpt.dir}): it would be overwritten at the "
-                          f"end; move it away or give another --out_dir")
+        raise ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts afresh "
+                          f"({'--ckpt.resume=false' if not cfg.ckpt.resume else f'no checkpoint in {cfg.ckpt.dir}'}):"
+                          f" it would be overwritten at the end; move it away or give another --out_dir")
     return folder
 
 

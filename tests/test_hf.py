@@ -605,6 +605,10 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
     fresh.ckpt.dir = str(tmp_path / "new")
     with pytest.raises(ConfigError, match="starts afresh"):      # not a fresh run's to replace
         hf_io.check_export_dir(fresh)
+    over = Config(out_dir=str(tmp_path))       # --ckpt.start_fresh moves the checkpoints aside, not the export
+    over.ckpt.dir, over.ckpt.resume, over.ckpt.start_fresh = str(tmp_path / "ckpt"), False, True
+    with pytest.raises(ConfigError, match=r"starts afresh \(--ckpt.resume=false\)"):
+        hf_io.check_export_dir(over)
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
         hf_io.check_export_dir(cfg)
