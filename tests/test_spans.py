@@ -105,3 +105,12 @@ def test_a_span_is_hard_cut_only_where_its_second_half_holds_no_clean_space():
     a clean space early in it: that would leave a span of a few bytes, an index of many more spans."""
     assert spans.cut_points(b"ab " + b"w" * 300, 128) == [128, 256]
     assert spans.cut_points(b"w" * 70 + b" " + b"w" * 100, 128) == [70]
+
+
+def test_a_hard_cut_falls_between_characters():
+    """A word longer than the span is cut at a character boundary: each span decodes as UTF-8 on its own."""
+    raw = ("日本語のテキスト" * 60).encode()     # 3-byte characters, no space: every cut is hard
+    bounds = [0, *spans.cut_points(raw, 128), len(raw)]
+    assert len(bounds) > 10 and max(b - a for a, b in zip(bounds, bounds[1:])) <= 128
+    for a, b in zip(bounds, bounds[1:]):
+        raw[a:b].decode("utf-8")            # raises inside a character
