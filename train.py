@@ -518,8 +518,8 @@ def run(argv: list[str]) -> None:
     elif not done:           # the end: the full model exported in Hugging Face format, and a short sample
         full = layout.gather_full_state_dict(model, grid)
         if grid.is_main:
-            final = llama.Llama(cfg.model)
-            final.load_state_dict({k: v.float() for k, v in full.items()})
+            final = llama.Llama(cfg.model)      # fp32 on the host: a convert on XLA compiles a graph per shape
+            final.load_state_dict({k: v.cpu().float() for k, v in full.items()})
             hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
                        tokenizer=tok, overwrite=True, bos=cfg.data.bos)    # checked at the start
             log(f"saved the final model to {out_dir} (Hugging Face format)")
