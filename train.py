@@ -123,8 +123,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device,
-             cut=pipeline.no_cut) -> torch.Tensor:
+def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.device, cut=pipeline.no_cut):
     """Mean token loss over a fixed number of held-out batches: the same ones every time.
     cut() after each batch: one forward graph, whatever n_batches."""
     if grid.pp > 1:
@@ -352,9 +351,8 @@ def run(argv: list[str]) -> None:
         tok = tokenizer_for_run(cfg, corpus, ckpt, grid, log)   # given, the run's own, or trained
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
         # Evaluation is a property of the model: the same held-out windows at every layout (data.py).
-        if cfg.log.eval_interval:
-            val_loader = data.EvalWindows(d, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus,
-                                          index=index)
+        val_loader = data.EvalWindows(d, tok, cfg.log.eval_windows, grid.dp_rank, grid.dp, corpus=corpus,
+                                      index=index) if cfg.log.eval_interval else None
 
         # The model: this rank's shard, built empty, then filled from ONE source, the first that
         # applies: this run's newest complete checkpoint (a resume, at any layout), --init_from (a
@@ -503,10 +501,9 @@ def run(argv: list[str]) -> None:
             f"not saved (the newest checkpoint is {f'step {saved}' if saved is not None else 'none'})")
             + "; run the same command to continue")
         if not stop.got:
-            # The signal reached other nodes, not this one (Kubernetes drains one pod). Exit 0 would
-            # end this node's torchrun and tell the Job that this pod's part is done; this status
-            # makes torchrun restart the workers, which wait in the rendezvous for the stopped
-            # node's replacement and resume from the checkpoint just saved (docs/eks.md).
+            # The signal reached other nodes, not this one (Kubernetes drains one pod): exit 0 would end this node's
+            # torchrun and tell the Job this pod's part is done; this status makes torchrun restart the workers, which
+            # wait in the rendezvous for the stopped node's replacement and resume from this checkpoint (docs/eks.md).
             print(f"[rank {grid.rank}] {stopping} reached another node: exit {PEER_STOPPED}, so that "
                   f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
             parallel.destroy(grid)
@@ -527,6 +524,9 @@ def run(argv: list[str]) -> None:
                 prompt = torch.tensor([hf.prompt_ids(tok, "def ", cfg.data.bos)], dtype=torch.long)
                 sample = final.generate(prompt, cfg.log.sample_tokens, eos_id=hf.special_ids(tok)["eos"])
                 log("sample:\n" + tok.decode([i for i in sample[0].tolist() if i < tok.vocab_size and i != tok.bos_id]))
+    ended = os.getenv("NANOTRN_ENDED_DIR", "")      # launch.sh's: a SIGTERM after the last step is no stop (eks.md)
+    if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(ended):
+        open(os.path.join(ended, f"ended.{os.getenv('LOCAL_RANK', '0')}"), "w").close()
     parallel.destroy(grid)
 
 

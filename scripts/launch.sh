@@ -240,6 +240,10 @@ if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
 # checkpoint and exit 0. torchrun never sees it, so the launcher's own grace period applies
 # (terminationGracePeriodSeconds on Kubernetes; docs/checkpoints.md). A USR1 sent to every process of the
 # job (scancel --signal=USR1) reaches the workers directly and torchrun ignores it.
+# A stop and the run's end both exit 0 in train.py; a worker that ended the run (--optim.max_steps reached,
+# exported) leaves a file in NANOTRN_ENDED_DIR, so that a signal after the last step is told from a stop below.
+ended_dir="$(mktemp -d)" || ended_dir=""
+export NANOTRN_ENDED_DIR="$ended_dir"
 ( trap '' USR1; exec "${cmd[@]}" ) &
 torchrun_pid=$!
 stopping=0
@@ -285,11 +289,22 @@ if ((rc > 128)); then       # perhaps a trap's, with torchrun gone meanwhile: it
     if wait "$torchrun_pid" 2>/dev/null; then last=0; else last=$?; fi
     if ((last != 127)); then rc=$last; fi
 fi
+ended=0
+if [[ -n "$ended_dir" ]]; then
+    ended="$(find "$ended_dir" -name 'ended.*' | wc -l)"
+    rm -rf "$ended_dir"
+fi
 # In a Kubernetes Job's pod, exit 0 marks the pod Succeeded and its index complete: a pod stopped short
 # (SIGTERM: a drain, a spot reclaim, `kubectl delete pod`) whose workers saved and exited 0 (a 1-node Job,
 # or every pod signalled) left the Job Complete at that step, never resumed. 143 (128 + TERM) fails the
 # pod instead: the Job replaces it (an eviction is no retry: DisruptionTarget) and the new pod resumes.
-if ((stopping && rc == 0)) && [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
+# A signal after the last step stops nothing: every worker of this node had ended the run, which is
+# complete; it exits 0 (143 failed the pod and its replacement waited for pods that had finished).
+# torchrun's own status is not asked then: it may be ours (TERM, KILL) from its wait for the other nodes.
+if ((stopping && ended == NPROC_PER_NODE)); then
+    echo "launch.sh: the run had ended (--optim.max_steps) before the signal: exit 0" >&2
+    rc=0
+elif ((stopping && rc == 0)) && [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
     echo "launch.sh: stopped with a checkpoint: exit 143, so that the Job replaces this pod to continue" >&2
     rc=143
 fi

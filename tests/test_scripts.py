@@ -562,3 +562,25 @@ def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
     # Ports it cannot reserve (no sudo here, or one that asks a password): its one warning, not sudo's line too.
     assert "sudo:" not in err, err[:2000]
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_last_step_is_no_stop_the_pod_exits_0(tmp_path):
+    """A SIGTERM to launch.sh during the run's last step (or after it, while the workers export) stops
+    nothing: the run ends, saved and exported. A 1-node Indexed Job's pod still exited 143, taken for a
+    stop (a multi-node Job's replacement then waited for pods that had finished, and the Job could end
+    Failed with the run complete). Each worker that ends the run now leaves a file in launch.sh's
+    NANOTRN_ENDED_DIR: the pod exits 0; a stop short of the end keeps 143 (the test above)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "tmp").mkdir()
+    env = launch_env(tmp_path, JOB_COMPLETION_INDEX="0", TMPDIR=str(tmp_path / "tmp"))
+    args = [a for a in TINY_RUN if not a.startswith("--optim.max_steps")] + ["--optim.max_steps=3"]
+    rc, out, err = run_until_step(["bash", str(SCRIPTS / "launch.sh"), "train", f"--out_dir={tmp_path}/run",
+                                   "--dp=2", *args, cache_arg()], env, 3, signal.SIGTERM)
+    assert rc == 0, err[-3000:]
+    assert "launch.sh: SIGTERM: asking the workers of torchrun" in err
+    assert "launch.sh: the run had ended (--optim.max_steps) before the signal: exit 0" in err
+    assert "exit 143" not in err and "stopped after step" not in out
+    assert f"saved the final model to {tmp_path}/run" in out
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").glob("step_*")) == ["step_00000003"]
+    assert not list((tmp_path / "tmp").glob("tmp.*"))       # the folder of the workers' files is gone
