@@ -313,12 +313,14 @@ class CkptDir:
         if shut := [p for p in theirs if p.is_dir() and not os.access(p, os.R_OK | os.X_OK)]:   # not "none inside"
             return (f"{shut[0]} cannot be listed by this user, so it cannot be checked, and a save of that step would "
                     f"write into it: fix its permissions, or move it out of the checkpoint directory")
-        if theirs:
+        if theirs:          # why the first is not: a link (a checkpoint moved elsewhere), a file, or no files of ours
+            why = (f"a link to {os.readlink(theirs[0])}" if theirs[0].is_symlink() else "a file" if not
+                   theirs[0].is_dir() else "no checkpoint files inside")
             return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
-                    f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's (no "
-                    f"checkpoint files inside): a save of that step would write into it or prune it. Move "
-                    f"{'it' if len(theirs) == 1 else 'them'} out of the checkpoint directory, or give another "
-                    f"--ckpt.dir")
+                    f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's ("
+                    f"{'the first: ' * (len(theirs) > 1)}{why}): a save of that step would write into it or prune "
+                    f"it. Move {'it' if len(theirs) == 1 else 'them'} out of the checkpoint directory, or give "
+                    f"another --ckpt.dir")
         return None
 
     def start_fresh(self) -> str | None:

@@ -142,6 +142,11 @@ def test_foreign_step_folder_and_latest_are_refused_with_their_path(tmp_path):
     assert tree(tmp_path) == before
     (tmp_path / "latest").write_text("step_00000003")          # nanotrn's own: fine
     start(cfg).close()
+    # a checkpoint moved to another disk and linked back: refused as a link, not said to hold no checkpoint files
+    (tmp_path / "step_00000003").rename(tmp_path / "elsewhere" / "step_00000003")
+    (tmp_path / "step_00000003").symlink_to(tmp_path / "elsewhere" / "step_00000003")
+    with pytest.raises(CheckpointError, match=r"step_00000003 is named like a checkpoint but not nanotrn's \(a link to "):
+        start(cfg)
 
 
 @pytest.mark.parametrize("name", ["step_00000003", "step_00000003.bad123"])
