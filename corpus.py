@@ -23,7 +23,7 @@ import sentencepiece as spm
 import prepare
 from configs import DataConfig
 from sources import (COMPRESSED, CachedDocs, ColumnDocs, DataError, FileDocs, LineDocs, decode, give_back_heap,
-                     left_out_line, no_surrogates, resolve_paths)
+                     no_surrogates, resolve_paths)
 from spans import by_hash, held_out, permute
 
 COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.cached): no cheap random access
@@ -169,9 +169,9 @@ class Corpus:
                 + (f" (the first here: {first})" if first else ""))
 
     def start_warnings(self) -> list[str]:
-        """What a run says once at start: empty files skipped, files of a folder left out (sources.left_out_line)."""
+        """What a run says once at start: empty files skipped, files of a folder left out (prepare.left_out_line)."""
         return ([self.warning("empty_files", self.empty_files)] if self.empty_files else []) + \
-            ([left_out_line(self.left_out)] if self.left_out else [])
+            ([prepare.left_out_line(self.left_out)] if self.left_out else [])
 
     def read(self, ids: np.ndarray, quiet: bool = False) -> list[tuple[str | None, int, bool]]:
         """(text, utf8 replacements, bad record) per document."""

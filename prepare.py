@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (BOM, COMPRESSED, JSON_LINES, DataError, build_once, decode, left_out_line, map_file, no_surrogates,
-                     not_utf16, progress, resolve_paths, text_column)
+from sources import (BOM, COMPRESSED, JSON_LINES, SUFFIXES, DataError, build_once, decode, map_file, no_surrogates,
+                     not_utf16, progress, resolve_paths, temporary, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -257,10 +257,10 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     paths = [p for p in paths if os.path.getsize(p) > 0]
     os.makedirs(folder, exist_ok=True)
     _remove_leftovers(out, one, folder)
-    parts = f"{out}.parts{os.getpid()}" if one else folder
+    parts = temporary(out, "parts") if one else folder
     targets = [os.path.join(parts, shard_name(i, p)) for i, p in enumerate(paths)]
     # each shard converted under a temporary name, renamed when complete (one file: the parts folder is temporary)
-    written = targets if one else [f"{t}.tmp{os.getpid()}" for t in targets]
+    written = targets if one else [temporary(t) for t in targets]
     existed = {t for t in targets if os.path.exists(t)}
     if existed and not force:
         raise DataError(f"{sorted(existed)[0]} exists; pass --force to replace the shards already in {out}")
@@ -273,7 +273,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
     counts = collections.Counter(empty_files=len(empty))
     examples: list[str] = []
     not_text: list[str] = []            # shards skipped as a whole, said with the fix
-    tmp = f"{out}.tmp{os.getpid()}"
+    tmp = temporary(out)
     bar = tqdm(total=sum(map(os.path.getsize, paths)), desc="[prepare]", unit="B", unit_scale=True,
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     t0, ndocs, pool = time.monotonic(), 0, None
@@ -377,11 +377,24 @@ def _beside(out: str, folder: str, shards: list[str]) -> str | None:
     return f"--data={out} {' and '.join(what)}: move the other files out, or give the shards as {os.path.join(folder, '*.arrow')}"
 
 
+def left_out_line(paths: list[str]) -> str:
+    """One line saying the files of a folder left out, by type: a .json is read only when named."""
+    kinds = collections.Counter(os.path.splitext(p)[1] or "no extension" for p in paths)
+    json_dir = next((os.path.dirname(p) for p in paths if p.endswith(".json")), None)
+    return (f"data warning: {len(paths):,} files of the data folders left out ("
+            + ", ".join(f"{n:,} {k}" for k, n in sorted(kinds.items())) + f"; the first: {paths[0]}): "
+            + (f"a folder's .json files are read only when named (give {json_dir}/*.json to read them as JSON "
+               f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}")
+
+
+
 def _remove_leftovers(out: str, one: bool, folder: str) -> None:
     """Remove the temporaries an earlier prepare to `out` left when it was killed (SIGKILL, a lost node: no
-    cleanup runs), each up to the corpus's size: OUT.partsPID/ and OUT.tmpPID, or a folder's NNNNN-x.arrow.tmpPID,
-    of a process that is gone. A live one's (a prepare still running) stay; names of ours only."""
-    pattern = re.escape(os.path.basename(out)) + r"\.(?:parts|tmp)(\d+)" if one else r"\d{5}-.*\.arrow\.tmp(\d+)"
+    cleanup runs), each up to the corpus's size: OUT.parts-HOST-PID/ and OUT.tmp-HOST-PID, or a folder's
+    NNNNN-x.arrow.tmp-HOST-PID (sources.temporary), of a process of this host that is gone. A live one's (a
+    prepare still running) and another host's (its pid means nothing here) stay; names of ours only."""
+    host = "(?:" + "|".join(re.escape(temporary("", kind, pid="")) for kind in ("parts", "tmp")) + r")(\d+)"
+    pattern = re.escape(os.path.basename(out)) + host if one else r"\d{5}-.*\.arrow" + host
     gone, pids = [], set()
     for name in sorted(os.listdir(folder)):
         if (m := re.fullmatch(pattern, name)) and not _alive(int(m[1])):

@@ -7,7 +7,6 @@ file and node in the cache and memory-mapped by every rank, so the page cache ho
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import fcntl
 import functools
@@ -18,6 +17,7 @@ import os
 import pathlib
 import re
 import shlex
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -184,16 +184,6 @@ def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,
     return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
 
-def left_out_line(paths: list[str]) -> str:
-    """One line saying the files of a folder left out, by type: a .json is read only when named."""
-    kinds = collections.Counter(os.path.splitext(p)[1] or "no extension" for p in paths)
-    json_dir = next((os.path.dirname(p) for p in paths if p.endswith(".json")), None)
-    return (f"data warning: {len(paths):,} files of the data folders left out ("
-            + ", ".join(f"{n:,} {k}" for k, n in sorted(kinds.items())) + f"; the first: {paths[0]}): "
-            + (f"a folder's .json files are read only when named (give {json_dir}/*.json to read them as JSON "
-               f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}")
-
-
 def not_utf16(head: bytes, path: str) -> bytes:
     """`head` (a file's first bytes, in its reader's hand anyway), or a DataError if it opens a UTF-16/32 file (its
     ASCII is valid UTF-8 with NULs between, trained on as garbage; without a byte order mark: over 1/4 NULs in its
@@ -239,6 +229,12 @@ def no_surrogates(text: str) -> tuple[str, int]:
 
 # ----------------------------------------------------------------------------- offsets indexes
 
+def temporary(path: str, kind: str = "tmp", pid: int | str | None = None) -> str:
+    """PATH.tmp-HOST-PID: where a process writes `path` until complete, then renamed. A rerun removes a killed one's
+    by its name, this host's only: on a file system several hosts write (FSx, NFS), another's pid means nothing here."""
+    return f"{path}.{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+
+
 def build_once(path: str, build) -> None:
     """Make the cache file `path` once per node: every rank calls this at once, the first to get the
     lock runs build(tmp), renamed into place (never half-written), the others wait and find it."""
@@ -246,7 +242,10 @@ def build_once(path: str, build) -> None:
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(path):
-            tmp = f"{path}.tmp{os.getpid()}"
+            mine = temporary(path, pid="")      # a killed build's (SIGKILL, OOM): with the lock held, no live one here
+            for old in [p for p in glob.glob(glob.escape(mine) + "*") if p[len(mine):].isdigit()]:
+                os.remove(old)
+            tmp = temporary(path)
             try:
                 build(tmp)
                 os.replace(tmp, path)

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -242,31 +243,36 @@ def test_a_binary_file_named_txt_is_skipped_and_named_not_written_as_text(shards
 
 
 def test_a_rerun_after_a_killed_prepare_removes_what_the_killed_one_left(shards, tmp_path, capsys):
-    """A prepare killed (SIGKILL, a node lost) left its temporaries for ever: OUT.arrow.partsPID/ and OUT.arrow.tmpPID
-    beside a one-file output, NNNNN-x.arrow.tmpPID in a shard folder (each up to the corpus's size, and said as
-    'left out' by every run on the folder). A rerun removes those of a process that is gone, and says so; those of
-    a live process (a prepare still running) and the user's files stay."""
+    """A prepare killed (SIGKILL, a node lost) left its temporaries for ever: OUT.arrow.parts-HOST-PID/ and
+    OUT.arrow.tmp-HOST-PID beside a one-file output, NNNNN-x.arrow.tmp-HOST-PID in a shard folder (each up to the
+    corpus's size, and said as 'left out' by every run on the folder). A rerun removes those of a process of this
+    host that is gone, and says so; those of a live process (a prepare still running), the user's files and another
+    host's stay: two hosts preparing to one --out on a shared file system removed each other's temporaries (named
+    OUT.arrow.tmpPID, a pid of the other host judged gone here), and a name without a host is never judged."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    live = os.getppid()
+    live, host = os.getppid(), socket.gethostname()
     out = tmp_path / "o.arrow"
     for pid in (dead.pid, live):
-        (tmp_path / f"o.arrow.parts{pid}").mkdir()
-        (tmp_path / f"o.arrow.parts{pid}" / "00000-a.arrow").write_bytes(b"half")
-        (tmp_path / f"o.arrow.tmp{pid}").write_bytes(b"half")
-    (tmp_path / "o.arrow.tmpnotes").write_text("mine")
+        (tmp_path / f"o.arrow.parts-{host}-{pid}").mkdir()
+        (tmp_path / f"o.arrow.parts-{host}-{pid}" / "00000-a.arrow").write_bytes(b"half")
+        (tmp_path / f"o.arrow.tmp-{host}-{pid}").write_bytes(b"half")
+    others = [f"o.arrow.tmp-{host}x-{dead.pid}", f"o.arrow.tmp-other-{dead.pid}", f"o.arrow.tmp{dead.pid}", "o.arrow.tmpnotes"]
+    for name in others:
+        (tmp_path / name).write_text("another host's, or mine")
     prepare.prepare([str(shards / "g.txt")], str(out), workers=1)
     assert read(out) == ["a whole file\nis one document\n"]
-    assert sorted(os.listdir(tmp_path)) == sorted(["src", "o.arrow", f"o.arrow.parts{live}", f"o.arrow.tmp{live}",
-                                                   "o.arrow.tmpnotes"])
+    assert sorted(os.listdir(tmp_path)) == sorted(["src", "o.arrow", f"o.arrow.parts-{host}-{live}",
+                                                   f"o.arrow.tmp-{host}-{live}", *others])
     assert re.search(rf"\[prepare\] removed 2 temporaries of an interrupted prepare \(process {dead.pid}, gone\): "
-                     rf"\S+o.arrow.parts{dead.pid}", capsys.readouterr().err)
+                     rf"\S+o.arrow.parts-{host}-{dead.pid}", capsys.readouterr().err)
     d = tmp_path / "d"
     d.mkdir()
-    for name in (f"00000-a.arrow.tmp{dead.pid}", f"00003-z.arrow.tmp{live}", "notes.txt"):
+    kept = [f"00003-z.arrow.tmp-{host}-{live}", f"00001-b.arrow.tmp-other-{dead.pid}", f"00002-c.arrow.tmp{dead.pid}"]
+    for name in (f"00000-a.arrow.tmp-{host}-{dead.pid}", *kept, "notes.txt"):
         (d / name).write_bytes(b"half")
     prepare.prepare([str(shards / "g.txt")], str(d) + "/", workers=1)
-    assert sorted(os.listdir(d)) == ["00000-g.arrow", f"00003-z.arrow.tmp{live}", "notes.txt"]
+    assert sorted(os.listdir(d)) == sorted(["00000-g.arrow", *kept, "notes.txt"])
 
 
 def test_shards_written_into_a_folder_of_other_files_say_what_data_would_read_beside_them(shards, tmp_path, capsys):

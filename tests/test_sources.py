@@ -6,6 +6,7 @@ not grow with the number of record batches or lines (a child process, RssAnon)."
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -230,6 +231,23 @@ def test_span_index_cuts_a_document_longer_than_a_read_block_without_holding_it(
             # (the content digest reads SAMPLE_SPANS spans: a read of a span, at most span_bytes, whatever READ_BYTES)
             assert reads and max(reads) <= max(block, spans.span_bytes(64)), (name, block)
         monkeypatch.setattr(spans, "READ_BYTES", 1 << 26)
+
+
+def test_a_killed_index_build_leaves_nothing_this_host_rebuilds(tmp_path):
+    """An index build killed (SIGKILL, an OOM kill) left FILE.tmpPID in --data.cache_dir for ever (the span index:
+    24 bytes a span). The next build of that file on this host removes what this host's builds left: with the build
+    lock held, no live one here writes one. Another host's on a shared cache (FSx, NFS; its build may be running, its
+    pid means nothing here) stays, and so do other files' temporaries."""
+    import sources
+    cache, host = tmp_path / "cache", socket.gethostname()
+    cache.mkdir()
+    left = [f"spans-x.bin.tmp-{host}-4242", f"spans-x.bin.tmp-{host}-{os.getpid()}"]
+    others = ["spans-x.bin.tmp-other-4242", f"spans-x.bin.tmp-{host}-1-4242", f"spans-y.bin.tmp-{host}-4242"]
+    for name in left + others:
+        (cache / name).write_bytes(b"half")
+    sources.build_once(str(cache / "spans-x.bin"), lambda tmp: open(tmp, "wb").write(b"built"))
+    assert (cache / "spans-x.bin").read_bytes() == b"built"
+    assert sorted(os.listdir(cache)) == sorted(["spans-x.bin", "spans-x.bin.lock", *others])
 
 
 def test_index_builds_show_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
