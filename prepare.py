@@ -387,7 +387,6 @@ def left_out_line(paths: list[str]) -> str:
                f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}")
 
 
-
 def _remove_leftovers(out: str, one: bool, folder: str) -> None:
     """Remove the temporaries an earlier prepare to `out` left when it was killed (SIGKILL, a lost node: no
     cleanup runs), each up to the corpus's size: OUT.parts-HOST-PID/ and OUT.tmp-HOST-PID, or a folder's
