@@ -12,6 +12,7 @@ import bisect
 import hashlib
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -538,6 +539,27 @@ def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- construction
+
+def check_rounding(precision: str, device: torch.device) -> None:
+    """bf16_sr on XLA leaves the rounding to the device (build_optimizer: no software SR there). Where the
+    device would round to nearest, the run would be plain bf16 (the mode the blog saw fall behind) under
+    bf16_sr's name: refused before any work. The Neuron runtime rounds stochastically only with
+    NEURON_RT_STOCHASTIC_ROUNDING_EN=1, its default only under the deprecated XLA_USE_BF16 /
+    XLA_DOWNCAST_BF16 (Neuron's torch-xla migration guide); XLA:CPU never does."""
+    env = os.environ
+    if precision != "bf16_sr" or device.type != "xla":
+        return
+    if env.get("PJRT_DEVICE", "").upper() != "NEURON":
+        raise ConfigError(f"--optim.precision=bf16_sr on PJRT_DEVICE={env.get('PJRT_DEVICE', '')}: only Trainium "
+                          f"rounds stochastically on XLA (in hardware); use --optim.precision=bf16, or --device=cpu "
+                          f"or cuda, where optim.py rounds in software")
+    default = "1" if "XLA_USE_BF16" in env or "XLA_DOWNCAST_BF16" in env else "0"
+    if env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN", default) != "1":
+        raise ConfigError("--optim.precision=bf16_sr: the Neuron runtime rounds to nearest unless "
+                          "NEURON_RT_STOCHASTIC_ROUNDING_EN=1 (scripts/env.sh exports it for bf16_sr, and "
+                          "scripts/launch.sh sources env.sh): launch with launch.sh, or export it; "
+                          "or train with --optim.precision=bf16")
+
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = None,
                     software_sr: bool | None = None) -> AdamW:

@@ -310,9 +310,9 @@ def run(argv: list[str]) -> None:
     hf.apply_init_from(cfg, argv, (rank, world))    # --init_from: the model (and tokenizer) of a Hugging Face folder
     device = pick_device(cfg.device)
     configs.validate(cfg, world, parallel.backend_for(device.type))
+    optim.check_rounding(cfg.optim.precision, device)   # bf16_sr: the device must round stochastically
     configs.check_paths(cfg)
-    mixture_files(cfg.data.data, cfg.data.split)   # --data's sources exist, are readable, each has files of its own:
-    # refused before the claim. A listing per rank, as data.Corpus's: 2 x 4096 of one folder at 4096 ranks
+    mixture_files(cfg.data.data, cfg.data.split)   # --data readable, with files, before the claim; a listing a rank, as Corpus's
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)

@@ -985,3 +985,16 @@ def test_xla_check_says_train_pys_checkpoint_refusal_in_one_line(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
     assert "holds checkpoints but not the tokenizer" in lines[0], r.stderr
+
+
+@pytest.mark.slow
+def test_bf16_sr_where_nothing_rounds_stochastically_is_one_line(tmp_path):
+    """--optim.precision=bf16_sr on XLA leaves the rounding to the device (Trainium's, with
+    NEURON_RT_STOCHASTIC_ROUNDING_EN=1). On XLA:CPU nothing rounds stochastically: the run trained
+    as plain bf16 (round to nearest, the mode the blog saw fall behind) under the name bf16_sr, exit 0."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o", "--device=xla",
+                        "--optim.precision=bf16_sr", "--steps=1"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.startswith("error: --optim.precision=bf16_sr") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--optim.precision=bf16" in r.stderr and not os.listdir(tmp_path), r.stderr

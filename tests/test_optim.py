@@ -221,6 +221,33 @@ def test_wrong_param_dtype_and_precision_are_rejected():
         optim.param_dtype(cfg.optim.precision)
 
 
+def test_bf16_sr_on_trainium_needs_the_runtimes_stochastic_rounding(monkeypatch):
+    """On XLA the optimizer leaves bf16_sr's rounding to the device (software_sr off). The Neuron runtime
+    rounds to nearest unless NEURON_RT_STOCHASTIC_ROUNDING_EN=1 (on by default only with the deprecated
+    XLA_USE_BF16 / XLA_DOWNCAST_BF16: Neuron's torch-xla migration guide): a direct torchrun without
+    scripts/env.sh trained plain bf16 under the name bf16_sr. Refused before any work, with the fix."""
+    xla = torch.device("xla")
+    for k in ("NEURON_RT_STOCHASTIC_ROUNDING_EN", "XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    with pytest.raises(configs.ConfigError, match="NEURON_RT_STOCHASTIC_ROUNDING_EN=1 .*scripts/env.sh"):
+        optim.check_rounding("bf16_sr", xla)
+    for precision in ("fp32", "mixed", "bf16"):          # nothing to round stochastically
+        optim.check_rounding(precision, xla)
+    optim.check_rounding("bf16_sr", torch.device("cpu"))   # software rounding (optim.stochastic_round_)
+    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")           # the runtime's default turns on with it
+    optim.check_rounding("bf16_sr", xla)
+    monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "0")      # ... unless turned off
+    with pytest.raises(configs.ConfigError, match="NEURON_RT_STOCHASTIC_ROUNDING_EN=1"):
+        optim.check_rounding("bf16_sr", xla)
+    monkeypatch.delenv("XLA_DOWNCAST_BF16")
+    monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")      # what scripts/env.sh exports for bf16_sr
+    optim.check_rounding("bf16_sr", xla)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")                # XLA:CPU has no stochastic rounding at all
+    with pytest.raises(configs.ConfigError, match="PJRT_DEVICE=CPU"):
+        optim.check_rounding("bf16_sr", xla)
+
+
 def test_state_dict_roundtrip_and_mismatch_errors():
     cfg = tiny_config("mixed")
     model = tiny_model(cfg)
