@@ -122,6 +122,14 @@ def check_args(args) -> None:
         per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if args.tp >= 1 and args.pp >= 1 and (world % (args.tp * args.pp) or world % per_node):
             bad.append(f"world {world} must be a multiple of tp*pp={args.tp * args.pp} and of ranks per node {per_node}")
+        if args.inject_delay and not bad and int(args.inject_delay.split(":")[0]) >= world:    # else no rank sleeps
+            bad.append(f"--inject-delay {args.inject_delay}: rank {args.inject_delay.split(':')[0]} is not in the "
+                       f"world of {world}; give a rank below {world}")
+        # As train.py refuses it (parallel.init_distributed): each process was a world of its own, timed
+        # nothing between them and said "healthy" ("world 1 = 0 node(s) x 2", once per process).
+        if args.backend == "xla" and world > 1 and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+            bad.append(f"--backend=xla on XLA:CPU (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'unset')}) has no "
+                       f"collectives between processes: run it on Trainium (PJRT_DEVICE=NEURON), or --backend=gloo")
     except ValueError as e:                 # configs.ConfigError
         bad.append(str(e))
     if bad:

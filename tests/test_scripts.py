@@ -355,14 +355,22 @@ def test_host_group_connects_lazily(tmp_path):
 
 # ----------------------------------------------------------------------------- health check
 
+WORLD4 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("env,says", [({"WORLD_SIZE": "1"}, "no WORLD_SIZE or MASTER_ADDR: run it under torchrun"),
-                                      ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                                        "MASTER_PORT": "1"}, "world 4 must be a multiple of tp*pp=3")])
-def test_healthcheck_refuses_before_any_process_group(env, says):
+@pytest.mark.parametrize("args,env,says", [
+    (["--tp", "3"], {"WORLD_SIZE": "1"}, "no WORLD_SIZE or MASTER_ADDR: run it under torchrun"),
+    (["--tp", "3"], {**WORLD4}, "world 4 must be a multiple of tp*pp=3"),
+    # accepted, and no rank slept: the check it exists for passed for nothing
+    (["--inject-delay", "4:1"], {**WORLD4}, "--inject-delay 4:1: rank 4 is not in the world of 4"),
+    # each process was a world of its own, timed nothing between them and said "healthy"
+    (["--backend=xla"], {**WORLD4, "PJRT_DEVICE": "CPU"}, "--backend=xla on XLA:CPU (PJRT_DEVICE=CPU) has no collectives"),
+    (["--backend=xla"], {**WORLD4}, "--backend=xla on XLA:CPU (PJRT_DEVICE=unset) has no collectives")])
+def test_healthcheck_refuses_before_any_process_group(args, env, says):
     # WORLD_SIZE=1 without a rendezvous was init_process_group's ValueError traceback; --tp 3 on 4 ranks was
     # refused only after the process group, which waits for the other ranks (here: none come, a hang)
-    r = subprocess.run([sys.executable, str(SCRIPTS / "healthcheck.py"), "--tp", "3"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(SCRIPTS / "healthcheck.py"), *args], capture_output=True, text=True,
                        timeout=60, env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env})
     assert r.returncode == 1 and r.stderr.startswith(f"healthcheck error: {says}") and "Traceback" not in r.stderr, r
 
