@@ -570,6 +570,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = Non
     if software_sr is None:
         software_sr = all(p.device.type != "xla" for _, p in named)
     if cfg.parallel.zero1 and grid.dp > 1:
+        mb = cfg.parallel.zero1_bucket_mb        # a cap below a byte is the smallest, not 0's one bucket
         return Zero1AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr,
-                          bucket_bytes=int(cfg.parallel.zero1_bucket_mb * 2**20))
+                          bucket_bytes=max(1, int(mb * 2**20)) if mb > 0 else 0)
     return AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)

@@ -537,6 +537,21 @@ def test_zero1_shards_cover_every_element_once():
         opt.step()
 
 
+def test_a_bucket_cap_below_one_byte_is_the_smallest_not_unbounded():
+    """--parallel.zero1_bucket_mb=1e-7 (0.1 byte) gave int(0.1) = 0, the value that means one unbounded
+    bucket: the smallest cap asked for moved the whole local model at once (1 bucket of 1.07 MB in
+    train.py's model line at 0.28M parameters), while 1 byte gave one element a rank a bucket."""
+    cfg = tiny_config("fp32")
+    cfg.parallel.zero1 = True
+    model = tiny_model(cfg)
+    for mb in (1e-7, 2.0 ** -20):            # 0.1 byte, 1 byte: both below one element a rank
+        cfg.parallel.zero1_bucket_mb = mb
+        opt = optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0))
+        assert len(opt.buckets) == opt.shard and all(c1 - c0 == 1 for c0, c1, _ in opt.buckets), (mb, len(opt.buckets))
+    cfg.parallel.zero1_bucket_mb = 0.0       # 0: one bucket, as documented
+    assert len(optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0)).buckets) == 1
+
+
 def _init_gloo(rank: int, world: int, store_file: str):
     # Rendezvous through a file unique to this test (not a TCP port picked in advance): concurrent
     # test runs on a shared machine cannot join each other's groups.
