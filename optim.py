@@ -448,7 +448,8 @@ class Zero1AdamW(AdamW):
     def describe(self) -> str:
         # the buckets a --parallel.zero1_bucket_mb gives, as each collective moves them (bytes over the DP group)
         sizes = [(c1 - c0) * self.grid.dp * self.bucket_itemsize for c0, c1, _ in self.buckets]
-        most = f"{max(sizes) / 2**20:.3g} MB" if max(sizes) >= 2**20 else f"{max(sizes) / 2**10:.3g} KB"
+        most = max(sizes)
+        most = f"{most / 2**20:.3g} MB" if most >= 2**20 else f"{most / 2**10:.3g} KB" if most >= 2**10 else f"{most} bytes"
         return (f"; ZeRO-1: {self.shard:,} elements of optimizer state a rank, {len(sizes):,} collective "
                 f"bucket{'s' * (len(sizes) > 1)} of at most {most}")
 

@@ -548,6 +548,8 @@ def test_a_bucket_cap_below_one_byte_is_the_smallest_not_unbounded():
         cfg.parallel.zero1_bucket_mb = mb
         opt = optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0))
         assert len(opt.buckets) == opt.shard and all(c1 - c0 == 1 for c0, c1, _ in opt.buckets), (mb, len(opt.buckets))
+        # train.py's model line: 2 ranks x 4 bytes, in bytes (was "at most 0.00781 KB")
+        assert opt.describe().endswith(f"{opt.shard:,} collective buckets of at most 8 bytes"), opt.describe()
     cfg.parallel.zero1_bucket_mb = 0.0       # 0: one bucket, as documented
     assert len(optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0)).buckets) == 1
 
