@@ -436,6 +436,13 @@ def cli(argv: list[str]):
                 m = ModelConfig(**run["model"])
                 tok_dir = Path(root) / "tokenizer"
                 tok = data.load_tokenizer(str(tok_dir)) if tok_dir.is_dir() else None
+                # the tokenizer the run read its data with (its data state's fingerprint), not another run's beside it
+                rank0 = reshard.load_file(d / "rank00000.pt", weights_only=False) if tok else {}
+                saved = (rank0.get("data") or {}).get("tokenizer")
+                if saved not in (None, getattr(tok, "fingerprint", None)):
+                    raise CheckpointError(f"{tok_dir} holds another tokenizer than the one {d.name} was trained with "
+                                          f"(fingerprint {tok.fingerprint}, the checkpoint's {saved}: another run's, or "
+                                          f"damaged): its token ids mean other things; put the run's own tokenizer there")
                 hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
                            bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
                 return print(f"exported {d} to {out}"

@@ -428,6 +428,11 @@ class PackedLoader:
         for key in ("split",) + tuple(self.fingerprint):
             want = self._start_state[key]
             if sd.get(key) != want and None not in (sd.get(key), want):    # None: a content digest not known
+                if key == "tokenizer":      # the model learned the saved one's ids: a fresh data stream mends nothing
+                    raise DataError(f"the checkpoint was trained with another tokenizer than the one this run loads "
+                                    f"(fingerprint {sd.get(key)}, now {want}): its token ids mean other things; resume "
+                                    f"with the run's own (kept in <ckpt.dir>/tokenizer: is another run's there, or "
+                                    f"a damaged copy?)")
                 why = {"corpus": " (another corpus: its files' names or sizes, or how this nanotrn reads a .gz/.zst/.parquet file, changed)",
                        "content": " (a file of the corpus was rewritten at its name and size)",
                        "spans": " (another --data.seq_len, or a corpus with a file of no documents between others, "

@@ -671,6 +671,26 @@ def test_a_resume_without_its_kept_tokenizer_is_refused_before_the_corpus_is_ind
     assert not (tmp_path / "out" / "ckpt" / "run.lock").exists(), "the checkpoint directory was claimed first"
 
 
+def test_checkpoints_beside_another_tokenizer_are_not_exported_with_it_nor_resumed_on_it(W, tmp_path, capsys):
+    """Step folders copied beside another run's tokenizer/ (or a kept tokenizer damaged since): `checkpoint.py
+    export` shipped that tokenizer with the model, exit 0, its token ids meaning other things than in training; a
+    resume was refused advising --ckpt.reset_data, which trains on with it. Both now one line naming the kept
+    tokenizer and the checkpoint, nothing written."""
+    ck = tmp_path / "ck"
+    shutil.copytree(W / "run" / "ckpt", ck, ignore=shutil.ignore_patterns("run.lock"))
+    shutil.copy(W / "tokother.model", ck / "tokenizer" / "tokenizer.model")     # same vocabulary, another corpus's
+    code, text = run_entry("checkpoint", ["export", str(ck), str(tmp_path / "hf")], capsys)
+    says = f"{ck / 'tokenizer'} holds another tokenizer than the one step_00000002 was trained with"
+    assert code == 1 and says in text and "Traceback" not in text, text
+    assert not (tmp_path / "hf").exists()
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in CK("--data.tokenizer=")[1]]
+    code, text = run_entry("train", argv, capsys)
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in text, text
+    assert "another tokenizer than the one" in errors[0] and "reset_data" not in errors[0], errors
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("tok,says", [("empty.model", "not a sentencepiece model"), ("tok.model", "--model.vocab_size=512")])
 def test_a_given_tokenizer_is_checked_before_the_corpus_is_indexed(W, tmp_path, capsys, tok, says):
     """An empty .model file, or one of fewer pieces than --model.vocab_size: refused before the span index is
