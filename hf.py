@@ -101,10 +101,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
                   n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=kv,
                   max_seq_len=hf.get("max_position_embeddings") or 4096, norm_eps=hf.get("rms_norm_eps", 1e-6),
-                  init_std=hf.get("initializer_range", 0.02),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0,
-                  **rope)
+                  init_std=hf.get("initializer_range", 0.02), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0, **rope)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -144,9 +142,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_scaling": None, "initializer_range": cfg.init_std,
            "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-           "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-           "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-           "transformers_version": TRANSFORMERS_FORMAT}
+           "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": bos_id,
+           "eos_token_id": eos_id, "pad_token_id": pad_id, "transformers_version": TRANSFORMERS_FORMAT}
     if cfg.rope_scaling == "llama3":
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
                                "low_freq_factor": cfg.rope_low_freq_factor,
@@ -197,6 +194,8 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
 
 def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):     # another user's 0700: "no config.json"
+        raise HFError(f"{folder} cannot be read by this user: fix its permissions, or copy the model to your own")
     if not os.path.isfile(path):        # nanotrn's checkpoints (a --ckpt.dir, or one step of it): say how to use them
         d = os.path.abspath(folder)
         d = os.path.dirname(d) if STEP_DIR.match(os.path.basename(d)) else d
@@ -238,6 +237,8 @@ class SafetensorsFolder:
         try:
             self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
         except Exception as e:          # safetensors' own error type: a truncated or foreign file
+            if bad := [n for n in files if not os.access(os.path.join(folder, n), os.R_OK)]:    # it says "No such file"
+                raise HFError(f"{os.path.join(folder, bad[0])} is not readable by this user: fix its permissions")
             raise HFError(f"{folder}: cannot read its weights ({e}); re-download them or give another "
                           f"--init_from") from None
         self.where = {k: f for f in self.files.values() for k in f.keys()}
@@ -280,12 +281,11 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
     st, full = SafetensorsFolder(folder), param_shapes(cfg)
     tables = {name: _hf_rows(name, cfg) for name in full}      # tied: both names, one source
     want = {s for srcs, _ in tables.values() for s in srcs}
-    missing = sorted(want - set(st.where))
-    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
-                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
-    if missing:
+    if missing := sorted(want - set(st.where)):
         raise HFError(f"{folder} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
                       f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
+    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
+                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
         raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
                       f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
@@ -533,8 +533,7 @@ def apply_init_from(cfg, argv: list[str] = (), share: tuple[int, int] = (0, 1)) 
     if not cfg.init_from:
         return
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("model.") for a in argv if a.startswith("--model.")}
-    other = sorted(given - set(RUN_MODEL_KEYS))
-    if other:
+    if other := sorted(given - set(RUN_MODEL_KEYS)):
         raise HFError(f"--model.{other[0]} with --init_from: the architecture is {cfg.init_from}/config.json's; "
                       f"drop it (a run may set only --model.{', --model.'.join(RUN_MODEL_KEYS)})")
     run = {k: getattr(cfg.model, k) for k in RUN_MODEL_KEYS if k in given or k != "max_seq_len"}

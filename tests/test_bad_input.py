@@ -601,6 +601,31 @@ def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
     assert not any((tmp_path / d).exists() for d in ("c", "out", "x.arrow", "curves.png")), "work started"
 
 
+def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp_path):
+    """--init_from another user's folder (mode 0700) was a PermissionError traceback in hf.read_config (it lists the
+    folder for nanotrn checkpoints once config.json seems missing); a model.safetensors of mode 0000 was 'cannot read
+    its weights (No such file or directory: ...); re-download them' (safetensors' words). Each is one line naming the
+    fix before any work, as a plain user (root's bypass of permissions dropped: conftest.as_plain_user)."""
+    from conftest import as_plain_user
+    other, unread = tmp_path / "other", tmp_path / "unread"
+    shutil.copytree(W / "run" / "hf", other)
+    shutil.copytree(W / "run" / "hf", unread)
+    (unread / "model.safetensors").chmod(0)
+    if os.geteuid() == 0:
+        os.chown(other, 65534, -1)          # nobody's; a plain user's own folder of mode 0000 stands in for it
+    other.chmod(0o700 if os.geteuid() == 0 else 0)
+    calls = [[a.replace("{W}", str(W)).replace("{t}", f"{tmp_path}/{d.name}-run") for a in TI(f"--init_from={d}")[1]]
+             for d in (other, unread)]
+    script = (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport train\nfor argv in {calls!r}:\n    try:\n"
+              f"        train.cli(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+    assert said == [f"exit error: {other} cannot be read by this user: fix its permissions, or copy the model to your own",
+                    f"exit error: {unread}/model.safetensors is not readable by this user: fix its permissions"], r.stderr
+    assert not any((tmp_path / f"{d}-run").exists() for d in ("other", "unread")), "work started"
+
+
 @pytest.mark.parametrize("source", ["nope.txt", "fifo.txt", "table.csv", "emptydir"])
 def test_a_bad_data_source_is_refused_before_the_checkpoint_directory_is_claimed(W, tmp_path, capsys, source):
     """A --data missing, a FIFO, of a type nanotrn does not read or a folder without files: refused before the run
