@@ -1,15 +1,14 @@
-"""Watching a run: metrics and MFU, the blog's gradient-spike detector, non-finite steps, replica
-drift, TensorBoard and console lines, the curves PNG, and the hang watchdog. The blog caught
-divergence early by watching the loss, the gradient L2 norm and the parameter L2 norm (about 1,600
-at initialization for 7B): logged here beside the throughput (train.py makes the calls). Lazy on
-XLA: `step` keeps the tensors, read at log intervals in one transfer (a read would cut the lazy
-graph and wait for the device).
-"""
+"""Watching a run: metrics and MFU, the blog's gradient-spike detector, non-finite steps, replica drift, TensorBoard
+and console lines, the curves PNG, and the hang watchdog. The blog caught divergence early by watching the loss, the
+gradient L2 norm and the parameter L2 norm (about 1,600 at initialization for 7B): logged here beside the throughput
+(train.py makes the calls). Lazy on XLA: `step` keeps the tensors, read at log intervals in one transfer (a read
+would cut the lazy graph and wait for the device)."""
 from __future__ import annotations
 
 import collections
 import contextlib
 import faulthandler
+import functools
 import logging
 import math
 import os
@@ -194,10 +193,9 @@ class NonFiniteError(RuntimeError):
 
 
 def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
-    return (f"step {step}: non-finite loss {loss} / gradient norm {grad_norm}. Stopped before any "
-            f"checkpoint of this state was written; the newest checkpoint is the last good one. "
-            f"Resume from it (maybe with a lower --optim.lr), or pass --log.on_nonfinite=skip to skip "
-            f"such steps")
+    return (f"step {step}: non-finite loss {loss} / gradient norm {grad_norm}. Stopped before any checkpoint of this "
+            f"state was written; the newest checkpoint is the last good one. Resume from it (maybe with a lower "
+            f"--optim.lr), or pass --log.on_nonfinite=skip to skip such steps")
 
 
 # ----------------------------------------------------------------------------- the monitor
@@ -228,12 +226,14 @@ class Monitor:
             self.skipped, self.consecutive_skips = state["skipped"], state["consecutive_skips"]
         self._peak_raised = False
         self._t_flush, self._tokens_since = time.perf_counter(), 0
-        self.writer = None
+        self.writer, self.tb_dir = None, cfg.log.tensorboard
         if is_main and cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            if getattr(threading.excepthook, "func", None) is not _quiet_writer_thread:     # once per process
+                threading.excepthook = functools.partial(_quiet_writer_thread, then=threading.excepthook)
             # purge_step: after a restart (from a checkpoint or from scratch), TensorBoard hides what a
             # crashed run logged past it: every step from the first one this run logs.
-            self.writer = SummaryWriter(cfg.log.tensorboard, purge_step=start_step + 1)
+            self.writer = self._write(lambda _: SummaryWriter(self.tb_dir, purge_step=start_step + 1), new=True)
 
     def state_dict(self) -> dict:
         """The run's state for the checkpoint of the step just flushed (a save comes after
@@ -264,9 +264,8 @@ class Monitor:
         self.print(f"step {step}: non-finite loss {loss_v} / gradient norm {gn_v}: update skipped "
                    f"({self.skipped} skipped so far)")
         if self.consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteError(f"step {step}: {self.consecutive_skips} consecutive non-finite steps; "
-                                 f"skipping cannot recover this run. Resume from the last checkpoint "
-                                 f"with a lower --optim.lr")
+            raise NonFiniteError(f"step {step}: {self.consecutive_skips} consecutive non-finite steps; skipping cannot "
+                                 f"recover this run. Resume from the last checkpoint with a lower --optim.lr")
 
     # -------------------------------------------------------------- per step
     def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
@@ -350,8 +349,7 @@ class Monitor:
                    + f" | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | data wait {wait:.0%}"
                    + (f" | mem {mem:.2f} GiB" if mem is not None else ""))
         self._t_flush, self._tokens_since = now, 0
-        if self.writer:
-            self.writer.flush()
+        self._write(lambda w: w.flush())
 
     @contextlib.contextmanager
     def off_the_clock(self):
@@ -369,8 +367,7 @@ class Monitor:
         ppl = math.exp(min(v, 50.0))
         self._scalars(step, {"val/loss": v, "val/perplexity": ppl})
         self.print(f"step {step:6d} | val loss {v:.4f} | val ppl {ppl:.2f}")
-        if self.writer:
-            self.writer.flush()
+        self._write(lambda w: w.flush())
 
     def close(self):
         self.flush()
@@ -380,15 +377,32 @@ class Monitor:
                        f"(the blog: over 86%), longest {s['longest']} steps")
         if s["open"]:       # counted once it ends: a run that stops inside one (diverging?) says so
             self.print(f"gradient-norm spike still open at the end: the last {s['open']} steps, not counted above")
-        if self.writer:
-            self.writer.close()
-            self.writer = None
+        self._write(lambda w: w.close())
+        self.writer = None
 
     def _scalars(self, step: int, values: dict):
-        if self.writer:
-            for tag, v in values.items():
-                if v is not None and math.isfinite(v):
-                    self.writer.add_scalar(tag, v, step)
+        self._write(lambda w: [w.add_scalar(tag, v, step) for tag, v in values.items()
+                               if v is not None and math.isfinite(v)])
+
+    def _write(self, call, new: bool = False):
+        """call(writer) on rank 0's event writer (new: call makes it). Event files are a view of the run: ones that
+        cannot be written (a full disk, the folder removed) cost themselves, not the run: said once."""
+        if self.writer is None and not new:
+            return None
+        try:
+            return call(self.writer)
+        except OSError as e:
+            writer, self.writer = self.writer, None
+            self.print(f"warning: could not write TensorBoard events to {self.tb_dir} ({e.strerror or e}): the run "
+                       f"goes on without them, the console lines go on")
+            with contextlib.suppress(Exception):
+                writer and writer.close()
+
+
+def _quiet_writer_thread(args, then) -> None:
+    """threading.excepthook: tensorboard's writer thread re-raises a failed write (Python prints its traceback)."""
+    if type(args.thread).__name__ != "_AsyncWriterThread" or not issubclass(args.exc_type, OSError):
+        then(args)     # Monitor._write meets it at the next call, in one line
 
 
 # ----------------------------------------------------------------------------- curves
@@ -474,12 +488,11 @@ EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restart
 
 
 class Watchdog:
-    """A hung run ends with every thread's stack and exit status EXIT_HUNG instead of waiting
-    forever (a crash restarts from the newest checkpoint; a rank stuck in a collective never exits,
-    and xla's device collectives have no timeout): once no step_done() came for factor x the median
-    step time (at least min_s; startup_s before the first steps and in a phase()). A faulthandler
-    timer at twice the limit is the backstop if C code holds the GIL. Per step: a median of 100
-    numbers, nothing that grows with the ranks. factor 0: every call does nothing."""
+    """A hung run ends with every thread's stack and exit status EXIT_HUNG instead of waiting forever (a crash restarts
+    from the newest checkpoint; a rank stuck in a collective never exits, and xla's device collectives have no
+    timeout): once no step_done() came for factor x the median step time (at least min_s; startup_s before the first
+    steps and in a phase()). A faulthandler timer at twice the limit is the backstop if C code holds the GIL. Per
+    step: a median of 100 numbers, nothing that grows with the ranks. factor 0: every call does nothing."""
 
     def __init__(self, rank: int, factor: float, min_s: float, startup_s: float, out=None):
         self.rank, self.factor, self.min_s, self.startup_s = rank, factor, min_s, startup_s

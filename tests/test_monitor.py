@@ -507,3 +507,42 @@ def test_evaluation_and_saves_are_off_the_clock(monkeypatch):
                 now[0] += 30.0
     rates = [part for line in lines for part in line.split(" | ") if part.endswith("tok/s")]
     assert rates == ["1,000 tok/s"] * 3, lines
+
+
+@pytest.mark.parametrize("how", ["full", "removed"])
+def test_an_event_folder_that_cannot_be_written_costs_the_events_not_the_run(tmp_path, capfd, monkeypatch, how):
+    """TensorBoard is a view of the run: a disk that fills up under the event files (an 8 KiB tmpfs,
+    a simulated ENOSPC where mounting is not allowed) or a folder removed while the run goes on is one
+    warning naming the folder and why, then the console lines alone. Was: tensorboard's writer
+    thread printed its OSError's traceback and the next add_scalar raised it again, ending the run
+    at the next log line with a traceback (a checkpoint interval's steps lost, and a restart failing
+    again at once)."""
+    import shutil
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = how == "full" and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)],
+                                               capture_output=True).returncode == 0
+    cfg, lines = small_cfg(small, interval=1), []
+    mon = Monitor(cfg, 1e6, 1e12, print_fn=lines.append)
+    try:
+        for s in range(1, 41):
+            if s == 5 and how == "removed":
+                shutil.rmtree(small / "tb")
+            if s == 5 and how == "full" and not mounted:
+                from tensorboard.compat.tensorflow_stub.io import gfile
+
+                def full(*a, **k):
+                    raise OSError(28, "No space left on device")
+                monkeypatch.setattr(gfile.LocalFileSystem, "_write", full)      # the writer's way to the disk
+            mon.step(s, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=64)
+        mon.eval(40, torch.tensor(2.0))
+        mon.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)])
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, out + err
+    assert len([x for x in lines if x.startswith("step ")]) == 41, lines       # every step and the evaluation
+    warned = [x for x in lines if "TensorBoard" in x]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: could not write TensorBoard events to {small / 'tb'}"), lines
+    assert ("No space left" if how == "full" else "No such file") in warned[0], warned
