@@ -136,6 +136,8 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch, defer):
     assert loaded.data == {"epoch": 1, "pos": 17, "buffer": [3, 1, 4, 1, 5]}
     assert loaded.meta["config"]["model"]["dim"] == 32 and loaded.meta["layout"]["tp"] == 1
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000002"
+    # the rank's staging folder (.tmp-rank00000/) is gone once its files are renamed in: nothing left behind
+    assert not [p.name for p in (tmp_path / "ckpt" / "step_00000002").iterdir() if p.name.startswith(".")]
     # Every RNG stream continues exactly where it was at save time.
     checkpoint.set_rng_state(loaded.rng)
     again = (random.random(), np.random.rand(), torch.rand(3))
