@@ -542,20 +542,29 @@ def guarded_step(optimizer: AdamW, verdict) -> bool | torch.Tensor:
 # ----------------------------------------------------------------------------- construction
 
 def check_rounding(precision: str, device: torch.device) -> None:
-    """bf16_sr on XLA leaves the rounding to the device (build_optimizer: no software SR there). Where the
-    device would round to nearest, the run would be plain bf16 (the mode the blog saw fall behind) under
-    bf16_sr's name: refused before any work. The Neuron runtime rounds stochastically only with
-    NEURON_RT_STOCHASTIC_ROUNDING_EN=1, its default only under the deprecated XLA_USE_BF16 /
-    XLA_DOWNCAST_BF16 (Neuron's torch-xla migration guide); XLA:CPU never does."""
+    """How the device rounds to bf16, checked before any work. torch-xla's deprecated XLA_USE_BF16 /
+    XLA_DOWNCAST_BF16 (NxD's examples still export them) keep every fp32 tensor in bf16 on the device: the
+    fp32 weights, master, moments and update of every mode (tracebacks followed: the HLO verifier's, the
+    dtype check's). bf16_sr on XLA leaves the rounding to the device (build_optimizer: no software SR
+    there); where it would round to nearest, the run would be plain bf16 (the mode the blog saw fall
+    behind) under bf16_sr's name. The Neuron runtime rounds stochastically only with
+    NEURON_RT_STOCHASTIC_ROUNDING_EN=1 (its default only under those two: Neuron's torch-xla migration
+    guide); XLA:CPU never does."""
     env = os.environ
-    if precision != "bf16_sr" or device.type != "xla":
+    if device.type != "xla":
+        return
+    for var in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
+        if env.get(var, "0").strip().lower() not in ("0", "false", ""):
+            raise ConfigError(f"{var}={env[var]} (deprecated) makes torch-xla keep every fp32 tensor in bf16, "
+                              f"the fp32 state of --optim.precision={precision} included: unset it; "
+                              f"--optim.precision chooses the dtypes (bf16_sr: bf16 with stochastic rounding)")
+    if precision != "bf16_sr":
         return
     if env.get("PJRT_DEVICE", "").upper() != "NEURON":
         raise ConfigError(f"--optim.precision=bf16_sr on PJRT_DEVICE={env.get('PJRT_DEVICE', '')}: only Trainium "
                           f"rounds stochastically on XLA (in hardware); use --optim.precision=bf16, or --device=cpu "
                           f"or cuda, where optim.py rounds in software")
-    default = "1" if "XLA_USE_BF16" in env or "XLA_DOWNCAST_BF16" in env else "0"
-    if env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN", default) != "1":
+    if env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") != "1":
         raise ConfigError("--optim.precision=bf16_sr: the Neuron runtime rounds to nearest unless "
                           "NEURON_RT_STOCHASTIC_ROUNDING_EN=1 (scripts/env.sh exports it for bf16_sr, and "
                           "scripts/launch.sh sources env.sh): launch with launch.sh, or export it; "

@@ -1043,3 +1043,18 @@ def test_bf16_sr_where_nothing_rounds_stochastically_is_one_line(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.startswith("error: --optim.precision=bf16_sr") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--optim.precision=bf16" in r.stderr and not os.listdir(tmp_path), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("var,precision", [("XLA_USE_BF16", "fp32"), ("XLA_DOWNCAST_BF16", "mixed")])
+def test_torch_xlas_deprecated_bf16_variables_are_one_line(tmp_path, var, precision):
+    """XLA_USE_BF16 / XLA_DOWNCAST_BF16 (deprecated; NxD's examples still export them) make torch-xla keep every
+    fp32 tensor in bf16 on the device: the fp32 weights, master copy, moments and update of --optim.precision.
+    Were tracebacks: fp32 after the checkpoint directory's claim (the HLO verifier: 'Seen floating point types
+    of different precisions'), mixed from optim's dtype check ('embed.weight is torch.float32')."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o", "--device=xla",
+                        f"--optim.precision={precision}", "--steps=1"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU", var: "1"})
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-3000:]
+    assert f"{var}=1" in lines[0] and "--optim.precision" in lines[0] and not os.listdir(tmp_path), r.stderr

@@ -225,7 +225,8 @@ def test_bf16_sr_on_trainium_needs_the_runtimes_stochastic_rounding(monkeypatch)
     """On XLA the optimizer leaves bf16_sr's rounding to the device (software_sr off). The Neuron runtime
     rounds to nearest unless NEURON_RT_STOCHASTIC_ROUNDING_EN=1 (on by default only with the deprecated
     XLA_USE_BF16 / XLA_DOWNCAST_BF16: Neuron's torch-xla migration guide): a direct torchrun without
-    scripts/env.sh trained plain bf16 under the name bf16_sr. Refused before any work, with the fix."""
+    scripts/env.sh trained plain bf16 under the name bf16_sr. Those two keep every fp32 tensor in bf16 on
+    the device (tracebacks followed): refused in every mode. Each before any work, with the fix."""
     xla = torch.device("xla")
     for k in ("NEURON_RT_STOCHASTIC_ROUNDING_EN", "XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
         monkeypatch.delenv(k, raising=False)
@@ -235,17 +236,22 @@ def test_bf16_sr_on_trainium_needs_the_runtimes_stochastic_rounding(monkeypatch)
     for precision in ("fp32", "mixed", "bf16"):          # nothing to round stochastically
         optim.check_rounding(precision, xla)
     optim.check_rounding("bf16_sr", torch.device("cpu"))   # software rounding (optim.stochastic_round_)
-    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")           # the runtime's default turns on with it
-    optim.check_rounding("bf16_sr", xla)
-    monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "0")      # ... unless turned off
+    monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "0")      # what scripts/env.sh exports for the others
     with pytest.raises(configs.ConfigError, match="NEURON_RT_STOCHASTIC_ROUNDING_EN=1"):
         optim.check_rounding("bf16_sr", xla)
-    monkeypatch.delenv("XLA_DOWNCAST_BF16")
     monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")      # what scripts/env.sh exports for bf16_sr
     optim.check_rounding("bf16_sr", xla)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")                # XLA:CPU has no stochastic rounding at all
     with pytest.raises(configs.ConfigError, match="PJRT_DEVICE=CPU"):
         optim.check_rounding("bf16_sr", xla)
+    for var in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):     # every fp32 tensor bf16 on the device: refused on XLA
+        monkeypatch.setenv(var, "1")
+        for precision in optim.PRECISIONS:
+            with pytest.raises(configs.ConfigError, match=f"{var}=1"):
+                optim.check_rounding(precision, xla)
+        optim.check_rounding("fp32", torch.device("cpu"))   # torch-xla's variable: nothing to CPU or CUDA
+        monkeypatch.setenv(var, "0")
+        optim.check_rounding("fp32", xla)
 
 
 def test_state_dict_roundtrip_and_mismatch_errors():
