@@ -241,6 +241,10 @@ def test_bf16_sr_on_trainium_needs_the_runtimes_stochastic_rounding(monkeypatch)
         optim.check_rounding("bf16_sr", xla)
     monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")      # what scripts/env.sh exports for bf16_sr
     optim.check_rounding("bf16_sr", xla)
+    with pytest.raises(configs.ConfigError, match="--optim.precision=bf16 rounds to nearest"):
+        optim.check_rounding("bf16", xla)        # would be bf16_sr under bf16's name: the study's other arm
+    for precision in ("fp32", "mixed"):          # HLAT's 70B ran mixed with it (its scripts export it)
+        optim.check_rounding(precision, xla)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")                # XLA:CPU has no stochastic rounding at all
     with pytest.raises(configs.ConfigError, match="PJRT_DEVICE=CPU"):
         optim.check_rounding("bf16_sr", xla)
