@@ -344,6 +344,10 @@ class Checkpointer:
                 where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
                 self.dir.point_latest(d)
             parallel.barrier(self.grid)
+        elif d is not None and self.grid.rank == 0:     # stale after a kill between a manifest and its `latest`,
+            latest = self.root / "latest"               # or a newest folder deleted by hand: named until a save
+            if not latest.is_file() or latest.read_text(errors="replace").strip() != d.name:
+                self.dir.write_latest(d)
         kept = lambda x: f" (kept as {where[x].name})" if x in where else ""
         if loaded is None:
             self.warn(f"no complete checkpoint in {self.root}: " + "; ".join(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import zlib
 from pathlib import Path
@@ -208,6 +209,26 @@ def test_interrupted_saves_are_set_aside_and_kept_after_the_next_good_save(tmp_p
     ck.close()
     (aside,) = tmp_path.glob("step_00000005.incomplete*")
     assert tree(aside) == before
+
+
+@pytest.mark.parametrize("how", ["killed before latest", "newest deleted by hand", "latest missing"])
+def test_a_resume_points_a_stale_latest_at_the_checkpoint_it_resumes(tmp_path, how):
+    """`latest` names the checkpoint a run resumes from. A kill between a step's manifest and its `latest`
+    left `latest` naming the step before, and a newest folder deleted by hand left it naming nothing; a
+    resume (or a rerun of a finished run) kept it so until the next save, forever after the last one."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 1, 2)
+    if how == "killed before latest":
+        (tmp_path / "latest").write_text("step_00000001")
+    elif how == "newest deleted by hand":
+        save(cfg, 3)
+        shutil.rmtree(tmp_path / "step_00000003")
+    else:
+        (tmp_path / "latest").unlink()
+    ck = start(cfg)
+    assert ck.load_latest().step == 2
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "step_00000002"
 
 
 def test_a_resume_on_the_full_disk_that_interrupted_a_save_goes_on_without_latest(tmp_path, capsys, monkeypatch):
