@@ -121,6 +121,15 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch, defer, preci
     # The writer thread waits at a gate until training has changed everything it was given.
     gate, write_file = threading.Event(), ckptsave.write_file
     monkeypatch.setattr(ckptsave, "write_file", lambda *a, **k: (gate.wait(60), write_file(*a, **k))[1])
+    # The deferred copy starts late (a busy host): before_update() must wait for it, or the update lands in the save.
+    copy, late = ckptsave.Writer._copy, threading.Event()
+
+    def late_copy(writer, *args):
+        if threading.current_thread() is writer._thread and not late.is_set():
+            time.sleep(1)
+            late.set()
+        return copy(writer, *args)
+    monkeypatch.setattr(ckptsave.Writer, "_copy", late_copy)
     ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128}, defer_copy=defer)
     assert ck.in_flight and not (tmp_path / "ckpt" / "step_00000002" / "rank00000.done").exists()
     ck.before_update()
