@@ -133,6 +133,7 @@ def test_async_save_then_load_equals(tmp_path, capsys, monkeypatch, defer, preci
     ck.save(2, model.state_dict(), opt.state_dict(), data=data, extra={"tokens_seen": 128}, defer_copy=defer)
     assert ck.in_flight and not (tmp_path / "ckpt" / "step_00000002" / "rank00000.done").exists()
     ck.before_update()
+    assert ck.in_flight         # before_update() waited for the copy only: the write is still held at the gate
     random_step(model, opt, seed=99)
     data["buffer"].append(9)
     draws = (random.random(), np.random.rand(), torch.rand(3))
