@@ -238,7 +238,7 @@ class SafetensorsFolder:
             self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
         except Exception as e:          # safetensors' own error type: a truncated or foreign file
             if bad := [n for n in files if not os.access(os.path.join(folder, n), os.R_OK)]:    # it says "No such file"
-                raise HFError(f"{os.path.join(folder, bad[0])} is not readable by this user: fix its permissions")
+                raise HFError(f"{os.path.join(folder, bad[0])} is not readable by this user: fix its permissions") from None
             raise HFError(f"{folder}: cannot read its weights ({e}); re-download them or give another "
                           f"--init_from") from None
         self.where = {k: f for f in self.files.values() for k in f.keys()}

@@ -605,7 +605,8 @@ def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp
     """--init_from another user's folder (mode 0700) was a PermissionError traceback in hf.read_config (it lists the
     folder for nanotrn checkpoints once config.json seems missing); a model.safetensors of mode 0000 was 'cannot read
     its weights (No such file or directory: ...); re-download them' (safetensors' words). Each is one line naming the
-    fix before any work, as a plain user (root's bypass of permissions dropped: conftest.as_plain_user)."""
+    fix before any work, as a plain user (root's bypass of permissions dropped: conftest.as_plain_user); the HFError
+    does not chain safetensors' error for a Python caller."""
     from conftest import as_plain_user
     other, unread = tmp_path / "other", tmp_path / "unread"
     shutil.copytree(W / "run" / "hf", other)
@@ -617,13 +618,16 @@ def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp
     calls = [[a.replace("{W}", str(W)).replace("{t}", f"{tmp_path}/{d.name}-run") for a in TI(f"--init_from={d}")[1]]
              for d in (other, unread)]
     script = (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport train\nfor argv in {calls!r}:\n    try:\n"
-              f"        train.cli(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
+              f"        train.cli(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n"
+              f"import hf\ntry:\n    hf.SafetensorsFolder({str(unread)!r})\nexcept hf.HFError as e:\n"
+              f"    print('chained', None if e.__suppress_context__ else repr(e.__context__), file=sys.stderr)\n")
     r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
     assert said == [f"exit error: {other} cannot be read by this user: fix its permissions, or copy the model to your own",
                     f"exit error: {unread}/model.safetensors is not readable by this user: fix its permissions"], r.stderr
     assert not any((tmp_path / f"{d}-run").exists() for d in ("other", "unread")), "work started"
+    assert "chained None" in r.stderr, r.stderr     # a Python caller sees our line, not safetensors' error under it
 
 
 @pytest.mark.parametrize("source", ["nope.txt", "fifo.txt", "table.csv", "emptydir"])
