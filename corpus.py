@@ -423,6 +423,10 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
                 train_tokenizer(corpus, cfg.val_fraction, vocab_size, path, flags)
         tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
+        if wanted and tid < 0 and (said := getattr(tok, "named", {}).get(name)):    # two files that disagree
+            raise DataError(f"{os.path.join(os.path.dirname(tok.path), 'tokenizer_config.json')} names {name}_token "
+                            f"{said!r}, which {tok.path} does not have: make the two agree (one model's pair), "
+                            f"or set --data.{name}=false")
         if wanted and tid < 0:
             raise DataError(f"tokenizer {tok.path} has no {name.upper()} piece; set --data.{name}=false")
     if isinstance(tok, Tokenizer):      # the run ends with a Hugging Face export: refused now, not then

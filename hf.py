@@ -373,9 +373,9 @@ class HFTokenizer:
             self.config = e
         if not isinstance(self.config, dict):
             raise HFError(f"{conf_path} is not a JSON object ({str(self.config):.80}): re-download it, or remove it")
-        bos, eos = _token_text(self.config.get("bos_token")), _token_text(self.config.get("eos_token"))
-        self.bos_id, self.eos_id = self._id(bos), self._id(eos)
-        if bos is None:        # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")
+        self.named = {k: _token_text(self.config.get(f"{k}_token")) for k in ("bos", "eos")}   # tokenizer_config's
+        self.bos_id, self.eos_id = self._id(self.named["bos"]), self._id(self.named["eos"])
+        if self.named["bos"] is None:      # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")
             self.bos_id = (self.tk.encode("", add_special_tokens=True).ids or [-1])[0]
         self.fingerprint = hashlib.sha256(Path(file).read_bytes()).hexdigest()[:16]
 

@@ -299,6 +299,26 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         data.load_tokenizer(str(tmp_path / "b"))
 
 
+@pytest.mark.parametrize("name", ["bos", "eos"])
+def test_a_tokenizer_config_token_that_tokenizer_json_lacks_names_both_files(tmp_path, name):
+    """tokenizer_config.json naming a bos_token / eos_token that tokenizer.json does not have (another model's
+    config beside it) said only 'tokenizer.json has no BOS piece; set --data.bos=false': now it names the token,
+    both files and the fix. A tokenizer.json with no such token and nothing named keeps the short line."""
+    import data
+    from configs import DataConfig
+    n = llama3_tokenizer(tmp_path)
+    named = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", f"{name}_token": {"content": "<s>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(named))
+    with pytest.raises(data.DataError) as e:
+        data.build_tokenizer(DataConfig(tokenizer=str(tmp_path)), n)
+    assert str(e.value) == (f"{tmp_path}/tokenizer_config.json names {name}_token '<s>', which {tmp_path}/tokenizer.json "
+                            f"does not have: make the two agree (one model's pair), or set --data.{name}=false")
+    data.build_tokenizer(DataConfig(tokenizer=str(tmp_path), **{name: False}), n)      # the fix it names
+    (tmp_path / "tokenizer_config.json").unlink()     # no EOS named, none known: the short line
+    with pytest.raises(data.DataError, match="tokenizer.json has no EOS piece; set --data.eos=false"):
+        data.build_tokenizer(DataConfig(tokenizer=str(tmp_path)), n)
+
+
 def test_tokenizer_json_without_a_bos_processor_exports_the_runs_bos(tmp_path):
     """A tokenizer.json whose post-processor puts no BOS first (GPT-NeoX's kind: a ByteLevel one, or
     none) while tokenizer_config.json names a bos_token: training starts every document with that
