@@ -162,6 +162,17 @@ def other_tokenizer(root: Path, kept: str, given: str, resuming: bool) -> str:
             f"replaced): move that folder out of the checkpoint directory, or give another --ckpt.dir")
 
 
+def reload_from_host(model: torch.nn.Module, optimizer, device) -> None:
+    """The pre-compile pass's stand-in for a resume's load (train.py; no checkpoint is read): the weights
+    and the optimizer state put back from host copies, as a resume's are. With the state alone, the
+    next update was a graph no real run has (the slots' views re-made on weights that updates wrote
+    through): one more neuronx-cc compile of the update graph in the pass (tests/test_xla.py)."""
+    params = list(model.parameters())
+    for p, t in zip(params, parallel.to_device(to_host([p.detach() for p in params]), device)):
+        p.data = t
+    optimizer.load_state_dict(to_host(optimizer.state_dict()))
+
+
 def agree(grid: Grid, value: int) -> int:
     """The smallest value any rank holds, so that all ranks fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():

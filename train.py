@@ -470,11 +470,11 @@ def run(argv: list[str]) -> None:
                             ". Raise the grace period (--ckpt.grace_s and the launcher's: docs/checkpoints.md) "
                             "or save more often")
                     if compile_only and not reloaded:
-                        # A resume's load graph without a checkpoint: the optimizer state loaded back
-                        # from host copies, as load_latest's is. Measured on XLA:CPU (tests/test_xla.py):
+                        # A resume's load graph without a checkpoint: the weights and optimizer state loaded
+                        # back from host copies, as load_latest's are. Measured on XLA:CPU (tests/test_xla.py):
                         # after this pass a resume compiles nothing; without it, its load graph.
                         # (NxD's examples skip the load here and leave that graph to the real run.)
-                        optimizer.load_state_dict(checkpoint.to_host(optimizer.state_dict()))
+                        checkpoint.reload_from_host(model, optimizer, device)
                         sync(device)
                         reloaded = True
             ckpt.check()                                # a failed save (full disk) stops the run now
