@@ -256,8 +256,7 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         arg = args[i]
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --model.n_layers=4")
-        body = arg[2:]
-        if "=" in body:
+        if "=" in (body := arg[2:]):
             key, text = body.split("=", 1)
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):
             key, text = body, args[i + 1]
@@ -280,8 +279,7 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         setattr(holder, f.name, value)
         given.add(key)
         i += 1
-    # --out_dir places the checkpoints and TensorBoard files under it unless they are set too:
-    # otherwise --out_dir=run2 would silently resume the previous run from out/ckpt.
+    # --out_dir places the checkpoints and TensorBoard files under it unless set too: else --out_dir=run2 resumes out/ckpt.
     if "out_dir" in given and "ckpt.dir" not in given:
         cfg.ckpt.dir = f"{cfg.out_dir.rstrip('/')}/ckpt"
     if "out_dir" in given and "log.tensorboard" not in given and cfg.log.tensorboard:
@@ -532,6 +530,8 @@ def check_dir(key: str, path: str) -> None:
     parent = os.path.abspath(path)
     while not os.path.lexists(parent):         # the nearest existing ancestor is what gets written
         parent = os.path.dirname(parent)
+    if parent != os.path.abspath(path) and os.path.isdir(parent) and not os.access(parent, os.X_OK):   # lexists: EACCES
+        raise ConfigError(f"--{key}={path!r}: {parent} is a folder this user cannot search: fix its permissions (x for this user), or give another path")
     if (kind := path_kind(path)) not in ("nothing", "a directory") and (os.path.isdir(parent) or parent == os.path.abspath(path)):
         raise ConfigError(f"--{key}={path!r} is {kind}, not a directory; remove it or give another path")  # (under a file: below)
     if not os.path.isdir(parent):

@@ -193,6 +193,24 @@ def test_a_read_only_mount_is_named_not_the_users_rights(tmp_path):
     configs.check_dir("ckpt.dir", str(ro / "ckpt"))         # the folder under it is writable again
 
 
+def test_a_path_under_a_folder_this_user_cannot_search_names_the_folder(tmp_path):
+    """--out_dir (any output folder) under another user's folder of mode 0700: its stat fails with EACCES, and the
+    refusal said "is unreadable (Permission denied), not a directory; remove it", which no one can do there. It names
+    the folder that cannot be searched and the fix, as a plain user (root's bypass dropped: conftest.as_plain_user)."""
+    from conftest import as_plain_user
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:
+        os.chown(locked, 65534, -1)          # nobody's; a plain user's own folder of mode 0600 stands in for it
+    locked.chmod(0o700 if os.geteuid() == 0 else 0o600)
+    script = (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport configs\nfor p in ('run', 'run/a/b'):\n    try:\n"
+              f"        configs.check_dir('out_dir', {str(locked)!r} + '/' + p)\n"
+              f"    except configs.ConfigError as e:\n        print(e)\n")
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines() == [f"--out_dir='{locked}/{p}': {locked} is a folder this user cannot search: fix its "
+                                     f"permissions (x for this user), or give another path" for p in ("run", "run/a/b")], r
+
+
 def test_the_readmes_training_commands_start_without_a_warning():
     """Each `python train.py ...` and `make train ARGS="..."` of README.md is valid and says no warning at start: a new
     user's first commands (`--steps=100` cut the tiny preset's 280-step cosine at 80: 'lr schedule does not end ...').
