@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -385,6 +386,21 @@ def test_a_write_failing_inside_torch_save_is_named_by_its_cause(tmp_path, monke
     assert says in str(e.value) and "enforce fail" not in str(e.value), str(e.value)
     assert "writing the checkpoint of step 1" in str(e.value) or code == errno.EIO, str(e.value)
     assert not (tmp_path / "ck" / "step_00000001" / ".tmp-rank00000").exists()
+
+
+def test_a_write_error_of_another_errno_on_a_disk_without_room_is_named_disk_full(tmp_path, monkeypatch):
+    """A full disk does not always say ENOSPC (an NFS server's EIO, EFBIG): with less free space than the
+    rank's part needs, the failed save is still named a full disk, with the free space and the fix."""
+    def fails(*a, **k):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(ckptsave, "write_file", fails)
+    ck = checkpoint.Checkpointer(configs.from_args([f"--ckpt.dir={tmp_path}/ck", "--ckpt.async_save=false"]))
+    ck.claim()
+    monkeypatch.setattr(ckptsave.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
+    with pytest.raises(checkpoint.CheckpointError, match="disk full: no space left on the device of") as e:
+        ck.save(1, {"w": torch.ones(4096)}, {"m": torch.zeros(4)}, data={"pos": 1})
+    ck.close()
+    assert "0.0 MiB were free" in str(e.value), str(e.value)
 
 
 def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypatch):
