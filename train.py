@@ -166,13 +166,12 @@ PEER_STOPPED = 75                   # EX_TEMPFAIL: stopped with a checkpoint bec
 
 
 class StopSignal:
-    """SIGTERM (what SLURM, Kubernetes and torchrun send before they kill), SIGUSR1 (the early
-    warning scripts/slurm_train.sbatch asks for) and SIGINT end the run at the next step boundary
-    with a checkpoint of that step, inside the launcher's grace period (stop_budget). Ranks agree
-    at every boundary with one blocking MAX all-reduce over the host group, so all stop after the
-    same step; one read a boundary later would stop a step late (10 s at 7B on 128 nodes, a third
-    of a 30 s grace period). At 4096 ranks that 4-byte gloo ring is ~8,000 hops, 0.1-0.2 s of host
-    time a step, hidden while the device runs ahead (gloo here: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks)."""
+    """SIGTERM (what SLURM, Kubernetes and torchrun send first), SIGUSR1 (the early warning scripts/slurm_train.sbatch
+    asks for) and SIGINT end the run at the next step boundary with a checkpoint of that step, inside the launcher's
+    grace period (stop_budget). Ranks agree at every boundary with one blocking MAX all-reduce over the host group, so
+    all stop after the same step; one read a boundary later would stop a step late (10 s at 7B on 128 nodes, a third of
+    a 30 s grace period). At 4096 ranks that 4-byte gloo ring is ~8,000 hops, 0.1-0.2 s of host time a step, hidden
+    while the device runs ahead (gloo here: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -186,8 +185,9 @@ class StopSignal:
         if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent
             # `during`: the step this signal counts for: the next boundary's agreement includes it
             self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
-            what = f"step {self.during}: stopping after it with a checkpoint" if self.during else "the set-up: stopping"
-            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} during {what} (SIGKILL aborts at once)",
+            what = ("after the last step: the run is ending" if self.during < 0 else "during the set-up: stopping"
+                    if not self.during else f"during step {self.during}: stopping after it with a checkpoint")
+            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} {what} (SIGKILL aborts at once)",
                   file=sys.stderr, flush=True)
 
     def requested(self, step: int) -> str | None:
@@ -340,10 +340,9 @@ def run(argv: list[str]) -> None:
             f"tp {grid.tp} x pp {grid.pp} x dp {grid.dp}, {accum} microbatches of {cfg.data.micro_batch}")
         checkpoint.seed_all(cfg.seed)
 
-        # Data. The span index first (one file per corpus, built once, memory-mapped): the size check
-        # needs only bytes, so a corpus too small for one global batch is refused before a tokenizer
-        # is trained (at first use, cached; one process trains, the others wait). Every TP/PP rank
-        # of a DP replica reads the same batches.
+        # Data. The span index first (one file per corpus, built once, memory-mapped): the size check needs only
+        # bytes, so a corpus too small for one global batch is refused before a tokenizer is trained (at first use,
+        # cached; one process trains, the others wait). Every TP/PP rank of a DP replica reads the same batches.
         d = cfg.data
         corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
@@ -478,6 +477,7 @@ def run(argv: list[str]) -> None:
                         sync(device)
                         reloaded = True
             ckpt.check()                                # a failed save (full disk) stops the run now
+        stop.during = -1                     # no step to come: a signal now (the export, the sample) is told so
         mon.flush()
         if said:                             # the run's totals of what was said along the way
             totals = data_warnings(batches.stats(), grid)

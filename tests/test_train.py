@@ -240,6 +240,25 @@ def test_a_signal_in_the_set_up_stops_the_run_before_its_first_step(tmp_path, ca
     assert [n for n in os.listdir(f"{tmp_path}/out/ckpt") if n.startswith("step_")] == ["step_00000002"]
 
 
+def test_a_signal_after_the_last_step_is_not_told_as_a_step_to_come(tmp_path, capsys, monkeypatch):
+    """SIGTERM / Ctrl-C once the last step is done (its save, the export, the sample): it said "SIGINT during step 13:
+    stopping after it with a checkpoint" in a 12-step run, a step that never comes, while the run finished its
+    export and sample and exited 0 (15 s here). Now it says the run is ending; the export is written whole."""
+    import signal
+    import train
+    export = train.hf.save_hf
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return export(*a, **k)
+    monkeypatch.setattr(train.hf, "save_hf", signalled)
+    train.main([*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+                "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", "--log.sample_tokens=0", cache_arg()])
+    out, err = capsys.readouterr()
+    assert "SIGTERM after the last step: the run is ending" in err and "during step" not in err, err
+    assert "saved the final model" in out and os.path.isfile(f"{tmp_path}/out/hf/model.safetensors"), out
+
+
 def test_a_finished_runs_command_again_says_so_and_redoes_nothing(tmp_path, capsys):
     """The command of a finished run, run again: one line says the run is complete and where its model is; no step,
     and the export the user has is not written again (nor the sample drawn); an export that is missing is written."""
