@@ -688,6 +688,13 @@ def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     want = opt.state_dict()
     assert_state_equal(want["state"], loaded.optim["state"])
     assert loaded.optim["step"] == want["step"] == 3
+    # The same TP degree at another layout (ZeRO-1 turned on at a resume): the state is rebuilt per parameter,
+    # and TP rank 1 takes its own shard's moments, not TP rank 0's
+    layout = loaded.meta["layout"]
+    state = reshard._read_optim(loaded.path, layout, {**layout, "zero1": True}, parallel.Grid(tp=2, tp_rank=1),
+                                cfg.model)["state"]
+    for key, t in want["state"].items():
+        assert torch.equal(state[key], sharding.cut(key.rsplit(".", 1)[0], t, cfg.model, 2, 1)), key
 
     # Export the TP=2 checkpoint offline; transformers must give our logits.
     transformers = pytest.importorskip("transformers")
