@@ -7,7 +7,6 @@ corpus once and cached.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -22,8 +21,8 @@ import sentencepiece as spm
 
 import prepare
 from configs import DataConfig
-from sources import (COMPRESSED, CachedDocs, ColumnDocs, DataError, FileDocs, LineDocs, decode, give_back_heap,
-                     no_surrogates, resolve_paths)
+from sources import (COMPRESSED, CachedDocs, ColumnDocs, DataError, FileDocs, LineDocs, build_once, decode,
+                     give_back_heap, no_surrogates, resolve_paths)
 from spans import by_hash, held_out, permute
 
 COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.cached): no cheap random access
@@ -415,12 +414,9 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
                                          TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
         path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
-        os.makedirs(cfg.cache_dir, exist_ok=True)
-        # Every process of a launch calls this at once: one trains, the others wait for its file.
-        with open(path + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not os.path.exists(path):
-                train_tokenizer(corpus, cfg.val_fraction, vocab_size, path, flags)
+        # Every process of a launch calls this at once: one trains into FILE.tmp-HOST-PID (its .model and .vocab;
+        # this host's killed trainings' removed first), the others wait for its file.
+        build_once(path, lambda tmp: train_tokenizer(corpus, cfg.val_fraction, vocab_size, tmp, flags))
         tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0 and (said := getattr(tok, "named", {}).get(name)):    # two files that disagree
@@ -463,7 +459,8 @@ def sample_texts(corpus: Corpus, val_fraction: float):
 
 def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str, flags: dict = FLAGS) -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
-    0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node."""
+    0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node.
+    Written to `path` (build_tokenizer: build_once's temporary, renamed into place once complete)."""
     t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
     for text, repl in sample_texts(corpus, val_fraction):
@@ -483,14 +480,13 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
                         f"are invalid UTF-8 (binary or another encoding); convert it to UTF-8 or leave it out")
     print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
           f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
-    tmp = f"{path}.tmp{os.getpid()}"
     # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
     # process at once (the model file is only ever renamed into place).
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type="bpe",
+            sentence_iterator=iter(lines), model_prefix=path, vocab_size=vocab_size, model_type="bpe",
             byte_fallback=True, split_digits=True, normalization_rule_name="identity",
             add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
             character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
@@ -507,11 +503,11 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)
-    os.replace(tmp + ".model", path)                    # atomic: a half-written model never exists
-    os.remove(tmp + ".vocab")
+    os.replace(path + ".model", path)                   # sentencepiece writes PREFIX.model and PREFIX.vocab
+    os.remove(path + ".vocab")
     del lines
     give_back_heap()        # training's freed working memory: glibc kept it, 30-90 MB RssAnon for the whole run
-    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
+    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def _spm_message(e: Exception) -> str:

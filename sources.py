@@ -242,8 +242,8 @@ def build_once(path: str, build) -> None:
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(path):
-            mine = temporary(path, pid="")      # a killed build's (SIGKILL, OOM): with the lock held, no live one here
-            for old in [p for p in glob.glob(glob.escape(mine) + "*") if p[len(mine):].isdigit()]:
+            mine = temporary(path, pid="")      # with the lock held, none is live here: killed ones (PID, PID.model/.vocab)
+            for old in [p for p in glob.glob(glob.escape(mine) + "*") if re.fullmatch(r"\d+(\.[a-z]+)?", p[len(mine):])]:
                 os.remove(old)
             tmp = temporary(path)
             try:

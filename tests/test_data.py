@@ -972,6 +972,30 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
 
 
+def test_a_killed_tokenizer_training_leaves_nothing_this_host_trains_again(files, tok, tmp_path, monkeypatch):
+    """The tokenizer training in --data.cache_dir wrote sentencepiece's FILE.tmpPID.model/.vocab (no host: on a cache
+    several hosts share, a pid means nothing elsewhere), and a killed training's were never removed. It goes through
+    sources.build_once: FILE.tmp-HOST-PID, and this host's killed ones are removed under the build lock; another host's
+    (its training may be running) and other files' stay."""
+    import shutil
+    import socket
+    import corpus
+    cache, host, name = tmp_path / "c", socket.gethostname(), os.path.basename(tok.path)
+    cache.mkdir()
+    left = [f"{name}.tmp-{host}-4242.model", f"{name}.tmp-{host}-4242.vocab", f"{name}.tmp-{host}-4242"]
+    others = [f"{name}.tmp-other-4242.model", f"{name}.tmp-{host}-1-4242.vocab", f"tokenizer-9-x.model.tmp-{host}-1.model",
+              f"{name}.tmp-{host}-1.example-4242.model"]     # host HOST-1.example's
+    for f in left + others:
+        (cache / f).write_bytes(b"half")
+    prefixes, train = [], corpus.spm.SentencePieceTrainer.train
+    monkeypatch.setattr(corpus.spm.SentencePieceTrainer, "train", lambda **kw: (prefixes.append(kw["model_prefix"]),
+                                                                                 train(**kw))[1])
+    again = data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=str(cache), val_fraction=0.1), VOCAB)
+    assert prefixes == [f"{cache}/{name}.tmp-{host}-{os.getpid()}"] and again.fingerprint == tok.fingerprint
+    assert sorted(os.listdir(cache)) == sorted([name, name + ".lock", *others]), "a killed training's files stayed"
+    shutil.rmtree(cache)
+
+
 TRIM = """
 import ctypes, re, sys
 sys.path.insert(0, {root!r})
