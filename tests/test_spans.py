@@ -114,3 +114,19 @@ def test_a_hard_cut_falls_between_characters():
     assert len(bounds) > 10 and max(b - a for a, b in zip(bounds, bounds[1:])) <= 128
     for a, b in zip(bounds, bounds[1:]):
         raw[a:b].decode("utf-8")            # raises inside a character
+
+
+def test_a_document_cut_a_read_block_at_a_time_is_cut_as_a_whole(monkeypatch):
+    """doc_cuts reads a long document a block at a time: its cuts are those of the whole document, wherever the
+    blocks end (a block ending right after a span's last byte cannot yet tell whether that byte's space is clean)."""
+    rng = np.random.default_rng(5)
+    raw = b"".join(b"w" * int(rng.integers(1, 9)) + (b" " if rng.random() < 0.8 else b"\n") for _ in range(700))
+    limit, whole = 128, spans.cut_points(raw, 128)
+
+    class Blocks:
+        def raw_blocks(self, doc, n):
+            for i in range(0, len(raw), n):
+                yield raw[i:i + n], i + n >= len(raw)
+    for n in range(limit // 2, 3 * limit):
+        monkeypatch.setattr(spans, "READ_BYTES", n)
+        assert spans.doc_cuts(Blocks(), 0, limit) == whole, n
