@@ -410,16 +410,18 @@ def test_val_split_with_one_and_three_documents(tok, tmp_path, n_docs):
         data.PackedLoader(cfg(str(tmp_path / "t.jsonl"), seq_len=16, val_fraction=0.0), tok, split="val")
 
 
-def test_mixture_with_a_small_last_source_trains_on_it(tok, tmp_path):
+@pytest.mark.parametrize("words,tail", [(20000, 3), (5000, 1)])
+def test_mixture_with_a_small_last_source_trains_on_it(tok, tmp_path, words, tail):
     """A few documents (held out by their last spans) in a weighted mixture whose last source is smaller
-    than that tail: the tail comes out of a source that can spare it, never the whole of one source."""
+    than that tail, or as large (one span each): the tail comes out of a source that can spare it, never
+    the whole of one source."""
     rng = np.random.default_rng(0)
-    (tmp_path / "big.txt").write_text(" ".join(rng.choice(WORDS[:20], 20000)))
+    (tmp_path / "big.txt").write_text(" ".join(rng.choice(WORDS[:20], words)))
     (tmp_path / "small.txt").write_text("a small source of one span")
     c = cfg(f"{tmp_path / 'big.txt'}:0.7,{tmp_path / 'small.txt'}:0.3", seq_len=16, global_batch=4, val_fraction=0.1)
     train, val = data.PackedLoader(c, tok, prefetch=0), data.PackedLoader(c, tok, split="val", prefetch=0)
     idx = train.index
-    assert not idx.hashed and idx.tail > 1 and idx.groups[1][1] - idx.groups[1][0] == 1
+    assert not idx.hashed and idx.tail == tail and idx.groups[1][1] - idx.groups[1][0] == 1
     assert [d.n for d in train.deals] == [idx.groups[0][1] - idx.tail, 1]      # the big source gave the tail
     va = lane_spans(val, 0, idx.tail)
     assert sorted(va) == list(range(idx.groups[0][1] - idx.tail, idx.groups[0][1])) and idx.is_val(va).all()
