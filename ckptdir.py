@@ -313,9 +313,12 @@ class CkptDir:
         if shut := [p for p in theirs if p.is_dir() and not os.access(p, os.R_OK | os.X_OK)]:   # not "none inside"
             return (f"{shut[0]} cannot be listed by this user, so it cannot be checked, and a save of that step would "
                     f"write into it: fix its permissions, or move it out of the checkpoint directory")
-        if theirs:          # why the first is not: a link (a checkpoint moved elsewhere), a file, or no files of ours
-            why = (f"a link to {os.readlink(theirs[0])}" if theirs[0].is_symlink() else "a file" if not
-                   theirs[0].is_dir() else "no checkpoint files inside")
+        if theirs and theirs[0].is_symlink():      # a checkpoint moved to another disk and linked back
+            return (f"{theirs[0]} is a link (to {os.readlink(theirs[0])}), and a save or prune of that step would act "
+                    f"through it: put the folder itself back in its place (remove the link, then move the folder "
+                    f"there), or move the link out of the checkpoint directory")
+        if theirs:          # why the first is not: a file, or no files of ours
+            why = "a file" if not theirs[0].is_dir() else "no checkpoint files inside"
             return (f"{', '.join(map(str, theirs[:5]))}{' ...' if len(theirs) > 5 else ''} "
                     f"{'is' if len(theirs) == 1 else 'are'} named like a checkpoint but not nanotrn's ("
                     f"{'the first: ' * (len(theirs) > 1)}{why}): a save of that step would write into it or prune "
