@@ -416,7 +416,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
         path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
         # Every process of a launch calls this at once: one trains into FILE.tmp-HOST-PID (its .model and .vocab;
         # this host's killed trainings' removed first), the others wait for its file.
-        build_once(path, lambda tmp: train_tokenizer(corpus, cfg.val_fraction, vocab_size, tmp, flags))
+        build_once(path, lambda tmp: train_tokenizer(corpus, cfg.val_fraction, vocab_size, tmp, flags, shown=path))
         tok = Tokenizer(path, fix=f"a damaged cache file: delete it (rm {path}) and it is trained again")
     for name, wanted, tid in (("bos", cfg.bos, tok.bos_id), ("eos", cfg.eos, tok.eos_id)):
         if wanted and tid < 0 and (said := getattr(tok, "named", {}).get(name)):    # two files that disagree
@@ -457,10 +457,11 @@ def sample_texts(corpus: Corpus, val_fraction: float):
                 yield (text[:text.rfind("\n") + 1 or None] if cut else text), repl
 
 
-def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str, flags: dict = FLAGS) -> None:
+def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str, flags: dict = FLAGS,
+                    shown: str = "") -> None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node.
-    Written to `path` (build_tokenizer: build_once's temporary, renamed into place once complete)."""
+    Written to `path` (build_tokenizer: build_once's temporary, renamed into place as `shown` once complete)."""
     t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
     for text, repl in sample_texts(corpus, val_fraction):
@@ -507,7 +508,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     os.remove(path + ".vocab")
     del lines
     give_back_heap()        # training's freed working memory: glibc kept it, 30-90 MB RssAnon for the whole run
-    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"[data] tokenizer trained in {time.time() - t0:.1f} s -> {shown or path}", file=sys.stderr, flush=True)
 
 
 def _spm_message(e: Exception) -> str:

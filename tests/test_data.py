@@ -974,7 +974,7 @@ def test_tokenizer_trained_exactly_cached_and_deterministic(files, tok, cache, t
     assert data.build_tokenizer(DataConfig(tokenizer=tok.path), VOCAB).fingerprint == tok.fingerprint
 
 
-def test_a_killed_tokenizer_training_leaves_nothing_this_host_trains_again(files, tok, tmp_path, monkeypatch):
+def test_a_killed_tokenizer_training_leaves_nothing_this_host_trains_again(files, tok, tmp_path, monkeypatch, capfd):
     """The tokenizer training in --data.cache_dir wrote sentencepiece's FILE.tmpPID.model/.vocab (no host: on a cache
     several hosts share, a pid means nothing elsewhere), and a killed training's were never removed. It goes through
     sources.build_once: FILE.tmp-HOST-PID, and this host's killed ones are removed under the build lock; another host's
@@ -995,6 +995,8 @@ def test_a_killed_tokenizer_training_leaves_nothing_this_host_trains_again(files
     again = data.build_tokenizer(DataConfig(data=files["txt"], cache_dir=str(cache), val_fraction=0.1), VOCAB)
     assert prefixes == [f"{cache}/{name}.tmp-{host}-{os.getpid()}"] and again.fingerprint == tok.fingerprint
     assert sorted(os.listdir(cache)) == sorted([name, name + ".lock", *others]), "a killed training's files stayed"
+    err = capfd.readouterr().err        # the trained file named where it is, not as its temporary
+    assert "tokenizer trained in" in err and f" -> {cache}/{name}\n" in err, err
     shutil.rmtree(cache)
 
 
