@@ -526,7 +526,7 @@ def run(argv: list[str]) -> None:
                 log("sample:\n" + tok.decode([i for i in sample[0].tolist() if i < tok.vocab_size and i != tok.bos_id]))
     ended = os.getenv("NANOTRN_ENDED_DIR", "")      # launch.sh's: a SIGTERM after the last step is no stop (eks.md)
     if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(ended):
-        open(os.path.join(ended, f"ended.{os.getenv('LOCAL_RANK', '0')}"), "w").close()
+        open(os.path.join(ended, f"ended.{grid.rank}"), "w").close()
     parallel.destroy(grid)
 
 
