@@ -573,12 +573,20 @@ def test_data_tokenizer_names_its_flags_by_itself_and_checks_only_what_it_uses(W
     assert not (tmp_path / "c").exists()
 
 
+def run_as_plain_user(script: str):
+    """`python -c script` as a plain user (root's bypass of permissions dropped: conftest.as_plain_user), which
+    must print no traceback; its result and the 'exit ...' lines the script printed for each SystemExit."""
+    from conftest import as_plain_user
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+
+
 @pytest.mark.slow       # one process (~4 s: torch's import)
 def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
     """--data (train.py, data.py prepare and tokenizer) a folder of mode 0300 as a non-root user: os.walk passed it
     over silently, and the refusal said "'FOLDER' holds no .txt/... files", as if it were empty; `monitor.py plot` of a
     TensorBoard folder of mode 0300 was a PermissionError traceback. Root reads them anyway: root's bypass is dropped."""
-    from conftest import as_plain_user
     corpus, tb = tmp_path / "corpus", tmp_path / "tb"
     shutil.copytree(W / "corpus", corpus)
     tb.mkdir()
@@ -592,9 +600,7 @@ def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
               f"    sys.argv = ['monitor.py', 'plot', *argv]\n    try:\n"
               f"        eval(f)(argv) if f != 'plot' else runpy.run_path({ROOT + '/monitor.py'!r}, run_name='__main__')\n"
               f"    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
-    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in r.stderr, r.stderr
-    said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+    r, said = run_as_plain_user(script)
     assert len(said) == 4, r.stderr
     assert all(f"{corpus} cannot be listed by this user: fix its permissions" in line for line in said[:3]), r.stderr
     assert f"{tb} is not readable by this user (the run's --log.tensorboard)" in said[3], r.stderr
@@ -607,7 +613,6 @@ def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp
     its weights (No such file or directory: ...); re-download them' (safetensors' words). Each is one line naming the
     fix before any work, as a plain user (root's bypass of permissions dropped: conftest.as_plain_user); the HFError
     does not chain safetensors' error for a Python caller."""
-    from conftest import as_plain_user
     other, unread = tmp_path / "other", tmp_path / "unread"
     shutil.copytree(W / "run" / "hf", other)
     shutil.copytree(W / "run" / "hf", unread)
@@ -621,9 +626,7 @@ def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp
               f"        train.cli(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n"
               f"import hf\ntry:\n    hf.SafetensorsFolder({str(unread)!r})\nexcept hf.HFError as e:\n"
               f"    print('chained', None if e.__suppress_context__ else repr(e.__context__), file=sys.stderr)\n")
-    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in r.stderr, r.stderr
-    said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+    r, said = run_as_plain_user(script)
     assert said == [f"exit error: {other} cannot be read by this user: fix its permissions, or copy the model to your own",
                     f"exit error: {unread}/model.safetensors is not readable by this user: fix its permissions"], r.stderr
     assert not any((tmp_path / f"{d}-run").exists() for d in ("other", "unread")), "work started"
