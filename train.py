@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import signal
 if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds, even the stdlib's on a busy host):
-    signal.signal(signal.SIGINT, signal.SIG_DFL)   # end quietly, not with a traceback; main() restores it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # end quietly, not with a traceback; cli() replaces it
 
+import contextlib
 import dataclasses
 import errno
 import filecmp
@@ -185,7 +186,8 @@ class StopSignal:
         if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent
             # `during`: the step this signal counts for: the next boundary's agreement includes it
             self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
-            what = ("after the last step: the run is ending" if self.during < 0 else "during the set-up: stopping"
+            what = ("while this rank ends on an error" if self.during is None else
+                    "after the last step: the run is ending" if self.during < 0 else "during the set-up: stopping"
                     if not self.during else f"during step {self.during}: stopping after it with a checkpoint")
             print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} {what} (SIGKILL aborts at once)",
                   file=sys.stderr, flush=True)
@@ -316,9 +318,8 @@ def run(argv: list[str]) -> None:
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for w in configs.warnings(cfg):
-            print(f"warning: {w}", file=sys.stderr)
+    for w in configs.warnings(cfg) if rank == 0 else []:
+        print(f"warning: {w}", file=sys.stderr)
 
     grid = parallel.init_distributed(cfg, device)
     log = print if grid.is_main else (lambda *a, **k: None)
@@ -326,8 +327,8 @@ def run(argv: list[str]) -> None:
     # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.
     dog = monitor.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
     ckpt = mon = train_loader = val_loader = None
+    stop = StopSignal(grid)
     try:
-        stop = StopSignal(grid)
         # The checkpoint directory: a directory, writable, and this run's alone (a lock), before any
         # work. neuron_parallel_compile's pre-compile pass (scripts/launch.sh compile) runs this same
         # command with NEURON_EXTRACT_GRAPHS_ONLY set: every value is invalid, so it reads and writes
@@ -483,6 +484,7 @@ def run(argv: list[str]) -> None:
             totals = data_warnings(batches.stats(), grid)
             log("data: this run (each counted once) " + ", ".join(f"{k.replace('_', ' ')} {totals[k]:,}" for k in said))
     finally:
+        stop.during = None if sys.exc_info()[1] else stop.during     # a signal from here on is told so (torchrun's)
         try:
             if ckpt is not None:
                 ckpt.peers_lost = peers_lost(sys.exc_info()[1])     # rank 0: not 600 s for a dead rank's marker
@@ -530,23 +532,23 @@ def run(argv: list[str]) -> None:
     parallel.destroy(grid)
 
 
-def main(argv: list[str]) -> None:
-    """run(argv), then the signal handlers put back: train.main in a test or a notebook leaves them to their owner."""
+def main(argv: list[str], keep_signals: bool = False) -> None:
+    """run(argv), then the signal handlers put back (not the command line's, keep_signals: see __main__)."""
     before = {sig: signal.getsignal(sig) for sig in StopSignal.SIGNALS}
     try:
         run(argv)
     finally:
-        if threading.current_thread() is threading.main_thread():     # as StopSignal installs them
+        if threading.current_thread() is threading.main_thread() and not keep_signals:     # as StopSignal installs
             for sig, handler in before.items():
                 if handler is not None:         # None: one set outside Python, which cannot be put back
                     signal.signal(sig, handler)
 
 
-def cli(argv: list[str]) -> None:
+def cli(argv: list[str], keep_signals: bool = False) -> None:
     """The command line: main(), with every error a user can cause one line on stderr."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        main(argv)
+        main(argv, keep_signals)
     except (configs.ConfigError, checkpoint.CheckpointError, data.DataError, monitor.NonFiniteError) as e:
         # Before the process group each rank of a node checked the same input: its first rank says it, the others
         # 30 s later unless torchrun has stopped them (it prints every rank's stderr); after it rank 0, once (say_once).
@@ -572,25 +574,23 @@ def cli(argv: list[str]) -> None:
 
 
 def exit_now(code) -> None:
-    """End the process without the interpreter's finalization, which can abort a rank at random:
-    gloo's C++ threads may still drop a finished collective's last tensor reference, taking the GIL;
-    a thread doing so while the interpreter finalizes gets pthread_exit, and its unwinding through a
-    noexcept frame is std::terminate, SIGABRT (issue 25: one resume in eight; pytorch/pytorch
-    #190489, #179291). Our threads are joined and files closed by now; stdout and stderr flushed here."""
+    """End the process without the interpreter's finalization, which can abort a rank at random: gloo's C++ threads
+    may still drop a finished collective's last tensor reference, taking the GIL; a thread doing so while the
+    interpreter finalizes gets pthread_exit, and its unwinding through a noexcept frame is std::terminate, SIGABRT
+    (issue 25: one resume in eight; pytorch #190489, #179291). Our threads are joined and files closed by now."""
     if isinstance(code, str):                          # sys.exit("error: ...")
         print(code, file=sys.stderr)
         code = 1
-    try:
+    with contextlib.suppress(BrokenPipeError):         # `| head`: the reader left; the rest goes nowhere
         sys.stdout.flush()
-    except BrokenPipeError:                            # `| head`: the reader left; the rest goes nowhere
-        pass
     sys.stderr.flush()
     os._exit(code or 0)
 
 
 if __name__ == "__main__":
     try:
-        cli(sys.argv[1:])
+        # keep_signals: torchrun SIGTERMs all ranks once one died; SIG_DFL put back killed one before its error line
+        cli(sys.argv[1:], keep_signals=True)
         status = 0
     except SystemExit as e:
         status = e.code

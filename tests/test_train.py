@@ -114,6 +114,33 @@ def test_main_in_process_gives_back_the_signal_handlers(tmp_path, monkeypatch):
             signal.signal(sig, handler)
 
 
+
+def test_a_sigterm_while_a_rank_ends_on_an_error_does_not_take_its_error_line(tmp_path):
+    """`python train.py` ending on an error (here NaN gradients, --log.on_nonfinite=stop; in CI a collective failed
+    once rank 1 died) while torchrun's SIGTERM to every rank comes: main() put the default handler back as the error
+    went up to cli, and a SIGTERM then ended the rank silently (exit -15, no error line: CI failed once on
+    test_e2e_torchrun_restarts_by_itself_after_a_rank_dies_mid_save). The SIGTERM is sent here at that very moment:
+    when the error reaches cli (a trace of the real entry point, run as __main__)."""
+    args = [*SMALL, "--optim.max_steps=3", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+            "--log.tensorboard=", "--device=cpu", "--log.on_nonfinite=stop", cache_arg()]
+    script = ("import os, runpy, signal, sys\n"
+              "def trace(frame, event, arg):\n"
+              "    if frame.f_code.co_name != 'cli':\n"
+              "        return None\n"
+              "    def local(frame, event, arg):\n"
+              "        if event == 'exception':                # main() raised into cli: its finally has run\n"
+              "            os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        return None\n"
+              "    return local\n"
+              f"sys.argv = [{ROOT + '/train.py'!r}, *{args!r}]\n"
+              "sys.settrace(trace)\n"
+              f"runpy.run_path({ROOT + '/train.py'!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "2", "NANOTRN_FAULT": "nan:1"})
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "error: step 2: non-finite loss" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "[rank 0] SIGTERM while this rank ends on an error" in r.stderr, r.stderr     # not: stopping after step 2
+
 def test_the_last_step_is_evaluated_once_and_changes_nothing(tmp_path, capsys, monkeypatch):
     """The run's last step is evaluated even when --log.eval_interval does not divide it (a user expects the final
     validation loss, as Megatron's evaluation after training), once when it does, never on a signal's stop (the
