@@ -21,6 +21,7 @@ import time
 import torch
 
 from configs import INSTANCES, Config, path_kind
+import hardware
 import sharding
 
 
@@ -75,7 +76,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflop
     name = str(dtype).replace("torch.", "")
     if configured_tflops > 0:
         return configured_tflops * 1e12, f"stated: --log.peak_tflops={configured_tflops:g}"
-    if device.type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "NEURON":
+    if hardware.trainium(device):
         hw = INSTANCES[instance]
         peak = hw.fp32_flops if dtype == torch.float32 else hw.bf16_flops
         return peak, f"nominal: {instance} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from configs import CHOICES, Config, ConfigError, OptimConfig
+import hardware
 import parallel
 from parallel import Grid
 import sharding
@@ -558,14 +559,14 @@ def check_rounding(precision: str, device: torch.device) -> None:
             raise ConfigError(f"{var}={env[var]} (deprecated) makes torch-xla keep every fp32 tensor in bf16, "
                               f"the fp32 state of --optim.precision={precision} included: unset it; "
                               f"--optim.precision chooses the dtypes (bf16_sr: bf16 with stochastic rounding)")
-    hardware_sr = env.get("PJRT_DEVICE", "").upper() == "NEURON" and env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == "1"
+    hardware_sr = hardware.trainium(device) and env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == "1"
     if precision == "bf16" and hardware_sr:         # bf16_sr under bf16's name (the precision study's other arm)
         raise ConfigError("--optim.precision=bf16 rounds to nearest, but NEURON_RT_STOCHASTIC_ROUNDING_EN=1 makes the "
                           "Neuron runtime round stochastically: use --optim.precision=bf16_sr, or unset it")
     if precision != "bf16_sr":
         return
-    if env.get("PJRT_DEVICE", "").upper() != "NEURON":
-        raise ConfigError(f"--optim.precision=bf16_sr on PJRT_DEVICE={env.get('PJRT_DEVICE', '')}: only Trainium "
+    if not hardware.trainium(device):
+        raise ConfigError(f"--optim.precision=bf16_sr on PJRT_DEVICE={hardware.xla_platform()}: only Trainium "
                           f"rounds stochastically on XLA (in hardware); use --optim.precision=bf16, or --device=cpu "
                           f"or cuda, where optim.py rounds in software")
     if not hardware_sr:

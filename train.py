@@ -30,6 +30,7 @@ import torch
 import checkpoint
 import configs
 import data
+import hardware
 import hf
 import model as llama
 import monitor
@@ -40,29 +41,6 @@ from corpus import check_vocab, mixture_files
 
 
 # ----------------------------------------------------------------------------- device
-
-def pick_device(name: str) -> torch.device:
-    """The run's device, decided here once and passed down: xla when one exists or is asked for, else cuda, else cpu."""
-    # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
-    # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
-    if name == "xla" or (name == "auto" and os.environ.get("PJRT_DEVICE")):
-        try:
-            import torch_xla
-        except ImportError:
-            if name == "xla":
-                raise configs.ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None
-        else:   # a device named but missing is refused, never run on the CPU instead: "No PjRtPlugin
-            try:    # registered for: X", NEURON without its runtime ("No module named 'libneuronxla'"), TPU without libtpu
-                return torch_xla.device()
-            except (RuntimeError, ImportError, OSError) as e:
-                raise configs.ConfigError(f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}: {str(e).split('. ')[0]}; "
-                                          f"use NEURON on Trainium (its venv), CPU for XLA:CPU, or unset it") from None
-    if name in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if name == "cuda":
-        raise configs.ConfigError("--device=cuda but no CUDA device is visible")
-    return torch.device("cpu")
-
 
 def sync(device: torch.device):
     """Cut the lazy graph here and launch it (XLA; elsewhere nothing to do): where the syncs are
@@ -310,7 +288,7 @@ def run(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
     world, rank = parallel.launch_env()  # torchrun's WORLD_SIZE and RANK, checked: read here only
     hf.apply_init_from(cfg, argv, (rank, world))    # --init_from: the model (and tokenizer) of a Hugging Face folder
-    device = pick_device(cfg.device)
+    device = hardware.pick_device(cfg.device)
     configs.validate(cfg, world, parallel.backend_for(device.type))
     optim.check_rounding(cfg.optim.precision, device)   # bf16_sr: the device must round stochastically
     configs.check_paths(cfg)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, check_dir  # noqa: E402  (the repository root, where configs.py and parallel.py live)
+import hardware  # noqa: E402
 from parallel import launch_env, rank_groups  # noqa: E402
 
 OPS = ("all_reduce", "all_gather")
@@ -76,8 +77,7 @@ def setup(backend: str, timeout_s: float):
     launches the graph). host_group is a gloo group for barriers and for gathering the
     results: the xla backend's barrier is a no-op."""
     if backend == "auto":
-        pjrt = os.environ.get("PJRT_DEVICE", "")
-        backend = "xla" if pjrt and pjrt != "CPU" else ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "xla" if not hardware.xla_on_cpu() else ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = timedelta(seconds=timeout_s)
     if backend == "xla":          # trn1: NeuronCores, collectives over NeuronLink and EFA
         import torch_xla
@@ -127,8 +127,8 @@ def check_args(args) -> None:
                        f"world of {world}; give a rank below {world}")
         # As train.py refuses it (parallel.init_distributed): each process was a world of its own, timed
         # nothing between them and said "healthy" ("world 1 = 0 node(s) x 2", once per process).
-        if args.backend == "xla" and world > 1 and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
-            bad.append(f"--backend=xla on XLA:CPU (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'unset')}) has no "
+        if args.backend == "xla" and world > 1 and hardware.xla_on_cpu():
+            bad.append(f"--backend=xla on XLA:CPU (PJRT_DEVICE={hardware.xla_platform() or 'unset'}) has no "
                        f"collectives between processes: run it on Trainium (PJRT_DEVICE=NEURON), or --backend=gloo")
     except ValueError as e:                 # configs.ConfigError
         bad.append(str(e))

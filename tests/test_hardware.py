@@ -1,0 +1,62 @@
+"""hardware.py: "is this Trainium" answered in one place, and the paths that ask it.
+
+PJRT_DEVICE is torch-xla's variable; each test sets it with monkeypatch (in-process torch_xla is
+never imported here: its import sets PJRT_DEVICE for the whole session, see conftest.SESSION_ENV).
+The other askers have their own tests: optim.check_rounding (test_optim's bf16_sr on Trainium),
+hardware.pick_device (test_bad_input's PJRT_DEVICE torch-xla does not know), the health check's
+XLA:CPU refusal (test_scripts)."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configs  # noqa: E402
+import hardware  # noqa: E402
+import monitor  # noqa: E402
+import parallel  # noqa: E402
+
+XLA = torch.device("xla")       # a device type torch knows without torch_xla: nothing runs on it here
+
+
+def test_trainium_is_an_xla_device_on_the_neuron_runtime(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    assert hardware.trainium(XLA) and hardware.trainium("xla") and not hardware.xla_on_cpu()
+    assert not hardware.trainium(torch.device("cpu"))         # the CPU of a Trainium host is not a NeuronCore
+    for pjrt in ("CPU", "TPU", "neuron"):                   # torch-xla refuses "neuron" (pick_device: one line)
+        monkeypatch.setenv("PJRT_DEVICE", pjrt)
+        assert not hardware.trainium(XLA)
+    assert not hardware.xla_on_cpu()                        # neuron: not XLA:CPU either
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert hardware.xla_on_cpu() and hardware.xla_platform() == "CPU"
+    monkeypatch.delenv("PJRT_DEVICE")                       # torch-xla's import would set CPU
+    assert hardware.xla_on_cpu() and hardware.xla_platform() == ""
+
+
+def test_the_mfu_peak_is_the_datasheets_on_trainium_only(monkeypatch):
+    """monitor.device_peak_flops: a NeuronCore's figure from the instance table, not measured; an XLA
+    device elsewhere is measured (not here: that needs torch_xla), as is the CPU."""
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    assert monitor.device_peak_flops(XLA, torch.bfloat16, instance="trn1") == (
+        95e12, "nominal: trn1 datasheet, 95 TFLOPS bfloat16 per NeuronCore")
+    assert monitor.device_peak_flops(XLA, torch.float32, instance="trn2")[0] == 45.25e12
+    shapes = [(64, 64, 64)]
+    assert monitor.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)[1].startswith("measured")
+
+
+@pytest.mark.parametrize("pjrt", ["CPU", None])
+def test_multi_process_xla_off_trainium_is_refused_before_any_group(monkeypatch, pjrt):
+    """parallel.init_distributed: XLA:CPU (set, or torch-xla's default when unset) has no collectives
+    between processes; refused with the fix before a process group is made."""
+    if pjrt is None:
+        monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("PJRT_DEVICE", pjrt)
+    for k, v in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(k, v)     # torchrun's environment, no rendezvous server: group work would fail
+    cfg = configs.tiny()
+    with pytest.raises(configs.ConfigError, match=r"multi-process XLA needs Trainium \(PJRT_DEVICE=NEURON\)"):
+        parallel.init_distributed(cfg, XLA)
+    assert not dist.is_initialized()
