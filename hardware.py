@@ -1,16 +1,22 @@
-"""The hardware a run meets: the device this process runs on, decided once (pick_device), and whether
-it is Trainium, the one place that reads torch-xla's PJRT_DEVICE for it. train.py decides first;
-parallel.py (XLA's collectives), optim.py (the bf16 rounding), monitor.py (the MFU peak) and
-scripts/healthcheck.py ask here rather than reading the variable each in its own way.
+"""The hardware a run meets: the device this process runs on, decided once (pick_device); whether it is
+Trainium, the one place that reads torch-xla's PJRT_DEVICE for it; and what the device can do: its peak
+FLOP/s, which the MFU divides by, and its peak memory. train.py decides first; parallel.py (XLA's
+collectives), optim.py (the bf16 rounding), monitor.py and scripts/healthcheck.py ask here rather than
+reading the variable each in its own way.
 """
 from __future__ import annotations
 
 import os
+import resource
+import time
 
 import torch
 
-from configs import ConfigError
+from configs import INSTANCES, Config, ConfigError
+import sharding
 
+
+# ----------------------------------------------------------------------------- which device
 
 def xla_platform() -> str:
     """The PJRT platform torch-xla runs on, exactly as torch-xla reads it: "NEURON" on Trainium, "CPU" for
@@ -50,3 +56,97 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda":
         raise ConfigError("--device=cuda but no CUDA device is visible")
     return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- peak FLOPs (MFU)
+
+def matmul_shapes(cfg: Config, tp: int = 1) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every matmul one microbatch's forward and backward runs through the weights on
+    one rank (x @ W.T, g @ W, g.T @ x per linear layer, TP-split). The attention scores are left
+    out: counted in flops_per_token, they run at head_dim, slower, so can only lower the MFU."""
+    m, rows = cfg.model, cfg.data.micro_batch * cfg.data.seq_len
+    kv = sharding.kv_heads_per_rank(m, tp)
+    linears = [(m.dim, (m.n_heads // tp + 2 * kv) * m.head_dim),        # qkv_proj (column)
+               (m.n_heads // tp * m.head_dim, m.dim),                    # o_proj (row)
+               (m.dim, 2 * m.ffn_dim // tp),                             # gate_up_proj (column)
+               (m.ffn_dim // tp, m.dim),                                 # down_proj (row)
+               (m.dim, sharding.padded_vocab(m.vocab_size, tp) // tp)]  # lm_head (vocab-parallel)
+    return [shape for fan_in, fan_out in linears
+            for shape in ((rows, fan_in, fan_out), (rows, fan_out, fan_in), (fan_out, rows, fan_in))]
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
+                         shapes: list[tuple[int, int, int]] = ((1024, 1024, 1024),), trials: int = 3) -> float:
+    """FLOP/s of the given (m, k, n) matmuls on this device and dtype, with the run's threads: their
+    FLOPs over the sum of each one's best of `trials` times (a busy neighbour only slows a sample)."""
+    g = torch.Generator().manual_seed(0)     # its own stream: the training RNG stays untouched
+    flops = seconds = 0.0
+    for m, k, n in dict.fromkeys(tuple(x) for x in shapes):
+        a = torch.randn(m, k, generator=g).to(device, dtype)
+        b = torch.randn(k, n, generator=g).to(device, dtype)
+        reps = max(1, min(10, int(5e8 // (2 * m * k * n))))     # ~0.5 GFLOP per sample: long enough to time
+
+        def run():
+            c = a
+            for _ in range(reps):
+                c = a @ b
+            return c[0, 0].float().item()    # .item() waits for the device
+        run()
+        best = float("inf")
+        for _ in range(trials):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        flops, seconds = flops + 2.0 * m * k * n * reps, seconds + best
+    return flops / seconds
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0,
+                      instance: str = "trn1", shapes: list[tuple[int, int, int]] | None = None) -> tuple[float, str]:
+    """Peak FLOP/s of ONE device and where it comes from: the stated figure, a NeuronCore's datasheet
+    (configs.INSTANCES), else the measured rate of the model's own matmul shapes (a large square
+    matmul is not the peak of this work: on 2 CPU cores the tiny model trained at 99-104% of one)."""
+    name = str(dtype).replace("torch.", "")
+    if configured_tflops > 0:
+        return configured_tflops * 1e12, f"stated: --log.peak_tflops={configured_tflops:g}"
+    if trainium(device):
+        hw = INSTANCES[instance]
+        peak = hw.fp32_flops if dtype == torch.float32 else hw.bf16_flops
+        return peak, f"nominal: {instance} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"
+    shapes = list(shapes or ((1024, 1024, 1024),))
+    flops = measure_matmul_flops(device, dtype, shapes)
+    n_threads, one = torch.get_num_threads(), 0.0
+    if device.type == "cpu" and n_threads > 1:
+        # On a busy host the OpenMP team waits for a descheduled thread: 2 threads measured 0.002x
+        # of one thread's rate, and MFU read 0.2% or 56% by luck. The run's threads do at least
+        # what one of them does, so one thread's rate is the floor (0.05-0.2 s more at start).
+        torch.set_num_threads(1)
+        try:
+            one = measure_matmul_flops(device, dtype, shapes)
+        finally:
+            torch.set_num_threads(n_threads)
+    flops, threads = thread_floor(flops, one, n_threads) if device.type == "cpu" else (flops, "")
+    n = len(set(map(tuple, shapes)))
+    return flops, f"measured: the model's {n} matmul shapes in {name} on {device.type}{threads}"
+
+
+def thread_floor(team: float, one: float, n_threads: int) -> tuple[float, str]:
+    """The CPU peak: the run's n_threads' measured rate, or one thread's where that is higher (a
+    busy host), and the words naming which threads measured it."""
+    if one > team:
+        return one, f", 1 thread (the run's {n_threads} threads measured {team / 1e9:.3g} GFLOP/s: a busy host)"
+    return team, f", {n_threads} thread{'s' if n_threads > 1 else ''}"
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """Peak memory of this device as it reports it (CPU: peak resident set of the process)."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "xla":
+            import torch_xla.core.xla_model as xm
+            info = xm.get_memory_info(device)
+            return info.get("peak_bytes_used", info.get("bytes_used", 0)) / 2**30 or None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB
+    except Exception:            # a backend without memory stats: say nothing rather than guess
+        return None

@@ -189,7 +189,7 @@ def bench_train(args):
     the median over rounds is reported beside the ratio of the totals."""
     import model as llama
     from configs import ModelConfig
-    from monitor import measure_matmul_flops
+    from hardware import measure_matmul_flops
     no_page_fault_churn()
     cfg = ModelConfig(vocab_size=8000, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=1024, max_seq_len=256)
     batch, seq, rounds, steps_per_round = 8, 256, args.steps or 8, 2

@@ -89,7 +89,7 @@ def label_by_frames(frames) -> str:
     for label, fn, file in (("eval", "evaluate", None), ("eval", "eval", "monitor.py"),
                             ("save", "save", "checkpoint.py"), ("resume", "load_latest", "checkpoint.py"),
                             ("log", "param_norm", "parallel.py"), ("log", "flush", "monitor.py"),
-                            ("log", "check_finite", "monitor.py"), ("setup", "device_peak_flops", "monitor.py"),
+                            ("log", "check_finite", "monitor.py"), ("setup", "device_peak_flops", "hardware.py"),
                             ("setup", "__next__", "parallel_loader.py")):
         if any(n == fn and (file is None or f == file) for n, f in names):
             return label

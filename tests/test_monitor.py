@@ -17,6 +17,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import configs  # noqa: E402
+import hardware  # noqa: E402
 import monitor  # noqa: E402
 from monitor import Monitor, NonFiniteError, SpikeDetector  # noqa: E402
 
@@ -380,14 +381,14 @@ def test_mfu_peak_is_the_models_own_matmuls_and_never_exceeded(tmp_path):
     import model as llama
     cfg = configs.from_args(["--model.n_layers=3", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
                              "--model.ffn_dim=96", "--model.vocab_size=512", "--seq_len=32", "--micro_batch=2"])
-    shapes = monitor.matmul_shapes(cfg)
+    shapes = hardware.matmul_shapes(cfg)
     flops = [2 * m * k * n for m, k, n in shapes]
     rows, m = 2 * 32, cfg.model
     assert sum(flops[:12]) * m.n_layers + sum(flops[12:]) == pytest.approx(
         rows * (llama.flops_per_token(m, 32) - 6 * m.n_layers * 32 * m.dim))
-    peak, how = monitor.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)
+    peak, how = hardware.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)
     assert peak > 0 and how.startswith("measured: the model's") and f"{torch.get_num_threads()} threads" in how
-    assert monitor.device_peak_flops(torch.device("cpu"), torch.float32, 12.5)[1] == "stated: --log.peak_tflops=12.5"
+    assert hardware.device_peak_flops(torch.device("cpu"), torch.float32, 12.5)[1] == "stated: --log.peak_tflops=12.5"
     # A run that goes faster than the peak (here: a peak far too low) reports 100% and says why.
     lines, cfg = [], small_cfg(tmp_path, interval=2)
     mon = Monitor(cfg, flops_per_token=1e6, peak_flops=1.0, print_fn=lines.append)
@@ -424,10 +425,10 @@ def test_the_measured_cpu_peak_is_not_a_busy_hosts_accident():
     hogs = []
     try:
         torch.set_num_threads(1)
-        quiet = monitor.measure_matmul_flops(torch.device("cpu"), torch.float32, shapes)
+        quiet = hardware.measure_matmul_flops(torch.device("cpu"), torch.float32, shapes)
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
         torch.set_num_threads(2)
-        peak, how = monitor.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)
+        peak, how = hardware.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)
         assert torch.get_num_threads() == 2
     finally:
         for h in hogs:
@@ -442,10 +443,10 @@ def test_the_measured_cpu_peak_is_not_a_busy_hosts_accident():
 
 def test_the_cpu_peak_names_the_threads_that_measured_it():
     # One thread's rate, the floor on a busy host, was described as the run's "2 threads"
-    assert monitor.thread_floor(1.2e9, 110e9, 2) == (110e9, ", 1 thread (the run's 2 threads measured 1.2 GFLOP/s: "
+    assert hardware.thread_floor(1.2e9, 110e9, 2) == (110e9, ", 1 thread (the run's 2 threads measured 1.2 GFLOP/s: "
                                                             "a busy host)")
-    assert monitor.thread_floor(150e9, 110e9, 2) == (150e9, ", 2 threads")
-    assert monitor.thread_floor(90e9, 0.0, 1) == (90e9, ", 1 thread")          # (was "1 threads")
+    assert hardware.thread_floor(150e9, 110e9, 2) == (150e9, ", 2 threads")
+    assert hardware.thread_floor(90e9, 0.0, 1) == (90e9, ", 1 thread")          # (was "1 threads")
 
 
 def test_plot_of_a_missing_event_folder_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):

@@ -40,7 +40,7 @@ def test_tiny_training_run_loss_falls(tmp_path):
     assert "val loss" in r.stdout and "sample:" in r.stdout
     # Honest MFU on a CPU run: the peak is named, and no interval reads above 100%. (xla: an earlier
     # test of the session imported torch_xla, which sets PJRT_DEVICE, and train.py follows it.)
-    # (cpu: one thread's rate where the run's two measured less, a busy host; monitor.thread_floor)
+    # (cpu: one thread's rate where the run's two measured less, a busy host; hardware.thread_floor)
     assert re.search(r"MFU peak: .* \(measured: the model's \d+ matmul shapes in float32 on "
                      r"(cpu, 2 threads|cpu, 1 thread \(the run's 2 threads .*\)|xla)\)", r.stdout), r.stdout
     mfus = [float(x) for x in re.findall(r"MFU ([0-9.]+)%", r.stdout)]
