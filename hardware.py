@@ -1,8 +1,8 @@
-"""The hardware a run meets: the device this process runs on, decided once (pick_device); whether it is
-Trainium, the one place that reads torch-xla's PJRT_DEVICE for it; and what the device can do: its peak
-FLOP/s, which the MFU divides by, and its peak memory. train.py decides first; parallel.py (XLA's
-collectives), optim.py (the bf16 rounding), monitor.py and scripts/healthcheck.py ask here rather than
-reading the variable each in its own way.
+"""The hardware a run meets: the device this process runs on, decided once (pick_device: XLA:CPU for several
+processes is refused there, before torch_xla's import); whether it is Trainium, the one place that reads
+torch-xla's PJRT_DEVICE for it; and what the device can do: its peak FLOP/s, which the MFU divides by, and its
+peak memory. train.py decides first; optim.py (the bf16 rounding), monitor.py and scripts/healthcheck.py ask
+here rather than reading the variable each in its own way.
 """
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def trainium(device: torch.device | str) -> bool:
     return torch.device(device).type == "xla" and xla_platform() == "NEURON"
 
 
-def pick_device(name: str) -> torch.device:
-    """The run's device, decided here once and passed down: xla when one exists or is asked for, else cuda, else cpu."""
+def pick_device(name: str, world: int = 1) -> torch.device:
+    """The run's device, decided here once and passed down: xla when one exists or is asked for, else cuda, else cpu.
+    `world` processes (torchrun's): several on XLA:CPU are refused, which has no collectives between them."""
     # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
     # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
     if name == "xla" or (name == "auto" and xla_platform()):
+        if world > 1 and xla_on_cpu():      # before the import: it took 60-150 s for 2 processes on a loaded host
+            raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
+                              "collectives between processes; use --device=cpu to train with gloo")
         try:
             import torch_xla
         except ImportError:

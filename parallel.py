@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import configs
 from configs import Config, ConfigError
-import hardware
 import model as llama
 import sharding
 
@@ -89,16 +88,13 @@ def launch_env() -> tuple[int, int]:
 
 def init_distributed(cfg: Config, device: torch.device | str) -> Grid:
     """Validate the layout, then create this torchrun process's groups on the backend of `device`
-    (hardware.pick_device decides it). World 1: Grid(), no process group."""
+    (hardware.pick_device decides it; it refuses XLA:CPU for several). World 1: Grid(), no process group."""
     world, rank = launch_env()
     backend = backend_for(torch.device(device).type)
     configs.validate(cfg, world, backend)     # bad input fails here, before any process group work
     if world == 1:
         return Grid()
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if backend == "xla" and hardware.xla_on_cpu():
-        raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "
-                          "collectives between processes; use --device=cpu to train with gloo")
     # A collective that waits longer than --parallel.timeout_s raises (gloo, nccl) instead of
     # hanging forever; the xla backend has no such timeout (monitor.Watchdog covers it).
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)

@@ -288,7 +288,7 @@ def run(argv: list[str]) -> None:
     cfg = configs.from_args(argv)
     world, rank = parallel.launch_env()  # torchrun's WORLD_SIZE and RANK, checked: read here only
     hf.apply_init_from(cfg, argv, (rank, world))    # --init_from: the model (and tokenizer) of a Hugging Face folder
-    device = hardware.pick_device(cfg.device)
+    device = hardware.pick_device(cfg.device, world)
     configs.validate(cfg, world, parallel.backend_for(device.type))
     optim.check_rounding(cfg.optim.precision, device)   # bf16_sr: the device must round stochastically
     configs.check_paths(cfg)

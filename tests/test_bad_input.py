@@ -1065,3 +1065,21 @@ def test_torch_xlas_deprecated_bf16_variables_are_one_line(tmp_path, var, precis
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-3000:]
     assert f"{var}=1" in lines[0] and "--optim.precision" in lines[0] and not os.listdir(tmp_path), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pjrt", [None, "CPU"])
+def test_multi_process_xla_on_a_cpu_host_is_refused_before_torch_xlas_import(tmp_path, pjrt):
+    """--device=xla in a torchrun world of 2 on XLA:CPU (PJRT_DEVICE=CPU, or unset: torch-xla's default) has no
+    collectives between processes. Refused in parallel.init_distributed, after torch_xla's import (seconds per
+    process; 60-150 s for 2 processes on a loaded host) and the config's checks: now before the import."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    env.update({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999", **({"PJRT_DEVICE": pjrt} if pjrt else {})})
+    r = subprocess.run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/o",
+                        "--device=xla", "--dp=2"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-3000:]
+    assert "multi-process XLA needs Trainium (PJRT_DEVICE=NEURON)" in lines[0] and "--device=cpu" in lines[0], lines
+    assert not re.search(r"\| +torch_xla$", r.stderr, re.M), "torch_xla was imported before the refusal"
+    assert not os.listdir(tmp_path)

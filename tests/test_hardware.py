@@ -15,7 +15,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import configs  # noqa: E402
 import hardware  # noqa: E402
-import parallel  # noqa: E402
 
 XLA = torch.device("xla")       # a device type torch knows without torch_xla: nothing runs on it here
 
@@ -47,15 +46,12 @@ def test_the_mfu_peak_is_the_datasheets_on_trainium_only(monkeypatch):
 
 @pytest.mark.parametrize("pjrt", ["CPU", None])
 def test_multi_process_xla_off_trainium_is_refused_before_any_group(monkeypatch, pjrt):
-    """parallel.init_distributed: XLA:CPU (set, or torch-xla's default when unset) has no collectives
-    between processes; refused with the fix before a process group is made."""
+    """hardware.pick_device for a world of 2: XLA:CPU (set, or torch-xla's default when unset) has no collectives
+    between processes; refused with the fix before torch_xla's import (test_bad_input checks that) and any group."""
     if pjrt is None:
         monkeypatch.delenv("PJRT_DEVICE", raising=False)
     else:
         monkeypatch.setenv("PJRT_DEVICE", pjrt)
-    for k, v in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
-        monkeypatch.setenv(k, v)     # torchrun's environment, no rendezvous server: group work would fail
-    cfg = configs.tiny()
     with pytest.raises(configs.ConfigError, match=r"multi-process XLA needs Trainium \(PJRT_DEVICE=NEURON\)"):
-        parallel.init_distributed(cfg, XLA)
+        hardware.pick_device("xla" if pjrt is None else "auto", world=2)
     assert not dist.is_initialized()
