@@ -130,3 +130,24 @@ def test_a_document_cut_a_read_block_at_a_time_is_cut_as_a_whole(monkeypatch):
     for n in range(limit // 2, 3 * limit):
         monkeypatch.setattr(spans, "READ_BYTES", n)
         assert spans.doc_cuts(Blocks(), 0, limit) == whole, n
+
+
+def test_the_content_digest_sees_two_documents_lengths_moved_past_its_text_sample(tmp_path, monkeypatch):
+    """A corpus of more spans than SAMPLE_SPANS: a .txt file rewritten at its size with a word moved from one short
+    document to the next (a line break moved), both outside the sampled spans, cuts the same rows (one span each)
+    and the sample reads the same text: only the documents' lengths in the digest tell the content apart, so a
+    resume over it is refused (data.PackedLoader: 'content=')."""
+    from corpus import Corpus
+    monkeypatch.setattr(spans, "SAMPLE_SPANS", 4)
+    lines = [f"doc{i} alpha beta" for i in range(40)]
+    f = tmp_path / "lines.txt"
+    f.write_text("\n".join(lines) + "\n")
+    before = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "a")), 8, str(tmp_path / "a"))
+    sampled = set(np.linspace(0, 39, 4).astype(np.int64).tolist())
+    k = 20
+    assert before.n_spans == 40 and not {k, k + 1} & sampled
+    lines[k], lines[k + 1] = f"doc{k} alpha", f"beta doc{k + 1} alpha beta"      # one word moved to the next line
+    f.write_text("\n".join(lines) + "\n")
+    after = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "b")), 8, str(tmp_path / "b"))
+    assert np.array_equal(np.asarray(before.rows), np.asarray(after.rows)) and after.bytes == before.bytes
+    assert after.content != before.content
