@@ -151,3 +151,18 @@ def test_the_content_digest_sees_two_documents_lengths_moved_past_its_text_sampl
     after = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "b")), 8, str(tmp_path / "b"))
     assert np.array_equal(np.asarray(before.rows), np.asarray(after.rows)) and after.bytes == before.bytes
     assert after.content != before.content
+
+
+def test_the_content_digest_reads_the_text_of_every_span_of_a_corpus_of_up_to_sample_spans(tmp_path):
+    """Up to SAMPLE_SPANS spans the digest reads every span's text (sure, not a sample): one word of a middle
+    document replaced by another as long (the same lengths, the same cuts) gives another digest."""
+    from corpus import Corpus
+    lines = [f"doc{i:03d} alpha beta" for i in range(100)]
+    f = tmp_path / "lines.txt"
+    f.write_text("\n".join(lines) + "\n")
+    before = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "a")), 8, str(tmp_path / "a"))
+    lines[50] = "doc050 gamma beta"
+    f.write_text("\n".join(lines) + "\n")
+    after = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "b")), 8, str(tmp_path / "b"))
+    assert before.n_spans == 100 <= spans.SAMPLE_SPANS and np.array_equal(np.asarray(before.rows), np.asarray(after.rows))
+    assert after.content != before.content
