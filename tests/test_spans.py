@@ -81,6 +81,9 @@ def test_held_out_rules():
     assert not spans.by_hash(127, 0.5) and spans.tail_spans(127, 1000, 0.5) == 500
     v = spans.held_out(np.arange(100_000), 0.05)
     assert abs(v.mean() - 0.05) < 0.005
+    # each document by its own hash: neighbours (a book's chapters, a source's consecutive records) agree only by chance
+    v = spans.held_out(np.arange(100_000), 0.5)
+    assert abs((v[0::2] == v[1::2]).mean() - 0.5) < 0.02 and abs((v[:-3] == v[3:]).mean() - 0.5) < 0.02
     assert spans.lanes_per_stream(100, 16, 8) == 6 and spans.lanes_per_stream(5, 16, 8) == 1
 
 
