@@ -286,7 +286,7 @@ class Writer:
         ckptdir.atomic_write(final / ckptdir.marker_name(self.rank), json.dumps(marker, indent=1).encode())
         if self.finish is not None:
             self.finish(step)
-        # starved_s: the write's wait for a CPU at SCHED_IDLE; a stop's write runs without it (train.stop_budget)
+        # starved_s: the write's wait for a CPU at SCHED_IDLE; a stop's write runs without it (checkpoint.stop_budget)
         idle = self._tid is not None and threading.current_thread() is self._thread
         self.stats.update(write_s=time.perf_counter() - t0, starved_s=runqueue_wait_s() - q0 if idle else 0.0)
 

@@ -139,77 +139,6 @@ def data_warnings(stats: dict, grid: parallel.Grid) -> dict[str, int]:
     return dict(zip(DATA_WARNINGS, run_total([stats.get(k, 0) for k in DATA_WARNINGS], grid)))
 
 
-# ----------------------------------------------------------------------------- preemption
-
-PEER_STOPPED = 75                   # EX_TEMPFAIL: stopped with a checkpoint because another node got the signal
-
-
-class StopSignal:
-    """SIGTERM (what SLURM, Kubernetes and torchrun send first), SIGUSR1 (the early warning scripts/slurm_train.sbatch
-    asks for) and SIGINT end the run at the next step boundary with a checkpoint of that step, inside the launcher's
-    grace period (stop_budget). Ranks agree at every boundary with one blocking MAX all-reduce over the host group, so
-    all stop after the same step; one read a boundary later would stop a step late (10 s at 7B on 128 nodes, a third of
-    a 30 s grace period). At 4096 ranks that 4-byte gloo ring is ~8,000 hops, 0.1-0.2 s of host time a step, hidden
-    while the device runs ahead (gloo here: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, grid: parallel.Grid):
-        self.grid, self.got, self.heard_at, self.heard_during, self.during = grid, 0, None, 0, 0   # 0: the set-up
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                signal.signal(sig, self._note)
-
-    def _note(self, signum, frame):
-        if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent
-            # `during`: the step this signal counts for: the next boundary's agreement includes it
-            self.got, self.heard_at, self.heard_during = signum, time.monotonic(), self.during
-            what = ("while this rank ends on an error" if self.during is None else
-                    "after the last step: the run is ending" if self.during < 0 else "during the set-up: stopping"
-                    if not self.during else f"during step {self.during}: stopping after it with a checkpoint")
-            print(f"[rank {self.grid.rank}] {signal.Signals(signum).name} {what} (SIGKILL aborts at once)",
-                  file=sys.stderr, flush=True)
-
-    def requested(self, step: int) -> str | None:
-        """Call at every step boundary (after `step` steps) on every rank: the signal's name once
-        any rank heard one during a step up to this one, else None."""
-        self.during = step + 1              # a signal noted from here on counts for the next boundary
-        mine = self.got if self.got and self.heard_during <= step else 0
-        if self.grid.world == 1 or not torch.distributed.is_initialized():
-            return signal.Signals(mine).name if mine else None
-        t = torch.tensor([mine], device=self.grid.host_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.grid.host_group)
-        agreed = int(t.item())
-        if agreed and self.heard_at is None:            # told by the others: the grace period runs from now
-            self.heard_at = time.monotonic()
-        return signal.Signals(agreed).name if agreed else None
-
-
-def peers_lost(e: BaseException | None) -> bool:
-    """A collective's failure: gloo's (naming its source; at once when a peer is gone) or nccl's DistError."""
-    return isinstance(e, torch.distributed.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)
-
-
-def stop_budget(ckpt: checkpoint.Checkpointer, stop: StopSignal, grid: parallel.Grid,
-                grace_s: float) -> tuple[bool, str]:
-    """Whether the final save can finish inside the grace period, on every rank (a checkpoint is all
-    ranks' or none). The save in flight is waited for first: it is what remains if this one cannot
-    be written. This rank's time is its previous save's in this run: staging (blocked_s) plus the
-    write; without one to measure, the save is tried (killed half-written, resume skips it)."""
-    ckpt.wait()
-    s, left = ckpt.stats, grace_s - (time.monotonic() - stop.heard_at)
-    need = None
-    if s.get("write_s") and s.get("bytes"):
-        # staging (in the writer thread too on a CPU host) and the write less what it waited for a
-        # CPU at background priority (a stop's save runs at normal priority); + 1 s: markers, exit
-        need = s["blocked_s"] + s.get("deferred_copy_s", 0) + s["write_s"] - s.get("starved_s", 0) + 1.0
-    ok = bool(checkpoint.agree(grid, need is None or need < left))
-    said = f"{max(left, 0.0):.1f} s of the {grace_s:g} s grace period are left"    # not "-0.0 s": past it
-    why = (f"{said} and this rank's last save ({s.get('bytes', 0) / 1e9:.2f} GB) took {need:.1f} s"
-           if need is not None else f"{said} (no earlier save in this run to time)")
-    return ok, why
-
-
 # ----------------------------------------------------------------------------- before any work
 
 def check_memory(cfg: configs.Config, device: torch.device) -> None:
@@ -305,7 +234,7 @@ def run(argv: list[str]) -> None:
     # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.
     dog = monitor.Watchdog(grid.rank, cfg.log.hang_factor, cfg.log.hang_min_s, cfg.log.hang_startup_s)
     ckpt = mon = train_loader = val_loader = None
-    stop = StopSignal(grid)
+    stop = checkpoint.StopSignal(grid)
     try:
         # The checkpoint directory: a directory, writable, and this run's alone (a lock), before any
         # work. neuron_parallel_compile's pre-compile pass (scripts/launch.sh compile) runs this same
@@ -433,7 +362,7 @@ def run(argv: list[str]) -> None:
             if periodic or stopping:
                 with dog.phase(f"the checkpoint save of step {step}"), mon.off_the_clock():
                     # (off_the_clock's flush raises on a poisoned state: it is never saved)
-                    fits, why = (True, "") if periodic else stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s)
+                    fits, why = (True, "") if periodic else checkpoint.stop_budget(ckpt, stop, grid, cfg.ckpt.grace_s)
                     if fits:
                         # On a CPU host the weights and moments are copied while the next step's
                         # forward and backward run (guard waits before its update): bench.py ckpt.
@@ -465,7 +394,7 @@ def run(argv: list[str]) -> None:
         stop.during = None if sys.exc_info()[1] else stop.during     # a signal from here on is told so (torchrun's)
         try:
             if ckpt is not None:
-                ckpt.peers_lost = peers_lost(sys.exc_info()[1])     # rank 0: not 600 s for a dead rank's marker
+                ckpt.peers_lost = checkpoint.peers_lost(sys.exc_info()[1])  # rank 0: not 600 s for a dead rank's marker
                 with dog.phase("the last save"):
                     ckpt.close()                        # waits for the save in flight
         finally:        # even when that save failed: the watchdog's backstop timer exits the process
@@ -484,10 +413,10 @@ def run(argv: list[str]) -> None:
             # The signal reached other nodes, not this one (Kubernetes drains one pod): exit 0 would end this node's
             # torchrun and tell the Job this pod's part is done; this status makes torchrun restart the workers, which
             # wait in the rendezvous for the stopped node's replacement and resume from this checkpoint (docs/eks.md).
-            print(f"[rank {grid.rank}] {stopping} reached another node: exit {PEER_STOPPED}, so that "
+            print(f"[rank {grid.rank}] {stopping} reached another node: exit {checkpoint.PEER_STOPPED}, so that "
                   f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
             parallel.destroy(grid)
-            sys.exit(PEER_STOPPED)
+            sys.exit(checkpoint.PEER_STOPPED)
     elif llama.num_params(cfg.model) > 1e9:
         # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
         # exports from its checkpoint in one process instead.
@@ -512,7 +441,7 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str], keep_signals: bool = False) -> None:
     """run(argv), then the signal handlers put back (not the command line's, keep_signals: see __main__)."""
-    before = {sig: signal.getsignal(sig) for sig in StopSignal.SIGNALS}
+    before = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
     try:
         run(argv)
     finally:
@@ -538,7 +467,7 @@ def cli(argv: list[str], keep_signals: bool = False) -> None:
             time.sleep(30)
         sys.exit(f"error: {e}")
     except RuntimeError as e:
-        if not peers_lost(e):                           # any other: a bug of ours, with its traceback
+        if not checkpoint.peers_lost(e):                # any other: a bug of ours, with its traceback
             raise
         why = (str(e).split("] ", 1)[-1].splitlines() or [""])[0]      # nccl's DistError adds a "Last error:" block
         sys.exit(f"error: [rank {os.environ.get('RANK', 0)}] a collective failed: another rank is gone or hung "

@@ -48,7 +48,7 @@ CONTAINER = "nanotrn"
 TORCHRUN_STOP_S = 30            # torchrun SIGKILLs its workers 30 s after passing on a SIGTERM: a
                                 # constant in torch (elastic/multiprocessing/api.py, close(timeout=30))
 STOP_MARGIN_S = 5               # of the pod's grace period, for passing the stop on and the workers' exit:
-                                # train.py's final save gets the rest (--ckpt.grace_s, train.stop_budget)
+                                # train.py's final save gets the rest (--ckpt.grace_s, checkpoint.stop_budget)
 CONFIG_ERROR = 2                # launch.sh's exit status for a bad configuration: no retry can help
 RUNTIME_PORT = 62182            # the Neuron runtime's collectives bootstrap on pod 0 (torch-xla's
                                 # NEURON_RT_ROOT_COMM_ID default; launch.sh reserves it too)
@@ -142,7 +142,7 @@ def check(args, train_args: list[str]):
         train_args = [*train_args, *extra]
         cfg = from_args(train_args)
         # The kubelet SIGKILLs the pod terminationGracePeriodSeconds after its SIGTERM: a final save
-        # budgeted beyond that is killed half-written (train.stop_budget trusts --ckpt.grace_s).
+        # budgeted beyond that is killed half-written (checkpoint.stop_budget trusts --ckpt.grace_s).
         if cfg.ckpt.grace_s > args.grace_period - STOP_MARGIN_S:
             fail(f"--ckpt.grace_s={cfg.ckpt.grace_s:g} does not fit the pod's --grace-period {args.grace_period} "
                  f"(minus {STOP_MARGIN_S} s to stop): give --grace-period {math.ceil(cfg.ckpt.grace_s) + STOP_MARGIN_S} "

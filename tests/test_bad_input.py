@@ -797,7 +797,7 @@ def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    graceful = "SIGINT during step" in err                # train.StopSignal's line
+    graceful = "SIGINT during step" in err                # checkpoint.StopSignal's line
     assert p.returncode in ((0,) if graceful else (-signal.SIGINT, 130)), (p.returncode, err)
     assert "Traceback" not in err, err
     assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".model")]
@@ -815,7 +815,7 @@ def test_ctrl_c_while_train_py_starts(tmp_path, after):
     time.sleep(after)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    graceful = "SIGINT during " in err                    # train.StopSignal's line (a step, or the set-up)
+    graceful = "SIGINT during " in err                    # checkpoint.StopSignal's line (a step, or the set-up)
     assert p.returncode in ((0,) if graceful else (-signal.SIGINT, 130)), (p.returncode, err)
     assert "Traceback" not in err, err
 

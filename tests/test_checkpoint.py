@@ -422,10 +422,9 @@ def test_an_export_of_a_checkpoint_pruned_meanwhile_is_one_line(tmp_path, monkey
 
 
 def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
-    """train.stop_budget after the grace period has run out (the previous save in flight took it
+    """checkpoint.stop_budget after the grace period has run out (the previous save in flight took it
     all): the stop's save is not started, and the reason says 0.0 s are left. It said "-0.0 s of
     the 1.5 s grace period are left" (vckpt's black-box run)."""
-    import train
     cfg = tiny_cfg(tmp_path / "ckpt")
     cfg.ckpt.async_save = False
     model, opt = trained(cfg)
@@ -433,14 +432,14 @@ def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     ck = Checkpointer(cfg, grid)
     ck.claim()
     ck.save(2, model.state_dict(), opt.state_dict(), data={"d": 0})
-    handlers = {sig: signal.getsignal(sig) for sig in train.StopSignal.SIGNALS}
+    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
     try:
-        stop = train.StopSignal(grid)
+        stop = checkpoint.StopSignal(grid)
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)
     stop.heard_at = time.monotonic() - 1.51                     # heard 1.51 s ago, the grace is 1.5 s
-    fits, why = train.stop_budget(ck, stop, grid, 1.5)
+    fits, why = checkpoint.stop_budget(ck, stop, grid, 1.5)
     ck.close()
     assert not fits and why.startswith("0.0 s of the 1.5 s grace period are left and this rank's last save"), why
 

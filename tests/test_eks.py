@@ -211,7 +211,7 @@ def test_inputs_off_the_fsx_mount_are_said_in_one_line():
 
 
 def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
-    """terminationGracePeriodSeconds is what train.py's stop_budget may spend (--ckpt.grace_s): a
+    """terminationGracePeriodSeconds is what checkpoint.stop_budget may spend (--ckpt.grace_s): a
     longer --grace-period must reach train.py (else it skips a final save the pod has time for) and a
     --ckpt.grace_s beyond the pod's would start a save the kubelet kills half-written."""
     for args, budget in (([], 60 - eks.STOP_MARGIN_S), (["--grace-period=300"], 300 - eks.STOP_MARGIN_S),

@@ -147,7 +147,7 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
 
 def test_sbatch_gives_the_final_save_its_early_warning():
     """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
-    not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, train.stop_budget)
+    not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, checkpoint.stop_budget)
     must be those N s, or it refuses exactly the saves the early warning is there for. A value the
     user gives stays."""
     early = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (SCRIPTS / "slurm_train.sbatch").read_text(), re.M).group(1))

@@ -96,10 +96,11 @@ def test_main_in_process_gives_back_the_signal_handlers(tmp_path, monkeypatch):
     """train.main in a test or a notebook: the handlers StopSignal installs (SIGTERM, SIGUSR1, SIGINT:
     stop at the next step boundary) are the caller's again when it returns, and when it raises."""
     import signal
+    import checkpoint
     import monitor
     import train
     mine = lambda signum, frame: None                  # noqa: E731
-    before = {sig: signal.signal(sig, mine) for sig in train.StopSignal.SIGNALS}
+    before = {sig: signal.signal(sig, mine) for sig in checkpoint.StopSignal.SIGNALS}
     try:
         args = [*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
                 "--log.tensorboard=", "--device=cpu", cache_arg()]
