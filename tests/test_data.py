@@ -383,6 +383,10 @@ def test_resume_refuses_other_global_batch_seed_or_rank(files, tok):
     d = data.PackedLoader(cfg(files["txt"]), tok, dp_rank=1, dp_size=2)
     with pytest.raises(data.DataError, match=r"no position for streams \[2, 3\]"):
         d.load_state_dict(a.state_dict())
+    # the held-out stream's states (4 DP ranks: 4 streams of one lane, as these train streams) are no train position
+    val = [data.PackedLoader(cfg(files["txt"]), tok, r, 4, split="val", prefetch=0).state_dict() for r in range(4)]
+    with pytest.raises(data.DataError, match="saved with split='val' but this loader has split='train'"):
+        a.load_state_dict(val)
 
 
 # ----------------------------------------------------------------------------- split, batches, model
