@@ -532,7 +532,8 @@ def cli(argv: list[str]):
                     raise CheckpointError(f"{tok_dir} holds another tokenizer than the one {d.name} was trained with "
                                           f"(fingerprint {tok.fingerprint}, the checkpoint's {saved}: another run's, or "
                                           f"damaged): its token ids mean other things; put the run's own tokenizer there")
-                hf.save_hf(reshard.full_model_state(d, m), m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
+                full = reshard.full_model_state(d, m, masters=True)     # mixed: the fp32 masters, as train.py's
+                hf.save_hf(full, m, out, hf.export_dtype(dtype, m), tok, "--overwrite" in flags,
                            bos=run.get("data", {}).get("bos", True))      # its tokenizer adds BOS as the run did
                 return print(f"exported {d} to {out}"
                              + ("" if tok else " (no tokenizer/ beside the checkpoints: none exported)"))

@@ -1,11 +1,9 @@
-"""AdamW written out, the cosine learning-rate schedule, and ZeRO-1 (optimizer states sharded over
-the data-parallel group). --optim.precision (docs/precision.md has the table): fp32; mixed (bf16
-params and grads, fp32 master and moments, grads accumulated in fp32); bf16 and bf16_sr (params and
-moments bf16, every write rounded to nearest or stochastically). The update is fp32 arithmetic in
-every mode. Why SR (the blog: plain bf16 diverged, bf16 + SR converged like mixed): near 1.0 bf16
-moves in steps of 2^-7, far above an update of lr = 3e-4, so round to nearest drops the update every
-time; SR rounds up with the probability of the distance: the weight equals the fp32 one in expectation.
-"""
+"""AdamW written out, the cosine learning-rate schedule, and ZeRO-1 (optimizer states sharded over the data-parallel
+group). --optim.precision (docs/precision.md has the table): fp32; mixed (bf16 params and grads, fp32 master and
+moments, grads accumulated in fp32); bf16 and bf16_sr (params and moments bf16, every write rounded to nearest or
+stochastically). The update is fp32 arithmetic in every mode. Why SR (the blog: plain bf16 diverged, bf16 + SR converged
+like mixed): near 1.0 bf16 moves in steps of 2^-7, far above an update of lr = 3e-4, so round to nearest drops the
+update every time; SR rounds up with the probability of the distance: the weight equals the fp32 one in expectation."""
 from __future__ import annotations
 
 import bisect
@@ -64,13 +62,12 @@ def lr_at(step: int, o: OptimConfig) -> float:
 # ----------------------------------------------------------------------------- stochastic rounding
 
 def stochastic_round_(dsts: list, values: list, generator: torch.Generator | None) -> None:
-    """dst.copy_(value) rounded fp32 -> bf16 with E[result] == value, for each pair in turn. bf16 is
-    the top 16 bits of an fp32: a uniform integer in [0, 2^16) added to the bit pattern carries into
-    bit 16 with probability (low 16 bits) / 2^16, the fraction of the way from the lower neighbour
-    in magnitude; truncating the low bits gives the bf16 (exactly, inside copy_). NaN stays NaN (a
-    quiet NaN's top mantissa bit survives). On CPU one draw serves all the pairs (a serial Mersenne
-    Twister: one draw equals the draws in turn); CUDA's and XLA's generators advance per call, so
-    there each tensor draws its own."""
+    """dst.copy_(value) rounded fp32 -> bf16 with E[result] == value, for each pair in turn. bf16 is the top 16 bits of
+    an fp32: a uniform integer in [0, 2^16) added to the bit pattern carries into bit 16 with probability (low 16 bits)
+    / 2^16, the fraction of the way from the lower neighbour in magnitude; truncating the low bits gives the bf16
+    (exactly, inside copy_). NaN stays NaN (a quiet NaN's top mantissa bit survives). On CPU one draw serves all the
+    pairs (a serial Mersenne Twister: one draw equals the draws in turn); CUDA's and XLA's generators advance per call,
+    so there each tensor draws its own."""
     cpu = values[0].device.type == "cpu"
     for pairs in [list(zip(dsts, values))] if cpu else [[pair] for pair in zip(dsts, values)]:
         bits = sr_noise(sum(v.numel() for _, v in pairs), values[0].device, generator)
@@ -93,11 +90,10 @@ def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
 # ----------------------------------------------------------------------------- fp32 gradient accumulation
 
 def accumulate_grads_in_fp32(params) -> list:
-    """NxD's use_fp32_grad_acc (HLAT 70B: USE_GRAD_ACC_HOOK=1; torch_xla's
-    ZeroRedundancyOptimizer._make_param_hook): each microbatch's bf16 p.grad is added into an fp32
-    p.main_grad and freed; reduction, clipping and update read main_grad (parallel.grad_of). A bf16
-    running sum over the 70B preset's 64 microbatches loses the late ones' small contributions
-    (tests/test_optim.py measures it). Costs 4 bytes per parameter instead of 2."""
+    """NxD's use_fp32_grad_acc (HLAT 70B: USE_GRAD_ACC_HOOK=1; torch_xla's ZeroRedundancyOptimizer._make_param_hook):
+    each microbatch's bf16 p.grad is added into an fp32 p.main_grad and freed; reduction, clipping and update read
+    main_grad (parallel.grad_of). A bf16 running sum over the 70B preset's 64 microbatches loses the late ones' small
+    contributions (tests/test_optim.py measures it). Costs 4 bytes per parameter instead of 2."""
     def hook(p):
         if p.grad is None:       # another optimizer's hook on this parameter already took it
             return
@@ -269,12 +265,11 @@ class AdamW:
         self._select(apply, keep)
 
     def _keep(self, apply: torch.Tensor | None) -> list:
-        """apply, a boolean tensor (--log.on_nonfinite=skip on XLA), decides on the device whether the
-        update lands: a select restores the kept weights and states where it is False, so the host
-        never waits for the flag (on XLA the kept copies are the graph's inputs: no extra memory).
-        Adam's t advances either way (fp32 no longer resolves the shift after t ~ 330). The slots'
-        views, which the update writes: a select on their bases too made step 2's update another
-        graph on XLA (one more compile of the largest graph, minutes of neuronx-cc)."""
+        """apply, a boolean tensor (--log.on_nonfinite=skip on XLA), decides on the device whether the update lands: a
+        select restores the kept weights and states where it is False, so the host never waits for the flag (on XLA the
+        kept copies are the graph's inputs: no extra memory). Adam's t advances either way (fp32 no longer resolves the
+        shift after t ~ 330). The slots' views, which the update writes: a select on their bases too made step 2's
+        update another graph on XLA (one more compile of the largest graph, minutes of neuronx-cc)."""
         if apply is None:
             return []
         views = [t for s in self.slots for t in (s.value, s.exp_avg, s.exp_avg_sq, s.master) if t is not None]
@@ -301,6 +296,11 @@ class AdamW:
     def describe(self) -> str:
         """Added to train.py's model line: what the console says of the optimizer's layout."""
         return ""
+
+    def masters(self) -> dict:
+        """id(param) -> its fp32 master copy shaped as the param ("mixed", else {}): the trained weight the bf16 param
+        rounds, which train.py's export carries. Collective under ZeRO-1 (an all-gather over DP)."""
+        return {id(p): self.state[n]["master"] for n, p in self.named if "master" in self.state[n]}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and master copy; not params/grads)."""
@@ -456,6 +456,14 @@ class Zero1AdamW(AdamW):
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.flat)
+
+    def masters(self) -> dict:
+        # the local model's in fp32 on every rank, as the export's gather holds it anyway (train.py exports < 1B params)
+        if "master" not in self.flat:
+            return {}
+        full = torch.empty(self.shard * self.grid.dp, dtype=torch.float32, device=self.flat["master"].device)
+        dist.all_gather_into_tensor(full, self.flat["master"], group=self.grid.dp_group)
+        return {id(p): full[a:a + p.numel()].view(p.shape) for (_, p), a in zip(self.named, self.offsets)}
 
     def _layout(self) -> dict:
         # The flat index (names and shapes in order): reshard.py cuts the shards back into parameters.

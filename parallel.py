@@ -570,11 +570,12 @@ def clip_grad_norm_(parameters, max_norm: float, grid: Grid) -> torch.Tensor:
 # ----------------------------------------------------------------------------- 8. full state dicts
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full-shape weights (or gradients) on every TP rank: tests, HF export, tiny runs (7B: from a checkpoint)."""
+def gather_full_state_dict(model: nn.Module, grid: Grid, grads: bool = False, masters: dict | None = None) -> dict:
+    """Full-shape weights (or gradients) on every TP rank: tests, HF export, tiny runs (7B: from a checkpoint).
+    masters: optim.AdamW.masters(), each param's fp32 master in place of the param (a mixed run's export)."""
     out = {}
     for name, p in model.state_dict(keep_vars=True).items():      # tied: both names, as state_dict
-        if (t := grad_of(p) if grads else p) is None:
+        if (t := grad_of(p) if grads else (masters or {}).get(id(p), p)) is None:
             continue
         t = t.detach()
         if grid.tp > 1 and sharding.kind(name) != "replicated":

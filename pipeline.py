@@ -304,14 +304,14 @@ def forward_backward(model: PipelineStage, batches: list[dict], scale: torch.Ten
 # ----------------------------------------------------------------------------- 5. state dicts, evaluation
 
 @torch.no_grad()
-def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full-shape weights (or gradients) of the WHOLE model on every rank: each stage gathers its TP
-    shards, then broadcasts each tensor over PP (parallel.broadcast: XLA too). One full model a rank."""
-    mine = parallel.gather_full_state_dict(model, grid, grads)
+def gather_full_state_dict(model: PipelineStage, grid: Grid, grads: bool = False, masters: dict | None = None) -> dict:
+    """Full-shape weights (or gradients, or fp32 masters: parallel's) of the WHOLE model on every rank: each stage
+    gathers its TP shards, then broadcasts each tensor over PP (parallel.broadcast: XLA too). One full model a rank."""
+    mine = parallel.gather_full_state_dict(model, grid, grads, masters)
     cfg = model.cfg
     shapes = llama.param_shapes(cfg)                  # tied: both names
     ranks = next(g for g in parallel.rank_groups(grid.world, grid.tp, grid.pp)["pp"] if grid.rank in g)
-    p = next(model.parameters())
+    p = next(iter(mine.values())) if mine else next(model.parameters())    # the dtype: the masters' (fp32) or not
     out = {}
     for name, shape in shapes.items():
         s = stage_of(name, model.bounds)

@@ -322,14 +322,32 @@ def reshard(shards: list[dict], m: ModelConfig, tp: int, tp_rank: int, keep=None
     return out
 
 
-def full_model_state(path: str | Path, m: ModelConfig) -> dict:
-    """The full weights of the checkpoint folder `path`, in one process, whatever layout wrote it."""
+def full_model_state(path: str | Path, m: ModelConfig, masters: bool = False) -> dict:
+    """The full weights of the checkpoint folder `path`, in one process, whatever layout wrote it. masters (the
+    export's): a mixed run's fp32 master copies from its optimizer state, of which the saved bf16 weights are the
+    rounding (as train.py's end-of-run export; DeepSpeed's zero_to_fp32.py too reads a bf16 run's weights from the
+    optimizer's fp32 copies). Reads 4 bytes a parameter instead of 2, memory-mapped, one tensor at a time."""
     path = Path(path)
     names = sorted(n for n in os.listdir(path) if re.fullmatch(r"model_tp\d+_pp\d+\.pt", n))
     stages: dict[str, list] = {}
     for n in names:
-        stages.setdefault(n[-7:], []).append(load_file(path / n, mmap=True))
+        model = load_file(path / n, mmap=True)
+        stages.setdefault(n[-7:], []).append(_masters(path, n[6:-3], model, m) if masters else model)
     full = {}
     for shards in stages.values():
         full.update(reshard(shards, m, 1, 0))
     return full
+
+
+def _masters(d: Path, tag: str, model: dict, m: ModelConfig) -> dict:
+    """model (one (TP rank, stage) file's weights) with each tensor replaced by its fp32 master where the optimizer
+    state saved beside it is a mixed run's; unchanged otherwise (or saved without the optimizer)."""
+    zero1 = (d / optim_name(0, tag, True)).exists()
+    if not zero1 and not (d / optim_name(0, tag, False)).exists():
+        return model
+    saved = SavedOptim(d, tag, {"zero1": zero1}, d.name)
+    if saved.head["precision"] != "mixed":
+        return model
+    # a matrix tied without PP is one parameter, named embed.weight in the optimizer (a last stage's copy: its own)
+    key = lambda k: "embed.weight" if m.tie_embeddings and f"{k}.master" not in saved.index else k
+    return {k: saved[f"{key(k)}.master"] for k in model}

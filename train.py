@@ -422,7 +422,8 @@ def run(argv: list[str]) -> None:
         # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
     elif not done:           # the end: the full model exported in Hugging Face format, and a short sample
-        full = layout.gather_full_state_dict(model, grid)
+        # mixed: the fp32 masters, of which the bf16 weights are the rounding (as checkpoint.py export's)
+        full = layout.gather_full_state_dict(model, grid, masters=optimizer.masters())
         if grid.is_main:
             final = llama.Llama(cfg.model)      # fp32 on the host: a convert on XLA compiles a graph per shape
             final.load_state_dict({k: v.cpu().float() for k, v in full.items()})

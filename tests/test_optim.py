@@ -605,6 +605,15 @@ def _zero1_worker(rank: int, world: int, store_file: str):
             gathered = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(gathered, flat)
             assert torch.equal(gathered[0], gathered[1]), precision
+            masters = opt.masters()      # the export's weights (train.py): every rank's shard, gathered whole
+            if precision == "mixed":
+                assert all(torch.equal(masters[id(p)].bfloat16(), p) for p in model.parameters())
+                assert any(not torch.equal(masters[id(p)], p.float()) for p in model.parameters())
+                ref_masters = ref_opt.masters()      # bf16 grads summed in another order, as the weights below
+                assert max((masters[id(p)] - ref_masters[id(q)]).abs().max().item()
+                           for p, q in zip(model.parameters(), ref.parameters())) < 4e-3
+            else:
+                assert masters == {}
             diff = max((p.float() - q.float()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
             if precision == "fp32":
                 assert diff < 1e-6, diff

@@ -367,3 +367,30 @@ def test_plain_make_and_make_help_list_the_targets_and_install_nothing(tmp_path)
         for target in ("train", "test", "test-fast", "bench", "clean"):
             assert f"make {target} " in r.stdout, (argv, target, r.stdout)
     assert os.listdir(tmp_path) == ["Makefile"]
+
+
+def test_a_mixed_runs_fp32_export_carries_the_optimizers_fp32_master(tmp_path, capsys):
+    """--optim.precision=mixed computes in bf16 weights, each the fp32 master copy (in the optimizer) rounded: the
+    master is the trained weight. Its fp32 export wrote the bf16 weights widened (every tensor's low 16 bits zero),
+    at the run's end and from `checkpoint.py export`, both: now the master (Megatron's and DeepSpeed's fp32 weights
+    of a bf16 run are the optimizer's main params: zero_to_fp32.py reads them from the optimizer state)."""
+    import checkpoint
+    import hf
+    import torch
+    import train
+    from safetensors.torch import load_file
+    train.main([*SMALL, "--optim.max_steps=2", f"--out_dir={tmp_path}/out", f"--ckpt.dir={tmp_path}/out/ckpt",
+                "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", "--optim.precision=mixed",
+                "--optim.lr=1e-2", "--optim.warmup_steps=1", "--export_dtype=fp32", cache_arg()])
+    state = torch.load(f"{tmp_path}/out/ckpt/step_00000002/optim_tp00_pp00.pt", weights_only=False)["state"]
+    master = {k.removesuffix(".master"): v for k, v in state.items() if k.endswith(".master")}
+    m = hf.read_config(f"{tmp_path}/out/hf")
+    want = hf.to_hf_state_dict(master, m)
+    checkpoint.cli(["export", "--dtype=fp32", f"{tmp_path}/out/ckpt", f"{tmp_path}/cli"])
+    for folder in (f"{tmp_path}/out/hf", f"{tmp_path}/cli"):
+        got = load_file(f"{folder}/model.safetensors")
+        assert got.keys() == want.keys()
+        for k, t in want.items():
+            assert t.dtype == got[k].dtype == torch.float32 and torch.equal(got[k], t), (folder, k)
+    # the master is more than its bf16 rounding: the comparison above tells them apart
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in want.values())
