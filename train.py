@@ -325,6 +325,11 @@ def run(argv: list[str]) -> None:
             ckpt.before_update()         # the last save's copy of the weights and moments is complete
             return mon.check_finite(step + 1, loss, grad_norm)
         while step < cfg.optim.max_steps and not stopping:
+            # The schedule follows the step, skipped ones (--log.on_nonfinite=skip) too, as Adam's t does (AdamW._keep).
+            # The field is split: Megatron (training.py: opt_param_scheduler.step only if update_successful) and
+            # DeepSpeed hold it over an fp16 loss-scale overflow; OLMo-core's SkipStepOptimizer skips on the device
+            # while the trainer's step, which sets the LR, goes on; torchtitan has no skip. Ours is decided on the
+            # device on XLA (no host read), and a rare non-finite step has consumed its batch all the same.
             lr = optim.lr_at(step, cfg.optim)
             optimizer.set_lr(lr)
             t_data = time.perf_counter()
