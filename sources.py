@@ -66,19 +66,19 @@ def stdlib_files() -> list[str]:
 
 def dataset_files(folder: str, split: str = "train", left_out: list | None = None,
                   split_flag: str = "--data.split") -> list[str]:
-    """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only
-    `split`'s files, never its card or scripts), any other directory every text file, recursively;
-    hidden entries never (docs/data.md lists the rules). `left_out` gets the files skipped that a user
-    may have meant as data (.json, a type not read): said at start, not dropped silently. A refusal names
-    `split_flag`, the option of the command at hand that chooses the split."""
+    """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only `split`'s files, never
+    its card or scripts), any other directory every text file, recursively; hidden entries never (docs/data.md lists
+    the rules). `left_out` gets the files skipped that a user may have meant as data (.json, a type not read): said
+    at start, not dropped silently. A refusal names `split_flag`, the command's option that chooses the split."""
     marker = os.path.join(folder, "dataset_dict.json")
     if os.path.isfile(marker):
         with open(marker) as f:
             splits = json.load(f).get("splits", [])
-        if split not in splits:
+        named = [s for s in splits if s == split] or [s for s in splits if SPLITS.get(s, s) == SPLITS.get(split, split)]
+        if len(named) != 1:     # 'val' names a 'validation' split, as a data file's name (docs/data.md)
             raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
                             f"choose one with {split_flag}")
-        return dataset_files(os.path.join(folder, split), split, left_out, split_flag)
+        return dataset_files(os.path.join(folder, named[0]), split, left_out, split_flag)
     state = os.path.join(folder, "state.json")
     if os.path.isfile(state):
         with open(state) as f:

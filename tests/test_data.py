@@ -1168,6 +1168,7 @@ def test_datasets_folders_read_as_datasets_would(tmp_path):
         return [t for t, _, _ in c.read(np.arange(c.n_docs))]
     assert texts(str(tmp_path / "dd")) == train
     assert texts(str(tmp_path / "dd"), split="test") == test
+    assert texts(str(tmp_path / "dd"), split="eval") == test     # any of the split's words, as a data file's name
     with pytest.raises(data.DataError, match="splits train, test, not 'validation'; choose one with --data.split"):
         data.Corpus(str(tmp_path / "dd"), split="validation")
     repo = tmp_path / "repo"                     # the layout of a dataset repository on the Hub
