@@ -55,7 +55,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # 1f1b | gpipe
     pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
-    instance: str = "trn1"       # trn1 | trn1n | trn2: the instance type (INSTANCES): the planner, the MFU peak, ranks per node
+    instance: str = "trn1"       # trn1 | trn1n | trn2: the instance type (planner/instances.py): the planner, the MFU peak, ranks per node
     cores: int = 0               # planner only: NeuronCores it lays out (0 = 128 instances, the blog's cluster)
     timeout_s: float = 1800.0    # torch.distributed's collective timeout (gloo, nccl; on xla the gloo host group's)
 
@@ -553,32 +553,6 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"--data.tokenizer={tok!r} is {'missing' if kind == 'nothing' else kind}: give a file")
         if not os.access(tok, os.R_OK):
             raise ConfigError(f"--data.tokenizer={tok!r} is not readable by this user")
-
-
-# ----------------------------------------------------------------------------- hardware
-
-@dataclass(frozen=True)
-class Instance:
-    """One Trainium instance type, per rank (one rank per NeuronCore; on trn2 per logical core)."""
-    name: str
-    cores: int                   # ranks per instance: torchrun --nproc_per_node
-    hbm: int                     # bytes of device memory per core
-    bf16_flops: float            # dense peak FLOP/s per core (MFU and the planner quote against it)
-    fp32_flops: float
-    link_bw: float               # bytes/s per core over NeuronLink, between the chips of one instance
-    efa_bw: float                # bytes/s per instance over EFA, between instances
-    devices: int = 16            # Trainium chips: the Neuron device plugin's aws.amazon.com/neuron (scripts/eks.py)
-    efa: int = 8                 # EFA interfaces: the EFA device plugin's vpc.amazonaws.com/efa (scripts/eks.py)
-
-
-# The Neuron docs (2.29, Trn1/Trn2 architecture): trn1 16 chips x 2 NeuronCore-v2, per chip 190 / 47.5 TFLOPS bf16 /
-# fp32, 32 GiB, NeuronLink-v2 384 GiB/s, EFA 800 Gbps (trn1n 1600). trn2 16 chips x 8 NeuronCore-v3 at LNC=2: 4 logical
-# cores a chip, 667 / 181 TFLOPS, 96 GiB, EFAv3 3.2 Tbps, NeuronLink-v3 1,024 GB/s a chip inside a trn2.48xlarge (trn2-arch).
-INSTANCES = {
-    "trn1": Instance("trn1.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 800e9 / 8, devices=16, efa=8),
-    "trn1n": Instance("trn1n.32xlarge", 32, 16 * 2**30, 95e12, 23.75e12, 192 * 2**30, 1600e9 / 8, devices=16, efa=16),
-    "trn2": Instance("trn2.48xlarge", 64, 24 * 2**30, 166.75e12, 45.25e12, 1.024e12 / 4, 3.2e12 / 8, devices=16, efa=16),
-}
 
 
 def main(argv: list[str]) -> None:

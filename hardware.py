@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from configs import INSTANCES, Config, ConfigError
+from configs import Config, ConfigError
 import sharding
 
 
@@ -106,17 +106,17 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float = 0.0,
-                      instance: str = "trn1", shapes: list[tuple[int, int, int]] | None = None) -> tuple[float, str]:
-    """Peak FLOP/s of ONE device and where it comes from: the stated figure, a NeuronCore's datasheet
-    (configs.INSTANCES), else the measured rate of the model's own matmul shapes (a large square
-    matmul is not the peak of this work: on 2 CPU cores the tiny model trained at 99-104% of one)."""
+                      datasheet=None, shapes: list[tuple[int, int, int]] | None = None) -> tuple[float, str]:
+    """Peak FLOP/s of ONE device and where it comes from: the stated figure, on Trainium a NeuronCore's
+    datasheet (the caller's planner.instances.Instance, the --parallel.instance type's row), else the
+    measured rate of the model's own matmul shapes (a large square matmul is not the peak of this
+    work: on 2 CPU cores the tiny model trained at 99-104% of one)."""
     name = str(dtype).replace("torch.", "")
     if configured_tflops > 0:
         return configured_tflops * 1e12, f"stated: --log.peak_tflops={configured_tflops:g}"
-    if trainium(device):
-        hw = INSTANCES[instance]
-        peak = hw.fp32_flops if dtype == torch.float32 else hw.bf16_flops
-        return peak, f"nominal: {instance} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"
+    if trainium(device) and datasheet is not None:
+        peak = datasheet.fp32_flops if dtype == torch.float32 else datasheet.bf16_flops
+        return peak, f"nominal: {datasheet.name} datasheet, {peak / 1e12:g} TFLOPS {name} per NeuronCore"
     shapes = list(shapes or ((1024, 1024, 1024),))
     flops = measure_matmul_flops(device, dtype, shapes)
     n_threads, one = torch.get_num_threads(), 0.0

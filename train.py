@@ -38,6 +38,7 @@ import optim
 import parallel
 import pipeline
 from corpus import check_vocab, mixture_files
+from planner.instances import INSTANCES
 
 
 # ----------------------------------------------------------------------------- device
@@ -302,8 +303,9 @@ def run(argv: list[str]) -> None:
             sync(device)        # the loaded state as a graph of its own, not folded into the first step's
         batches = data.DeviceLoader(train_loader, device)   # torch-xla's parallel loader on XLA
 
-        peak, peak_how = hardware.device_peak_flops(device, dtype, cfg.log.peak_tflops, cfg.parallel.instance,
-                                                   shapes=hardware.matmul_shapes(cfg, grid.tp))
+        peak, peak_how = hardware.device_peak_flops(device, dtype, cfg.log.peak_tflops,
+                                                    INSTANCES[cfg.parallel.instance],
+                                                    shapes=hardware.matmul_shapes(cfg, grid.tp))
         log(f"MFU peak: {peak / 1e12:.4g} TFLOP/s per device ({peak_how})")
         mon = monitor.Monitor(cfg, flops_per_token=flops_tok, peak_flops=peak * grid.world, is_main=grid.is_main,
                               device=device, start_step=step, resume=loaded.extra if loaded else None)

@@ -29,8 +29,9 @@ import math
 import os
 import sys
 
-from configs import INSTANCES, check_layout, from_args
+from configs import check_layout, from_args
 from planner.cost import MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES, Estimate, Layout, estimate
+from planner.instances import INSTANCES
 
 # The model each published row names:
 # our presets, with NxD's 13B config and Llama 3.1 70B's config.json shapes where there is none.

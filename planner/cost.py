@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from configs import INSTANCES, Config, Instance, ModelConfig
+from configs import Config, ModelConfig
 import sharding
 from model import LinearCrossEntropy, flops_per_token
 import pipeline
-from planner.instances import tp_degrees
+from planner.instances import INSTANCES, Instance, tp_degrees
 
-# Hardware: configs.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
+# Hardware: planner.instances.INSTANCES (the Neuron docs' figures). Every judgment call is marked "assumption".
 
 RESERVE = 2 * 2**30             # assumption: runtime, compiled program, collective buffers, compiler
                                 # scratch. Neuron publishes no figure, and users report HBM OOM at compile
@@ -44,7 +44,7 @@ HBM_BW = {"trn1": 820 * 2**30 / 2, "trn1n": 820 * 2**30 / 2, "trn2": 46.4e12 / 6
 # Collectives: the Neuron nccom-test guide's example (2.16 docs, trn1 and inf2 only then): a 2-rank
 # all-reduce of 1 GiB on one instance sustains 52.83 GiB/s of bus bandwidth, a per-rank figure
 # that the guide defines independent of the rank count, so a ring of r ranks moves (r-1)/r of a
-# buffer per rank at that rate: 27.5% of the NeuronLink share in configs.INSTANCES (the same share
+# buffer per rank at that rate: 27.5% of the NeuronLink share in instances.INSTANCES (the same share
 # is assumed on trn2, which has no published measurement). Latency, from the same trn1 examples
 # (the guide of Neuron 2.15-2.23, e.g. aws-neuron-sdk@8907253c tools/neuron-sys-tools/nccom-test.rst):
 # a 2-rank all-reduce of 1-64 KiB takes 58 us, a 32-rank all-gather of 1-64 KiB 149-151 us. As a

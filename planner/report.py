@@ -13,11 +13,11 @@ import os
 import sys
 
 import hf
-from configs import INSTANCES, Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
+from configs import Config, ConfigError, check_layout, check_values, from_args, help_text, wants_help
 from model import flops_per_token, num_params
 from planner.calibrate import validation_table
 from planner.cost import RESERVE, STATED_MFU, Layout, cannot_run, estimate, layouts
-from planner.instances import check_instances, tp_degrees
+from planner.instances import INSTANCES, check_instances, tp_degrees
 
 
 # A bound past the largest Trainium cluster (Project Rainier: about 500,000 Trainium2 chips, 4 logical

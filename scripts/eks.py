@@ -1,7 +1,7 @@
 """The blog's way on Amazon EKS: the Kubernetes manifests of a nanotrn run, from the same sources
 as SLURM. One pod per Trainium instance, each running the same `scripts/launch.sh` that
 `slurm_train.sbatch` runs on a node, with the environment of `scripts/env.sh` and the hardware of
-the planner's instance table (configs.INSTANCES). No operator is needed on the cluster.
+the planner's instance table (planner/instances.py). No operator is needed on the cluster.
 
     python scripts/eks.py --preset llama2_7b --nodes 128 --image IMAGE --fsx-claim CLAIM \\
         --data /fsx/data/train.arrow --tokenizer /fsx/tok.model | kubectl apply -f -
@@ -40,8 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-from configs import INSTANCES, ConfigError, check_dir, from_args, path_kind, validate  # noqa: E402  (the planner's table)
-from planner.instances import check_instances  # noqa: E402
+from configs import ConfigError, check_dir, from_args, path_kind, validate  # noqa: E402
+from planner.instances import INSTANCES, check_instances  # noqa: E402  (the planner's table)
 
 WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
 CONTAINER = "nanotrn"

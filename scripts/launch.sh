@@ -8,7 +8,7 @@
 #   DRY_RUN=1 NNODES=16 MASTER_ADDR=node-0 scripts/launch.sh train ...        # print it, run nothing
 #
 # Environment: NNODES (SLURM_JOB_NUM_NODES or 1), NPROC_PER_NODE (one rank per NeuronCore: 32 on
-# trn1, 64 logical cores on trn2, from configs.INSTANCES), MASTER_ADDR and MASTER_PORT (29500) of
+# trn1, 64 logical cores on trn2, from planner.instances.INSTANCES), MASTER_ADDR and MASTER_PORT (29500) of
 # the rendezvous when NNODES > 1, NODE_RANK (SLURM_NODEID: a static node rank), RUN_ID
 # (SLURM_JOB_ID), MAX_RESTARTS (3), COMPILE_STEPS (10), HEALTHCHECK_ARGS, NEURON_CACHE_DIR (see
 # env.sh), PYTHON (python3), TORCHRUN (torchrun), DRY_RUN (1 = print the commands and environment),
@@ -76,8 +76,8 @@ fi
 # instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
-from configs import INSTANCES, ConfigError, check_paths, from_args, resolve_dp, validate
-from planner.instances import check_instances
+from configs import ConfigError, check_paths, from_args, resolve_dp, validate
+from planner.instances import INSTANCES, check_instances
 try:
     cfg = from_args(sys.argv[4:])
     hw = INSTANCES[cfg.parallel.instance]

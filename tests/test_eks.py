@@ -60,7 +60,7 @@ def container_env(job: dict) -> dict[str, str]:
 @pytest.mark.parametrize("nodes", [1, 128])
 def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, instance, nodes):
     import kubernetes_validate
-    hw = configs.INSTANCES[instance]
+    hw = instances.INSTANCES[instance]
     docs = generate(tmp_path, *ARGS_7B, "--instance", instance, nodes=nodes)
     for mode, objs in docs.items():
         assert [o["kind"] for o in objs] == ["Service", "Job"]

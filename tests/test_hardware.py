@@ -15,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import configs  # noqa: E402
 import hardware  # noqa: E402
+from planner.instances import INSTANCES  # noqa: E402
 
 XLA = torch.device("xla")       # a device type torch knows without torch_xla: nothing runs on it here
 
@@ -34,12 +35,13 @@ def test_trainium_is_an_xla_device_on_the_neuron_runtime(monkeypatch):
 
 
 def test_the_mfu_peak_is_the_datasheets_on_trainium_only(monkeypatch):
-    """hardware.device_peak_flops (the MFU's peak): a NeuronCore's figure from the instance table, not measured; an XLA
-    device elsewhere is measured (not here: that needs torch_xla), as is the CPU."""
+    """hardware.device_peak_flops (the MFU's peak): a NeuronCore's figure from the instance table (the
+    caller's row), not measured; an XLA device elsewhere is measured (not here: that needs torch_xla),
+    as is the CPU."""
     monkeypatch.setenv("PJRT_DEVICE", "NEURON")
-    assert hardware.device_peak_flops(XLA, torch.bfloat16, instance="trn1") == (
-        95e12, "nominal: trn1 datasheet, 95 TFLOPS bfloat16 per NeuronCore")
-    assert hardware.device_peak_flops(XLA, torch.float32, instance="trn2")[0] == 45.25e12
+    assert hardware.device_peak_flops(XLA, torch.bfloat16, datasheet=INSTANCES["trn1"]) == (
+        95e12, "nominal: trn1.32xlarge datasheet, 95 TFLOPS bfloat16 per NeuronCore")
+    assert hardware.device_peak_flops(XLA, torch.float32, datasheet=INSTANCES["trn2"])[0] == 45.25e12
     shapes = [(64, 64, 64)]
     assert hardware.device_peak_flops(torch.device("cpu"), torch.float32, shapes=shapes)[1].startswith("measured")
 

@@ -11,7 +11,7 @@ sys.path.insert(0, ROOT)
 import configs  # noqa: E402
 import plan  # noqa: E402  (the entry point: plan.main)
 from conftest import seeded_model  # noqa: E402
-from planner import calibrate, cost, report  # noqa: E402
+from planner import calibrate, cost, instances, report  # noqa: E402
 from planner.cost import Layout, estimate  # noqa: E402
 import model as llama  # noqa: E402
 
@@ -129,10 +129,10 @@ def test_trn2_is_one_row_of_the_instance_table():
     four = Layout(4, 1, 1024, True, False, "selective", 1)
     e1, e2 = estimate(c1, four, 4096), estimate(c2, four, 4096)
     assert e1.total == e2.total and not e1.fits and e2.fits      # same bytes, a bigger core
-    assert e2.peak == configs.INSTANCES["trn2"].bf16_flops and e2.compute_s < e1.compute_s
+    assert e2.peak == instances.INSTANCES["trn2"].bf16_flops and e2.compute_s < e1.compute_s
     # NeuronLink inside a trn2.48xlarge: 1,024 GB/s a chip of 4 ranks (Neuron's trn2-arch.rst, "Intra-instance
     # NeuronLink-v3 bandwidth"); the 1.28 TB/s of trainium2.rst counts the links only an UltraServer connects
-    assert configs.INSTANCES["trn2"].link_bw == 1.024e12 / 4
+    assert instances.INSTANCES["trn2"].link_bw == 1.024e12 / 4
     assert estimate(c2).layout.dp == 128 * 64 // 8               # default: 128 instances of 64 ranks
     c70 = configs.from_args(["--preset", "llama2_70b", "--instance", "trn2"])
     assert not estimate(c70, Layout(4, 1, 2048, True, True, "selective", 1), 8192).fits
@@ -314,8 +314,8 @@ def test_validate_command_prints_the_table(capsys, monkeypatch, tmp_path):
 
 
 def test_matmul_roofline_and_overlap():
-    assert set(cost.HBM_BW) == set(configs.INSTANCES)                     # every instance type is priced
-    hbm, peak = cost.HBM_BW["trn1"], configs.INSTANCES["trn1"].bf16_flops
+    assert set(cost.HBM_BW) == set(instances.INSTANCES)                     # every instance type is priced
+    hbm, peak = cost.HBM_BW["trn1"], instances.INSTANCES["trn1"].bf16_flops
     big = cost._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
     assert big == pytest.approx(2 * 4096**3 / (0.5 * peak))                 # compute-bound
     thin = cost._matmul_s(8192, 128, 128, peak, hbm, 2, 0.5)
