@@ -62,25 +62,30 @@ def result(hung: dict, name: str):
 
 
 @pytest.mark.slow
-def test_a_rank_hung_in_a_collective_ends_the_run_with_every_ranks_stack(hung):
+def test_a_rank_hung_in_a_collective_ends_the_run_by_the_watchdog_with_its_stacks(hung):
     """Rank 1 enters a barrier at step 4 that rank 0 never joins; rank 0 waits in its step's
-    all-reduce. Each rank's watchdog (no step for 8 s: 2 x the median step, at least 8 s) prints
-    why and its threads' stacks, and exits with EXIT_HUNG before the 120 s collective timeout."""
+    all-reduce. A rank's watchdog (no step for 8 s: 2 x the median step, at least 8 s) prints why
+    and its threads' stacks, and exits with EXIT_HUNG before the 120 s collective timeout. Each
+    rank's fires 8 s after its own last step, and the first to exit fails its peer's collective
+    (gloo) at once: a peer whose last step ended later (0.2 s on a loaded host) ends by its one
+    error line before its own watchdog, so every rank ends by one or the other, and one at least
+    by its watchdog (all ranks' stacks only where their watchdogs fire within ~0.1 s)."""
     r, took = result(hung, "watchdog")
     assert r.returncode != 0 and "NANOTRN_FAULT: rank 1 hangs at step 4" in r.stderr, r.stderr[-3000:]
-    for rank in (0, 1):
-        assert f"[rank {rank}] watchdog: no training step finished in 8 s (2 x the median step time" in r.stderr, \
-            r.stderr[-4000:]
+    fired = {int(k) for k in re.findall(r"\[rank (\d)\] watchdog: no training step finished in 8 s \(2 x the "
+                                        r"median step time", r.stderr)}
+    failed = {int(k) for k in re.findall(r"error: \[rank (\d)\] a collective failed: another rank is gone", r.stderr)}
+    assert fired and fired | failed == {0, 1}, r.stderr[-4000:]
     assert f"exitcode  : {monitor.EXIT_HUNG}" in r.stderr
     # The stacks: faulthandler's, every thread; the hung rank's main thread in its barrier, the
     # other's in its step's all-reduce (train.py's train_step).
-    # The two ranks write to one stderr at the same moment, so their lines interleave: count the
-    # dumps (faulthandler heads the dumping thread's stack "Current thread ...") rather than split.
-    assert r.stderr.count("Current thread 0x") >= 2, r.stderr[-4000:]
+    # Two ranks that fire together write to one stderr at the same moment, so their lines interleave:
+    # count the dumps (faulthandler heads the dumping thread's stack "Current thread ...") rather than split.
+    assert r.stderr.count("Current thread 0x") >= len(fired), r.stderr[-4000:]
     # faulthandler writes a frame in pieces (file, line, name), which the two ranks interleave:
     # look for the function names, each one write, after the first watchdog line.
     dumps = r.stderr.split("watchdog: no training step", 1)[1]
-    assert "barrier" in dumps and "train_step" in dumps, r.stderr[-4000:]
+    assert (1 not in fired or "barrier" in dumps) and (0 not in fired or "train_step" in dumps), r.stderr[-4000:]
     assert took < 120, took                          # the watchdog, not the collective timeout
     assert "step      4 |" in r.stdout and "step      5 |" not in r.stdout
 
