@@ -273,6 +273,11 @@ def test_state_dict_roundtrip_and_mismatch_errors():
     other = tiny_config("bf16_sr")
     with pytest.raises(ValueError, match="precision"):
         optim.build_optimizer(tiny_model(other), other).load_state_dict(sd)
+    # a tensor of another size is refused by name, not cut to this parameter's first elements
+    n = sd["state"]["norm.weight.exp_avg"].numel()
+    longer = {**sd, "state": {**sd["state"], "norm.weight.exp_avg": torch.zeros(n + 1)}}
+    with pytest.raises(ValueError, match=rf"norm.weight.exp_avg has shape \({n + 1},\), expected {n} elements"):
+        optim.build_optimizer(copy.deepcopy(model), cfg).load_state_dict(longer)
     # A per-parameter state resumes as ZeRO-1 shards: each DP rank takes its range of the flat index.
     flat = {k: torch.cat([sd["state"][f"{n}.{k}"].reshape(-1) for n, _ in model.named_parameters()])
             for k in ("exp_avg", "exp_avg_sq", "master")}
