@@ -301,6 +301,9 @@ class CkptDir:
         elif latest.is_file():
             try:
                 text = latest.read_bytes()[:64].decode().strip()
+            except PermissionError:         # (mode 0200: it said "not nanotrn's pointer", move it out)
+                return (f"{latest} cannot be read by this user, so it cannot be checked, and each save replaces "
+                        f"that file: fix its permissions, or give another --ckpt.dir")
             except (OSError, UnicodeDecodeError):
                 text = None
             if text is None or not LATEST.match(text) or latest.stat().st_size > 64:

@@ -479,23 +479,28 @@ def test_a_ckpt_dir_this_user_cannot_list_is_one_line_before_any_work(tmp_path):
     run = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
            f"--ckpt.dir={ck}", f"--out_dir={tmp_path}/out", f"--data.cache_dir={tmp_path}/cache", "--log.tensorboard="]
     # and inside a readable one: the kept tokenizer unreadable (a traceback after the corpus index), a step folder
-    # unlistable (it said "not nanotrn's (no checkpoint files inside)")
-    for name, what in (("ck_tok", "step_00000001"), ("ck_step", "step_00000002")):
+    # unlistable (it said "not nanotrn's (no checkpoint files inside)"), `latest` unreadable (it said "not nanotrn's
+    # `latest` pointer (it should hold a name like step_00000200)": move it out)
+    for name, what in (("ck_tok", "step_00000001"), ("ck_step", "step_00000002"), ("ck_latest", "step_00000003")):
         (tmp_path / name / what).mkdir(parents=True)
         (tmp_path / name / "tokenizer").mkdir()
         (tmp_path / name / "tokenizer" / "tokenizer.model").write_text("kept")
     (tmp_path / "ck_tok" / "tokenizer" / "tokenizer.model").chmod(0o200)
     (tmp_path / "ck_step" / "step_00000002").chmod(0o300)
+    (tmp_path / "ck_latest" / "latest").write_text("step_00000003")
+    (tmp_path / "ck_latest" / "latest").chmod(0o200)
     calls = [("checkpoint.main", ["ls", str(ck)]), ("checkpoint.main", ["export", str(ck), str(tmp_path / "hf")]),
              ("train.cli", run), ("train.cli", [*run, f"--data.tokenizer={tmp_path}/x.model"]),
-             *[("train.cli", [*run, f"--ckpt.dir={tmp_path}/{name}"]) for name in ("ck_tok", "ck_step")]]
+             *[("train.cli", [*run, f"--ckpt.dir={tmp_path}/{name}"]) for name in ("ck_tok", "ck_step", "ck_latest")]]
     script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport checkpoint, train\nfor entry, argv in {calls!r}:\n"
               f"    try:\n        eval(entry)(argv)\n    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
     r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     said = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
-    assert len(said) == 6 and all(f"{ck} cannot be listed by this user" in line for line in said[:4]), r.stderr
+    assert len(said) == 7 and all(f"{ck} cannot be listed by this user" in line for line in said[:4]), r.stderr
     assert all("make it readable" in line for line in said[:4]), r.stderr
     assert f"{tmp_path}/ck_tok/tokenizer/tokenizer.model, the tokenizer this run resumes with, is not readable" in said[4]
     assert f"{tmp_path}/ck_step/step_00000002 cannot be listed by this user, so it cannot be checked" in said[5], said
+    assert f"{tmp_path}/ck_latest/latest cannot be read by this user, so it cannot be checked" in said[6], said
+    assert "fix its permissions" in said[6] and "not nanotrn's" not in said[6], said
     assert not any((tmp_path / d).exists() for d in ("out", "cache", "hf")), "work started"
