@@ -98,6 +98,8 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
         grad_norm = parallel.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, grid)
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
     skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
+    if grid.pp > 1:
+        pipeline.sync_tied_embedding(model, grid, optimizer)        # hardware bf16_sr: its copies round apart
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped, **stats}
 

@@ -481,3 +481,47 @@ def test_the_step_tells_the_fused_loss_its_scale():
     assert not all(torch.equal(a, b) for a, b in zip(ref, grads(lambda m: told(m, None))))
     for run in (lambda m: train.forward_backward(m, batches, scale, pipeline.no_cut), pipelined):
         assert all(torch.equal(a, b) for a, b in zip(ref, grads(run)))
+
+
+def _tied_sync_worker(rank: int, world: int, store_file: str):
+    """PP=2 tied, bf16_sr: train.train_step's steps, the last stage's copy nudged one bf16 ulp after each update,
+    standing in for Trainium's rounding (each NeuronCore rounds from its own generator). Returns nothing; asserts."""
+    import optim
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    try:
+        grid = parallel.new_grid(2, rank, 1, 2, 1, "gloo", tied=True)
+        cfg = tiny_cfg(pp=2, tied=True)
+        cfg.optim.precision = "bf16_sr"
+        guarded = optim.guarded_step
+        for software in (False, True):         # Trainium's hardware rounding; CPU's software rounding
+            model = seeded_model(cfg, grid, build=pipeline.build_model, dtype=torch.bfloat16)
+            opt = optim.build_optimizer(model, cfg, grid, software_sr=software)
+            copy = model.embed.weight if model.first else model.lm_head.weight
+
+            def nudged(o, verdict):
+                out = guarded(o, verdict)
+                if not model.first:
+                    copy.data.copy_(torch.nextafter(copy.data, torch.tensor(float("inf"), dtype=copy.dtype)))
+                return out
+            optim.guarded_step = nudged
+            try:
+                for step in range(2):
+                    train.train_step(model, opt, rank_batches(step, grid, cfg), grid, cfg)
+            finally:
+                optim.guarded_step = guarded
+            both = [torch.empty_like(copy.data) for _ in range(2)]
+            dist.all_gather(both, copy.data.contiguous())
+            # hardware rounding: the first stage's weights again after every step; software: the stages round
+            # alike (AdamW._sr_key), so no sync is paid for, and the nudge stays
+            assert torch.equal(both[0], both[1]) == (not software), software
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_tied_embeddings_copies_stay_one_under_hardware_stochastic_rounding(tmp_path):
+    """Under hardware bf16_sr (Trainium) the two stages round their copies of a tied embedding each with its own
+    core's generator: they drifted apart for good. pipeline.sync_tied_embedding gives the last stage the first's."""
+    from gloo_spawn import spawn
+    spawn(_tied_sync_worker, (2, str(tmp_path / "store")), nprocs=2)
