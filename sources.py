@@ -93,11 +93,11 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
         if split not in pats:
             raise DataError(f"{folder}'s default config {name} has the splits {', '.join(pats)}, not {split!r}; choose one with {split_flag}")
         return sorted({p for x in pats[split] for p in glob.glob(os.path.join(folder, x), recursive=True) if os.path.isfile(p)})
-    if not os.access(folder, os.R_OK | os.X_OK):     # os.walk would pass it over without a word: "holds no files"
-        raise DataError(f"{folder} cannot be listed by this user: fix its permissions or leave it out")
+    def unlisted(e):    # os.walk passes over a folder (the top, a subfolder) it cannot list without a word
+        raise DataError(f"{e.filename} cannot be listed by this user: fix its permissions or leave it out")
     files, walked = [], set()
-    for d, dirs, fs in os.walk(folder, followlinks=True):      # a folder linked in is data too (the glob ** reads it);
-        walked.add(os.path.realpath(d))                         # a link loop or a second link to one folder: once
+    for d, dirs, fs in os.walk(folder, onerror=unlisted, followlinks=True):     # a folder linked in is data too (the
+        walked.add(os.path.realpath(d))             # glob ** reads it); a link loop or a second link to a folder: once
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and os.path.realpath(os.path.join(d, x)) not in walked)
         files += [os.path.join(d, f) for f in sorted(fs) if not f.startswith(".")]
     if left_out is not None:

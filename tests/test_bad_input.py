@@ -586,24 +586,31 @@ def run_as_plain_user(script: str):
 def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
     """--data (train.py, data.py prepare and tokenizer) a folder of mode 0300 as a non-root user: os.walk passed it
     over silently, and the refusal said "'FOLDER' holds no .txt/... files", as if it were empty; `monitor.py plot` of a
-    TensorBoard folder of mode 0300 was a PermissionError traceback. Root reads them anyway: root's bypass is dropped."""
+    TensorBoard folder of mode 0300 was a PermissionError traceback; such a subfolder of a folder this user lists was
+    skipped, its files left out of the run without a word. Root reads them anyway: root's bypass is dropped."""
     corpus, tb = tmp_path / "corpus", tmp_path / "tb"
     shutil.copytree(W / "corpus", corpus)
     tb.mkdir()
     corpus.chmod(0o300)
     tb.chmod(0o300)
-    calls = [("data.main", ["tokenizer", "--data", str(corpus), "--cache-dir", f"{tmp_path}/c"]),
+    nested = tmp_path / "nested"        # a folder this user lists, with a subfolder it cannot: that one was skipped
+    shutil.copytree(W / "corpus", nested / "a")
+    shutil.copytree(W / "corpus", nested / "b")
+    (nested / "b").chmod(0o300)
+    calls = [(f, [x.replace(str(corpus), str(where)) for x in argv]) for where in (corpus, nested) for f, argv in (
+             ("data.main", ["tokenizer", "--data", str(corpus), "--cache-dir", f"{tmp_path}/c"]),
              ("data.main", ["prepare", str(corpus), "--out", f"{tmp_path}/x.arrow"]),
-             ("train.cli", [*TINY, f"--data={corpus}", f"--out_dir={tmp_path}/out", f"--data.cache_dir={tmp_path}/c"]),
-             ("plot", [str(tb), f"{tmp_path}/curves.png"])]
+             ("train.cli", [*TINY, f"--data={corpus}", f"--out_dir={tmp_path}/out", f"--data.cache_dir={tmp_path}/c"]))]
+    calls.append(("plot", [str(tb), f"{tmp_path}/curves.png"]))
     script = (f"import runpy, sys\nsys.path.insert(0, {ROOT!r})\nimport data, train\nfor f, argv in {calls!r}:\n"
               f"    sys.argv = ['monitor.py', 'plot', *argv]\n    try:\n"
               f"        eval(f)(argv) if f != 'plot' else runpy.run_path({ROOT + '/monitor.py'!r}, run_name='__main__')\n"
               f"    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)\n")
     r, said = run_as_plain_user(script)
-    assert len(said) == 4, r.stderr
+    assert len(said) == 7, r.stderr
     assert all(f"{corpus} cannot be listed by this user: fix its permissions" in line for line in said[:3]), r.stderr
-    assert f"{tb} is not readable by this user (the run's --log.tensorboard)" in said[3], r.stderr
+    assert all(f"{nested}/b cannot be listed by this user: fix its permissions" in line for line in said[3:6]), said
+    assert f"{tb} is not readable by this user (the run's --log.tensorboard)" in said[6], r.stderr
     assert not any((tmp_path / d).exists() for d in ("c", "out", "x.arrow", "curves.png")), "work started"
 
 
