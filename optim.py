@@ -458,11 +458,11 @@ class Zero1AdamW(AdamW):
         return dict(self.flat)
 
     def masters(self) -> dict:
-        # the local model's in fp32 on every rank, as the export's gather holds it anyway (train.py exports < 1B params)
         if "master" not in self.flat:
             return {}
         full = torch.empty(self.shard * self.grid.dp, dtype=torch.float32, device=self.flat["master"].device)
         dist.all_gather_into_tensor(full, self.flat["master"], group=self.grid.dp_group)
+        full = full.cpu()   # cut on the host (XLA: a graph a slice shape); all of it: train.py exports under 1B only
         return {id(p): full[a:a + p.numel()].view(p.shape) for (_, p), a in zip(self.named, self.offsets)}
 
     def _layout(self) -> dict:
