@@ -392,6 +392,9 @@ def test_adamw_bf16_stalls_where_bf16_sr_follows_fp32():
     assert torch.all(finals["bf16"] == 1.0)
     # SR noise on m and v makes the step not exactly lr; 10% of the expected move is still 6 sigma
     assert abs(finals["bf16_sr"].mean().item() - (1 - K * lr)) < 0.1 * K * lr
+    # each weight too, not only their mean: a step's draws are new (the same draws every step left 95% of the
+    # weights at 1.0 for ever and moved the others far: the mean right, std 0.087 where SR gives 0.009)
+    assert (finals["bf16_sr"] == 1.0).float().mean() < 0.05 and finals["bf16_sr"].std() < 0.02
 
 
 def test_sr_stream_is_seeded_and_resumes_exactly():
