@@ -568,6 +568,10 @@ def test_a_bucket_cap_below_one_byte_is_the_smallest_not_unbounded():
         assert len(opt.buckets) == opt.shard and all(c1 - c0 == 1 for c0, c1, _ in opt.buckets), (mb, len(opt.buckets))
         # train.py's model line: 2 ranks x 4 bytes, in bytes (was "at most 0.00781 KB")
         assert opt.describe().endswith(f"{opt.shard:,} collective buckets of at most 8 bytes"), opt.describe()
+    # the cap is on what a collective moves over the DP group: 4 KB at DP 3 is 341 fp32 elements a rank, not 1024
+    cfg.parallel.zero1_bucket_mb = 2.0 ** -8
+    sizes = [(c1 - c0) * 3 * 4 for c0, c1, _ in optim.build_optimizer(model, cfg, Grid(dp=3, dp_rank=0)).buckets]
+    assert max(sizes) == 341 * 12 <= 4096 and len(sizes) > 2, sizes[:3]
     cfg.parallel.zero1_bucket_mb = 0.0       # 0: one bucket, as documented
     assert len(optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0)).buckets) == 1
 
