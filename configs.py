@@ -244,9 +244,14 @@ def _parse_value(key: str, text: str | None, typ) -> object:
     if text is None and typ is not bool:    # a bare --flag other than a bool's (it was told "--model.dim='true': expected an int")
         raise ConfigError(f"--{key} was given no value: set it as --{key}=VALUE")
     try:
-        return BOOLS[("true" if text is None else text).lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
+        value = BOOLS[("true" if text is None else text).lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
     except (KeyError, ValueError):
         raise ConfigError(f"--{key}={text!r}: expected {({int: 'an int', float: 'a number'}).get(typ, 'true or false')}") from None
+    mantissa = text.lower().partition("e")[0] if typ is float else ""     # 1e-400 reads as 0.0, 1e400 as inf
+    if value in (0, math.inf, -math.inf) and "inf" not in mantissa and set(mantissa) & set("123456789"):
+        raise ConfigError(f"--{key}={text.strip()} is beyond a float's range (read as {value}): give one from 1e-300 "
+                          f"to 1e300")
+    return value
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:
@@ -374,6 +379,8 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
 # message naming the key, never a ZeroDivisionError deep inside a run (nor torch's OverflowError past a 64-bit int).
 _AT_LEAST_1, _NON_NEGATIVE = (lambda v: 1 <= v < 2**63, ">= 1 and below 2**63"), (lambda v: v >= 0, ">= 0")
 _POSITIVE, _FRACTION = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v < 1, "in [0, 1)")
+# Where the run computes in float32, a positive value below its least, 1.4e-45, is 0 (eps 1e-50: 0/0 = NaN at step 1).
+_POSITIVE_F32 = (lambda v: v >= 2.0 ** -149, ">= 1.4e-45 (float32's least positive value: the run would use 0)")
 # Seconds: a timedelta, faulthandler's timer and a thread's wait overflow past ~9.2e9 (2 * hang_startup_s included).
 _SECONDS = (lambda v: 0 < v <= 1e9, "> 0 and at most 1e9 (about 30 years)")
 DOMAINS = {
@@ -381,8 +388,10 @@ DOMAINS = {
                      "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps", "data.seq_len", "data.global_batch",
                      "data.micro_batch", "log.interval", "log.eval_windows", "model.rope_original_max_len", "data.shuffle",
                      "model.rope_factor"), _AT_LEAST_1),
-    **dict.fromkeys(("model.norm_eps", "optim.eps", "model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
-    **dict.fromkeys(("model.init_std", "optim.lr"), (lambda v: 0 < v <= 1, "> 0 and at most 1 (Llama: init_std 0.02, lr 3e-4)")),
+    **dict.fromkeys(("model.norm_eps", "optim.eps"), _POSITIVE_F32),
+    **dict.fromkeys(("model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
+    **dict.fromkeys(("model.init_std", "optim.lr"),
+                    (lambda v: 2.0 ** -149 <= v <= 1, ">= 1.4e-45 (float32's least) and at most 1 (Llama 0.02, 3e-4)")),
     "model.rope_theta": (lambda v: v > 1, "> 1 (RoPE's base, its powers the wavelengths: Llama 2 1e4, Llama 3 5e5)"),
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps",
                      "optim.decay_steps", "optim.constant_steps", "optim.weight_decay", "optim.grad_clip",

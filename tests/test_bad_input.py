@@ -200,7 +200,11 @@ CASES = [
         "--optim.min_lr=-1.0", "--optim.weight_decay=-0.1", "--optim.grad_clip=-1.0", "--optim.warmup_steps=-1",
         "--optim.decay_steps=-5", "--optim.constant_steps=-1", "--optim.max_steps=0", "--ckpt.interval=-1",
         "--ckpt.keep=-1", "--data.val_fraction=1.0", "--data.val_fraction=-0.1", "--parallel.cores=-32",
-        "--data.shuffle=0", "--data.shuffle=-1")],
+        "--data.shuffle=0", "--data.shuffle=-1",
+        # beyond a float (shown as 0.0 or inf, not as typed), and a positive value float32 holds as 0 (eps: every
+        # parameter with a zero gradient became 0/0 = NaN at step 1, "non-finite loss ... lower --optim.lr" at 2)
+        "--optim.eps=1e-400", "--optim.lr=1e400", "--model.norm_eps=-1e-999", "--optim.eps=1e-50",
+        "--model.norm_eps=1e-46", "--model.init_std=1e-50", "--optim.lr=1e-50")],
     ("min_lr above lr", T("--optim.min_lr=0.5"), ["--optim.min_lr=0.5", "lower min_lr"], 1, True),
     # nothing held out, evaluation on: was refused after a tokenizer was trained and the checkpoint directory claimed
     ("no held-out text", ("train", ["--data.val_fraction=0", "--log.eval_interval=1", "--out_dir={t}/o",
