@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from configs import Config, ConfigError, ModelConfig, check_dir, path_kind
+import hf
 import parallel
 from parallel import Grid
 import pipeline
@@ -163,6 +165,21 @@ def other_tokenizer(root: Path, kept: str, given: str, resuming: bool) -> str:
                 f"differs: leave --data.tokenizer out (a resume takes the run's own) or give {kept}")
     return (f"{kept} is not this run's tokenizer, and a run keeps its own in {Path(kept).parent} (it would be "
             f"replaced): move that folder out of the checkpoint directory, or give another --ckpt.dir")
+
+
+def keep_tokenizer(tok, folder: str) -> None:
+    """Copy the run's tokenizer files into folder (the checkpoint directory's tokenizer/, which a resume and
+    `checkpoint.py export` read), with the generation_config.json beside them (hf.save_hf keeps it)."""
+    os.makedirs(folder, exist_ok=True)
+    name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
+    for src, dst in ((tok.path, name), (os.path.join(os.path.dirname(tok.path), hf.GENERATION), hf.GENERATION)):
+        dst = os.path.join(folder, dst)
+        if os.path.isfile(src) and not (os.path.exists(dst) and os.path.samefile(src, dst)):   # may be this copy
+            shutil.copyfile(src, dst + ".tmp")      # then renamed: the other ranks (train.tokenizer_for_run) and a
+            os.replace(dst + ".tmp", dst)           # run after a kill see the whole file or none, never a part
+    if isinstance(tok, hf.HFTokenizer):
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(tok.config, f)
 
 
 def reload_from_host(model: torch.nn.Module, optimizer, device) -> None:
@@ -461,7 +478,6 @@ def cli(argv: list[str]):
     python checkpoint.py export [--dtype=auto|fp32|bf16] [--overwrite] CKPT_DIR HF_OUT_DIR
         the newest valid one as a Hugging Face folder (auto: bf16 past 1B parameters, else fp32)
     In one process, whatever layout wrote the checkpoint; arguments are checked first."""
-    import hf
     usage = ("usage: python checkpoint.py ls CKPT_DIR | export [--dtype=auto|fp32|bf16] [--overwrite] "
              "CKPT_DIR HF_OUT_DIR")
     if "-h" in argv or "--help" in argv:

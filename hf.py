@@ -55,7 +55,8 @@ ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # Llama 3.1 rope_scaling
 RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
 EXPORT_TMP = ".export.tmp"      # save_hf writes into it first: a killed export's is removed by the next
-EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
+GENERATION = "generation_config.json"
+EXPORT_FILES = {"config.json", "model.safetensors", GENERATION, "tokenizer.json", "tokenizer.model",
                 "tokenizer_config.json", "special_tokens_map.json", EXPORT_TMP}
 # The LlamaConfig format hf_config writes: the oldest transformers requirements-dev.txt allows
 # (tests/test_hf.py keeps them equal). Without a stamp <= 4.57.2, transformers 4.57.3-4.57.6 warn
@@ -192,6 +193,18 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     return out
 
 
+def json_object(path: str, fix: str) -> dict:
+    """The JSON object in `path`, else HFError naming it and `fix` (a download cut short, another file)."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
+        obj = e
+    if not isinstance(obj, dict):
+        what = obj if isinstance(obj, Exception) else f"a JSON {type(obj).__name__}"
+        raise HFError(f"{path} is not a readable JSON object ({str(what):.80}): {fix}")
+    return obj
+
+
 def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):     # another user's 0700: "no config.json"
@@ -203,13 +216,7 @@ def read_config(folder: str, **overrides) -> ModelConfig:
         raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)" + (
             f"; it holds nanotrn checkpoints: continue that run with --ckpt.dir={d}, or start from its weights "
             f"with python checkpoint.py export {d} OUT and --init_from=OUT" if ours else ""))
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
-        raise HFError(f"{path} is not a readable JSON file ({e}): give a Hugging Face model folder") from None
-    if not isinstance(hf, dict):
-        raise HFError(f"{path} holds a JSON {type(hf).__name__}, not a config object: give a Hugging Face model folder")
+    hf = json_object(path, "give a Hugging Face model folder")
     try:
         return model_config_from_hf(hf, **overrides)
     except HFError as e:
@@ -311,10 +318,14 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
     ids = special_ids(tokenizer) if tokenizer is not None else {}
     sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model_sd.items()}, cfg)
     conf = hf_config(cfg, dtype, ids.get("bos"), ids.get("eos"), ids.get("pad"))
-    # generate pads finished sequences of a batch with EOS when the tokenizer has no pad.
+    # The model folder's own generation_config.json is kept (beside the tokenizer: --init_from's, or its copy kept
+    # with the checkpoints): sampling settings and EOS ids chosen with the weights. Else: generate pads finished
+    # sequences of a batch with EOS when the tokenizer has no pad.
+    theirs = os.path.join(os.path.dirname(tokenizer.path), GENERATION) if tokenizer is not None else ""
     pad = conf["pad_token_id"] if conf["pad_token_id"] is not None else conf["eos_token_id"]
-    gen = {"bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"], "pad_token_id": pad,
-           "do_sample": True, "temperature": 0.8, "top_k": 50, "max_length": cfg.max_seq_len}
+    gen = json_object(theirs, "re-download it, or remove it") if os.path.isfile(theirs) else {
+        "bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"], "pad_token_id": pad,
+        "do_sample": True, "temperature": 0.8, "top_k": 50, "max_length": cfg.max_seq_len}
     tmp = os.path.join(folder, EXPORT_TMP)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -325,7 +336,7 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
         umask = os.umask(0o22)
         os.umask(umask)
         os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)
-        for name, obj in (("config.json", conf), ("generation_config.json", gen)):
+        for name, obj in (("config.json", conf), (GENERATION, gen)):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2)
         if isinstance(tokenizer, HFTokenizer):
@@ -367,12 +378,7 @@ class HFTokenizer:
         self.path = file
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         conf_path = os.path.join(folder, "tokenizer_config.json")
-        try:                # a download cut short, or another file: one line, not a traceback
-            self.config = json.loads(Path(conf_path).read_text(encoding="utf-8")) if os.path.isfile(conf_path) else {}
-        except (OSError, ValueError) as e:      # ValueError: not JSON, or not UTF-8
-            self.config = e
-        if not isinstance(self.config, dict):
-            raise HFError(f"{conf_path} is not a JSON object ({str(self.config):.80}): re-download it, or remove it")
+        self.config = json_object(conf_path, "re-download it, or remove it") if os.path.isfile(conf_path) else {}
         self.named = {k: _token_text(self.config.get(f"{k}_token")) for k in ("bos", "eos")}   # tokenizer_config's
         self.bos_id, self.eos_id = self._id(self.named["bos"]), self._id(self.named["eos"])
         if self.named["bos"] is None:      # the token the post-processor puts first (Llama 3's: "<|begin_of_text|> $A")
@@ -553,6 +559,8 @@ def apply_init_from(cfg, argv: list[str] = (), share: tuple[int, int] = (0, 1)) 
                       f"export would replace the weights it starts from; copy them elsewhere or set another --out_dir")
     cfg.model = read_config(cfg.init_from, **run)
     check_weights(cfg.init_from, cfg.model)
+    if os.path.isfile(gen := os.path.join(cfg.init_from, GENERATION)):    # the export keeps it: checked now
+        json_object(gen, "re-download it, or remove it (the export then writes defaults)")
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = cfg.init_from
 
@@ -586,14 +594,3 @@ def check_export_dir(cfg: Config) -> str:
                           f" it would be overwritten at the end; move it away or give another --out_dir")
     return folder
 
-
-def keep_tokenizer(tok, folder: str) -> None:
-    """Copy the run's tokenizer files into the checkpoint directory's tokenizer/, for `checkpoint.py export`."""
-    os.makedirs(folder, exist_ok=True)
-    dst = os.path.join(folder, "tokenizer.json" if isinstance(tok, HFTokenizer) else "tokenizer.model")
-    if not (os.path.exists(dst) and os.path.samefile(tok.path, dst)):     # --tokenizer may be this very copy
-        shutil.copyfile(tok.path, dst + ".tmp")     # then renamed: the other ranks (train.tokenizer_for_run) and a
-        os.replace(dst + ".tmp", dst)               # run after a kill see the whole file or none, never a part
-    if isinstance(tok, HFTokenizer):
-        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-            json.dump(tok.config, f)

@@ -201,7 +201,7 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     problem = None
     if grid.is_main and not same and not ckpt.compile_only:
         try:
-            hf.keep_tokenizer(tok, own)
+            checkpoint.keep_tokenizer(tok, own)
         except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
             problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
                        + ("free space, or " if e.errno == errno.ENOSPC else "") +

@@ -292,7 +292,7 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         data.load_tokenizer(str(tmp_path))
     for text in ("{cut short", "[1, 2]"):          # was a JSONDecodeError / AttributeError traceback
         (tmp_path / "b" / "tokenizer_config.json").write_text(text)
-        with pytest.raises(hf_io.HFError, match=r"b/tokenizer_config.json is not a JSON object \(.*re-download it"):
+        with pytest.raises(hf_io.HFError, match=r"b/tokenizer_config.json is not a readable JSON object \(.*re-download it"):
             data.load_tokenizer(str(tmp_path / "b"))
     (tmp_path / "b" / "tokenizer.json").write_text("")    # cut short: it named no fix
     with pytest.raises(hf_io.HFError, match=r"b/tokenizer.json: not a Hugging Face tokenizer.json \(.*\); give one with --data.tokenizer"):
@@ -367,13 +367,41 @@ def test_a_run_without_bos_exports_a_tokenizer_without_it(tmp_path):
 def test_kept_tokenizer_can_be_the_runs_tokenizer(tmp_path):
     """A run resumed with --tokenizer=<ckpt dir>/tokenizer (the copy the first run kept) keeps it
     again: copying a file onto itself must not stop the run."""
+    import checkpoint
     import data
     llama3_tokenizer(tmp_path / "t")
     kept = tmp_path / "ckpt" / "tokenizer"
-    hf_io.keep_tokenizer(data.load_tokenizer(str(tmp_path / "t")), str(kept))
+    checkpoint.keep_tokenizer(data.load_tokenizer(str(tmp_path / "t")), str(kept))
     tok = data.load_tokenizer(str(kept))
-    hf_io.keep_tokenizer(tok, str(kept))
+    checkpoint.keep_tokenizer(tok, str(kept))
     assert data.load_tokenizer(str(kept)).encode(TEXTS[0]) == tok.encode(TEXTS[0]) and tok.bos_id == 0
+
+
+def test_the_model_folders_generation_config_is_kept_by_both_exports(tmp_path):
+    """A model folder's generation_config.json (Llama 3's samples at temperature 0.6, top_p 0.9 and
+    stops at two EOS ids) is kept by the export of a run started from it: save_hf with the folder's
+    tokenizer (train.py's end) and with the copy kept beside the checkpoints (checkpoint.py export).
+    Before, both wrote their defaults over it (temperature 0.8, top_k 50, one EOS); a broken one is
+    refused by --init_from before any work."""
+    import checkpoint
+    import data
+    llama3_tokenizer(tmp_path / "src")
+    theirs = {"bos_token_id": 0, "eos_token_id": [1, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "src" / "generation_config.json").write_text(json.dumps(theirs))
+    cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    sd = llama.Llama(cfg).init_weights(0).state_dict()
+    kept = tmp_path / "ckpt" / "tokenizer"
+    checkpoint.keep_tokenizer(data.load_tokenizer(str(tmp_path / "src")), str(kept))
+    for i, folder in enumerate((tmp_path / "src", kept)):
+        hf_io.save_hf(sd, cfg, str(tmp_path / f"out{i}"), tokenizer=data.load_tokenizer(str(folder)))
+        assert json.loads((tmp_path / f"out{i}" / "generation_config.json").read_text()) == theirs
+        got = transformers.GenerationConfig.from_pretrained(tmp_path / f"out{i}")
+        assert (got.temperature, got.top_p, got.eos_token_id) == (0.6, 0.9, [1, 7])
+    torch.manual_seed(0)
+    llama3_hf().save_pretrained(tmp_path / "init")
+    (tmp_path / "init" / "generation_config.json").write_text("{cut short")
+    with pytest.raises(hf_io.HFError, match=r"init/generation_config.json is not a readable JSON object .*re-download it"):
+        hf_io.apply_init_from(Config(init_from=str(tmp_path / "init")))
 
 
 def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
