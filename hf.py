@@ -244,8 +244,10 @@ class SafetensorsFolder:
         try:
             self.files = {n: safe_open(os.path.join(folder, n), framework="pt") for n in files}
         except Exception as e:          # safetensors' own error type: a truncated or foreign file
-            if bad := [n for n in files if not os.access(os.path.join(folder, n), os.R_OK)]:    # it says "No such file"
-                raise HFError(f"{os.path.join(folder, bad[0])} is not readable by this user: fix its permissions") from None
+            if bad := [os.path.join(folder, n) for n in files if not os.access(os.path.join(folder, n), os.R_OK)]:
+                raise HFError(f"{bad[0]} is not readable by this user: fix its permissions" if os.path.exists(bad[0]) else
+                              f"{bad[0]}, which {os.path.basename(index)} names, is missing ({len(bad)} of {len(files)} "
+                              f"files): download the model's files again") from None
             raise HFError(f"{folder}: cannot read its weights ({e}); re-download them or give another "
                           f"--init_from") from None
         self.where = {k: f for f in self.files.values() for k in f.keys()}

@@ -640,6 +640,19 @@ def test_sharded_checkpoint_follows_its_index(tmp_path):
         assert max_rel_err(load_hf(str(tmp_path)).eval()(tokens), theirs(tokens).logits) < 1e-5
 
 
+def test_a_shard_the_index_names_but_the_folder_lacks_is_called_missing(tmp_path):
+    """A download cut short (one shard of save_pretrained's not there): it was called 'not readable by this
+    user: fix its permissions' (os.access is False for a file that does not exist), the wrong fix."""
+    torch.manual_seed(0)
+    llama3_hf().save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(hf_io.HFError) as e:
+        hf_io.check_weights(str(tmp_path), hf_io.read_config(str(tmp_path)))
+    assert str(e.value) == (f"{shards[1]}, which model.safetensors.index.json names, is missing (1 of {len(shards)} "
+                            f"files): download the model's files again")
+
+
 def test_a_run_replaces_only_its_own_export(tmp_path):
     """train.py checks out/hf before any work: a continued run's earlier export may be replaced, anything else not."""
     cfg = Config(out_dir=str(tmp_path))
