@@ -289,6 +289,19 @@ def test_prune_deletes_only_this_lineages_complete_checkpoints(tmp_path):
                                                           "step_00000007"]
 
 
+def test_an_empty_step_folder_of_a_save_killed_at_once_is_passed_over_not_refused(tmp_path, capsys):
+    """A save killed right after it made its step folder leaves it empty: the restart resumes the older
+    checkpoint and sets the empty one aside (interrupted), where a foreign folder would be refused."""
+    cfg = cfg_for(tmp_path)
+    save(cfg, 2)
+    (tmp_path / "step_00000004").mkdir()
+    ck = start(cfg)
+    assert ck.load_latest().step == 2
+    ck.close()
+    assert [d.name for _, d in ckptdir.scan(tmp_path)] == ["step_00000002"]
+    assert "skipping step_00000004: no completion marker from rank 0" in capsys.readouterr().out
+
+
 def test_prune_keeps_a_checkpoint_holding_a_users_file(tmp_path, capsys):
     """A file nanotrn did not write, put inside one of this lineage's step folders (a user's notes):
     pruning passes that folder over, saying so, and deletes the others beyond --ckpt.keep."""
