@@ -302,6 +302,16 @@ def test_an_empty_step_folder_of_a_save_killed_at_once_is_passed_over_not_refuse
     assert "skipping step_00000004: no completion marker from rank 0" in capsys.readouterr().out
 
 
+def test_keep_0_keeps_every_checkpoint(tmp_path):
+    """--ckpt.keep=0 means keep them all (configs.CheckpointConfig): no save prunes anything."""
+    root = tmp_path / "run"
+    ck = Checkpointer(cfg_for(root, "--ckpt.keep=0"))
+    for s in (1, 2, 3):
+        ck.save(s, {"w": torch.ones(4)})
+    ck.close()
+    assert [d.name for _, d in ckptdir.scan(root)] == ["step_00000003", "step_00000002", "step_00000001"]
+
+
 def test_prune_keeps_a_checkpoint_holding_a_users_file(tmp_path, capsys):
     """A file nanotrn did not write, put inside one of this lineage's step folders (a user's notes):
     pruning passes that folder over, saying so, and deletes the others beyond --ckpt.keep."""
