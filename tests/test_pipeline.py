@@ -485,7 +485,7 @@ def test_the_step_tells_the_fused_loss_its_scale():
 
 def _tied_sync_worker(rank: int, world: int, store_file: str):
     """PP=2 tied, bf16_sr: train.train_step's steps, the last stage's copy nudged one bf16 ulp after each update,
-    standing in for Trainium's rounding (each NeuronCore rounds from its own generator). Returns nothing; asserts."""
+    standing in for Trainium's rounding (each NeuronCore rounds from its own generator); then a mixed step's masters."""
     import optim
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
@@ -515,6 +515,17 @@ def _tied_sync_worker(rank: int, world: int, store_file: str):
             # hardware rounding: the first stage's weights again after every step; software: the stages round
             # alike (AdamW._sr_key), so no sync is paid for, and the nudge stays
             assert torch.equal(both[0], both[1]) == (not software), software
+        # mixed: the whole model's fp32 masters gathered over the stages (train.py's export), each the weight the
+        # bf16 param rounds; the receiving stages' buffers are fp32 too
+        cfg.optim.precision = "mixed"
+        model = seeded_model(cfg, grid, build=pipeline.build_model, dtype=torch.bfloat16)
+        opt = optim.build_optimizer(model, cfg, grid)
+        train.train_step(model, opt, rank_batches(0, grid, cfg), grid, cfg)
+        weights = pipeline.gather_full_state_dict(model, grid)
+        masters = pipeline.gather_full_state_dict(model, grid, masters=opt.masters())
+        assert weights.keys() == masters.keys() == llama.param_shapes(cfg.model).keys()
+        assert all(t.dtype == torch.float32 and torch.equal(t.bfloat16(), weights[k]) for k, t in masters.items())
+        assert not all(torch.equal(t, weights[k].float()) for k, t in masters.items())
     finally:
         dist.destroy_process_group()
 
