@@ -206,7 +206,7 @@ def test_a_failed_collective_is_one_line_naming_the_restart(monkeypatch, message
     import train
     error = torch.distributed.DistError if "NCCL" in message else RuntimeError
 
-    def run(argv):
+    def run(argv, keep_signals=False):
         raise error(message)
     monkeypatch.setattr(train, "main", run)
     with pytest.raises(SystemExit) as e:
@@ -316,7 +316,7 @@ def test_a_ranks_own_failed_save_is_said_at_once(monkeypatch):
     import torch
     import train
 
-    def run(argv):
+    def run(argv, keep_signals=False):
         raise ckptsave.SaveFailed("disk full: no space left on the device of /x writing the checkpoint of step 15")
 
     def say_once(message, *a, **k):
