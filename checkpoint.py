@@ -419,6 +419,11 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 signal.signal(sig, self._note)
+        # launch.sh's folder (docs/eks.md): train.py's ended.RANK at the run's end; its 'stop' when it passed a signal
+        # on before these handlers existed (a worker ignores SIGUSR1 until then, as torchrun does: the signal was lost)
+        self.launcher = os.getenv("NANOTRN_ENDED_DIR", "")
+        if self.launcher and os.path.isfile(os.path.join(self.launcher, "stop")):
+            self._note(signal.SIGUSR1, None)
 
     def _note(self, signum, frame):
         if not self.got:    # a repeat is ignored: torchrun forwards the Ctrl-C the terminal already sent

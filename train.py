@@ -443,9 +443,8 @@ def run(argv: list[str]) -> None:
                 prompt = torch.tensor([hf.prompt_ids(tok, "def ", cfg.data.bos)], dtype=torch.long)
                 sample = final.generate(prompt, cfg.log.sample_tokens, eos_id=hf.special_ids(tok)["eos"])
                 log("sample:\n" + tok.decode([i for i in sample[0].tolist() if i < tok.vocab_size and i != tok.bos_id]))
-    ended = os.getenv("NANOTRN_ENDED_DIR", "")      # launch.sh's: a SIGTERM after the last step is no stop (eks.md)
-    if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(ended):
-        open(os.path.join(ended, f"ended.{grid.rank}"), "w").close()
+    if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(stop.launcher):  # then a signal is no stop
+        open(os.path.join(stop.launcher, f"ended.{grid.rank}"), "w").close()
     parallel.destroy(grid)
 
 

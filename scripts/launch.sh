@@ -242,6 +242,9 @@ if [[ "$mode" != train ]]; then exec "${cmd[@]}"; fi
 # job (scancel --signal=USR1) reaches the workers directly and torchrun ignores it.
 # A stop and the run's end both exit 0 in train.py; a worker that ended the run (--optim.max_steps reached,
 # exported) leaves a file in NANOTRN_ENDED_DIR, so that a signal after the last step is told from a stop below.
+# A stop leaves 'stop' there first: a worker's first seconds (torch's import, the config's checks, the group) still
+# ignore USR1 as torchrun does, so a signal then was lost and the run trained on until the launcher's SIGKILL;
+# each worker reads the file once its handlers exist (checkpoint.StopSignal), and a torchrun restart's workers too.
 ended_dir="$(mktemp -d)" || ended_dir=""
 export NANOTRN_ENDED_DIR="$ended_dir"
 ( trap '' USR1; exec "${cmd[@]}" ) &
@@ -251,6 +254,7 @@ stopping=0
 stop_workers() {
     echo "launch.sh: $1: asking the workers of torchrun (pid $torchrun_pid) to save and stop (SIGUSR1)" >&2
     stopping=1
+    if [[ -n "$ended_dir" ]]; then : > "$ended_dir/stop"; fi     # before the signal: read after the handlers exist
     pkill -USR1 -P "$torchrun_pid" || true
 }
 trap 'stop_workers SIGUSR1' USR1

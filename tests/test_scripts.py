@@ -3,6 +3,7 @@
 The scripts are checked by bash -n, shellcheck and their dry-run output (nothing here can start
 a Trainium job). The health check really runs: 4 gloo ranks under torchrun, one slowed on purpose.
 """
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -592,3 +594,45 @@ def test_sigterm_during_the_last_step_is_no_stop_the_pod_exits_0(tmp_path):
     assert f"saved the final model to {tmp_path}/run" in out
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").glob("step_*")) == ["step_00000003"]
     assert not list((tmp_path / "tmp").glob("tmp.*"))       # the folder of the workers' files is gone
+
+
+@pytest.mark.slow
+def test_sigterm_before_the_workers_handlers_still_stops_them(tmp_path):
+    """A SIGTERM to launch.sh in a worker's first seconds (torchrun has started it; it imports torch, checks the
+    config, forms the group: a pod deleted or drained as it starts, or a restart of the workers): launch.sh's
+    SIGUSR1 reached a worker that still ignored it (torchrun's disposition, inherited), and was lost. The run
+    trained on until the kubelet's SIGKILL (here: 90 s and ~1,600 steps, no checkpoint). launch.sh now also leaves
+    'stop' in NANOTRN_ENDED_DIR, which each worker reads once its handlers exist: it stops in the set-up."""
+    (tmp_path / "bin").mkdir()
+    env = launch_env(tmp_path, JOB_COMPLETION_INDEX="0")
+    p = subprocess.Popen(["bash", str(SCRIPTS / "launch.sh"), "train", f"--out_dir={tmp_path}/run", "--dp=2",
+                          *TINY_RUN, cache_arg()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd="/tmp", start_new_session=True)
+    children = lambda pid: [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,  # noqa: E731
+                                                          text=True).stdout.split()]
+    workers = []
+
+    def kill_all():
+        for pid in workers:         # in sessions of their own (torch elastic): not in launch.sh's group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    try:
+        for _ in range(6000):       # torchrun (launch.sh's child), then its 2 workers: signalled as they start
+            workers = [w for t in children(p.pid) for w in children(t)]
+            if len(workers) == 2:
+                break
+            time.sleep(0.02)
+        assert len(workers) == 2, "torchrun did not start 2 workers"
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        kill_all()
+        out, err = p.communicate()
+        pytest.fail(f"the stop was lost: the run went on to step {out.count('step ')}\n{err[-2000:]}")
+    finally:
+        kill_all()
+    assert p.returncode == 143, err[-3000:]
+    assert len(re.findall(r"\[rank \d\] SIGUSR1 during the set-up: stopping", err)) == 2, err[-3000:]
+    assert "SIGUSR1: stopped after step 0, not saved" in out and "step      1 |" not in out, out[-2000:]
