@@ -302,6 +302,18 @@ def test_an_empty_step_folder_of_a_save_killed_at_once_is_passed_over_not_refuse
     assert "skipping step_00000004: no completion marker from rank 0" in capsys.readouterr().out
 
 
+def test_a_step_saved_again_leaves_its_complete_checkpoint_untouched(tmp_path, capsys):
+    """A second save of the step just saved (the run's end, or a signal's save, right after an interval save)
+    is said and skipped: a complete checkpoint is never rewritten in place, file by file under its manifest."""
+    ck = Checkpointer(cfg_for(tmp_path))
+    ck.save(2, {"w": torch.ones(4)})
+    before = tree(tmp_path)
+    ck.save(2, {"w": torch.zeros(4)})
+    ck.close()
+    assert tree(tmp_path) == before
+    assert "step 2 is already saved (newest is step 2); not saving it again" in capsys.readouterr().out
+
+
 def test_keep_0_keeps_every_checkpoint(tmp_path):
     """--ckpt.keep=0 means keep them all (configs.CheckpointConfig): no save prunes anything."""
     root = tmp_path / "run"
