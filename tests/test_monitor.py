@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -464,6 +465,10 @@ def test_plot_of_a_resumed_run_says_only_the_png(tmp_path, monkeypatch, capsys, 
     `python monitor.py plot` after every resume: alarm about nothing."""
     cfg = small_cfg(tmp_path, interval=1)
     for start, end in ((0, 6), (3, 8)):
+        # The resume starts in a later second, as a new process does: the reader orders the event files by name,
+        # events.out.tfevents.<second>.<host>.<pid>.<n>, and n counts this process's writers, so within one second
+        # ...9 and ...10 sort the resumed run first (its steps then purged: [1..6]; a flake at the 9th/99th writer).
+        time.sleep(1.01 - time.time() % 1 if start else 0)
         mon = Monitor(cfg, 1e6, 1e12, print_fn=lambda *a: None, start_step=start)
         for s in range(start + 1, end + 1):
             mon.step(s, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=64)
