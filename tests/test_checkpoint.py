@@ -355,6 +355,27 @@ def test_export_says_which_newer_checkpoint_it_passed_over_and_why(tmp_path, cap
     assert modes["model.safetensors"] == modes["config.json"], modes
 
 
+def test_export_of_a_run_without_bos_ships_a_tokenizer_without_it(tmp_path, capsys):
+    """checkpoint.py export takes --data.bos from the checkpoint's config: a run that started no document with
+    BOS exports a tokenizer that adds none (AutoTokenizer's ids are the run's), as train.py's own export does."""
+    import sentencepiece as spm
+    import transformers
+    import data
+    text = [f"line {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(200)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(tmp_path / "sp"), vocab_size=90,
+                                   model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    cfg = tiny_cfg(tmp_path / "ck")
+    cfg.data.bos = False
+    tok = data.load_tokenizer(str(tmp_path / "sp.model"))
+    checkpoint.keep_tokenizer(tok, str(tmp_path / "ck" / "tokenizer"))
+    ck = Checkpointer(cfg)
+    ck.save(1, llama.Llama(cfg.model).init_weights(0).state_dict())
+    ck.close()
+    checkpoint.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")])
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto("the lazy dog")["input_ids"] == tok.encode("the lazy dog") and tok.bos_id == 1
+
+
 def test_ls_lists_the_folders_set_aside_after_the_step_folders(tmp_path, capsys):
     """A user looking for their work sees what resume set aside (kept, never deleted) and what
     --ckpt.start_fresh moved: `ls` listed only the step folders, and with none said 'holds no checkpoint'."""
