@@ -718,3 +718,18 @@ def test_every_sentencepiece_type_trains_and_exports_or_is_refused_before_step_1
     if kind == "unigram":       # resumed without --data.tokenizer: the run's own 100 pieces, not refused as too few to train
         train.main([a for a in argv if not a.startswith("--data.tokenizer=")] + ["--steps=3"])
         assert "resuming from" in capsys.readouterr().out
+
+
+def test_a_tied_model_saved_with_a_copy_of_its_lm_head_loads(tmp_path):
+    """A tied checkpoint whose file also holds lm_head.weight (some savers write the tied matrix twice): the
+    copy is no tensor of another architecture; it loads, the embedding read from model.embed_tokens.weight."""
+    from safetensors.torch import load_file, save_file
+    cfg = ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64,
+                      tie_embeddings=True)
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "m"))
+    f = tmp_path / "m" / "model.safetensors"
+    sd = load_file(f)
+    save_file({**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}, f, metadata={"format": "pt"})
+    assert hf_io.read_config(str(tmp_path / "m")).tie_embeddings
+    hf_io.check_weights(str(tmp_path / "m"), cfg)
+
