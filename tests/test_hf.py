@@ -733,3 +733,12 @@ def test_a_tied_model_saved_with_a_copy_of_its_lm_head_loads(tmp_path):
     assert hf_io.read_config(str(tmp_path / "m")).tie_embeddings
     hf_io.check_weights(str(tmp_path / "m"), cfg)
 
+
+def test_an_export_into_a_folder_holding_only_a_killed_exports_leftover_needs_no_overwrite(tmp_path):
+    """A killed export leaves <folder>/.export.tmp; the next export into that folder (checkpoint.py export without
+    --overwrite: its own check leaves the leftover out) replaces it rather than calling the folder not empty."""
+    cfg = ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    (tmp_path / "out" / hf_io.EXPORT_TMP).mkdir(parents=True)
+    (tmp_path / "out" / hf_io.EXPORT_TMP / "model.safetensors").write_bytes(b"half")
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
