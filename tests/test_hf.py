@@ -742,3 +742,18 @@ def test_an_export_into_a_folder_holding_only_a_killed_exports_leftover_needs_no
     (tmp_path / "out" / hf_io.EXPORT_TMP / "model.safetensors").write_bytes(b"half")
     hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_an_export_over_an_earlier_one_leaves_none_of_its_files(tmp_path):
+    """--overwrite over an earlier export with a tokenizer: the new export (here without one) leaves none of the
+    earlier files behind (a stale tokenizer.model beside another model's weights would load with them)."""
+    import sentencepiece as spm
+    import data
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([t for t in TEXTS if t]), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=120, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    cfg = ModelConfig(vocab_size=128, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    sd, out = llama.Llama(cfg).init_weights(0).state_dict(), str(tmp_path / "out")
+    hf_io.save_hf(sd, cfg, out, tokenizer=data.load_tokenizer(str(tmp_path / "sp.model")))
+    assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    hf_io.save_hf(sd, cfg, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
