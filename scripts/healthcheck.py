@@ -43,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, check_dir  # noqa: E402  (the repository root, where configs.py and parallel.py live)
 import hardware  # noqa: E402
+from planner.instances import INSTANCES  # noqa: E402
 from parallel import launch_env, rank_groups  # noqa: E402
 
 OPS = ("all_reduce", "all_gather")
@@ -70,14 +71,20 @@ def group_kinds(world: int, tp: int, pp: int, ranks_per_node: int) -> dict[str, 
 
 # ----------------------------------------------------------------------------- measuring
 
+def resolve(backend: str) -> str:
+    """--backend auto: xla on Trainium, nccl where CUDA is, else gloo (CPU)."""
+    if backend == "auto":
+        return "xla" if not hardware.xla_on_cpu() else ("nccl" if torch.cuda.is_available() else "gloo")
+    return backend
+
+
 def setup(backend: str, timeout_s: float):
     """Init the process group. Returns (backend, device, sync, host_group).
 
     sync() waits until the device has really finished (XLA is lazy: torch_xla.sync() only
     launches the graph). host_group is a gloo group for barriers and for gathering the
     results: the xla backend's barrier is a no-op."""
-    if backend == "auto":
-        backend = "xla" if not hardware.xla_on_cpu() else ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = resolve(backend)
     timeout = timedelta(seconds=timeout_s)
     if backend == "xla":          # trn1: NeuronCores, collectives over NeuronLink and EFA
         import torch_xla
@@ -125,11 +132,25 @@ def check_args(args) -> None:
         if args.inject_delay and not bad and int(args.inject_delay.split(":")[0]) >= world:    # else no rank sleeps
             bad.append(f"--inject-delay {args.inject_delay}: rank {args.inject_delay.split(':')[0]} is not in the "
                        f"world of {world}; give a rank below {world}")
-        # As train.py refuses it (parallel.init_distributed): each process was a world of its own, timed
+        # As train.py refuses it (hardware.pick_device): each process was a world of its own, timed
         # nothing between them and said "healthy" ("world 1 = 0 node(s) x 2", once per process).
         if args.backend == "xla" and world > 1 and hardware.xla_on_cpu():
             bad.append(f"--backend=xla on XLA:CPU (PJRT_DEVICE={hardware.xla_platform() or 'unset'}) has no "
                        f"collectives between processes: run it on Trainium (PJRT_DEVICE=NEURON), or --backend=gloo")
+        backend = resolve(args.backend)
+        if backend == "nccl" and not torch.cuda.is_available():     # else each rank's ValueError traceback
+            bad.append("--backend=nccl: no CUDA device is visible here; give --backend=gloo (CPU) or auto")
+        elif 0 < args.mb < float("inf"):
+            # What a rank holds (measure): the payload, the all-gather's output as large, a chunk of at most half:
+            # host memory with gloo, a NeuronCore's (the smallest, trn1's) or a GPU's. Else each rank's traceback.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))        # processes on this host
+            have = (min(hw.hbm for hw in INSTANCES.values()) if backend == "xla" else
+                    torch.cuda.get_device_properties(0).total_memory if backend == "nccl" else
+                    os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local)
+            if 2.5 * args.mb * 2**20 > have:
+                bad.append(f"--mb {args.mb:g}: a rank holds {2.5 * args.mb / 2**10:.3g} GiB for it (the payload, the "
+                           f"all-gather's output, a chunk) but has {have / 2**30:,.1f} GiB ({backend}); give at most "
+                           f"--mb {have / 2.5 / 2**20:,.0f}")
     except ValueError as e:                 # configs.ConfigError
         bad.append(str(e))
     if bad:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -368,10 +369,17 @@ WORLD4 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"
     (["--inject-delay", "4:1"], {**WORLD4}, "--inject-delay 4:1: rank 4 is not in the world of 4"),
     # each process was a world of its own, timed nothing between them and said "healthy"
     (["--backend=xla"], {**WORLD4, "PJRT_DEVICE": "CPU"}, "--backend=xla on XLA:CPU (PJRT_DEVICE=CPU) has no collectives"),
-    (["--backend=xla"], {**WORLD4}, "--backend=xla on XLA:CPU (PJRT_DEVICE=unset) has no collectives")])
+    (["--backend=xla"], {**WORLD4}, "--backend=xla on XLA:CPU (PJRT_DEVICE=unset) has no collectives"),
+    # each rank's traceback once the group had formed: torch.ones' overflow, the allocator's 'can't allocate memory'
+    (["--mb", "1e30"], {**WORLD4}, "--mb 1e+30: a rank holds"),
+    (["--mb", "1e7"], {**WORLD4}, "--mb 1e+07: a rank holds"),
+    # each rank's ValueError traceback from init_process_group ('only supported with GPUs, no GPUs found')
+    (["--backend=nccl"], {**WORLD4}, "--backend=nccl: no CUDA device is visible")])
 def test_healthcheck_refuses_before_any_process_group(args, env, says):
     # WORLD_SIZE=1 without a rendezvous was init_process_group's ValueError traceback; --tp 3 on 4 ranks was
     # refused only after the process group, which waits for the other ranks (here: none come, a hang)
+    if "--backend=nccl" in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: nccl runs here")
     r = subprocess.run([sys.executable, str(SCRIPTS / "healthcheck.py"), *args], capture_output=True, text=True,
                        timeout=60, env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env})
     assert r.returncode == 1 and r.stderr.startswith(f"healthcheck error: {says}") and "Traceback" not in r.stderr, r
