@@ -103,6 +103,9 @@ def test_a_name_that_ends_several_keys_hints_each(flag, keys):
     (["--model.n_heads=12", "--model.n_kv_heads=4", "--tp=6", "--model.dim=384"], 6, "n_kv_heads 4 and tp 6"),
     (["--model.n_layers=4", "--pp=3"], 3, "n_layers 4 is not divisible by pp 3"),
     (["--model.n_layers=4", "--pp=3", "--parallel.pp_cuts=1,2", "--global_batch=24"], 3, None),
+    # a stage of no layers: a cut at 0, or two cuts at one layer
+    (["--model.n_layers=4", "--pp=3", "--parallel.pp_cuts=0,2", "--global_batch=24"], 3, "pp_cuts '0,2' must be 2 increasing"),
+    (["--model.n_layers=4", "--pp=3", "--parallel.pp_cuts=2,2", "--global_batch=24"], 3, "pp_cuts '2,2' must be 2 increasing"),
     (["--global_batch=12", "--micro_batch=8"], 1, "global batch 12 is not divisible by micro_batch\\*dp = 8\\*1"),
     (["--global_batch=16", "--micro_batch=8"], 4, "global batch 16 is not divisible by micro_batch\\*dp = 8\\*4"),
     (["--tp=2"], 3, "world size 3 is not divisible by tp\\*pp = 2\\*1"),
