@@ -376,6 +376,18 @@ def test_export_of_a_run_without_bos_ships_a_tokenizer_without_it(tmp_path, caps
     assert auto("the lazy dog")["input_ids"] == tok.encode("the lazy dog") and tok.bos_id == 1
 
 
+def test_export_into_a_folder_holding_only_a_killed_exports_leftover_needs_no_overwrite(tmp_path, capsys):
+    """checkpoint.py export after a killed one (its HF_OUT_DIR holds only .export.tmp): no --overwrite asked."""
+    import hf
+    cfg = tiny_cfg(tmp_path / "ck")
+    ck = Checkpointer(cfg)
+    ck.save(1, llama.Llama(cfg.model).init_weights(0).state_dict())
+    ck.close()
+    (tmp_path / "hf" / hf.EXPORT_TMP).mkdir(parents=True)
+    checkpoint.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")])
+    assert "exported" in capsys.readouterr().out and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_ls_lists_the_folders_set_aside_after_the_step_folders(tmp_path, capsys):
     """A user looking for their work sees what resume set aside (kept, never deleted) and what
     --ckpt.start_fresh moved: `ls` listed only the step folders, and with none said 'holds no checkpoint'."""
