@@ -57,6 +57,7 @@ def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load()
     m = hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": None})
     assert m.rope_theta == 10000.0 and m.rope_scaling == "none"
     assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 64
+    assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 64}).max_seq_len == 64  # = the sequence
     assert hf_io.model_config_from_hf({**BASE, "head_dim": 24}).head_dim == 24
     assert hf_io.model_config_from_hf({**BASE, "max_position_embeddings": None}).max_seq_len == 4096   # null: absent
     v5 = {k: v for k, v in BASE.items() if k != "rope_theta"}
