@@ -56,6 +56,14 @@ if ((10#$MASTER_PORT > 65535)); then
     echo "error: MASTER_PORT=$MASTER_PORT: give a TCP port, 1 to 65535" >&2
     exit 2
 fi
+# The commands it runs, named by the variable that gives them (bash's own line, exit 127, named neither; a pod
+# retried it). PYTHON now (it reads the config below), TORCHRUN after the config's checks, in a real run only.
+no_command() {
+    echo "error: $1=${!1}: no such command here; give the $2 of nanotrn's Python environment (its bin/ on PATH," \
+         "or $1=/path/to/it)" >&2
+    exit 2
+}
+command -v "$PYTHON" >/dev/null || no_command PYTHON python
 # The pre-compile pass (below) evaluates at step 4 and saves at step 5: with fewer than 6 steps the eval, the
 # save or the step after it (aws-neuron-sdk #813) stays out of the cache, and the run compiles it there (minutes).
 if [[ "$mode" == compile ]] && ((10#$COMPILE_STEPS < 6)); then
@@ -104,6 +112,7 @@ mapfile -t layout <<< "$layout_text"
 precision="${layout[0]}" tp="${layout[1]}" pp="${layout[2]}" dp="${layout[3]}" out_dir="${layout[4]}"
 instance="${layout[5]}" instance_name="${layout[6]}" NPROC_PER_NODE="${layout[7]}"
 world=$((NNODES * NPROC_PER_NODE))
+if [[ "${DRY_RUN:-0}" != 1 ]] && ! command -v "$TORCHRUN" >/dev/null; then no_command TORCHRUN torchrun; fi
 
 export NNODES NANOTRN_PRECISION="$precision" NANOTRN_INSTANCE="$instance"
 # shellcheck source=env.sh source-path=SCRIPTDIR

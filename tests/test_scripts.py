@@ -230,6 +230,20 @@ def test_launch_sh_help_is_not_an_error_and_an_unknown_mode_is_named():
     assert r.returncode == 2 and r.stderr.startswith("usage:"), r
 
 
+def test_a_command_launch_sh_runs_that_is_not_there_is_named_with_its_variable(tmp_path):
+    """PYTHON or TORCHRUN naming nothing here was bash's 'launch.sh: line N: /x: No such file or directory', exit
+    127 (in a pod: a failure the Job retries, not FailJob's 2), naming neither the variable nor the fix. A dry run
+    needs no torchrun here (it prints the command for the nodes)."""
+    r = run_script([SCRIPTS / "launch.sh", "train", "--dry-run"], PYTHON=str(tmp_path / "python"))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: PYTHON={tmp_path}/python: no such command here"), r
+    assert len(r.stderr.splitlines()) == 1, r
+    r = run_script([SCRIPTS / "launch.sh", "train", f"--out_dir={tmp_path}/run", "--device=cpu"],
+                   TORCHRUN="torchrun-missing", NEURON_CACHE_DIR=str(tmp_path / "cache"), NPROC_PER_NODE="1")
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("warning:")]
+    assert r.returncode == 2 and lines == [lines[0]] and lines[0].startswith("error: TORCHRUN=torchrun-missing"), r
+    assert run_script([SCRIPTS / "launch.sh", "train", "--dry-run", *ARGS_7B], TORCHRUN="torchrun-missing").returncode == 0
+
+
 def test_dry_run_flag_after_the_mode_is_a_dry_run_too():
     """`launch.sh train --dry-run --preset ...` was a config error (unknown key --dry_run): the flag
     was honoured only before the mode. train.py has no such key, so it is the launcher's anywhere."""
