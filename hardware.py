@@ -58,7 +58,7 @@ def pick_device(name: str, world: int = 1) -> torch.device:
     if name in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if name == "cuda":
-        raise ConfigError("--device=cuda but no CUDA device is visible")
+        raise ConfigError("--device=cuda but no CUDA device is visible: give --device=cpu or auto")
     return torch.device("cpu")
 
 

@@ -19,6 +19,7 @@ import math
 import torch
 
 from configs import ConfigError, check_dir
+from hardware import pick_device
 
 from benchmarks.ckpt import bench_ckpt
 from benchmarks.layouts import bench_parallel, bench_pp
@@ -45,6 +46,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--{flag}: unknown {bad[0]!r}; give a comma-separated list of {', '.join(names)}")
     try:
         check_dir("out", args.out)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"      # never xla: transformers' step runs eagerly
+        args.device = pick_device(auto if args.device == "auto" else args.device)
     except ConfigError as e:
         parser.error(str(e))
 
@@ -58,6 +61,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default="out/bench", help="the JSON, figures and corpora go here (default out/bench)")
     parser.add_argument("--step_tokens", type=int, default=4096, help="step: tokens per step of the second "
                         "trainer-vs-bare rows (batch 4 x step_tokens/4; 0 = only the 512-token rows)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="step: where the steps run (auto: a GPU if one is visible, else the CPU)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="step: the weights' dtype")
     parser.add_argument("--layers", type=int, default=16, help="init: the model's depth")
     parser.add_argument("--lr", type=float, default=1e-2, help="init: the (high) peak learning rate")

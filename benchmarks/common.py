@@ -29,17 +29,21 @@ def no_page_fault_churn():
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
-def alternate(fns: dict, rounds: int, reps: int = 1) -> dict[str, list[float]]:
+def alternate(fns: dict, rounds: int, reps: int = 1, sync=None) -> dict[str, list[float]]:
     """Seconds of `reps` calls of each function, per round, the functions taking turns in every
-    round so that the machine's noise hits all alike; one warm-up call each first (allocator, kernels)."""
+    round so that the machine's noise hits all alike; one warm-up call each first (allocator, kernels).
+    sync: waits for an asynchronous device (a GPU) before each clock read."""
+    sync = sync or (lambda: None)
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             t = time.perf_counter()
             for _ in range(reps):
                 fn()
+            sync()
             times[name].append(time.perf_counter() - t)
     return times
 

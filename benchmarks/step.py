@@ -24,14 +24,27 @@ STEP_SHAPES = {
     "7B layers, vocab 32000": dict(vocab_size=32000, dim=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=1376,
                                    batch=1, seq=512),
 }
+# On a GPU, issue 27's shapes at full size: Llama 3.2 1B (tied head, GQA 32/8) at three vocabularies,
+# 8 x 2048 tokens a step, and six of Llama 2 7B's layers at 2 x 4096 tokens.
+BODY_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, tie_embeddings=True,
+               rope_theta=500000.0, batch=8, seq=2048)
+GPU_SHAPES = {
+    "Llama 3.2 1B, vocab 128256": dict(BODY_1B, vocab_size=128256),
+    "1B body, vocab 32000": dict(BODY_1B, vocab_size=32000),
+    "1B body, vocab 512": dict(BODY_1B, vocab_size=512),
+    "6 Llama 2 7B layers, vocab 32000": dict(vocab_size=32000, dim=4096, n_layers=6, n_heads=32, n_kv_heads=32,
+                                             ffn_dim=11008, batch=2, seq=4096),
+}
 
 
-def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None = True) -> dict:
+def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None = True,
+             device=torch.device("cpu")) -> dict:
     """The training steps compared, each with its own model and optimizer (the same weights, seed 0)
     on the same batch: "ours" and "transformers" (LlamaForCausalLM, as it loads by default: SDPA),
     each with torch's AdamW (fused, or None: torch's default); "trainer" (train.train_step: our
     AdamW in bf16_sr, or fp32, with clipping) and "bare step" (ours with torch's AdamW) on a packed
-    batch (three documents a row)."""
+    batch (three documents a row). On a GPU the weights are drawn there (N(0, 0.02), norms 1):
+    our seeded init draws a 1B model on the host for minutes, and a step's speed does not depend on them."""
     import transformers
     import hf as hf_io
     import model as llama
@@ -44,10 +57,17 @@ def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None 
     x, y = tokens[:, :-1], tokens[:, 1:]
     doc_ids = (torch.arange(seq) * 3 // seq).expand(batch, seq)
     positions = torch.cat([torch.arange(n) for n in torch.bincount(doc_ids[0])]).expand(batch, seq)
+    x, y, doc_ids, positions = (t.to(device) for t in (x, y, doc_ids, positions))
     scale = 1 / y.numel()       # told to the model's fused loss, as train.py does: in bf16 it scales in fp32
     fns = {}
     for name in which:
-        ours = llama.Llama(cfg).init_weights(0).to(dtype)
+        if device.type == "cpu":
+            ours = llama.Llama(cfg).init_weights(0).to(dtype)
+        else:
+            with torch.device(device), torch.no_grad():
+                ours = llama.Llama(cfg).to(dtype)
+                for p in ours.parameters():
+                    p.fill_(1.0) if p.dim() == 1 else p.normal_(0, 0.02)
         if name == "ours":
             opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=fused)
 
@@ -58,9 +78,12 @@ def step_fns(cfg, batch: int, seq: int, dtype, which: tuple, fused: bool | None 
         elif name == "transformers":
             hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_io.hf_config(cfg).items()
                                                  if k not in ("architectures", "model_type", "torch_dtype")})
-            m = transformers.LlamaForCausalLM(hf_cfg)
-            m.load_state_dict(hf_io.to_hf_state_dict(ours.state_dict(), cfg))
-            m.to(dtype)
+            with torch.device(device):
+                m = transformers.LlamaForCausalLM(hf_cfg).to(dtype)
+            # a tied head is the embedding in transformers too (the export writes only the embedding)
+            missing = m.load_state_dict(hf_io.to_hf_state_dict(ours.state_dict(), cfg), strict=False).missing_keys
+            assert missing == (["lm_head.weight"] if cfg.tie_embeddings else []), missing
+            assert (m.lm_head.weight is m.model.embed_tokens.weight) == cfg.tie_embeddings
             del ours
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
 
@@ -124,39 +147,73 @@ def peak_memory(shape: dict, name: str, dtype_name: str, threads: int) -> float:
     return status("VmHWM:") - before
 
 
+def cuda_peak_memory(shape: dict, name: str, dtype_name: str, device) -> int:
+    """peak_memory on a GPU, in this process: the caching allocator counts live tensors exactly, so
+    the peak of two steps above what was allocated before the model was built (the building's own
+    peak left out, as on the CPU) needs no fresh process."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    fn = step_fns(*_shape(shape), getattr(torch, dtype_name), (name,), device=device)[name]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del fn
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
 def bench_step(args):
     """Issue 27's comparison on this machine: our training step against transformers'
-    LlamaForCausalLM at each of STEP_SHAPES (same config, weights and batch; torch's AdamW on both;
-    SDPA on both; the causal batch transformers gets), and the trainer (train.train_step) against
-    the bare step. Rounds alternate over the steps compared, so that machine noise hits all alike;
-    the speed is the median over rounds of the per-round ratio. Peak memory: each step alone in a
-    fresh process (peak_memory), the ratio of the two. Measure with --threads 1 on this 2-core
-    machine (with two, per-round ratios scatter from 0.8x to 2.3x). The trainer pair runs twice:
-    at the body's 512 tokens and at --step_tokens (batch 4 x step_tokens / 4, default 4096). Our
-    AdamW costs the same per step whatever the batch (it is per parameter: 2.2M), the forward and
-    backward grow with the tokens, so the optimizer's share of the step -- where the trainer and
-    the bare step differ -- falls as the batch grows (issue 27's GPU run had 16384 tokens a step)."""
+    LlamaForCausalLM at each shape (same config, weights and batch; torch's AdamW on both; SDPA on
+    both; the causal batch transformers gets), and the trainer (train.train_step) against the bare
+    step. Rounds alternate over the steps compared, so that machine noise hits all alike; the speed
+    is the median over rounds of the per-round ratio. Peak memory: each step alone (on the CPU in a
+    fresh process, peak_memory; on a GPU cuda_peak_memory), the ratio of the two. On the CPU,
+    STEP_SHAPES and --threads 1 (with two, per-round ratios scatter from 0.8x to 2.3x on this 2-core
+    machine); the trainer pair runs at the body's 512 tokens and at --step_tokens (batch 4 x
+    step_tokens / 4, default 4096): our AdamW costs the same per step whatever the batch, so its
+    share of the step -- where the trainer and the bare step differ -- falls as the batch grows. On
+    a GPU (--device auto finds one), GPU_SHAPES at full size and the trainer pair at the 1B body."""
+    from hardware import measure_matmul_flops
+    from model import flops_per_token
     rounds = args.steps or 5
-    small = STEP_SHAPES["1B body, vocab 512"]
+    device = args.device
+    gpu = device.type == "cuda"
+    shapes = GPU_SHAPES if gpu else STEP_SHAPES
+    small = shapes["1B body, vocab 512"]
     if args.step_tokens < 0 or args.step_tokens % small["batch"]:
         raise SystemExit(f"--step_tokens={args.step_tokens}: give a multiple of {small['batch']} "
                          f"(the batch; e.g. 4096 = 4 x 1024), or 0 for the 512-token trainer rows only")
-    big = dict(small, seq=args.step_tokens // small["batch"])
-    print(f"bench.py step: {args.dtype}, {torch.get_num_threads()} threads, {rounds} rounds, CPU")
+    bodies = [small] if gpu or not args.step_tokens else [small, dict(small, seq=args.step_tokens // small["batch"])]
+    where = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
+    print(f"bench.py step: {args.dtype}, {where}, {rounds} rounds, torch {torch.__version__}")
+    sync = (lambda: torch.cuda.synchronize(device)) if gpu else None
+    # MFU on a GPU: against the matmul rate measured here (8192^3 in bf16), not a datasheet's
+    peak = measure_matmul_flops(device, torch.bfloat16, ((8192, 8192, 8192),)) if gpu else None
     # The trainer in both precisions whatever --dtype: fp32 (our AdamW in fp32) and bf16 weights
     # (bf16_sr: software stochastic rounding; the bare step's fused AdamW rounds to nearest).
-    pairs = ([(s, STEP_SHAPES[s], ("ours", "transformers"), args.dtype) for s in STEP_SHAPES]
+    pairs = ([(s, shapes[s], ("ours", "transformers"), args.dtype) for s in shapes]
              + [(f"1B body, vocab 512, {sh['batch']} x {sh['seq']} tokens", sh, ("trainer", "bare step"), d)
-                for d in ("float32", "bfloat16") for sh in ([small, big] if args.step_tokens else [small])])
+                for d in ("float32", "bfloat16") for sh in bodies])
     rows = []
     ctx = multiprocessing.get_context("spawn")
     for shape_name, shape, which, dtype_name in pairs:
         cfg, batch, seq = _shape(shape)
-        times = alternate(step_fns(cfg, batch, seq, getattr(torch, dtype_name), which), rounds)
         mem = {}
-        for n in which:                                  # a fresh process each
-            with ctx.Pool(1) as pool:
-                mem[n] = pool.apply(peak_memory, (shape, n, dtype_name, args.threads))
+        for n in which:                                  # each alone: before the timed pair is built
+            if gpu:
+                mem[n] = cuda_peak_memory(shape, n, dtype_name, device)
+            else:
+                with ctx.Pool(1) as pool:
+                    mem[n] = pool.apply(peak_memory, (shape, n, dtype_name, args.threads))
+        times = alternate(step_fns(cfg, batch, seq, getattr(torch, dtype_name), which, device=device), rounds,
+                          sync=sync)
         a, b = which
         if which[0] == "trainer":
             name = f"{shape_name}, packed documents, {dtype_name}"
@@ -165,18 +222,22 @@ def bench_step(args):
         else:
             name = f"{shape_name}, {dtype_name}"
         speed, tokens = median_ratio(times[b], times[a]), batch * seq
-        rows.append((name, a, b, tokens / statistics.median(times[a]), tokens / statistics.median(times[b]),
-                     speed, min(times[b]) / min(times[a]), mem[a] / mem[b], mem[a], mem[b]))
-        r = rows[-1]
-        print(f"{name}: {a} {r[3]:,.0f} tok/s, {b} {r[4]:,.0f} tok/s: {speed:.2f}x (median of rounds; "
-              f"best rounds {r[6]:.2f}x); peak memory {mem[a] / 2**20:,.0f} vs {mem[b] / 2**20:,.0f} MiB: "
-              f"{r[7]:.2f}x", flush=True)
+        tok_a, tok_b = tokens / statistics.median(times[a]), tokens / statistics.median(times[b])
+        mfu = (f"; MFU {tok_a * flops_per_token(cfg, seq) / peak:.0%} vs {tok_b * flops_per_token(cfg, seq) / peak:.0%}"
+               if peak else "")
+        rows.append((name, a, b, tok_a, tok_b, speed, min(times[b]) / min(times[a]), mem[a] / mem[b], mem[a], mem[b],
+                     mfu))
+        print(f"{name}: {a} {tok_a:,.0f} tok/s, {b} {tok_b:,.0f} tok/s: {speed:.2f}x (median of rounds; "
+              f"best rounds {rows[-1][6]:.2f}x){mfu}; peak memory {mem[a] / 2**20:,.0f} vs {mem[b] / 2**20:,.0f} MiB: "
+              f"{mem[a] / mem[b]:.2f}x", flush=True)
     print()
-    table([f"shape (CPU, {torch.get_num_threads()} thread(s))", "compared", "tok/s", "speed (median; best rounds)",
-           "peak memory"],
+    if peak:
+        print(f"MFU: the model's FLOPs (model.flops_per_token) over the measured 8192^3 bf16 matmul rate, "
+              f"{peak / 1e12:.0f} TFLOP/s")
+    table([f"shape ({where})", "compared", "tok/s", "speed (median; best rounds)", "peak memory"],
           [[name, f"{a} vs {b}", f"{ta:,.0f} vs {tb:,.0f}", f"{speed:.2f}x ({best:.2f}x)",
-            f"{mem:.2f}x ({ma / 2**20:,.0f} vs {mb / 2**20:,.0f} MiB)"]
-           for name, a, b, ta, tb, speed, best, mem, ma, mb in rows])
+            f"{m:.2f}x ({ma / 2**30:,.1f} vs {mb / 2**30:,.1f} GiB)" if gpu else f"{m:.2f}x ({ma / 2**20:,.0f} vs {mb / 2**20:,.0f} MiB)"]
+           for name, a, b, ta, tb, speed, best, m, ma, mb, _ in rows])
     return rows
 
 

@@ -382,7 +382,8 @@ CASES = [
     # ---- bench.py
     *[(f"bench: {a}", ("bench", [w, a]), [a.split("=")[0], "give"], 2, True) for w, a in (
         ("step", "--threads=0"), ("step", "--threads=100000"), ("init", "--layers=0"), ("init", "--lr=nan"), ("step", "--steps=-1"),
-        ("data", "--data_shapes=arrow,foo"), ("data", "--data_corpora=files,foo"), ("ckpt", "--out={W}/afile"))],
+        ("data", "--data_shapes=arrow,foo"), ("data", "--data_corpora=files,foo"), ("ckpt", "--out={W}/afile"),
+        ("step", "--device=cuda"))],
     ("ckpt: no arguments", ("checkpoint", []), ["usage: python checkpoint.py"], 1, True),
     ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
     ("ckpt: unknown command", ("checkpoint", ["show", "x"]), ["'show'", "usage"], 1, True),

@@ -60,6 +60,21 @@ def test_the_steps_compared_run_the_models_loss_as_the_trainer_does(monkeypatch)
     assert seen == {"ours": 1 / 16, "bare step": 1 / 16, "trainer": 1 / 16}
 
 
+@pytest.mark.slow      # ~4 s: transformers' import
+def test_the_step_bench_compares_a_tied_model_with_transformers_tied_too():
+    # bench.py step's GPU shapes are Llama 3.2 1B's, whose head is the embedding: loading our state into
+    # LlamaForCausalLM failed with 'Missing key(s) in state_dict: "lm_head.weight"' (the export writes the
+    # embedding only), so the bench could not run its first row.
+    import torch
+    from benchmarks.step import GPU_SHAPES, step_fns
+    from configs import ModelConfig
+    assert GPU_SHAPES["Llama 3.2 1B, vocab 128256"]["tie_embeddings"]
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8,
+                      tie_embeddings=True)
+    for step in step_fns(cfg, 2, 8, torch.float32, ("ours", "transformers")).values():
+        step()
+
+
 @pytest.mark.slow      # ~2-4 s: matplotlib draws and saves the study's figure
 def test_the_init_study_says_a_run_that_diverged(tmp_path, monkeypatch, capsys):
     # `bench.py init` at a learning rate where a run goes to NaN printed that run's largest gradient norm
