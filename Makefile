@@ -3,7 +3,7 @@
 #   make test    installs into .venv and runs the test suite
 #   make test-fast   the tests that start no torch process (pytest -m "not slow"): under 2 minutes
 #   make bench ARGS="step --threads 1"   a benchmark of bench.py through .venv (docs/benchmarks.md)
-#   make clean   removes .venv, out and .cache
+#   make clean   removes .venv and .cache (what make built); keeps out/, your runs
 #   make help    this list (also plain `make`, which installs nothing)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -40,5 +40,9 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench.py $(ARGS)
 
+# out/ holds the runs' checkpoints and exports (days of training, perhaps): never deleted by a target
+# that says "clean" of itself; the user removes it by name.
 clean:
-	rm -rf $(VENV) out .cache
+	rm -rf $(VENV) .cache
+	@[ ! -e out ] || echo "make clean: kept out/ (your runs' checkpoints and exports); rm -rf out deletes them"
+

@@ -369,6 +369,21 @@ def test_plain_make_and_make_help_list_the_targets_and_install_nothing(tmp_path)
     assert os.listdir(tmp_path) == ["Makefile"]
 
 
+def test_make_clean_removes_what_make_built_and_keeps_the_runs(tmp_path):
+    """`make clean` ran `rm -rf .venv out .cache`: out/ is where every run writes its checkpoints and export by
+    default, so a user cleaning the venv lost their training. It removes what make built and names out/ as kept."""
+    import shutil
+    shutil.copy(os.path.join(ROOT, "Makefile"), tmp_path)
+    for d in (".venv/bin", ".cache/tok", "out/ckpt/step_00000010"):
+        os.makedirs(tmp_path / d)
+    (tmp_path / "out/ckpt/step_00000010/model.pt").write_bytes(b"weights")
+    r = subprocess.run(["make", "clean"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["Makefile", "out"], os.listdir(tmp_path)
+    assert (tmp_path / "out/ckpt/step_00000010/model.pt").read_bytes() == b"weights"
+    assert "kept out/" in r.stdout and "rm -rf out" in r.stdout, r.stdout
+
+
 def test_a_mixed_runs_fp32_export_carries_the_optimizers_fp32_master(tmp_path, capsys):
     """--optim.precision=mixed computes in bf16 weights, each the fp32 master copy (in the optimizer) rounded: the
     master is the trained weight. Its fp32 export wrote the bf16 weights widened (every tensor's low 16 bits zero),
