@@ -154,9 +154,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
 
 
 def _hf_rows(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
-    """Our tensor `name` as rows of Hugging Face tensors: (their names, a [rows, 2] table of (index
-    into the names, row in that tensor)) in our row order. qkv_proj: per KV group g, [q heads of g |
-    k_g | v_g]; gate_up_proj: [gate | up]."""
+    """Our tensor `name` as rows of HF tensors: (their names, a [rows, 2] table of (index into the names, row in that
+    tensor)) in our row order. qkv_proj: per KV group g, [q heads of g | k_g | v_g]; gate_up_proj: [gate | up]."""
     def rows(n, src=0):
         return torch.stack((torch.full((n,), src), torch.arange(n)), dim=1)
     hd, d = cfg.head_dim, cfg.dim
@@ -261,10 +260,12 @@ class SafetensorsFolder:
 
 
 @torch.no_grad()
-def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0) -> None:
+def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int = 1, tp_rank: int = 0,
+                 masters: dict | None = None) -> None:
     """Copy the weights of `folder` into this rank's model (a Llama, its TP shard or a pipeline
     stage, with the whole model's parameter names), reading only this rank's rows and columns
-    (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor)."""
+    (sharding.index: where TP rank tp_rank's piece of a parameter lies in our full tensor). masters: filled
+    with the file's values in fp32, a mixed run's master (bf16 params round fp16/fp32 files: Llama 2's are fp16)."""
     st, tables = check_weights(folder, cfg)
     full = param_shapes(cfg)
     for name, p in model.named_parameters():       # a tied matrix once, as embed.weight
@@ -274,14 +275,16 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
         rows, cols = sharding.index(name, full[name], cfg, tp, tp_rank)
         mine = table if rows is None else torch.where((rows >= 0).view(-1, 1), table[rows.clamp(min=0)], -1)
         cols = slice(None) if cols is None else cols
-        out = torch.zeros(p.shape, dtype=p.dtype)
+        out = torch.zeros(p.shape, dtype=p.dtype if masters is None else torch.float32)
         for i, s in enumerate(srcs):
             sel = mine[:, 0] == i
             if sel.any():
                 r = mine[sel, 1]
                 lo, hi = int(r.min()), int(r.max()) + 1        # a rank's rows of one source are contiguous
-                out[sel] = st.rows(s, lo, hi, cols)[r - lo].to(p.dtype)
+                out[sel] = st.rows(s, lo, hi, cols)[r - lo].to(out.dtype)
         p.copy_(out.to(p.device))
+        if masters is not None:
+            masters[name] = out
 
 
 def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dict]:
@@ -574,9 +577,8 @@ def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
 
 
 def check_export_dir(cfg: Config) -> str:
-    """<out_dir>/hf, where the run's final export goes (returned), checked before any work: a folder
-    holding nothing but an earlier export's files, none of the run's other folders inside it, and a
-    model there only if this run continues from a checkpoint (not a fresh run, nor a --ckpt.start_fresh one)."""
+    """<out_dir>/hf, the run's final export (returned), checked before any work: only an earlier export's files, none
+    of the run's other folders in it, a model there only if this run continues a checkpoint (not fresh, not start_fresh)."""
     folder = os.path.join(cfg.out_dir, "hf")
     if os.path.lexists(folder) and not os.path.isdir(folder):     # else makedirs fails after the whole run
         raise HFError(f"{folder} is {path_kind(folder)}, where the export goes: move it, or choose another --out_dir")

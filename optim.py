@@ -133,7 +133,7 @@ class AdamW:
     zero1 = False
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid | None = None, seed: int = 0,
-                 software_sr: bool = True):
+                 software_sr: bool = True, masters: dict | None = None):
         self.cfg, self.grid = cfg, grid or Grid()
         self.precision = cfg.precision
         # (name, param) pairs, or parameters alone as torch.optim takes them, named by position (a
@@ -160,7 +160,7 @@ class AdamW:
         self._gen = None                  # created on first use, on the params' device
         self.fp32_grads = cfg.precision == "mixed" and cfg.fp32_grad_acc
         self._grad_hooks = accumulate_grads_in_fp32(p for _, p in named) if self.fp32_grads else []
-        self.slots = self._make_slots()
+        self.slots = self._make_slots(masters=masters)    # "mixed": name -> the fp32 values its master starts from
 
     # --------------------------------------------------------------- state layout
     def _sr_key(self, name: str, sharing: str, offset: int, p=None) -> str:
@@ -171,8 +171,8 @@ class AdamW:
             return f"embed.weight|{sharing}|pp0|{offset}"
         return f"{name}|{sharing}|pp{self.grid.pp_rank}|{offset}"
 
-    def _make_slots(self, fresh: bool = True) -> list[_Slot]:
-        """The slots, as views into the state; fresh: create the state first (zeros, the master)."""
+    def _make_slots(self, fresh: bool = True, masters: dict | None = None) -> list[_Slot]:
+        """The slots, as views into the state; fresh: create the state first (zeros, the master: masters', else p)."""
         sdt = state_dtype(self.precision)
         if fresh:
             self.state = {}
@@ -181,7 +181,7 @@ class AdamW:
             if fresh:
                 st = {"exp_avg": torch.zeros_like(p, dtype=sdt), "exp_avg_sq": torch.zeros_like(p, dtype=sdt)}
                 if self.precision == "mixed":
-                    st["master"] = p.detach().float().clone()
+                    st["master"] = (masters or {}).get(n, p.detach()).to(p.device, torch.float32, copy=True)
                 self.state[n] = st
             st = self.state[n]
             flat = {k: t.view(-1) for k, t in st.items()}
@@ -383,12 +383,12 @@ class Zero1AdamW(AdamW):
     zero1 = True
 
     def __init__(self, named_params, cfg: OptimConfig, grid: Grid, seed: int = 0, software_sr: bool = True,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, masters: dict | None = None):
         self._grad_shard = None
-        super().__init__(named_params, cfg, grid, seed, software_sr)
+        super().__init__(named_params, cfg, grid, seed, software_sr, masters)
         self.buckets = self._plan_buckets(bucket_bytes)
 
-    def _make_slots(self, fresh: bool = True) -> list[_Slot]:
+    def _make_slots(self, fresh: bool = True, masters: dict | None = None) -> list[_Slot]:
         dp, r = self.grid.dp, self.grid.dp_rank
         for n, p in self.named:
             if not p.is_contiguous():
@@ -406,6 +406,7 @@ class Zero1AdamW(AdamW):
                 self.flat["master"] = torch.zeros(self.shard, dtype=torch.float32, device=device)
         slots = []
         for (n, p), start in zip(self.named, self.offsets):
+            source = masters[n].to(p.device).view(-1) if masters and n in masters else p.data.view(-1)
             for a, b, sharing, weight in sharding.tp_pieces(p, self.grid.tp_rank):
                 a, b = max(start + a, lo), min(start + b, hi)      # the part of the run on this shard
                 if a >= b:
@@ -415,7 +416,7 @@ class Zero1AdamW(AdamW):
                 if master is not None:
                     master = master[a - lo:b - lo]
                     if fresh:
-                        master.copy_(value)
+                        master.copy_(source[a - start:b - start])
                 slots.append(_Slot(n, p, value, self.flat["exp_avg"][a - lo:b - lo],
                                    self.flat["exp_avg_sq"][a - lo:b - lo], master, self._group_of[id(p)],
                                    self._sr_key(n, sharing, a - start, p), weight, a - lo, b - lo))
@@ -585,9 +586,9 @@ def check_rounding(precision: str, device: torch.device) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = None,
-                    software_sr: bool | None = None) -> AdamW:
-    """AdamW over the model's parameters, sharded with ZeRO-1 when cfg.parallel.zero1 and DP > 1.
-    software_sr defaults to on, except for params on an XLA device (Trainium rounds in hardware)."""
+                    software_sr: bool | None = None, masters: dict | None = None) -> AdamW:
+    """AdamW over the model's parameters, sharded with ZeRO-1 when cfg.parallel.zero1 and DP > 1. software_sr defaults
+    to on but for params on XLA (Trainium rounds in hardware). masters: "mixed"'s fp32 start (hf.load_sharded's)."""
     grid = grid or Grid()
     named = list(model.named_parameters())
     if software_sr is None:
@@ -595,5 +596,5 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, grid: Grid | None = Non
     if cfg.parallel.zero1 and grid.dp > 1:
         mb = cfg.parallel.zero1_bucket_mb        # a cap below a byte is the smallest, not 0's one bucket
         return Zero1AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr,
-                          bucket_bytes=max(1, int(mb * 2**20)) if mb > 0 else 0)
-    return AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr)
+                          bucket_bytes=max(1, int(mb * 2**20)) if mb > 0 else 0, masters=masters)
+    return AdamW(named, cfg.optim, grid, seed=cfg.seed, software_sr=software_sr, masters=masters)

@@ -272,16 +272,18 @@ def run(argv: list[str]) -> None:
         dtype = optim.param_dtype(cfg.optim.precision)
         model = layout.build_model(cfg, grid, device, dtype=dtype)
         loaded = ckpt.load_latest(names=set(model.state_dict()))
+        masters = {} if cfg.optim.precision == "mixed" else None     # the file's values, not their bf16 rounding
         if loaded is not None:
             model.load_state_dict(loaded.model)
         elif cfg.init_from:
-            hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank)
+            hf.load_sharded(model, cfg.init_from, cfg.model, grid.tp, grid.tp_rank, masters)
         else:
             parallel.init_weights(model, cfg, grid)
         model = parallel.move_model(model, device)      # XLA: filled on the host, then moved (build_model)
         if device.type == "xla":         # torch-xla's checkpoint adds the barrier XLA needs
             llama.use_xla_checkpointing(model)
-        optimizer = optim.build_optimizer(model, cfg, grid)
+        optimizer = optim.build_optimizer(model, cfg, grid, masters=masters)
+        del masters
         flops_tok = llama.flops_per_token(cfg.model, d.seq_len)
         log(f"model: {llama.num_params(cfg.model) / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP per "
             f"token, precision {cfg.optim.precision}, checkpointing {cfg.model.checkpointing}{optimizer.describe()}")

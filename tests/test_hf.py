@@ -480,6 +480,59 @@ def test_export_stamps_its_transformers_format_and_a_llama3_vocabulary_loads_wit
         assert regex_warning()
 
 
+def _mixed_init_from(rank: int, port: int, args: list, src: str):
+    """A rank of a mixed-precision run --init_from an fp32 folder: its optimizer's fp32 masters, as built, are the
+    folder's values of this rank's piece (sharding.cut of the full fp32 weights), its bf16 params their rounding."""
+    import optim
+    import sharding
+    import train
+    if port:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    full, build, seen = load_hf(src).state_dict(), optim.build_optimizer, []
+
+    def record(model, cfg, grid, *rest, **kwargs):
+        opt = build(model, cfg, grid, *rest, **kwargs)
+        kept = opt.masters()
+        for name, p in model.named_parameters():
+            want = sharding.cut(name, full[name], cfg.model, grid.tp, grid.tp_rank)
+            assert torch.equal(kept[id(p)], want), f"{name}: the master is not the folder's fp32 values"
+            assert torch.equal(p.detach(), want.to(p.dtype)), f"{name}: the bf16 param is not their rounding"
+        seen.append(len(kept))
+        return opt
+    optim.build_optimizer = record
+    try:
+        train.main(args)
+    finally:
+        optim.build_optimizer = build
+    assert seen and seen[0] > 0
+
+
+@pytest.mark.parametrize("layout", ["one process", pytest.param("tp2", marks=pytest.mark.slow),
+                                    pytest.param("zero1 dp2", marks=pytest.mark.slow)])
+def test_a_mixed_run_from_an_fp32_folder_starts_its_masters_from_the_files_values(tmp_path, layout):
+    """--optim.precision=mixed --init_from=FOLDER built its fp32 master weights from the bf16 params, the file's values
+    rounded: an fp32 (or Llama 2's fp16) checkpoint lost its low bits at the start of continued pretraining, the
+    rounding the master copy exists to avoid. The master now starts from the file's values at every layout."""
+    from gloo_spawn import free_ports, spawn
+    src = tmp_path / "fp32"
+    vocab = llama3_tokenizer(src)
+    torch.manual_seed(0)
+    llama3_hf(vocab_size=vocab, bos_token_id=0, eos_token_id=1, max_position_embeddings=64).save_pretrained(src)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    args = [f"--init_from={src}", f"--data={tmp_path}/docs.jsonl", "--data.seq_len=32", "--data.global_batch=4",
+            "--data.micro_batch=2", "--optim.max_steps=1", "--optim.precision=mixed", "--log.eval_interval=0",
+            "--log.sample_tokens=0", "--device=cpu", f"--out_dir={tmp_path}/run", "--log.tensorboard=",
+            f"--data.cache_dir={tmp_path}/cache", "--log.peak_tflops=1"]
+    if layout == "one process":
+        _mixed_init_from(0, 0, args, str(src))
+    else:
+        extra = ["--tp=2"] if layout == "tp2" else ["--parallel.zero1=true"]
+        spawn(_mixed_init_from, (free_ports(1)[0], args + extra, str(src)), 2, timeout_s=300)
+
+
 @pytest.mark.slow
 def test_continued_pretraining_at_tp2_and_complete_export(tmp_path):
     """train.py --init_from=HF_FOLDER at TP=2 (Llama 3.x: tied embeddings, llama3 rope, tokenizer.json):
