@@ -1,9 +1,8 @@
 """Sources: which files a --data spec names, and the documents of one file read by index.
 
-A rank reads only its own spans' documents and holds nothing per document: where a file's documents
-lie (a .jsonl file's line ends, an Arrow file's record batches) is an offsets index built once per
-file and node in the cache and memory-mapped by every rank, so the page cache holds it once
-(docs/data.md: memory at 1e9 documents).
+A rank reads only its own spans' documents and holds nothing per document: where a file's documents lie (a .jsonl
+file's line ends, an Arrow file's record batches) is an offsets index built once per file and node in the cache and
+memory-mapped by every rank, so the page cache holds it once (docs/data.md: memory at 1e9 documents).
 """
 from __future__ import annotations
 
@@ -28,11 +27,10 @@ import pyarrow.compute as pc
 
 from configs import ConfigError, path_kind
 
-# JSON lines, also compressed as public corpora ship them (C4, Dolma: .json.gz; the Pile: .jsonl.zst),
-# and .json: a decompressed .json.gz. A directory's .json files are its metadata (dataset_infos.json,
-# a model's config.json), so a .json is read only when named, alone or by a glob (dataset_files).
-# gzip, zstd and Parquet allow no cheap random access: training reads them through an Arrow copy
-# made once per node (prepare.cached).
+# JSON lines, also compressed as public corpora ship them (C4, Dolma: .json.gz; the Pile: .jsonl.zst), and .json: a
+# decompressed .json.gz. A directory's .json files are its metadata (dataset_infos.json, a model's config.json), so a
+# .json is read only when named, alone or by a glob (dataset_files). gzip, zstd and Parquet allow no cheap random
+# access: training reads them through an Arrow copy made once per node (prepare.cached).
 COMPRESSED = (".gz", ".zst")
 JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".md", ".rst", ".py", ".arrow", ".parquet", ".txt.gz", ".txt.zst") + JSON_LINES
@@ -66,23 +64,23 @@ def stdlib_files() -> list[str]:
 
 def dataset_files(folder: str, split: str = "train", left_out: list | None = None,
                   split_flag: str = "--data.split") -> list[str]:
-    """The documents' files in a directory: a Hugging Face dataset as `datasets` reads it (only `split`'s files, never
-    its card or scripts), any other directory every text file, recursively; hidden entries never (docs/data.md lists
-    the rules). `left_out` gets the files skipped that a user may have meant as data (.json, a type not read): said
-    at start, not dropped silently. A refusal names `split_flag`, the command's option that chooses the split."""
+    """A directory's documents' files: a Hugging Face dataset as `datasets` reads it (`split`'s files only, never its
+    card or scripts), else every text file, recursively; hidden entries never (docs/data.md). `left_out` gets skipped
+    files a user may have meant as data (.json, a type not read), said at start. Refusals name `split_flag`."""
     marker = os.path.join(folder, "dataset_dict.json")
     if os.path.isfile(marker):
-        with open(marker) as f:
-            splits = json.load(f).get("splits", [])
+        splits = json.loads(pathlib.Path(marker).read_text()).get("splits", [])
         named = [s for s in splits if s == split] or [s for s in splits if SPLITS.get(s, s) == SPLITS.get(split, split)]
         if len(named) != 1:     # 'val' names a 'validation' split, as a data file's name (docs/data.md)
             raise DataError(f"{folder} is a DatasetDict with splits {', '.join(splits)}, not {split!r}; "
                             f"choose one with {split_flag}")
         return dataset_files(os.path.join(folder, named[0]), split, left_out, split_flag)
     state = os.path.join(folder, "state.json")
-    if os.path.isfile(state):
-        with open(state) as f:
-            named = [os.path.join(folder, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    if os.path.isfile(state):       # one saved Dataset: the split it records (or its DatasetDict's), else all 'train'
+        state = json.loads(pathlib.Path(state).read_text())
+        dict_split = os.path.isfile(os.path.join(folder, os.pardir, "dataset_dict.json")) and os.path.basename(folder)
+        only_split(folder, split, split_flag, state.get("_split") or dict_split)
+        named = [os.path.join(folder, d["filename"]) for d in state.get("_data_files", [])]
         return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
     if len(configs := repo_configs(folder)) > 1:      # read one at a time, as datasets does (its default alone)
         name, pats, split = next(((n, f) for n, f, default in configs if default), (None, None)) + (SPLITS.get(split, split),)
@@ -103,25 +101,31 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
     if left_out is not None:
         left_out += [p for p in files if not p.endswith(SUFFIXES) or p.endswith(".json")]
     files = [p for p in files if not p.endswith(".json")]
-    data_files = [p for p in files if p.endswith(STRUCTURED)]
-    if not data_files:
-        return [p for p in files if p.endswith(SUFFIXES)]
-    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt", ".txt.gz", ".txt.zst"))      # text, compressed too
-                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
-    def split_of(p):    # a split's name as a word of a folder or file name, as datasets matches it (C4's
-        # en/c4-validation.00000-of-00008.json.gz): the separators are datasets' NON_WORDS_CHARS
+    def split_of(p):    # a split's word in a name, between datasets' NON_WORDS_CHARS (C4's c4-validation.0.json.gz)
         for part in os.path.relpath(p, folder).lower().split(os.sep):
             for word, name in SPLITS.items():
                 if re.fullmatch(rf"(.*[-._ 0-9])?{word}([-._ 0-9].*)?", part):
                     return name
         return None
-    found, want = {p: split_of(p) for p in data_files if p.endswith(STRUCTURED)}, SPLITS.get(split, split)
+    found, want = {p: split_of(p) for p in files if p.endswith(STRUCTURED)}, SPLITS.get(split, split)
+    only_split(folder, split, split_flag, want if any(found.values()) else None)
+    if not found:
+        return [p for p in files if p.endswith(SUFFIXES)]
+    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt", ".txt.gz", ".txt.zst"))      # text, compressed too
+                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
     if any(found.values()):
         if want not in found.values():
             raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
                             f"not {split!r}; choose one with {split_flag}")
         data_files = [p for p in data_files if found.get(p, want) == want]
     return data_files
+
+
+def only_split(folder: str, split: str, split_flag: str, had: str | None = None) -> None:
+    """A folder that names no split (had None) is 'train' whole: another split asked of it would read the same data."""
+    if SPLITS.get(split, split) not in ("train", SPLITS.get(had or "train", had)):
+        raise DataError(f"{folder} names no {split!r} split (all of it is {had or 'train'!r}): {split_flag}={split} "
+                        f"would read the same data; leave {split_flag} at its default or give the {split} data's own files")
 
 
 def repo_configs(folder: str) -> list[tuple[str, dict[str, list[str]], bool]]:
@@ -162,8 +166,7 @@ def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,
         elif (kind := path_kind(entry)) == "a file":
             found = [entry]
         elif kind == "nothing":
-            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs "
-                            f"or 'stdlib', comma-separated)")
+            raise DataError(f"data source {entry!r} does not exist (give files, directories, globs or 'stdlib')")
         else:
             raise DataError(f"data source {entry!r} is {kind}, not a file or a directory: give files, "
                             f"directories, globs or 'stdlib'")
@@ -389,9 +392,8 @@ class FileDocs(Source):
 
 
 class LineDocs(Source):
-    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The index
-    holds -1 (2 after a UTF-8 byte order mark), then where each line ends: line i is bytes
-    bounds[i] + 1 .. bounds[i + 1] of the file."""
+    """One document per line: .txt with doc_per_line, and .jsonl (parsed by the Corpus). The index holds -1 (2 after
+    a UTF-8 byte order mark), then where each line ends: line i is bytes bounds[i] + 1 .. bounds[i + 1] of the file."""
 
     def __init__(self, path: str, jsonl: bool, field: str, cache_dir: str = ".cache", field_flag: str = "--data.text_field"):
         self.path, self.jsonl, self.field, self.field_flag = path, jsonl, field, field_flag
@@ -435,11 +437,10 @@ class LineDocs(Source):
 
 
 class ColumnDocs(Source):
-    """A text column of an Arrow IPC file (stream or file format), memory-mapped. The batch index
-    holds every batch's first row, then where its message and its column's offsets, bytes and
-    validity bitmap lie: a document is two lookups into the map, no Arrow call (opening a batch costs
-    ~18 us). A compressed batch is opened by Arrow (the last BATCHES kept); a schema with dictionary
-    columns (never written by prepare or datasets) is read whole."""
+    """A text column of an Arrow IPC file (stream or file format), memory-mapped. The batch index holds every batch's
+    first row, then where its message and its column's offsets, bytes and validity bitmap lie: a document is two
+    lookups into the map, no Arrow call (opening a batch costs ~18 us). A compressed batch is opened by Arrow (the last
+    BATCHES kept); a schema with dictionary columns (never written by prepare or datasets) is read whole."""
 
     def __init__(self, path: str, field: str, cache_dir: str = ".cache", field_flag: str = "--data.text_field"):
         self.path, self.field, self.table, self.field_flag = path, field, None, field_flag

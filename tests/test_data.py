@@ -1153,6 +1153,31 @@ def test_a_folder_of_data_files_reads_its_compressed_text_as_its_text(tmp_path):
     assert [t for t, _, _ in c.read(range(c.n_docs))] == DOCS[:4]
 
 
+def test_a_split_asked_of_a_folder_that_names_none_is_refused_not_ignored(tmp_path):
+    """--data.split was read only where a folder names splits (a DatasetDict, a repository's configs, split words in
+    file names): a plain saved Dataset, a folder of unsplit JSON lines or of text files read WHOLE under
+    --data.split=validation, training on the data the user meant to keep apart, silently. Now refused, naming the
+    flag; the default 'train' reads them whole as before, and a Dataset's own recorded split is honoured."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": DOCS[:5]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    datasets.Dataset.from_dict({"text": DOCS[5:8]}, split=datasets.Split.VALIDATION).save_to_disk(str(tmp_path / "val"))
+    os.makedirs(tmp_path / "lines")
+    (tmp_path / "lines" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:3]))
+    os.makedirs(tmp_path / "texts")
+    (tmp_path / "texts" / "a.txt").write_text(DOCS[0])
+    for folder in ("ds", "lines", "texts"):
+        assert data.Corpus(str(tmp_path / folder)).n_docs > 0                           # train: the whole folder
+        with pytest.raises(data.DataError) as e:
+            data.Corpus(str(tmp_path / folder), split="validation")
+        assert str(e.value) == (f"{tmp_path / folder} names no 'validation' split (all of it is 'train'): "
+                                f"--data.split=validation would read the same data; leave --data.split at its "
+                                f"default or give the validation data's own files")
+    assert data.Corpus(str(tmp_path / "val"), split="val").n_docs == 3                  # its recorded split
+    with pytest.raises(data.DataError, match="all of it is 'validation'"):
+        data.Corpus(str(tmp_path / "val"), split="test")
+
+
 def test_datasets_folders_read_as_datasets_would(tmp_path):
     """A DatasetDict trains on its train split unless --data.split says otherwise; a cloned dataset
     repository yields its data files' documents only (not README.md or the loading script), of the
