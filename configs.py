@@ -82,7 +82,7 @@ class OptimConfig:
 class DataConfig:
     data: str = "stdlib"         # "stdlib" (embedded corpus), or files / dirs / globs, comma-separated
     tokenizer: str = ""          # a sentencepiece .model, a tokenizer.json or a folder with one; empty = train one and cache it
-    text_field: str = "text"     # column / JSON key holding the text
+    text_field: str = "text"     # column / JSON key holding the text: one for all sources, or one per --data source
     split: str = "train"         # the split read from a DatasetDict folder or a dataset repository
     doc_per_line: bool = False   # .txt: one document per line instead of one per file
     seq_len: int = 256           # tokens per training sequence

@@ -94,24 +94,31 @@ class Corpus:
         self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
         self.left_out = []
         entries, per_entry = mixture_files(spec, split, self.left_out, flags["data.split"])
+        # One text field for every source, or one per source in --data's order (a mixture of "text" and "content")
+        fields = [f.strip() for f in text_field.split(",")]
+        if len(fields) not in (1, len(entries)) or not all(fields):
+            raise DataError(f"{flags['data.text_field']}={text_field} names {len(fields)} fields for the {len(entries)} "
+                            f"sources of {flags['data.data']}: give one field for all, or one per source in its order")
+        field_of = {p: fields[i % len(fields)] for i, ps in enumerate(per_entry) for p in ps}
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
+            field = field_of[p]
             if stat[p].st_size == 0:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
-                self.sources.append(CachedDocs(p, prepare.cached(p, text_field, doc_per_line, cache_dir), text_field,
+                self.sources.append(CachedDocs(p, prepare.cached(p, field, doc_per_line, cache_dir), field,
                                                doc_per_line, cache_dir, flags["data.text_field"]))
                 if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
                     empty.append(p)                                         # said as its raw twin is
             elif p.endswith((".jsonl", ".json")):
-                self.sources.append(LineDocs(p, True, text_field, cache_dir, flags["data.text_field"]))
+                self.sources.append(LineDocs(p, True, field, cache_dir, flags["data.text_field"]))
             elif p.endswith(".arrow"):
-                self.sources.append(ColumnDocs(p, text_field, cache_dir, flags["data.text_field"]))
+                self.sources.append(ColumnDocs(p, field, cache_dir, flags["data.text_field"]))
             elif doc_per_line and p.endswith(".txt"):
-                self.sources.append(LineDocs(p, False, text_field, cache_dir))
+                self.sources.append(LineDocs(p, False, field, cache_dir))
             elif self.sources and isinstance(self.sources[-1], FileDocs):
                 self.sources[-1].paths.append(p)        # consecutive whole files share one source
                 self.sources[-1].n += 1
@@ -127,7 +134,7 @@ class Corpus:
             raise DataError(f"no documents in {spec!r} ({len(paths)} files, {self.empty_files} empty)")
         # Identity for caches and resume checks: file names and sizes (hashing a terabyte of content at
         # every start costs more than it protects; names, so the same files mounted elsewhere match).
-        ident = [text_field, doc_per_line, [(os.path.basename(p), stat[p].st_size) for p in paths]]
+        ident = [",".join(fields), doc_per_line, [(os.path.basename(p), stat[p].st_size) for p in paths]]
         if any(p.endswith(COPIED) for p in paths):      # and how their copies read (a resume over an older
             ident.append(prepare.RECIPE)                # copy's documents is refused); raw corpora: as before
         self.fingerprint = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]

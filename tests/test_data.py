@@ -250,6 +250,24 @@ def test_the_logged_mixture_counts_the_windows_read_also_after_a_data_reset(file
     assert restarted.mixture_counts().tolist() == restarted.stats()["windows_by_source"] == restarted.mixture_counts(2).tolist()
     assert restarted.mixture_counts().sum() == 8
 
+def test_each_source_of_a_mixture_may_name_its_own_text_field(tmp_path):
+    """--data.text_field applied to every source: a mixture of a JSON-lines file keyed "content" (The Stack's) and one
+    keyed "text" could not be read at all ('no text field'). It takes one field for all or one per source, in --data's
+    order; another count is refused naming both flags."""
+    code, prose = tmp_path / "code.jsonl", tmp_path / "prose.jsonl"
+    code.write_text("".join(json.dumps({"content": t, "text": "not this"}) + "\n" for t in DOCS[:4]))
+    prose.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[4:10]))
+    for spec in (f"{code}:0.3,{prose}:0.7", f"{code},{prose}"):
+        c = data.Corpus(spec, text_field="content, text", cache_dir=str(tmp_path / "c"))
+        assert [t for t, _, _ in c.read(np.arange(c.n_docs))] == DOCS[:10]
+    one = data.Corpus(f"{code},{prose}", text_field="text", cache_dir=str(tmp_path / "c"))    # one field for all
+    assert one.n_docs == 10 and one.fingerprint != c.fingerprint
+    with pytest.raises(data.DataError) as e:
+        data.Corpus(f"{code},{prose}", text_field="content,text,body", cache_dir=str(tmp_path / "c"))
+    assert str(e.value) == ("--data.text_field=content,text,body names 3 fields for the 2 sources of --data: give one "
+                            "field for all, or one per source in its order")
+
+
 def test_the_mixture_line_says_a_small_weight_as_it_is(files):
     """The logged mixture said weights as whole percents: a 0.995/0.005 mixture read 'a 99.5% (weight 100%),
     b 0.5% (weight 0%)', a weight of 0 that --data refuses. Shares and weights now to 3 digits."""
