@@ -69,6 +69,11 @@ fi
 # relies on all of them rounding the same sums the same way: one seed, set explicitly, on every
 # rank (the runtime's default is 0, but nothing then says so). monitor.py logs the spread of the
 # parameter norm over the DP group and warns when the replicas drift apart anyway.
+if [[ ! "${NANOTRN_SR_SEED:-0}" =~ ^[0-9]+$ ]]; then     # else the runtime meets it on every node, after the compile
+    echo "error: NANOTRN_SR_SEED=$NANOTRN_SR_SEED: give a whole number >= 0 (the seed of the hardware's stochastic" \
+         "rounding, the same on every rank), or leave it unset for 0" >&2
+    exit 2                                              # a configuration error: no retry can help (eks.py: FailJob)
+fi
 export NEURON_RT_STOCHASTIC_ROUNDING_SEED="${NANOTRN_SR_SEED:-0}"
 # trn2: two physical NeuronCore-v3 per logical core (LNC=2), the Neuron default, stated: 64 ranks
 # per trn2.48xlarge. The compiler's --logical-nc-config defaults to the same 2.
