@@ -134,6 +134,12 @@ if ((NNODES > 1)); then
         echo "error: NNODES=$NNODES needs MASTER_ADDR (the first node's host name; the sbatch script sets it)" >&2
         exit 2
     fi
+    if [[ "$MASTER_ADDR" =~ ^([^:]+):([0-9]+)$ ]]; then     # (an IPv6 address has several ':')
+        echo "error: MASTER_ADDR=$MASTER_ADDR holds a port: give the host alone, MASTER_ADDR=${BASH_REMATCH[1]}," \
+             "and the port as MASTER_PORT=${BASH_REMATCH[2]} (torchrun joins them; '$MASTER_ADDR:$MASTER_PORT'" \
+             "names no host)" >&2
+        exit 2
+    fi
     if [[ -n "$NODE_RANK" ]]; then
         launcher+=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
         restarts=0

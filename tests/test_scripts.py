@@ -344,6 +344,19 @@ def test_a_stochastic_rounding_seed_that_is_no_whole_number_is_refused_before_an
     assert ok.returncode == 0 and parse_dry_run(ok.stdout)[0]["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] == "7", ok.stderr
 
 
+def test_a_master_addr_with_a_port_is_refused_and_an_ipv6_address_is_not():
+    # MASTER_ADDR=node-0:29400 went into --master_addr (and the rendezvous endpoint 'node-0:29400:29500'): every
+    # node then failed to reach a host of that name after torchrun's timeout. Refused now in one line, before any node.
+    env = dict(DRY_RUN="1", NNODES="2", NODE_RANK="0", NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], MASTER_ADDR="node-0:29400", **env)
+    assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: MASTER_ADDR=node-0:29400 holds a port: give the host alone, "
+                               "MASTER_ADDR=node-0, and the port as MASTER_PORT=29400"), r.stderr
+    for addr in ("node-0", "fd00::12"):
+        ok = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], MASTER_ADDR=addr, **env)
+        assert ok.returncode == 0 and f"--master_addr={addr}" in ok.stdout, ok.stderr
+
+
 def _host_group_worker(rank, ports, out_dir):
     os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     import torch
