@@ -117,6 +117,9 @@ def check(args, train_args: list[str]):
         fail(str(e))
     if args.max_restarts < 0:
         fail(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if args.grace_period > 10**9:       # configs' bound on seconds (--ckpt.grace_s follows it); a float past it rounds
+        fail(f"--grace-period {args.grace_period}: give at most 1000000000 s (about 30 years), the bound of "
+             f"--ckpt.grace_s, which follows it")
     if args.grace_period < TORCHRUN_STOP_S + 5:
         fail(f"--grace-period {args.grace_period}: torchrun gives its workers {TORCHRUN_STOP_S} s after a "
              f"SIGTERM to save and exit; below {TORCHRUN_STOP_S + 5} s the kubelet kills torchrun first "

@@ -159,6 +159,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
         (["--nodes=2", *ARGS_7B, "--out_dir=out"], "--out_dir=out is not on the FSx mount /fsx"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/fsx/neuron-cache"], "not on FSx"),
         (["--nodes=2", *ARGS_7B, "--grace-period=30"], "--grace-period 30"),
+        (["--nodes=2", *ARGS_7B, f"--grace-period={10**20}"], f"--grace-period {10**20}: give at most 1000000000 s"),
         (["--nodes=2", *ARGS_7B, "--port=65535"], "--port 65535"),         # its next one: the health check's
         (["--nodes=2", *ARGS_7B, "--name=Big_Run"], "not a Kubernetes name"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/dev/shm"], "--cache-dir '/dev/shm' overlaps /dev/shm"),
