@@ -486,10 +486,10 @@ def _mixed_init_from(rank: int, port: int, args: list, src: str):
     import optim
     import sharding
     import train
-    if port:
+    if port:            # a spawned rank (in the test's own process the thread count stays as it is)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(1)
+        torch.set_num_threads(1)
     full, build, seen = load_hf(src).state_dict(), optim.build_optimizer, []
 
     def record(model, cfg, grid, *rest, **kwargs):

@@ -421,8 +421,8 @@ def test_a_resume_takes_its_weights_from_the_checkpoint_alone(tmp_path, monkeypa
     monkeypatch.setattr(llama, "init_param_part", no_init)
     monkeypatch.setattr(hf, "load_sharded", no_init)
     seen, build = {}, optim.build_optimizer
-    monkeypatch.setattr(optim, "build_optimizer", lambda model, *a: seen.update(
-        {k: v.clone() for k, v in model.state_dict().items()}) or build(model, *a))
+    monkeypatch.setattr(optim, "build_optimizer", lambda model, *a, **kw: seen.update(
+        {k: v.clone() for k, v in model.state_dict().items()}) or build(model, *a, **kw))
     train.main([*args, "--steps=2"])
     assert set(seen) == set(saved) and all(torch.equal(seen[k], v) for k, v in saved.items())
 
