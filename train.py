@@ -173,6 +173,9 @@ def check_tokenizer(cfg: configs.Config) -> None:
         check_vocab(cfg.model.vocab_size)
     if not tok or (tok == folder and data.find_tokenizer(folder) is None):
         return
+    gen = os.path.join(tok if os.path.isdir(tok) else os.path.dirname(tok), hf.GENERATION)
+    if os.path.isfile(gen):             # the export keeps it (hf.save_hf): a broken one refused now, not after the run
+        hf.json_object(gen, "re-download it, or remove it (the export then writes defaults)")
     if not folder:
         return data.build_tokenizer(cfg.data, cfg.model.vocab_size)      # loads it: no corpus read, nothing trained
     n, v = data.load_tokenizer(tok).vocab_size, cfg.model.vocab_size

@@ -403,6 +403,15 @@ def test_the_model_folders_generation_config_is_kept_by_both_exports(tmp_path):
     (tmp_path / "init" / "generation_config.json").write_text("{cut short")
     with pytest.raises(hf_io.HFError, match=r"init/generation_config.json is not a readable JSON object .*re-download it"):
         hf_io.apply_init_from(Config(init_from=str(tmp_path / "init")))
+    # beside a --data.tokenizer of its own (no --init_from): the export reads it there too, so a broken one was
+    # refused only by the export, after the whole run (HFError at train.py's end); now by check_tokenizer, before
+    import configs
+    import train
+    (tmp_path / "src" / "generation_config.json").write_text("{cut short")
+    for given in (tmp_path / "src", tmp_path / "src" / "tokenizer.json"):
+        cfg = configs.from_args([f"--data.tokenizer={given}", f"--out_dir={tmp_path / 'run'}"])
+        with pytest.raises(hf_io.HFError, match=r"src/generation_config.json is not a readable JSON object .*re-download"):
+            train.check_tokenizer(cfg)
 
 
 def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
