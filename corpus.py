@@ -97,8 +97,10 @@ class Corpus:
         # One text field for every source, or one per source in --data's order (a mixture of "text" and "content")
         fields = [f.strip() for f in text_field.split(",")]
         if len(fields) not in (1, len(entries)) or not all(fields):
-            raise DataError(f"{flags['data.text_field']}={text_field} names {len(fields)} fields for the {len(entries)} "
-                            f"sources of {flags['data.data']}: give one field for all, or one per source in its order")
+            what = (f"{len(fields)} fields for the {len(entries)} sources of {flags['data.data']}" if all(fields)
+                    else "an empty field")
+            raise DataError(f"{flags['data.text_field']}={text_field} names {what}: give one field for all, or one per "
+                            f"source in its order")
         field_of = {p: fields[i % len(fields)] for i, ps in enumerate(per_entry) for p in ps}
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system

@@ -79,7 +79,7 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
     if os.path.isfile(state):       # one saved Dataset: the split it records (or its DatasetDict's), else all 'train'
         state = json.loads(pathlib.Path(state).read_text())
         dict_split = os.path.isfile(os.path.join(folder, os.pardir, "dataset_dict.json")) and os.path.basename(folder)
-        only_split(folder, split, split_flag, state.get("_split") or dict_split)
+        only_split(folder, split, split_flag, dict_split or state.get("_split"))     # the dict's key names it
         named = [os.path.join(folder, d["filename"]) for d in state.get("_data_files", [])]
         return named or sorted(glob.glob(os.path.join(folder, "*.arrow")))
     if len(configs := repo_configs(folder)) > 1:      # read one at a time, as datasets does (its default alone)

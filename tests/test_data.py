@@ -266,6 +266,8 @@ def test_each_source_of_a_mixture_may_name_its_own_text_field(tmp_path):
         data.Corpus(f"{code},{prose}", text_field="content,text,body", cache_dir=str(tmp_path / "c"))
     assert str(e.value) == ("--data.text_field=content,text,body names 3 fields for the 2 sources of --data: give one "
                             "field for all, or one per source in its order")
+    with pytest.raises(data.DataError, match=r"^--data.text_field=content, names an empty field: give one field"):
+        data.Corpus(f"{code},{prose}", text_field="content,", cache_dir=str(tmp_path / "c"))
 
 
 def test_the_mixture_line_says_a_small_weight_as_it_is(files):
@@ -1192,6 +1194,13 @@ def test_a_split_asked_of_a_folder_that_names_none_is_refused_not_ignored(tmp_pa
                                 f"--data.split=validation would read the same data; leave --data.split at its "
                                 f"default or give the validation data's own files")
     assert data.Corpus(str(tmp_path / "val"), split="val").n_docs == 3                  # its recorded split
+    # a DatasetDict's split folder is that split whatever its Dataset records: train_test_split keeps the parent's
+    # '_split' ('train') in its test split, which 52822d0 refused as "names no 'test' split" (review finding F1)
+    trained = datasets.Dataset.from_dict({"text": DOCS[:5]}, split=datasets.Split.TRAIN)
+    trained.train_test_split(test_size=0.4, seed=0).save_to_disk(str(tmp_path / "dd"))
+    assert json.loads((tmp_path / "dd" / "test" / "state.json").read_text())["_split"] == "train"
+    assert data.Corpus(str(tmp_path / "dd"), split="test").n_docs == 2
+    assert data.Corpus(str(tmp_path / "dd")).n_docs == 3
     with pytest.raises(data.DataError, match="all of it is 'validation'"):
         data.Corpus(str(tmp_path / "val"), split="test")
 
