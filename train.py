@@ -418,6 +418,8 @@ def run(argv: list[str]) -> None:
                 x.close()
 
     if compile_only:
+        if llama.num_params(cfg.model) <= 1e9:      # the export's gathers: compiled now, not as the run ends
+            gather_for_export(layout, model, optimizer, grid, device)
         log(f"pre-compile pass: {step} steps traced, nothing saved or exported")
     elif step < cfg.optim.max_steps:                    # stopped by a signal: no export, exit cleanly
         log(f"{stopping}: stopped after step {step}, " + (f"saved in {cfg.ckpt.dir}" if saved == step else
@@ -436,8 +438,7 @@ def run(argv: list[str]) -> None:
         # exports from its checkpoint in one process instead.
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
     elif not done:           # the end: the full model exported in Hugging Face format, and a short sample
-        # mixed: the fp32 masters, of which the bf16 weights are the rounding (as checkpoint.py export's)
-        full = layout.gather_full_state_dict(model, grid, masters=optimizer.masters())
+        full = gather_for_export(layout, model, optimizer, grid, device)
         if grid.is_main:
             final = llama.Llama(cfg.model)      # fp32 on the host: a convert on XLA compiles a graph per shape
             final.load_state_dict({k: v.cpu().float() for k, v in full.items()})
@@ -451,6 +452,16 @@ def run(argv: list[str]) -> None:
     if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(stop.launcher):  # then a signal is no stop
         open(os.path.join(stop.launcher, f"ended.{grid.rank}"), "w").close()
     parallel.destroy(grid)
+
+
+def gather_for_export(layout, model, optimizer, grid: parallel.Grid, device: torch.device) -> dict:
+    """The full model on every rank, for rank 0's export; mixed: the fp32 masters, of which the bf16 weights are the
+    rounding (as checkpoint.py export's). The gathers are collectives, lazy on XLA: every rank launches them here,
+    together. Left to rank 0's host read alone, they would wait for peers that never join (they exit): a hang."""
+    full = layout.gather_full_state_dict(model, grid, masters=optimizer.masters())
+    if grid.tp * grid.pp > 1:               # (at TP=1, PP=1 no collective: copies, read on the host)
+        sync(device)
+    return full
 
 
 def main(argv: list[str], keep_signals: bool = False) -> None:

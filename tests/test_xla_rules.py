@@ -102,3 +102,55 @@ def test_rules_fail_what_the_xla_backend_cannot_run(tmp_path):
     for rank in range(4):
         caught = torch.load(tmp_path / f"caught.rank{rank}.pt")
         assert caught == {name: "ok" for name in VIOLATIONS}, (rank, caught)
+
+
+def _run_to_its_end(rank: int, port: int, args: list, precompile: bool, out_dir: str):
+    """A rank of a TP=2 or PP=2 run (or its pre-compile pass) under the rules: every collective it issues, and at each graph
+    cut (train.sync, the one place a rank launches its lazy graph on XLA) how many had been issued."""
+    import json
+    import train
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    if precompile:
+        os.environ["NEURON_EXTRACT_GRAPHS_ONLY"] = "1"
+    torch.set_num_threads(1)
+    rules, cuts, sync = xla_rules.install(), [], train.sync
+    train.sync = lambda device: (cuts.append(len(rules.log)), sync(device))
+    train.main(args)
+    with open(os.path.join(out_dir, f"{'pre' if precompile else 'run'}.rank{rank}.json"), "w") as f:
+        json.dump({"log": rules.log, "cuts": cuts}, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp=2"], ["--pp=2", "--parallel.pp_p2p=allgather", "--model.n_layers=2", "--micro_batch=1"]],
+                         ids=["tp2", "pp2"])
+def test_a_run_ends_with_every_collective_launched_by_every_rank(tmp_path, layout):
+    """On XLA a collective is lazy: it runs in the graph a rank launches at its next cut (or a host read of its
+    result). The end-of-run export gathered the TP shards (PP: the stages) on every rank, then rank 0 alone read them to the host: its
+    graph's all-gathers waited for peers that had exited (a hang as the run ends, the model unsaved), and no pre-compile
+    pass had traced them. Now every rank cuts after the gathers, and the pre-compile pass issues them as the run does."""
+    import json
+    import sysconfig
+    import shutil
+    import configs
+    import data
+    from gloo_spawn import free_ports, spawn
+    (tmp_path / "corpus").mkdir()
+    for name in ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py"):
+        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), tmp_path / "corpus" / name)
+    tok = data.build_tokenizer(configs.DataConfig(data=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "c")), 512)
+    args = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
+            "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2", "--micro_batch=2", "--model.vocab_size=512",
+            "--log.eval_interval=0", "--log.sample_tokens=0", "--log.peak_tflops=1", "--log.tensorboard=",
+            "--steps=2", *layout, "--device=cpu", f"--data={tmp_path}/corpus", f"--data.tokenizer={tok.path}",
+            f"--data.cache_dir={tmp_path}/c", f"--out_dir={tmp_path}/o"]
+    for precompile in (True, False):
+        spawn(_run_to_its_end, (free_ports(1)[0], args, precompile, str(tmp_path)), 2, timeout_s=300)
+    assert (tmp_path / "o" / "hf" / "config.json").exists()
+    for rank in range(2):
+        run, pre = (json.loads((tmp_path / f"{k}.rank{rank}.json").read_text()) for k in ("run", "pre"))
+        gathers = run["log"][run["cuts"][-2]:]          # the last step's parameter norm, then the export's
+        assert len(gathers) >= 9, gathers
+        assert run["cuts"][-1] == len(run["log"]), f"rank {rank}: {len(run['log']) - run['cuts'][-1]} collectives " \
+                                                  f"after the last cut: {run['log'][run['cuts'][-1]:]}"
+        assert pre["log"][-len(gathers):] == run["log"][-len(gathers):] and pre["cuts"][-1] == len(pre["log"]), rank
