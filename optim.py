@@ -298,8 +298,8 @@ class AdamW:
         return ""
 
     def masters(self) -> dict:
-        """id(param) -> its fp32 master copy shaped as the param ("mixed", else {}): the trained weight the bf16 param
-        rounds, which train.py's export carries. Collective under ZeRO-1 (an all-gather over DP)."""
+        """id(param) -> its fp32 master (the weight its bf16 rounds; "mixed", else {}) on its device: train.py's export
+        gathers it, and xla's collectives take device tensors only. Collective under ZeRO-1 (an all-gather over DP)."""
         return {id(p): self.state[n]["master"] for n, p in self.named if "master" in self.state[n]}
 
     def state_bytes(self) -> int:
@@ -463,8 +463,8 @@ class Zero1AdamW(AdamW):
             return {}
         full = torch.empty(self.shard * self.grid.dp, dtype=torch.float32, device=self.flat["master"].device)
         dist.all_gather_into_tensor(full, self.flat["master"], group=self.grid.dp_group)
-        full = full.cpu()   # cut on the host (XLA: a graph a slice shape); all of it: train.py exports under 1B only
-        return {id(p): full[a:a + p.numel()].view(p.shape) for (_, p), a in zip(self.named, self.offsets)}
+        full = full.cpu()   # cut on the host (XLA: a graph a slice shape), each back by a transfer; train.py: <= 1B
+        return {id(p): full[a:a + p.numel()].view(p.shape).to(p.device) for (_, p), a in zip(self.named, self.offsets)}
 
     def _layout(self) -> dict:
         # The flat index (names and shapes in order): reshard.py cuts the shards back into parameters.

@@ -779,3 +779,35 @@ def _zero1_bucket_worker(rank: int, world: int, store_file: str):
 @pytest.mark.slow
 def test_zero1_buckets_match_one_process_bitwise(tmp_path):
     spawn(_zero1_bucket_worker, (2, str(tmp_path / "store")), nprocs=2)
+
+
+ZERO1_MASTERS_ON_XLA = r"""
+import sys, torch, torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import optim, parallel
+from test_optim import tiny_config, tiny_model
+dist.init_process_group("xla", init_method="xla://")            # a world of one: the xla backend's own checks
+cfg = tiny_config("mixed")
+model = tiny_model(cfg).to(torch_xla.device())
+opt = optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, parallel.Grid(dp=1, dp_group=dist.group.WORLD))
+kept = opt.masters()
+for name, p in model.named_parameters():
+    t = kept[id(p)]
+    assert t.device == p.device, f"{name}: the master is on {t.device}, the param on {p.device}"
+    parallel._all_gather(t, dist.group.WORLD, dim=0)           # the export's TP gather of it
+    parallel.broadcast(t.clone(), 0, dist.group.WORLD)         # the pipeline's, over PP
+print("ok", len(kept))
+"""
+
+
+def test_zero1_masters_are_device_tensors_the_xla_backend_gathers():
+    """A mixed ZeRO-1 run's export (TP > 1 or PP > 1, up to 1B) gathers each param's fp32 master over TP (broadcasts it
+    over PP); ZeRO1.masters() handed them on the host, as it cuts them there, and the xla backend takes only XLA
+    tensors: 'RuntimeError: Expected XLA tensor. Got: torch.FloatTensor' after the whole run. They now go back to the
+    device (a transfer each, no graph), as AdamW's are. Checked by the xla backend itself, in a world of one on XLA:CPU."""
+    import subprocess
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", ZERO1_MASTERS_ON_XLA, root], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=root)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
