@@ -781,15 +781,31 @@ def test_zero1_buckets_match_one_process_bitwise(tmp_path):
     spawn(_zero1_bucket_worker, (2, str(tmp_path / "store")), nprocs=2)
 
 
-ZERO1_MASTERS_ON_XLA = r"""
+ZERO1_ON_XLA = r"""
 import sys, torch, torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import optim, parallel
-from test_optim import tiny_config, tiny_model
+import optim, parallel, train
+from test_optim import tiny_config, tiny_model, batch
 dist.init_process_group("xla", init_method="xla://")            # a world of one: the xla backend's own checks
-cfg = tiny_config("mixed")
-model = tiny_model(cfg).to(torch_xla.device())
-opt = optim.Zero1AdamW(list(model.named_parameters()), cfg.optim, parallel.Grid(dp=1, dp_group=dist.group.WORLD))
+grid = parallel.Grid(dp=1, dp_group=dist.group.WORLD)
+dev = torch_xla.device()
+def trained(precision, zero1):
+    cfg = tiny_config(precision)
+    model = tiny_model(cfg).to(dev)
+    named = list(model.named_parameters())
+    opt = optim.Zero1AdamW(named, cfg.optim, grid, bucket_bytes=1024) if zero1 else optim.AdamW(named, cfg.optim, grid)
+    for s in range(2):
+        tok, tgt = batch(s)
+        b = {"tokens": tok, "positions": torch.arange(tok.shape[1]).expand_as(tok), "targets": tgt}
+        train.train_step(model, opt, [{k: v.to(dev) for k, v in b.items()}], grid, cfg, cut=torch_xla.sync)
+        torch_xla.sync()
+    return model, opt
+ref, _ = trained("fp32", False)
+model, opt = trained("fp32", True)                  # 1 KB buckets: many reduce-scatters and all-gathers
+assert len(opt.buckets) > 4, len(opt.buckets)
+for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert torch.equal(p.cpu(), q.cpu()), f"{name}: ZeRO-1 on the xla backend is not AdamW's"
+model, opt = trained("mixed", True)
 kept = opt.masters()
 for name, p in model.named_parameters():
     t = kept[id(p)]
@@ -800,14 +816,17 @@ print("ok", len(kept))
 """
 
 
-def test_zero1_masters_are_device_tensors_the_xla_backend_gathers():
-    """A mixed ZeRO-1 run's export (TP > 1 or PP > 1, up to 1B) gathers each param's fp32 master over TP (broadcasts it
-    over PP); ZeRO1.masters() handed them on the host, as it cuts them there, and the xla backend takes only XLA
-    tensors: 'RuntimeError: Expected XLA tensor. Got: torch.FloatTensor' after the whole run. They now go back to the
-    device (a transfer each, no graph), as AdamW's are. Checked by the xla backend itself, in a world of one on XLA:CPU."""
+@pytest.mark.slow
+def test_zero1_runs_on_the_xla_backend_and_its_masters_are_device_tensors():
+    """ZeRO-1's bucketed reduce-scatters and all-gathers through the real xla backend (ProcessGroupXla, in a world of
+    one on XLA:CPU: its own checks of operands), 2 steps equal to AdamW's bit for bit in fp32. And a mixed ZeRO-1 run's
+    export (TP > 1 or PP > 1, up to 1B) gathers each param's fp32 master over TP (broadcasts it over PP): masters()
+    handed them on the host, as it cuts them there, and the xla backend takes only XLA tensors: 'RuntimeError: Expected
+    XLA tensor. Got: torch.FloatTensor' after the whole run. They now go back to the device (a transfer each, no
+    graph), as AdamW's are."""
     import subprocess
     env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", ZERO1_MASTERS_ON_XLA, root], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", ZERO1_ON_XLA, root], capture_output=True, text=True, env=env,
                        timeout=300, cwd=root)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
