@@ -11,6 +11,7 @@ whose it is, and what a run may do to the folders in it (docs/checkpoints.md dra
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -245,6 +246,8 @@ class CkptDir:
             return (f"--ckpt.dir {root} is one checkpoint, not a checkpoint directory: give the directory that "
                     f"holds it, {root.resolve().parent} (a run resumes from its newest valid checkpoint; to resume "
                     f"from this one, copy it and that directory's tokenizer/ into a new directory, and give that)")
+        # what this claim creates, removed again by release() if the run leaves nothing else (a start refused)
+        self.made = ([p for p in (root, *root.parents) if not p.exists()], not (root / "run.lock").exists())
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd = os.open(root / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -282,9 +285,17 @@ class CkptDir:
         return problem
 
     def release(self):
-        if self.lock is not None:
-            os.close(self.lock)           # releases the flock
-            self.lock = None
+        if self.lock is None:
+            return
+        dirs, new_lock = self.made        # a run refused before it kept anything (bad data): no trace of it
+        gone = new_lock and os.listdir(self.root) == ["run.lock"]
+        if gone:
+            (self.root / "run.lock").unlink()       # while locked: a run starting now makes its own
+        os.close(self.lock)               # releases the flock
+        self.lock = None
+        for d in dirs if gone else []:    # the folders claim() made, deepest first, while empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     def foreign(self) -> str | None:
         """What is not nanotrn's and would be replaced or written into: a `latest` that is not its

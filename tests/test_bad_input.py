@@ -923,6 +923,27 @@ def test_launch_sh_names_a_compile_cache_it_cannot_create(tmp_path):
                                             "folder on this node's own disk"] and not r.stdout, (r.stderr, r.stdout)
 
 
+def test_a_run_refused_for_its_data_leaves_no_trace(W, tmp_path):
+    """train.py claims its checkpoint directory (run.lock, the folders made for it) before the data's checks, which
+    need the lock's other work (the span index) first: a run refused for its data (a JSON field, a corpus too small)
+    left out/ckpt/run.lock behind. What the claim made goes again when the run kept nothing; a folder the user had,
+    or a lock an earlier run left, stays as it was."""
+    (tmp_path / "a.jsonl").write_text('{"body": "some text"}\n')
+    (tmp_path / "small.txt").write_text("tiny text\n")
+    (tmp_path / "had").mkdir()
+    (tmp_path / "had" / "notes.txt").write_text("mine")
+    (tmp_path / "ran" / "ckpt").mkdir(parents=True)
+    (tmp_path / "ran" / "ckpt" / "run.lock").write_text("pid 1 on another host")
+    for data, why in (("a.jsonl", "no text field 'text'"), ("small.txt", "add data")):
+        for out in ("new/o", "had", "ran"):
+            before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+            with pytest.raises(Exception, match=why):
+                train.main([*TINY, f"--data={tmp_path}/{data}", f"--data.tokenizer={W}/tok.model",
+                            f"--out_dir={tmp_path}/{out}", f"--data.cache_dir={tmp_path}/cache"])
+            after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "cache" not in p.parts)
+            assert after == [p for p in before if not p.startswith("cache")], (data, out, set(after) ^ set(before))
+
+
 def test_a_checkpoint_disk_too_full_for_the_tokenizer_is_one_line(W, tmp_path, monkeypatch):
     """The run keeps its tokenizer beside the checkpoints before its first step: on a disk with room
     for run.lock and no more (an 8 KiB tmpfs; a simulated ENOSPC where mounting is not allowed) that
