@@ -151,11 +151,13 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
     m, p, d, cpu = cfg.model, cfg.parallel, cfg.data, device.type == "cpu"
     act = 2 * d.micro_batch * d.seq_len**2 if cpu and d.document_mask else 0
     largest, what = max((m.vocab_size * m.dim, f"the embedding (--model.vocab_size={m.vocab_size} x --model.dim={m.dim})"),
-                        (m.ffn_dim * m.dim, f"an MLP weight (--model.ffn_dim={m.ffn_dim} x --model.dim={m.dim})"))
+                        (m.ffn_dim * m.dim, f"an MLP weight (--model.ffn_dim={m.ffn_dim} x --model.dim={m.dim})"),
+                        (m.n_heads * m.head_dim * m.dim, f"an attention weight (--model.n_heads={m.n_heads} x head dim "
+                                                         f"{m.head_dim} x --model.dim={m.dim})"))
     need = llama.num_params(m) / (p.tp * p.pp) * (16 if cpu else 4) + 4 * largest
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if need + act > have:
-        batch = f", a [B, T, T] mask (--data.micro_batch={d.micro_batch}, --data.seq_len={d.seq_len}) {act / 2**30:,.0f} GiB more"
+        batch = f", a [B, T, T] mask (--data.micro_batch={d.micro_batch}, --data.seq_len={d.seq_len}) {act / 2**30:,.1f} GiB more"
         raise configs.ConfigError(
             f"the run does not fit in memory: {llama.num_params(m) / 1e9:.3g}B parameters need {need / 2**30:,.0f} GiB per "
             f"process (its largest weight, {what}, alone {4 * largest / 2**30:,.1f} GiB){batch if act else ''}, but this "

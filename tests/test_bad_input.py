@@ -244,6 +244,9 @@ CASES = [
      ["--model.vocab_size=1000000000", "does not fit"], 1, True),
     ("dim 2^20", T("--model.dim=1048576", "--model.n_heads=2", "--model.max_seq_len=32"),
      ["--model.dim=1048576", "does not fit"], 1, True),
+    ("head dim 2^30", T("--model.head_dim_override=1073741824", "--model.n_kv_heads=2"),
+     ["does not fit", "its largest weight, an attention weight (--model.n_heads=2 x head dim 1073741824 x --model.dim=32), "
+      "alone 256.0 GiB"], 1, True),
     # ---- train.py: every path's kind
     ("out_dir is a file", T("--out_dir={W}/afile"), ["--out_dir", "afile", "is a file"], 1, True),
     ("ckpt.dir is a file", T("--ckpt.dir={W}/afile"), ["--ckpt.dir", "afile", "is a file"], 1, True),
