@@ -187,7 +187,7 @@ def bench_step(args):
     gpu = device.type == "cuda"
     shapes = GPU_SHAPES if gpu else STEP_SHAPES
     small = shapes["1B body, vocab 512"]
-    if args.step_tokens < 0 or args.step_tokens % small["batch"]:
+    if not gpu and (args.step_tokens < 0 or args.step_tokens % small["batch"]):      # (a GPU runs no such rows)
         raise SystemExit(f"--step_tokens={args.step_tokens}: give a multiple of {small['batch']} "
                          f"(the batch; e.g. 4096 = 4 x 1024), or 0 for the 512-token trainer rows only")
     bodies = [small] if gpu or not args.step_tokens else [small, dict(small, seq=args.step_tokens // small["batch"])]

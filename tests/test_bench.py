@@ -60,6 +60,23 @@ def test_the_steps_compared_run_the_models_loss_as_the_trainer_does(monkeypatch)
     assert seen == {"ours": 1 / 16, "bare step": 1 / 16, "trainer": 1 / 16}
 
 
+def test_step_tokens_is_checked_only_where_it_is_used():
+    """--step_tokens sizes the CPU's second pair of trainer rows; on a GPU the trainer pair runs at the 1B body only,
+    yet a GPU run refused a value it never uses ('--step_tokens=3: give a multiple of 4'). Checked on the CPU only."""
+    import argparse
+    import torch
+    from benchmarks import step
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU here, the GPU case would run the whole bench")
+    args = argparse.Namespace(steps=1, device=torch.device("cuda"), step_tokens=3, dtype="bfloat16")
+    with pytest.raises(Exception) as e:     # past the check, the GPU path needs the GPU this machine lacks
+        step.bench_step(args)
+    assert "--step_tokens" not in str(e.value)
+    args.device = torch.device("cpu")
+    with pytest.raises(SystemExit, match="--step_tokens=3: give a multiple of 4"):
+        step.bench_step(args)
+
+
 @pytest.mark.slow      # ~4 s: transformers' import
 def test_the_step_bench_compares_a_tied_model_with_transformers_tied_too():
     # bench.py step's GPU shapes are Llama 3.2 1B's, whose head is the embedding: loading our state into
