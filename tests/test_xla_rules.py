@@ -154,3 +154,64 @@ def test_a_run_ends_with_every_collective_launched_by_every_rank(tmp_path, layou
         assert run["cuts"][-1] == len(run["log"]), f"rank {rank}: {len(run['log']) - run['cuts'][-1]} collectives " \
                                                   f"after the last cut: {run['log'][run['cuts'][-1]:]}"
         assert pre["log"][-len(gathers):] == run["log"][-len(gathers):] and pre["cuts"][-1] == len(pre["log"]), rank
+
+
+XLA_WORLD_OF_ONE = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
+import model as llama, parallel, reshard, sharding, train
+from test_optim import tiny_config, batch
+dist.init_process_group("xla", init_method="xla://")
+dev, W = torch_xla.device(), dist.group.WORLD
+tok, tgt = batch(0)
+pos = torch.arange(tok.shape[1]).expand_as(tok)
+for sp in (False, True):
+    for tied in (False, True):
+        cfg = tiny_config("fp32")
+        cfg.model.tie_embeddings = tied
+        ref = llama.Llama(cfg.model).init_weights(cfg.seed)
+        grid = parallel.Grid(tp=1, tp_group=W, dp_group=W)
+        with torch.device("meta"):
+            m = llama.Llama(cfg.model)
+            parallel.tensor_parallelize(m, grid, sp)        # every region operator, over a TP group of one
+        m.to_empty(device="cpu")
+        parallel.tie_embeddings(m)
+        sharding.mark(m, 1, sp)
+        m.load_state_dict(ref.state_dict())
+        m = parallel.move_model(m, dev)
+        loss = m(tok.to(dev), pos.to(dev), None, tgt.to(dev))
+        loss.backward()
+        torch_xla.sync()
+        want = ref(tok, pos, None, tgt)
+        want.backward()
+        assert abs(float(loss) - float(want)) < 1e-3 * abs(float(want)), (sp, tied, float(loss), float(want))
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.allclose(parallel.grad_of(p).cpu(), q.grad, atol=1e-5), (sp, tied, n)
+        assert float(parallel.param_norm(m, grid)) > 0 and float(parallel.replica_spread(loss, grid)) == 0
+class Batches:
+    def reset(self):
+        self.i = 0
+    def __next__(self):
+        self.i += 1
+        return {"tokens": tok, "positions": pos, "targets": tgt}
+assert abs(float(train.evaluate(m, Batches(), 2, grid, dev, cut=torch_xla.sync)) - float(want) / tgt.numel()) < 1e-3
+state = reshard.broadcast_state({"w": torch.arange(10.0), "s": 5}, grid, reader=0, device=dev)
+assert state["s"] == 5 and torch.equal(state["w"], torch.arange(10.0))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_project_collectives_run_on_the_real_xla_backend_in_a_world_of_one():
+    """Multi-process XLA does not run on CPU, but the real xla backend (ProcessGroupXla) does in a world of one, with
+    its own checks of every operand (it takes XLA tensors only: that caught ZeRO-1's host masters, test_optim). Every
+    TP/SP region operator (tensor_parallelize over a TP group of one rank), plain and tied, forward and backward,
+    equals the plain model; the parameter norm, the replicas' spread, the evaluation's all-reduces and the resume's
+    broadcast_state run through it too."""
+    import subprocess
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", XLA_WORLD_OF_ONE, root], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=root)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
