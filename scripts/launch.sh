@@ -324,7 +324,7 @@ if ((stopping && ended == NPROC_PER_NODE)); then
     echo "launch.sh: the run had ended (--optim.max_steps) before the signal: exit 0" >&2
     rc=0
 elif ((stopping && rc == 0)) && [[ -n "${JOB_COMPLETION_INDEX:-}" ]]; then
-    echo "launch.sh: stopped with a checkpoint: exit 143, so that the Job replaces this pod to continue" >&2
+    echo "launch.sh: stopped by the signal: exit 143, so that the Job replaces this pod to continue (from the newest checkpoint)" >&2
     rc=143
 fi
 exit "$rc"

@@ -616,7 +616,7 @@ def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
                                    "--dp=2", *TINY_RUN, cache_arg()], env, 3, signal.SIGTERM)
     assert rc == 143, err[-3000:]
     assert "launch.sh: SIGTERM: asking the workers of torchrun" in err
-    assert "launch.sh: stopped with a checkpoint: exit 143, so that the Job replaces this pod" in err
+    assert "launch.sh: stopped by the signal: exit 143, so that the Job replaces this pod" in err
     # Ports it cannot reserve (no sudo here, or one that asks a password): its one warning, not sudo's line too.
     assert "sudo:" not in err, err[:2000]
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
