@@ -108,6 +108,8 @@ def check(args, train_args: list[str]):
              f"Job's health check), not {RUNTIME_PORT - 1} or {RUNTIME_PORT} (the Neuron runtime's)")
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?", args.shm):
         fail(f"--shm {args.shm!r} is not a Kubernetes quantity: give e.g. 64Gi")
+    if not float(re.match(r"[0-9.]+", args.shm).group()):     # an empty /dev/shm: every batch through it fails
+        fail(f"--shm {args.shm!r}: give a size above zero, e.g. 64Gi (the data loader's workers pass batches there)")
     if args.out and (kind := path_kind(args.out)) not in ("nothing", "a directory"):
         fail(f"--out {args.out} is {kind}: give a directory")
     try:                    # one it can write into: /proc is a directory even root cannot (mkdir's traceback after the checks)
