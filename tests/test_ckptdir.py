@@ -364,9 +364,13 @@ def test_a_prune_cut_short_leaves_no_step_folder_and_the_next_prune_finishes_it(
     assert [d.name for _, d in ckptdir.scan(root)] == ["step_00000002"]
     ck = start(cfg_for(root, "--ckpt.keep=1"))
     assert ck.load_latest().step == 2
+    (root / "step_final_eval.pruning").mkdir()          # a user's folder, named alike: not prune's to finish
+    (root / "step_final_eval.pruning" / "notes.txt").write_text("keep")
     ck.save(3, {"w": torch.ones(4)}, {"m": torch.ones(2)})
     ck.close()
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003",
+                                                                                   "step_final_eval.pruning"]
+    assert (root / "step_final_eval.pruning" / "notes.txt").read_text() == "keep"
 
 
 # ----------------------------------------------------------------------------- item 3
