@@ -517,6 +517,20 @@ def test_evaluation_and_saves_are_off_the_clock(monkeypatch):
     assert rates == ["1,000 tok/s"] * 3, lines
 
 
+def test_the_data_wait_share_is_the_intervals_waits_over_its_time(monkeypatch):
+    """"data wait X%" (and perf/data_wait_share): the share of the log interval's time the steps waited for their
+    batches, every step's wait added, not the last one's alone: 4 steps of 1 s, waiting 0.5, 0, 0 and 0 s, is 12%."""
+    now = [0.0]
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    lines = []
+    mon = Monitor(small_cfg(None, interval=4), flops_per_token=1.0, peak_flops=0.0, print_fn=lines.append)
+    for s, wait in zip(range(1, 9), (0.5, 0, 0, 0, 0, 0, 0, 0.25)):
+        now[0] += 1.0
+        mon.step(s, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=1000, data_wait=wait)
+    waits = [part for line in lines for part in line.split(" | ") if part.startswith("data wait")]
+    assert waits == ["data wait 12%", "data wait 6%"], lines
+
+
 @pytest.mark.parametrize("how", ["full", "removed"])
 def test_an_event_folder_that_cannot_be_written_costs_the_events_not_the_run(tmp_path, capfd, monkeypatch, how):
     """TensorBoard is a view of the run: a disk that fills up under the event files (an 8 KiB tmpfs,
