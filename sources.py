@@ -343,21 +343,22 @@ class Source:
 
     def _check_first_record(self):
         """JSON lines: a wrong file or field shows on the first record: refuse it now, not mid-training."""
-        i = next((i for i in range(self.n) if self.read([i])[0].strip()), None)
+        lines = (j for j in range(self.n) if self.read([j])[0].strip())      # the non-blank ones
+        i = next(lines, None)
         if i is None:
             return
         line = self.read([i])[0].decode("utf-8", "replace")
-        if line.lstrip().startswith("["):      # a .json of one JSON array (Alpaca's): what users meet first
+        try:
+            rec, bad = json.loads(line), ""
+        except json.JSONDecodeError as e:
+            rec, bad = None, f"not JSON ({e.msg})"
+        if line.lstrip().startswith("[") and (bad or next(lines, None) is None):    # pretty-printed, or one line
             raise DataError(f"{self.path} holds one JSON array, not JSON lines (one object a line): convert it, "
                             f"e.g. {array_to_lines(self.path)}")
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{self.path}:{i + 1}: not JSON ({e.msg}); each line of a .jsonl file "
-                            f"must be one JSON object") from None
-        if not isinstance(rec, dict) or self.field not in rec:
-            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has "
-                            f"{sorted(rec) if isinstance(rec, dict) else type(rec).__name__}: set "
+        if bad or not isinstance(rec, dict):
+            raise DataError(f"{self.path}:{i + 1}: {bad or f'a JSON {type(rec).__name__}'}: each line must be one JSON object")
+        if self.field not in rec:
+            raise DataError(f"{self.path}:{i + 1}: no text field {self.field!r}; the record has {sorted(rec)}: set "
                             f"{self.field_flag} to the one holding the text")
 
 
@@ -581,10 +582,9 @@ class CachedDocs(ColumnDocs):
         if self.jsonl:
             self._check_first_record()
 
-    def where(self, i):
-        if self.path.endswith(".parquet"):
-            return super().where(i)
-        return f"{self.path}:{i + 1}" if self.lines else self.path
+    def where(self, i):                 # a Parquet file's rows as a column's; the raw reader's names else
+        parquet = self.path.endswith(".parquet")
+        return super().where(i) if parquet else f"{self.path}:{i + 1}" if self.lines else self.path
 
 
 def text_column(table: pa.Table, field: str, path: str, field_flag: str = "--data.text_field") -> pa.ChunkedArray:

@@ -309,6 +309,22 @@ def test_a_json_file_of_one_array_is_refused_naming_the_conversion(tmp_path, ind
         data.Corpus(str(p))
 
 
+def test_json_lines_whose_first_line_is_a_list_are_not_called_one_json_array(tmp_path):
+    """A JSON-lines file whose first line is a list ([1]) and whose other lines are records was refused as "holds
+    one JSON array, not JSON lines", false, with a jq line that turns it into other data; it is refused naming the
+    line and what it holds. A one-line array (the whole file) is still named as one."""
+    import data
+    p = tmp_path / "first_bad.jsonl"
+    p.write_text("[1]\n" + "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    with pytest.raises(data.DataError) as e:
+        data.Corpus(str(p))
+    assert "JSON array" not in str(e.value) and "jq" not in str(e.value), e.value
+    assert "first_bad.jsonl:1: a JSON list: each line must be one JSON object" in str(e.value), e.value
+    (tmp_path / "one.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}]) + "\n")
+    with pytest.raises(data.DataError, match="one.jsonl holds one JSON array, not JSON lines"):
+        data.Corpus(str(tmp_path / "one.jsonl"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["alpaca.jsonl", "alpaca.json", "alpaca.json.gz", "my data.jsonl.zst"])
 def test_the_array_conversion_line_writes_a_new_file_and_works(tmp_path, name):
