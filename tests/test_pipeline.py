@@ -498,11 +498,13 @@ def _tied_sync_worker(rank: int, world: int, store_file: str):
             model = seeded_model(cfg, grid, build=pipeline.build_model, dtype=torch.bfloat16)
             opt = optim.build_optimizer(model, cfg, grid, software_sr=software)
             copy = model.embed.weight if model.first else model.lm_head.weight
+            updated = []                        # the first stage's embedding as its update left it
 
             def nudged(o, verdict):
                 out = guarded(o, verdict)
                 if not model.first:
                     copy.data.copy_(torch.nextafter(copy.data, torch.tensor(float("inf"), dtype=copy.dtype)))
+                updated[:] = [copy.data.clone()]
                 return out
             optim.guarded_step = nudged
             try:
@@ -512,6 +514,9 @@ def _tied_sync_worker(rank: int, world: int, store_file: str):
                 optim.guarded_step = guarded
             both = [torch.empty_like(copy.data) for _ in range(2)]
             dist.all_gather(both, copy.data.contiguous())
+            first = [torch.empty_like(copy.data) for _ in range(2)]
+            dist.all_gather(first, updated[0].contiguous())
+            assert torch.equal(both[0], first[0])           # the first stage's weights are its update's, kept
             # hardware rounding: the first stage's weights again after every step; software: the stages round
             # alike (AdamW._sr_key), so no sync is paid for, and the nudge stays
             assert torch.equal(both[0], both[1]) == (not software), software
