@@ -326,10 +326,12 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
             sink.close()
         bar.close()
         if not counts["documents"]:
-            raise DataError(f"{', '.join(sources)}: no document has text ({counts['empty_docs']} empty, "
-                            f"{counts['bad_records']} bad records" + (f", the first: {(not_text + examples)[0]}"
-                                                                      if not_text + examples else "")
-                            + f"): nothing written to {out}; check the sources and --text-field")
+            kinds = {"empty_files": "empty file{}", "empty_docs": "empty document{}", "bad_records": "bad record{}",
+                     "not_text_files": "file{} not UTF-8 text"}     # what was skipped, said as counted
+            said = ", ".join(f"{counts[k]:,} " + v.format("s" * (counts[k] > 1)) for k, v in kinds.items() if counts[k])
+            said = "; the first: ".join([said or "no documents"] + (not_text + examples)[:1])
+            raise DataError(f"{', '.join(sources)}: no document has text ({said}): nothing written to {out}; check the "
+                            f"sources and --text-field")
         if one:
             os.replace(tmp, out)
     except BaseException:

@@ -291,3 +291,17 @@ def test_shards_written_into_a_folder_of_other_files_say_what_data_would_read_be
     prepare.prepare([str(shards / "a.jsonl")], str(out) + "/", workers=1, force=True)
     assert re.search(r"reads 2 files beside .*notes.txt\) and leaves out 1 of them \(a file beside them names a split\)",
                      capsys.readouterr().err)
+
+
+def test_nothing_to_write_names_what_was_skipped_not_zero_counts(tmp_path):
+    """A prepare that finds no text said "no document has text (0 empty, 0 bad records, the first: blob.txt (...
+    invalid UTF-8 ...))" of a file not UTF-8, and "(0 empty, 0 bad records)" of an empty file: counts that contradict
+    what was skipped. It names what it skipped, by kind, and the first example."""
+    import data
+    blob, empty = tmp_path / "blob.txt", tmp_path / "empty.txt"
+    blob.write_bytes(b"hello \xff\xfe world " * 1000)
+    empty.write_bytes(b"")
+    for src, said in ((blob, r"\(1 file not UTF-8 text; the first: \S*blob.txt \(2,000 of its"), (empty, r"\(1 empty file\)")):
+        with pytest.raises(SystemExit, match=r"no document has text " + said) as e:
+            data.main(["prepare", str(src), "--out", str(tmp_path / "o.arrow"), "-j", "1"])
+        assert "0 empty" not in str(e.value) and "0 bad" not in str(e.value), e.value
