@@ -58,3 +58,19 @@ def test_tp_pieces_count_every_element_once_over_tp(tp, n_kv, sp):
     padding = {n: (sharding.padded_vocab(m.vocab_size, tp) - m.vocab_size) * m.dim
                for n in full if sharding.kind(n) == "vocab"}
     assert counted == {n: full[n] + padding.get(n, 0) for n in full}
+
+
+@pytest.mark.parametrize("vocab,tp", [(96, 2), (96, 4), (97, 2), (97, 4), (32000, 8), (128256, 32)])
+def test_the_vocabulary_is_padded_only_up_to_the_next_tp_multiple(vocab, tp):
+    """Each TP rank of the embedding and head holds ceil(vocab / tp) rows, the real rows first and at
+    most tp - 1 zero rows in all: Llama 2's 32000 at TP=8 has none (a padding row more per rank would
+    change every rank's shapes, its checkpoint files and the hardware model's head, for nothing)."""
+    m = ModelConfig(vocab_size=vocab, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=16)
+    full = torch.arange(1, vocab + 1, dtype=torch.float32).view(-1, 1)
+    rows = -(-vocab // tp)
+    pieces = [sharding.cut("embed.weight", full, m, tp, r) for r in range(tp)]
+    assert [p.shape[0] for p in pieces] == [rows] * tp
+    assert torch.equal(torch.cat(pieces)[:vocab], full) and not torch.cat(pieces)[vocab:].any()
+    with torch.device("meta"):
+        model = parallel.tensor_parallelize(llama.Llama(m), parallel.Grid(tp=tp, tp_rank=tp - 1), False)
+    assert model.embed.weight.shape[0] == rows
