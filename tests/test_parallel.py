@@ -484,6 +484,10 @@ def test_rank_groups_follow_nxd_layout():
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert parallel.rank_groups(8, tp=4, pp=1, kv_replicas=2)["kv"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # tied embeddings: each pipeline's first and last stage, not its first two (the same at PP=2 only)
+    g = parallel.rank_groups(16, tp=2, pp=4, tied=True)
+    assert g["pp"][:2] == [[0, 4, 8, 12], [1, 5, 9, 13]] and "embed" not in parallel.rank_groups(16, 2, 4)
+    assert g["embed"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
     # 70B layout: every kind partitions the world.
     g = parallel.rank_groups(256, tp=32, pp=8, kv_replicas=4)
     for kind, groups in g.items():
