@@ -73,19 +73,20 @@ def _lines(path: str):
             yield n + 1, tail.rstrip(b"\r"), raw.tell()
 
 
-def _parquet_column(path: str, field: str):
-    """(value as bytes or None, rows read / rows) of a Parquet file's text column, 1,024 rows at a time."""
+def _parquet_column(path: str, field: str, flag: str = "--data.text_field"):
+    """(value as bytes or None, rows read / rows) of a Parquet file's text column, 1,024 rows at a time; a
+    wrong column is refused naming `flag` (training's, or prepare's --text-field)."""
     with open(path, "rb") as f:         # a file object: pq opens only names that are UTF-8
         pf = pq.ParquetFile(f)
-        text_column(pf.schema_arrow.empty_table(), field, path)            # checks only
+        text_column(pf.schema_arrow.empty_table(), field, path, flag)            # checks only
         total, row = max(pf.metadata.num_rows, 1), 0
         for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-            for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
+            for value in text_column(pa.Table.from_batches([batch]), field, path, flag).to_pylist():
                 row += 1
                 yield value, min(row / total, 1)
 
 
-def _arrow_column(path: str, field: str):
+def _arrow_column(path: str, field: str, flag: str = "--data.text_field"):
     """(value as bytes or None, bytes read so far) of an Arrow IPC file's (or stream's) text column."""
     source = pa.BufferReader(map_file(path))            # map_file: names not in UTF-8 too
     if source.read(6) == b"ARROW1":
@@ -95,7 +96,7 @@ def _arrow_column(path: str, field: str):
         source.seek(0)
         batches = pa.ipc.open_stream(source)
     for batch in batches:
-        for value in text_column(pa.Table.from_batches([batch]), field, path).to_pylist():
+        for value in text_column(pa.Table.from_batches([batch]), field, path, flag).to_pylist():
             yield value, source.tell()
 
 
@@ -128,9 +129,9 @@ def records(path: str, field: str, doc_per_line: bool):
         size = os.path.getsize(path)
         try:
             if path.endswith(".parquet"):
-                values = ((raw, size * done) for raw, done in _parquet_column(path, field))
+                values = ((raw, size * done) for raw, done in _parquet_column(path, field, "--text-field"))
             else:
-                values = _arrow_column(path, field)
+                values = _arrow_column(path, field, "--text-field")
             for row, (raw, pos) in enumerate(values):
                 text, repl = decode(raw) if raw is not None else ("", 0)
                 yield f"{path}[{row}]", text, None, repl, pos

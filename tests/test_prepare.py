@@ -305,3 +305,23 @@ def test_nothing_to_write_names_what_was_skipped_not_zero_counts(tmp_path):
         with pytest.raises(SystemExit, match=r"no document has text " + said) as e:
             data.main(["prepare", str(src), "--out", str(tmp_path / "o.arrow"), "-j", "1"])
         assert "0 empty" not in str(e.value) and "0 bad" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_a_wrong_column_names_prepares_own_flag(tmp_path, fmt):
+    """`data.py prepare x.parquet` (or an Arrow file) without a 'text' column said "set --data.text_field", a flag
+    prepare does not take (its own is --text-field, as its JSON-lines message says); training still names its own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import data
+    p, t = tmp_path / f"body.{fmt}", pa.table({"body": ["doc one two", "doc three"]})
+    if fmt == "parquet":
+        pq.write_table(t, p)
+    else:
+        with pa.ipc.new_file(str(p), t.schema) as w:
+            w.write_table(t)
+    with pytest.raises(SystemExit, match=r"no column 'text'; its columns are \['body'\]: set --text-field ") as e:
+        data.main(["prepare", str(p), "--out", str(tmp_path / "o.arrow"), "-j", "1"])
+    assert "--data.text_field" not in str(e.value)
+    with pytest.raises(data.DataError, match=r"set --data.text_field to"):
+        data.Corpus(str(p), cache_dir=str(tmp_path / "cache"))
