@@ -199,8 +199,7 @@ def not_utf16(head: bytes, path: str) -> bytes:
             raise DataError(f"{path} is not text: {sum(per):,} of its first {len(probe):,} bytes are NUL, at every "
                             f"position of four (binary: an executable, an image, an archive); leave it out")
         name, ext = os.path.splitext(path)
-        tool = {".gz": "gzip", ".zst": "zstd"}.get(ext)      # iconv must read the text, not the compressed bytes
-        if tool:
+        if tool := {".gz": "gzip", ".zst": "zstd"}.get(ext):      # iconv must read the text, not the compressed bytes
             name, inner = os.path.splitext(name)
             ext = inner + ext
         fix = (f"{tool} -dc {path} | iconv -f UTF-16 -t UTF-8 | {tool} > {name}.utf8{ext}" if tool else
@@ -287,9 +286,7 @@ def progress(total: int, desc: str, unit: str = "B"):
 def mapped(path: str, dtype=np.uint8) -> np.ndarray:
     """A file as a read-only array over Arrow's memory map: no file descriptor stays open (np.memmap
     keeps one, and a folder of thousands of shards would pass the usual limit of 1,024)."""
-    if not os.path.getsize(path):
-        return np.zeros(0, dtype)
-    return np.frombuffer(map_file(path), dtype)
+    return np.frombuffer(map_file(path), dtype) if os.path.getsize(path) else np.zeros(0, dtype)
 
 
 def map_file(path: str) -> pa.Buffer:
@@ -341,13 +338,13 @@ class Source:
     def check_heads(self, lo, hi):              # what a read would refuse, said before the first step
         pass
 
-    def _check_first_record(self):
-        """JSON lines: a wrong file or field shows on the first record: refuse it now, not mid-training."""
-        lines = (j for j in range(self.n) if self.read([j])[0].strip())      # the non-blank ones
-        i = next(lines, None)
+    def _check_first_record(self, lines=None):
+        """JSON lines: a wrong file or field shows on the first record (of lines, (number, bytes), if given): now."""
+        lines = ((j, t) for j, t in lines or ((j, self.read([j])[0]) for j in range(self.n)) if t.strip())
+        i, line = next(lines, (None, b""))
         if i is None:
             return
-        line = self.read([i])[0].decode("utf-8", "replace")
+        line = line.decode("utf-8", "replace")
         try:
             rec, bad = json.loads(line), ""
         except json.JSONDecodeError as e:
@@ -400,10 +397,15 @@ class LineDocs(Source):
         self.path, self.jsonl, self.field, self.field_flag = path, jsonl, field, field_flag
         self.text = mapped(path)                           # the file's bytes, memory-mapped
         not_utf16(self.text[:NUL_PROBE], path)             # before its newlines are indexed
+        if jsonl:       # from its first lines: a wrong --data.text_field on 10 GB refused before they are indexed
+            self._check_first_record(self.heads())
         self.bounds = offsets_file(path, "lines", cache_dir, self.scan)
         self.n = len(self.bounds) - 1
-        if jsonl:
-            self._check_first_record()
+
+    def heads(self):        # the file's lines from its start, (number, bytes) as read() gives them: no index
+        with open(self.path, "rb") as f:
+            f.seek(3 if f.read(3) == BOM else 0)
+            yield from ((i, line.rstrip(b"\n").rstrip(b"\r")) for i, line in enumerate(f))
 
     @staticmethod
     def scan(path, f, block: int = 1 << 22):
@@ -421,8 +423,7 @@ class LineDocs(Source):
             f.write(np.int64(size).tobytes())             # a last line without a newline
 
     def read(self, ids):
-        b = self.bounds
-        return [self.text[int(b[i]) + 1:int(b[i + 1])].tobytes().rstrip(b"\r") for i in ids]
+        return [self.text[int(self.bounds[i]) + 1:int(self.bounds[i + 1])].tobytes().rstrip(b"\r") for i in ids]
 
     def lengths(self, lo, hi):                          # of the line (.jsonl: the record, not its text)
         return np.asarray(np.diff(self.bounds[lo:hi + 1]) - 1)
@@ -583,8 +584,7 @@ class CachedDocs(ColumnDocs):
             self._check_first_record()
 
     def where(self, i):                 # a Parquet file's rows as a column's; the raw reader's names else
-        parquet = self.path.endswith(".parquet")
-        return super().where(i) if parquet else f"{self.path}:{i + 1}" if self.lines else self.path
+        return super().where(i) if self.path.endswith(".parquet") else f"{self.path}:{i + 1}" if self.lines else self.path
 
 
 def text_column(table: pa.Table, field: str, path: str, field_flag: str = "--data.text_field") -> pa.ChunkedArray:

@@ -466,3 +466,23 @@ def test_a_binary_file_is_named_binary_not_utf16(tmp_path):
         data.Corpus(str(tmp_path / "blob.txt"), cache_dir=str(tmp_path / "c")).read([0])
     with pytest.raises(data.DataError, match=r"blob.txt is not text"):
         data.prepare([str(tmp_path / "blob.txt")], str(tmp_path / "o.arrow"), workers=1)
+
+
+def test_a_jsonl_files_wrong_field_is_refused_before_its_lines_are_indexed(tmp_path):
+    """The first record's checks (not JSON, one JSON array, no such text field) read only that record: a 10 GB
+    JSON-lines file with the wrong --data.text_field was indexed whole (every newline found and written to the
+    cache) before its first line was read. Refused now with no index built or begun: the cache folder stays
+    empty. A good field still indexes (and a BOM, blank and CRLF lines before the first record are skipped)."""
+    import data
+    cache = tmp_path / "cache"
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf\n  \r\n" + b"".join(json.dumps({"body": f"doc {i}"}).encode() + b"\r\n" for i in range(3000)))
+    with pytest.raises(data.DataError, match="a.jsonl:3: no text field 'text'; the record has \\['body'\\]"):
+        LineDocs(str(p), True, "text", str(cache))
+    assert not cache.exists() or not os.listdir(cache), os.listdir(cache)
+    (tmp_path / "arr.jsonl").write_text("[" + ", ".join(['{"text": "a"}'] * 2000) + "]")   # one line, no newline
+    with pytest.raises(data.DataError, match="arr.jsonl holds one JSON array"):
+        LineDocs(str(tmp_path / "arr.jsonl"), True, "text", str(cache))
+    assert not cache.exists() or not os.listdir(cache), os.listdir(cache)
+    good = LineDocs(str(p), True, "body", str(cache))
+    assert good.n == 3002 and good.read([2]) == [b'{"body": "doc 0"}'] and os.listdir(cache)
