@@ -69,9 +69,13 @@ fi
 # relies on all of them rounding the same sums the same way: one seed, set explicitly, on every
 # rank (the runtime's default is 0, but nothing then says so). monitor.py logs the spread of the
 # parameter norm over the DP group and warns when the replicas drift apart anyway.
-if [[ ! "${NANOTRN_SR_SEED:-0}" =~ ^[0-9]+$ ]]; then     # else the runtime meets it on every node, after the compile
-    echo "error: NANOTRN_SR_SEED=$NANOTRN_SR_SEED: give a whole number >= 0 (the seed of the hardware's stochastic" \
-         "rounding, the same on every rank), or leave it unset for 0" >&2
+# The runtime keeps the seed as a uint32 (nki's random seeds are 32-bit too): a longer number would
+# wrap or be cut by its parser, a seed other than the one given; 11 digits and more are refused unread
+# (bash's integers wrap past 2^63).
+sr_seed="${NANOTRN_SR_SEED:-0}"
+if [[ ! "$sr_seed" =~ ^[0-9]{1,10}$ ]] || (( 10#$sr_seed > 4294967295 )); then    # else the runtime meets it after the compile
+    echo "error: NANOTRN_SR_SEED=$NANOTRN_SR_SEED: give a whole number from 0 to 4294967295 (the 32-bit seed of the" \
+         "hardware's stochastic rounding, the same on every rank), or leave it unset for 0" >&2
     exit 2                                              # a configuration error: no retry can help (eks.py: FailJob)
 fi
 export NEURON_RT_STOCHASTIC_ROUNDING_SEED="${NANOTRN_SR_SEED:-0}"

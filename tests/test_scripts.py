@@ -331,17 +331,19 @@ def test_compile_cache_on_network_file_system_is_refused(tmp_path):
     assert "local disk" in r.stderr and "torchrun" not in r.stdout
 
 
-@pytest.mark.parametrize("seed", ["abc", "-1", "1.5", "7 8"])
+@pytest.mark.parametrize("seed", ["abc", "-1", "1.5", "7 8", "4294967296", "99999999999999999999999"])
 def test_a_stochastic_rounding_seed_that_is_no_whole_number_is_refused_before_any_node_starts(seed):
     # NANOTRN_SR_SEED went into NEURON_RT_STOCHASTIC_ROUNDING_SEED unchecked: 'abc' reached the Neuron runtime of
-    # every node, after the compile. launch.sh (env.sh) now refuses it in one line, before printing any command.
+    # every node, after the compile. launch.sh (env.sh) now refuses it in one line, before printing any command; and
+    # one past the runtime's uint32 (2^32, or 23 digits, which wrap in bash's own integers too) as well.
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", NANOTRN_SR_SEED=seed,
                    NEURON_CACHE_DIR="/tmp/neuron-cache-test")
     assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
-    assert r.stderr.startswith(f"error: NANOTRN_SR_SEED={seed}: give a whole number >= 0"), r.stderr
-    ok = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", NANOTRN_SR_SEED="7",
-                    NEURON_CACHE_DIR="/tmp/neuron-cache-test")
-    assert ok.returncode == 0 and parse_dry_run(ok.stdout)[0]["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] == "7", ok.stderr
+    assert r.stderr.startswith(f"error: NANOTRN_SR_SEED={seed}: give a whole number from 0 to 4294967295"), r.stderr
+    for good in ("7", "4294967295"):
+        ok = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", NANOTRN_SR_SEED=good,
+                        NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+        assert ok.returncode == 0 and parse_dry_run(ok.stdout)[0]["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] == good, ok.stderr
 
 
 def test_a_master_addr_with_a_port_is_refused_and_an_ipv6_address_is_not():
