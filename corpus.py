@@ -111,7 +111,7 @@ class Corpus:
             if stat[p].st_size == 0:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
-                self.sources.append(CachedDocs(p, prepare.cached(p, field, doc_per_line, cache_dir), field,
+                self.sources.append(CachedDocs(p, prepare.cached(p, field, doc_per_line, cache_dir, flags["data.text_field"]), field,
                                                doc_per_line, cache_dir, flags["data.text_field"]))
                 if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
                     empty.append(p)                                         # said as its raw twin is

@@ -447,14 +447,14 @@ COPY = pa.schema({"text": pa.large_binary()})
 COPY_ROWS = 1 << 16             # rows per record batch of a copy at most (a file of blank lines: bounded too)
 
 
-def _raw_records(path: str, field: str, doc_per_line: bool):
+def _raw_records(path: str, field: str, doc_per_line: bool, flag: str = "--data.text_field"):
     """(bytes or None, input bytes read so far) per record of a compressed or Parquet shard, as the
     reader of the raw file sees its records: every line (blank, not JSON: the Corpus parses and counts
     them), the whole file (none if it is empty, like an empty .txt), a Parquet column's values (nulls too)."""
     if path.endswith(".parquet"):
         size = os.path.getsize(path)
         try:
-            for value, done in _parquet_column(path, field):
+            for value, done in _parquet_column(path, field, flag):
                 yield value, size * done
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: not a valid .parquet file ({str(e).splitlines()[0]}); leave it out") from None
@@ -472,14 +472,15 @@ def _raw_records(path: str, field: str, doc_per_line: bool):
             yield body, os.path.getsize(path)
 
 
-def copy_records(path: str, dst: str, field: str, doc_per_line: bool, report=lambda nbytes: None) -> None:
+def copy_records(path: str, dst: str, field: str, doc_per_line: bool, report=lambda nbytes: None,
+                 flag: str = "--data.text_field") -> None:
     """Training's Arrow copy of a compressed or Parquet shard: a row per record of the file, its bytes
     as they are, read by sources.CachedDocs as the raw file is read. The same documents in the same
     order (a .jsonl.gz trains as its .jsonl does: same spans, same batches), bad records and invalid
     UTF-8 counted as they are read. (convert, prepare's, drops empty documents and bad records.)"""
     rows, size, done, last = [], 0, 0, time.monotonic()
     with pa.OSFile(dst, "wb") as sink, pa.ipc.new_stream(sink, COPY) as writer:
-        for value, pos in _raw_records(path, field, doc_per_line):
+        for value, pos in _raw_records(path, field, doc_per_line, flag):
             rows.append(value)
             size += len(value or b"")
             if size >= BATCH_BYTES or len(rows) >= COPY_ROWS:
@@ -493,7 +494,7 @@ def copy_records(path: str, dst: str, field: str, doc_per_line: bool, report=lam
     report(os.path.getsize(path) - done)
 
 
-def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> str:
+def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str, flag: str = "--data.text_field") -> str:
     """The Arrow file training reads for a compressed or Parquet shard (no cheap random access): copied
     once into cache_dir by the process that gets the lock; keyed by name, size, mtime and the settings."""
     st = os.stat(path)
@@ -507,7 +508,7 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str) -> st
         print(f"[data] {path} has no cheap random access (compressed or Parquet): copying it once to {dst} "
               f"(python data.py prepare converts many shards in parallel)", file=sys.stderr, flush=True)
         with progress(st.st_size, "[data] converting") as bar:
-            copy_records(path, tmp, text_field, doc_per_line, report=bar.update)
+            copy_records(path, tmp, text_field, doc_per_line, report=bar.update, flag=flag)
     build_once(dst, build)
     return dst
 

@@ -325,3 +325,15 @@ def test_a_wrong_column_names_prepares_own_flag(tmp_path, fmt):
     assert "--data.text_field" not in str(e.value)
     with pytest.raises(data.DataError, match=r"set --data.text_field to"):
         data.Corpus(str(p), cache_dir=str(tmp_path / "cache"))
+
+
+def test_the_tokenizer_command_names_its_own_flag_for_a_parquet_column(tmp_path):
+    """`data.py tokenizer --data x.parquet` without a 'text' column said "set --data.text_field" (training's flag) where
+    its JSON-lines twin says "--text-field", the command's own: the Parquet copy is told which flag to name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import data
+    pq.write_table(pa.table({"body": ["doc one two", "doc three"]}), tmp_path / "body.parquet")
+    with pytest.raises(SystemExit, match=r"no column 'text'; its columns are \['body'\]: set --text-field ") as e:
+        data.main(["tokenizer", "--data", str(tmp_path / "body.parquet"), "--vocab", "300", "--cache-dir", str(tmp_path / "c")])
+    assert "--data.text_field" not in str(e.value)
