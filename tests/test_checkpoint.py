@@ -533,6 +533,18 @@ def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     assert "no completion marker from rank(s) [2] of 4" in capsys.readouterr().out
 
 
+def test_the_one_read_broadcast_carries_tensors_of_any_dtype_and_length_exactly():
+    """reshard.broadcast_state packs a state's tensors into int32 buckets and views them back: byte lengths that are
+    no multiple of 4 or of the next tensor's element size (3 bf16 values, a bool, 0-d tensors) must come back bit
+    for bit, with the non-tensor leaves. Here the reader's side of it, in one process (no DP group)."""
+    state = {"a": torch.arange(3, dtype=torch.bfloat16) / 3, "b": torch.randn(5), "c": {"d": torch.tensor(True),
+             "e": torch.arange(3, dtype=torch.float64) / 7, "i": torch.tensor(2**40)}, "n": [5, "x"]}
+    got = reshard.broadcast_state(state, parallel.Grid(), reader=0)
+    assert got["n"] == [5, "x"] and set(got["c"]) == {"d", "e", "i"}
+    for want, have in ((state["a"], got["a"]), (state["b"], got["b"]), *((state["c"][k], got["c"][k]) for k in "dei")):
+        assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want), (want, have)
+
+
 def test_shared_files_are_written_by_spread_replicas(tmp_path):
     """TP=2 x DP=4: the 4 files the DP replicas hold alike (model and optimizer of each TP rank) are
     written by 4 different replicas (dp 0, 1, 2, 3), not all by dp 0; every rank writes its own
