@@ -937,14 +937,14 @@ def test_a_run_refused_for_its_data_leaves_no_trace(W, tmp_path):
     (tmp_path / "had" / "notes.txt").write_text("mine")
     (tmp_path / "ran" / "ckpt").mkdir(parents=True)
     (tmp_path / "ran" / "ckpt" / "run.lock").write_text("pid 1 on another host")
-    for data, why in (("a.jsonl", "no text field 'text'"), ("small.txt", "add data")):
+    for source, why in (("a.jsonl", "no text field 'text'"), ("small.txt", "add data")):
         for out in ("new/o", "had", "ran"):
             before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
             with pytest.raises(Exception, match=why):
-                train.main([*TINY, f"--data={tmp_path}/{data}", f"--data.tokenizer={W}/tok.model",
+                train.main([*TINY, f"--data={tmp_path}/{source}", f"--data.tokenizer={W}/tok.model",
                             f"--out_dir={tmp_path}/{out}", f"--data.cache_dir={tmp_path}/cache"])
             after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "cache" not in p.parts)
-            assert after == [p for p in before if not p.startswith("cache")], (data, out, set(after) ^ set(before))
+            assert after == [p for p in before if not p.startswith("cache")], (source, out, set(after) ^ set(before))
 
 
 def test_a_checkpoint_disk_too_full_for_the_tokenizer_is_one_line(W, tmp_path, monkeypatch):
