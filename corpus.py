@@ -111,8 +111,8 @@ class Corpus:
             if stat[p].st_size == 0:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
-                self.sources.append(CachedDocs(p, prepare.cached(p, field, doc_per_line, cache_dir, flags["data.text_field"]), field,
-                                               doc_per_line, cache_dir, flags["data.text_field"]))
+                copy = prepare.cached(p, field, doc_per_line, cache_dir, flags["data.text_field"])
+                self.sources.append(CachedDocs(p, copy, field, doc_per_line, cache_dir, flags["data.text_field"]))
                 if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
                     empty.append(p)                                         # said as its raw twin is
             elif p.endswith((".jsonl", ".json")):

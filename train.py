@@ -419,8 +419,11 @@ def run(argv: list[str]) -> None:
             if x is not None:
                 x.close()
 
+    # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
+    # exports from its checkpoint in one process instead.
+    exports = llama.num_params(cfg.model) <= 1e9
     if compile_only:
-        if llama.num_params(cfg.model) <= 1e9:      # the export's gathers: compiled now, not as the run ends
+        if exports:                 # the export's gathers: compiled now, not as the run ends
             gather_for_export(layout, model, optimizer, grid, device)
         log(f"pre-compile pass: {step} steps traced, nothing saved or exported")
     elif step < cfg.optim.max_steps:                    # stopped by a signal: no export, exit cleanly
@@ -435,9 +438,7 @@ def run(argv: list[str]) -> None:
                   f"torchrun restarts this node's workers for the next rendezvous", file=sys.stderr)
             parallel.destroy(grid)
             sys.exit(checkpoint.PEER_STOPPED)
-    elif llama.num_params(cfg.model) > 1e9:
-        # The full model gathered on every rank suits small models; a 7B run (32 ranks per host)
-        # exports from its checkpoint in one process instead.
+    elif not exports:
         log(f"export the final model with: python checkpoint.py export {cfg.ckpt.dir} {out_dir}")
     elif not done:           # the end: the full model exported in Hugging Face format, and a short sample
         full = gather_for_export(layout, model, optimizer, grid, device)
