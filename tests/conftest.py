@@ -168,3 +168,21 @@ def as_plain_user() -> list[str]:
     if not shutil.which("setpriv") or subprocess.run([*cmd, "true"], capture_output=True).returncode != 0:
         pytest.skip("root without a working setpriv: file permissions cannot be made to apply to this process")
     return cmd
+
+
+XLA_WORLD_OF_ONE = """import sys, torch, torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+dist.init_process_group("xla", init_method="xla://")     # a world of one: the xla backend's own operand checks
+"""
+
+
+def run_in_xla_world_of_one(code: str) -> None:
+    """code in a fresh process on XLA:CPU whose default group is the REAL xla backend (ProcessGroupXla) in a world of
+    one: multi-process XLA does not run on CPU, but every collective still passes through the backend's own checks
+    (it takes XLA tensors only), which gloo never makes. code prints "ok" at its end."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    r = subprocess.run([sys.executable, "-c", XLA_WORLD_OF_ONE + code, root], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=root)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

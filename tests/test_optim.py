@@ -782,11 +782,8 @@ def test_zero1_buckets_match_one_process_bitwise(tmp_path):
 
 
 ZERO1_ON_XLA = r"""
-import sys, torch, torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import optim, parallel, train
 from test_optim import tiny_config, tiny_model, batch
-dist.init_process_group("xla", init_method="xla://")            # a world of one: the xla backend's own checks
 grid = parallel.Grid(dp=1, dp_group=dist.group.WORLD)
 dev = torch_xla.device()
 def trained(precision, zero1):
@@ -824,9 +821,5 @@ def test_zero1_runs_on_the_xla_backend_and_its_masters_are_device_tensors():
     handed them on the host, as it cuts them there, and the xla backend takes only XLA tensors: 'RuntimeError: Expected
     XLA tensor. Got: torch.FloatTensor' after the whole run. They now go back to the device (a transfer each, no
     graph), as AdamW's are."""
-    import subprocess
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", ZERO1_ON_XLA, root], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=root)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    from conftest import run_in_xla_world_of_one
+    run_in_xla_world_of_one(ZERO1_ON_XLA)

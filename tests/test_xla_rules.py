@@ -156,13 +156,9 @@ def test_a_run_ends_with_every_collective_launched_by_every_rank(tmp_path, layou
         assert pre["log"][-len(gathers):] == run["log"][-len(gathers):] and pre["cuts"][-1] == len(pre["log"]), rank
 
 
-XLA_WORLD_OF_ONE = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import torch_xla, torch.distributed as dist, torch_xla.distributed.xla_backend
+PROJECT_COLLECTIVES = r"""
 import model as llama, parallel, reshard, sharding, train
 from test_optim import tiny_config, batch
-dist.init_process_group("xla", init_method="xla://")
 dev, W = torch_xla.device(), dist.group.WORLD
 tok, tgt = batch(0)
 pos = torch.arange(tok.shape[1]).expand_as(tok)
@@ -209,9 +205,5 @@ def test_the_project_collectives_run_on_the_real_xla_backend_in_a_world_of_one()
     TP/SP region operator (tensor_parallelize over a TP group of one rank), plain and tied, forward and backward,
     equals the plain model; the parameter norm, the replicas' spread, the evaluation's all-reduces and the resume's
     broadcast_state run through it too."""
-    import subprocess
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", XLA_WORLD_OF_ONE, root], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=root)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    from conftest import run_in_xla_world_of_one
+    run_in_xla_world_of_one(PROJECT_COLLECTIVES)
