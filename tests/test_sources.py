@@ -3,6 +3,7 @@
 Arrow reads them whole; a .jsonl / per-line .txt line index round trip (no final newline, CRLF,
 blank lines, the scan blocks' edges, a changed file); and per-reader private memory that does
 not grow with the number of record batches or lines (a child process, RssAnon)."""
+import gc
 import json
 import os
 import re
@@ -134,6 +135,7 @@ def test_readers_hold_no_open_file(tmp_path):
     arrow = write_arrow(tmp_path / "a.arrow", ["x"] * 10, 3)
     readers = [LineDocs(str(tmp_path / "a.jsonl"), True, "text", str(tmp_path / "c")),
                ColumnDocs(arrow, "text", str(tmp_path / "c"))]          # the indexes built
+    gc.collect()    # earlier tests' garbage: its files closing during the count made it fail after test_data.py
     before = fds()
     readers += [LineDocs(str(tmp_path / "a.jsonl"), True, "text", str(tmp_path / "c")) for _ in range(20)]
     readers += [ColumnDocs(arrow, "text", str(tmp_path / "c")) for _ in range(20)]
