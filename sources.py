@@ -593,8 +593,9 @@ def text_column(table: pa.Table, field: str, path: str, field_flag: str = "--dat
         raise DataError(f"{path}: no column {field!r}; its columns are {table.column_names}: set "
                         f"{field_flag} to the one holding the text")
     col = table.column(field)
-    if pa.types.is_string(col.type) or pa.types.is_binary(col.type):
-        return col.cast(pa.binary())                    # same offsets layout: a view, no copy
-    if pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type):
-        return col.cast(pa.large_binary())
-    raise DataError(f"{path}: column {field!r} has type {col.type}, expected string or large_string")
+    large = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
+    if large or pa.types.is_string(col.type) or pa.types.is_binary(col.type):     # the same offsets: a view, no copy
+        return col.cast(pa.large_binary() if large else pa.binary())
+    strings = ", ".join(f.name for f in table.schema if str(f.type) in ("string", "large_string")) or "none"
+    raise DataError(f"{path}: column {field!r} has type {col.type}, not text: set {field_flag} to a string column "
+                    f"(this file's: {strings})")

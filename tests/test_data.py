@@ -924,6 +924,9 @@ def test_missing_text_column_names_the_columns(tmp_path):
     pq.write_table(pa.table({"content": ["a"], "id": [1]}), str(tmp_path / "t.parquet"))
     with pytest.raises(data.DataError, match=r"no column 'text'.*\['content', 'id'\].*text_field"):
         data.Corpus(str(tmp_path / "t.parquet"))
+    pq.write_table(pa.table({"text": [1], "body": ["a"]}), str(tmp_path / "n.parquet"))   # a column of another type
+    with pytest.raises(data.DataError, match=r"'text' has type int64, not text: set --data.text_field .*: body\)"):
+        data.Corpus(str(tmp_path / "n.parquet"))
     schema = pa.schema({"body": pa.large_string()})
     with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as s, pa.ipc.new_stream(s, schema) as w:
         w.write_batch(pa.record_batch([pa.array(["a"], pa.large_string())], schema=schema))
