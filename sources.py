@@ -449,9 +449,8 @@ class ColumnDocs(Source):
             self.map = map_file(path)                           # the whole file, zero-copy
             self.first = 8 if self.map.size >= 8 and self.map[:6].to_pybytes() == b"ARROW1" else 0
             self.schema = pa.ipc.read_schema(pa.ipc.read_message(self.map.slice(self.first)))
-            text_column(self.schema.empty_table(), field, path, field_flag)             # checks name and type
+            self.wide = pa.types.is_large_binary(text_column(self.schema.empty_table(), field, path, field_flag).type)
             self.column, self.bytes = self.schema.get_field_index(field), np.frombuffer(self.map, np.uint8)
-            self.wide = pa.types.is_large_string(self.schema.field(field).type) or pa.types.is_large_binary(self.schema.field(field).type)
             if any(pa.types.is_dictionary(f.type) for f in self.schema):
                 reader = pa.ipc.open_file if self.first else pa.ipc.open_stream
                 self.table = text_column(reader(self.map).read_all(), field, path, field_flag)
