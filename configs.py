@@ -438,9 +438,6 @@ def check_values(cfg: Config, flag=lambda key: f"--{key}") -> None:
     if m.head_dim % 2 != 0:
         raise ConfigError(f"head_dim {m.head_dim} (dim {m.dim} / n_heads {m.n_heads}, or --model.head_dim_override) "
                           f"must be even for RoPE; change --model.dim or --model.n_heads")
-    if m.tie_embeddings and p.pp > 1 and p.zero1 and o.precision == "bf16_sr":   # at other offsets of their ZeRO-1 shards
-        raise ConfigError("tied embeddings across pipeline stages with ZeRO-1 and bf16_sr: the two copies "
-                          "would round differently; use --precision=mixed, or --parallel.zero1=false")
     if m.n_heads % m.n_kv_heads != 0:
         raise ConfigError(f"--model.n_heads={m.n_heads} is not divisible by --model.n_kv_heads={m.n_kv_heads}: GQA shares "
                           f"each KV head by a whole group of query heads; pick n_kv_heads among the divisors of n_heads")

@@ -166,7 +166,7 @@ class AdamW:
     def _sr_key(self, name: str, sharing: str, offset: int, p=None) -> str:
         # A run's random stream is a function of (seed, step, this key) only: DP replicas and the TP
         # copies of a norm weight or KV head round identically; TP shards and stages independently.
-        # The last stage's copy of a tied embedding rounds as the embedding on stage 0 does.
+        # The last stage's copy of a tied embedding rounds as stage 0's does (ZeRO-1: pipeline.sync_tied_embedding).
         if getattr(p, "tied_copy", False):
             return f"embed.weight|{sharing}|pp0|{offset}"
         return f"{name}|{sharing}|pp{self.grid.pp_rank}|{offset}"

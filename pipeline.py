@@ -114,12 +114,14 @@ def reduce_tied_embedding(model: PipelineStage, grid: Grid) -> None:
 def sync_tied_embedding(model: PipelineStage, grid: Grid, optimizer) -> None:
     """After the update: the last stage's copy of a tied embedding takes the first stage's weights where the two may
     round apart. Rounded in software (optim.stochastic_round_) both draw one stream (AdamW._sr_key): bit-identical,
-    nothing to do. Trainium rounds bf16_sr in hardware, each NeuronCore from its own generator, whose position at the
+    nothing to do, unless ZeRO-1 shards them: the stages' DP shards cut the two at other points, and each slot draws
+    its own stream. Trainium rounds bf16_sr in hardware, each NeuronCore from its own generator, whose position at the
     embedding's update follows all its stage's graph rounded before: the copies would drift apart by bf16 ulps, for
     good. NxD syncs shared weights once, at the start (pipeline/model.py _sync_shared_weights), then all-reduces their
     gradients only, as reduce_tied_embedding does. Costs one [V/TP, dim] broadcast between two ranks a step (the
-    gradient's all-reduce again), under hardware bf16_sr only."""
-    if grid.embed_group is None or getattr(optimizer, "precision", None) != "bf16_sr" or optimizer.use_sr:
+    gradient's all-reduce again), under bf16_sr only."""
+    if grid.embed_group is None or getattr(optimizer, "precision", None) != "bf16_sr" or (
+            optimizer.use_sr and not optimizer.zero1):
         return
     p = model.embed.weight if model.first else model.lm_head.weight
     parallel.broadcast(p.data, grid.rank % (grid.tp * grid.dp), grid.embed_group)    # from the first stage's rank

@@ -535,6 +535,36 @@ def _tied_sync_worker(rank: int, world: int, store_file: str):
         dist.destroy_process_group()
 
 
+def _tied_zero1_sr_worker(rank: int, world: int, store_file: str):
+    """PP=2 x DP=2 tied, ZeRO-1, software bf16_sr: the stages' DP shards cut the embedding and its copy at other
+    points, so their slots draw other streams (AdamW._sr_key keys a slot by where it starts): copies rounded apart."""
+    import optim
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    try:
+        grid = parallel.new_grid(4, rank, 1, 2, 1, "gloo", tied=True)
+        cfg = tiny_cfg(pp=2, dp=2, tied=True)
+        cfg.parallel.zero1, cfg.optim.precision = True, "bf16_sr"
+        cfg.model.vocab_size = 1000     # an embedding over half of each stage: both stages' DP shards cut it, apart
+        model = seeded_model(cfg, grid, build=pipeline.build_model, dtype=torch.bfloat16)
+        opt = optim.build_optimizer(model, cfg, grid, software_sr=True)
+        assert opt.zero1 and opt.use_sr
+        copy = model.embed.weight if model.first else model.lm_head.weight
+        for step in range(3):
+            train.train_step(model, opt, rank_batches(step, grid, cfg), grid, cfg)
+        every = [torch.empty_like(copy.data) for _ in range(4)]
+        dist.all_gather(every, copy.data.contiguous())
+        assert all(torch.equal(every[r], every[r + 2]) for r in range(2))      # stage 0's rank r, stage 1's r + 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_tied_embeddings_copies_stay_one_under_zero1_and_software_stochastic_rounding(tmp_path):
+    from gloo_spawn import spawn
+    spawn(_tied_zero1_sr_worker, (4, str(tmp_path / "store")), nprocs=4)
+
+
 @pytest.mark.slow
 def test_a_tied_embeddings_copies_stay_one_under_hardware_stochastic_rounding(tmp_path):
     """Under hardware bf16_sr (Trainium) the two stages round their copies of a tied embedding each with its own
