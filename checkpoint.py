@@ -246,7 +246,7 @@ class Checkpointer:
                        "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
         if g.pp > 1:     # which layers each stage holds: the same PP degree at other --parallel.pp_cuts reshards too
             self.layout["stages"] = [list(b) for b in pipeline.stage_bounds(cfg)]
-        self.faults = faults or Faults.from_env(g.rank, self.root)
+        self.faults = faults or Faults.from_env(g.rank, self.root, g.host_group)
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None, keep=self.c.keep)

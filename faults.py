@@ -38,8 +38,9 @@ from configs import ConfigError
 
 
 class Faults:
-    def __init__(self, spec: str, rank: int, root: Path):
+    def __init__(self, spec: str, rank: int, root: Path, host_group=None):
         self.spec, self.rank, self.log = spec.strip(), rank, Path(root) / "faults.log"
+        self.host_group = host_group     # the hang's barrier: gloo on XLA (the xla backend's returns at once)
         self.p, self.seed, self.max, self.at, self.in_save = 0.0, 0, None, None, False
         self.nan_step = self.hang_at = None
         self.any_rank = self.spec.startswith(("any:", "hang:any:"))    # this process, whatever its rank
@@ -70,8 +71,8 @@ class Faults:
         self.fired = self.log.read_text().splitlines() if self.log.exists() else []
 
     @classmethod
-    def from_env(cls, rank: int, root: Path) -> Faults:
-        return cls(os.environ.get("NANOTRN_FAULT", ""), rank, root)
+    def from_env(cls, rank: int, root: Path, host_group=None) -> Faults:
+        return cls(os.environ.get("NANOTRN_FAULT", ""), rank, root, host_group)
 
     def die(self, what: str):
         line = f"rank {self.rank} {what} ({self.spec})"
@@ -104,7 +105,7 @@ class Faults:
         print(f"NANOTRN_FAULT: rank {self.rank} hangs at step {step} in a barrier no other rank joins",
               file=sys.stderr, flush=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()      # the world group: the others wait in their step's collectives
+            dist.barrier(group=self.host_group)     # the others wait in their step's collectives
         else:                   # one process: a barrier would return (or raise, with no group)
             threading.Event().wait()
 

@@ -207,3 +207,38 @@ def test_the_project_collectives_run_on_the_real_xla_backend_in_a_world_of_one()
     broadcast_state run through it too."""
     from conftest import run_in_xla_world_of_one
     run_in_xla_world_of_one(PROJECT_COLLECTIVES)
+
+
+def _hang_fault(rank: int, ports: list[int], out_dir: str):
+    """NANOTRN_FAULT=hang:1:5 at TP=1 x DP=2 under the rules: rank 1 must wait in a barrier no other rank joins."""
+    import json
+    import time
+    import checkpoint
+    import configs
+    torch.set_num_threads(1)
+    xla_rules.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    grid = parallel.Grid(world=2, rank=rank, dp=2, dp_rank=rank, backend="xla", host_group=parallel.new_host_group())
+    os.environ["NANOTRN_FAULT"] = "hang:1:5"
+    cfg = configs.Config()
+    cfg.ckpt.dir = out_dir
+    ckpt = checkpoint.Checkpointer(cfg, grid, compile_only=True)      # where train.py's step finds the fault
+    if rank == 1:
+        t0 = time.monotonic()
+        ckpt.faults.maybe_hang(5)
+        with open(os.path.join(out_dir, "waited.json"), "w") as f:
+            json.dump(time.monotonic() - t0, f)
+    else:                       # the others' step collectives (and a watchdog) in life; here the test ends the wait
+        time.sleep(3)
+        dist.barrier(group=grid.host_group)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_hang_fault_hangs_on_the_xla_backend(tmp_path):
+    """NANOTRN_FAULT=hang:RANK:STEP (docs/checkpoints.md: the watchdog's test on a cluster) waited in dist.barrier() of
+    the default group, which on Trainium is the xla backend, whose barrier returns at once (ProcessGroupXla.barrier:
+    _ret_work([])): the rank went on and nothing hung. It waits in the host group's (gloo) barrier, as parallel.barrier."""
+    import json
+    spawn_and_wait(_hang_fault, 1, 2, str(tmp_path), timeout_s=300)
+    assert json.loads((tmp_path / "waited.json").read_text()) > 2.0
