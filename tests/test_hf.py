@@ -646,7 +646,8 @@ def test_init_from_takes_the_folders_model_and_refuses_architecture_overrides(sa
     assert hf_io.hf_config(cfg.model)["max_position_embeddings"] == claimed != 32
     # tied across stages with ZeRO-1 and bf16_sr: accepted, the copies kept one by pipeline.sync_tied_embedding
     # (test_pipeline's zero1_and_software_stochastic_rounding case)
-    tied = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2"])
+    tied = configs.from_args(["--model.tie_embeddings", "--pp=2", "--zero1", "--precision=bf16_sr", "--model.n_layers=2",
+                              "--micro_batch=2"])
     configs.validate(tied, 4)
 
 
