@@ -576,6 +576,19 @@ def test_a_bucket_cap_below_one_byte_is_the_smallest_not_unbounded():
     assert len(optim.build_optimizer(model, cfg, Grid(dp=2, dp_rank=0)).buckets) == 1
 
 
+@pytest.mark.parametrize("fp32_grad_acc,itemsize", [(True, 4), (False, 2)])
+def test_the_bucket_cap_counts_the_fp32_gradients_mixed_reduce_scatters(fp32_grad_acc, itemsize):
+    """mixed with fp32 gradient accumulation (the default) reduce-scatters fp32 gradients, 4 bytes an
+    element, where its parameters are bf16: a cap sized by the parameters' 2 bytes let each bucket move
+    twice the bytes asked for (NxD's 130 MB cap is there because larger buckets gave NaN)."""
+    cfg = tiny_config("mixed", fp32_grad_acc=fp32_grad_acc)
+    cfg.parallel.zero1, cfg.parallel.zero1_bucket_mb = True, 2.0 ** -8        # 4 KB
+    opt = optim.build_optimizer(tiny_model(cfg), cfg, Grid(dp=2, dp_rank=0))
+    sizes = [(c1 - c0) * 2 * itemsize for c0, c1, _ in opt.buckets]
+    assert max(sizes) == 4096 and len(sizes) > 2, sizes[:3]
+    assert opt.describe().endswith("collective buckets of at most 4 KB"), opt.describe()
+
+
 def _init_gloo(rank: int, world: int, store_file: str):
     # Rendezvous through a file unique to this test (not a TCP port picked in advance): concurrent
     # test runs on a shared machine cannot join each other's groups.
