@@ -191,12 +191,13 @@ def test_foreach_update_is_bit_equal_to_the_slot_by_slot_reference(precision, mo
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16_sr"])
 def test_a_skip_decided_on_the_host_or_on_the_device_trains_alike(precision):
     """--log.on_nonfinite=skip decides on the host on CPU and CUDA (optim.guarded_step with a bool)
     and on the device on XLA (a boolean tensor, applied by a select). The run must go on alike after
     a skipped step: only the device path advanced Adam's t, so XLA:CPU and eager CPU trained apart
-    after a NaN (tiny run, NANOTRN_FAULT=nan:5, skip: loss 8.0621 vs 8.0573 at step 10)."""
+    after a NaN (tiny run, NANOTRN_FAULT=nan:5, skip: loss 8.0621 vs 8.0573 at step 10). mixed: the select
+    must restore the fp32 master too, else the skipped update lands there and the next step rounds it in."""
     cfg = tiny_config(precision, lr=1e-2)
     models = [tiny_model(cfg), tiny_model(cfg)]
     opts = [optim.build_optimizer(m, cfg) for m in models]
