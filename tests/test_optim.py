@@ -57,15 +57,16 @@ def backward(model, tokens, targets, scale=None):
     (loss / (scale or targets.numel())).backward()
 
 
-def reference_step(ref, ref_opt, tokens, targets, clip: float, active: bool = True) -> torch.Tensor:
+def reference_step(ref, ref_opt, tokens, targets, clip: float, active: bool = True, apply: bool = True) -> torch.Tensor:
     """One unsharded step on the full batch, torch's clipping formula (on the fp32 buffers that mixed
-    precision accumulates into); returns the norm, which is above clip iff active."""
+    precision accumulates into); returns the norm, which is above clip iff active. apply=False: the
+    update skipped as the host decides it (optim.guarded_step with False)."""
     backward(ref, tokens, targets)
     grads = [g for g in map(parallel.grad_of, ref.parameters()) if g is not None]
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
     for g in grads:
         g.mul_(torch.clamp(clip / (ref_norm + 1e-6), max=1.0))
-    ref_opt.step()
+    optim.guarded_step(ref_opt, apply)
     ref_opt.zero_grad()
     assert (ref_norm > clip) == active
     return ref_norm
@@ -621,9 +622,12 @@ def _zero1_worker(rank: int, world: int, store_file: str):
                 # the train.py rule: local sum * dp / global tokens, then 1/DP in the reduce
                 backward(model, tokens[mine], targets[mine], scale=targets.numel() / world)
                 norm = opt.reduce_scatter_and_clip(cfg.optim.grad_clip)
-                opt.step()
+                if step == 1:       # skipped on the device (XLA's select): the shard's old values gathered
+                    optim.guarded_step(opt, torch.tensor(False))
+                else:
+                    opt.step()
                 opt.zero_grad()
-                ref_norm = reference_step(ref, ref_opt, tokens, targets, clip, active=clip < 1)
+                ref_norm = reference_step(ref, ref_opt, tokens, targets, clip, active=clip < 1, apply=step != 1)
                 if precision == "fp32":
                     assert abs(norm.item() - ref_norm.item()) < 1e-5 * ref_norm.item()
             # every rank holds the same full model after the all-gather
