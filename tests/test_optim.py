@@ -265,11 +265,12 @@ def test_state_dict_roundtrip_and_mismatch_errors():
     model = tiny_model(cfg)
     opt = optim.build_optimizer(model, cfg)
     backward(model, *batch(0))
+    opt.set_lr(1.25e-4)             # the schedule's lr, restored as torch.optim restores its param groups
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     opt2 = optim.build_optimizer(copy.deepcopy(model), cfg)
     opt2.load_state_dict(sd)
-    assert opt2.step_count == 1
+    assert opt2.step_count == 1 and [g["lr"] for g in opt2.param_groups] == [1.25e-4] * len(opt.param_groups)
     for a, b in zip(opt.slots, opt2.slots):
         assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
     other = tiny_config("bf16_sr")
