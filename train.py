@@ -6,9 +6,9 @@
     torchrun --nproc_per_node=32 train.py --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
 
 The order of a run (run): parse and validate the whole config (bad input fails here, before any
-work); pick the device; create the process groups; claim the checkpoint directory; tokenizer and
-data; the model, built empty and filled from the newest complete checkpoint, --init_from or the
-seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating, saving.
+work); pick the device; create the process groups; claim the checkpoint directory; the data's span
+index, then the tokenizer; the model, built empty and filled from the newest complete checkpoint,
+--init_from or the seed; the optimizer; then steps until max_steps (or SIGTERM / SIGINT), logging, evaluating, saving.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     loss = parallel.all_reduce(loss_sum, grid.dp_group) / global_tokens
     skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
     if grid.pp > 1:
-        pipeline.sync_tied_embedding(model, grid, optimizer)        # hardware bf16_sr: its copies round apart
+        pipeline.sync_tied_embedding(model, grid, optimizer)        # bf16_sr (hardware; ZeRO-1): copies round apart
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped, **stats}
 
