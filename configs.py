@@ -388,7 +388,10 @@ DOMAINS = {
                      "model.max_seq_len", "parallel.tp", "parallel.pp", "optim.max_steps", "data.seq_len", "data.global_batch",
                      "data.micro_batch", "log.interval", "log.eval_windows", "model.rope_original_max_len", "data.shuffle",
                      "model.rope_factor"), _AT_LEAST_1),
-    **dict.fromkeys(("model.norm_eps", "optim.eps"), _POSITIVE_F32),
+    # ... and at most 1: a stabilizer larger than what it guards replaces it; past float32's largest it is inf there,
+    # and every normalized activation (norm_eps) or AdamW update (eps) is 0 from step 1: nothing trains.
+    **dict.fromkeys(("model.norm_eps", "optim.eps"), (lambda v: 2.0 ** -149 <= v <= 1,
+                    _POSITIVE_F32[1] + " and at most 1 (Llama: 1e-5)")),
     **dict.fromkeys(("model.rope_low_freq_factor", "model.rope_high_freq_factor"), _POSITIVE),
     **dict.fromkeys(("model.init_std", "optim.lr"),
                     (lambda v: 2.0 ** -149 <= v <= 1, ">= 1.4e-45 (float32's least) and at most 1 (Llama 0.02, 3e-4)")),

@@ -460,6 +460,9 @@ CASES = [
     # a non-finite stop after step 1, with the model built; now refused with the other domains (vinput2)
     *[(f"domain: {a}", T(*a.split()), [a.split()[-1].split("=")[0] + "=", says], 1, True) for a, says in (
         ("--model.init_std=1e308", "at most 1"), ("--optim.lr=1e308", "at most 1"),
+        # an epsilon past float32's largest is inf there: every normalized activation 0 (grad norm 0 from step 1), every
+        # AdamW update 0: the run trained nothing, silently (fuzz)
+        ("--model.norm_eps=1e308", "at most 1"), ("--optim.eps=1e300", "at most 1"),
         ("--optim.weight_decay=1e308", "lower weight_decay below 1000"), ("--model.rope_theta=1e-300", "must be > 1"),
         ("--model.rope_scaling=llama3 --model.rope_factor=1e-300", "must be >= 1"),
         # torch takes a Python int as 64 bits: RoPE's llama3 scaling was an OverflowError traceback, the model built
