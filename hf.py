@@ -265,7 +265,7 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     """Copy the weights of `folder` into this rank's model (a Llama, its TP shard or a pipeline stage, with the whole
     model's parameter names), reading only this rank's rows and columns (sharding.index). masters: filled with the
     file's values in fp32, a mixed run's masters (bf16 params round fp16/fp32 files: Llama 2's are fp16), held on the
-    host until the optimizer takes them: 4 bytes a local param (7B at TP=8: 3.5 GB a rank, 112 GB of a trn1 node's 512)."""
+    host until the optimizer takes them: 4 bytes a local param (7B at TP=8: 3.4 GB a rank, 108 GB of a trn1 node's 512)."""
     st, tables = check_weights(folder, cfg)
     full = param_shapes(cfg)
     for name, p in model.named_parameters():       # a tied matrix once, as embed.weight
