@@ -382,7 +382,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens, positions=None, doc_ids=None, targets=None, grad_scale=None):
         """tokens [B, T] -> logits [B, T, vocab] (the rank's vocab shard under TP), or with targets
-        the sum of their cross-entropies (fp32; -100 ignored), without building the logits.
+        the sum of their cross-entropies (fp32; -100 ignored), without building the logits (TP builds its shard's).
         grad_scale: what the caller will multiply that sum by before backward (LinearCrossEntropy)."""
         B, T = tokens.shape
         if positions is None:
