@@ -429,6 +429,9 @@ def check_values(cfg: Config, flag=lambda key: f"--{key}") -> None:
     if o.lr * o.weight_decay >= 1:          # AdamW's decoupled decay: every step, each weight times 1 - lr*weight_decay
         raise ConfigError(f"--optim.weight_decay={o.weight_decay} with --optim.lr={o.lr}: each step multiplies every weight "
                           f"by 1 - lr*weight_decay = {1 - o.lr * o.weight_decay:.3g}; lower weight_decay below {1 / o.lr:g}")
+    if 0 < o.grad_clip < o.eps:             # each clipped gradient element <= grad_clip; AdamW divides by sqrt(v) + eps
+        raise ConfigError(f"--optim.grad_clip={o.grad_clip} is below --optim.eps={o.eps}: every update would shrink by "
+                          f"grad_clip/eps (1e-300: none at all); raise it (Llama: 1.0), or 0 for no clipping")
     if d.val_fraction == 0 and cfg.log.eval_interval:     # no document is ever held out (spans.held_out)
         raise ConfigError("--data.val_fraction=0 holds no text out to evaluate on: raise it, or set --log.eval_interval=0")
     if cfg.ckpt.start_fresh and cfg.ckpt.resume:

@@ -463,6 +463,9 @@ CASES = [
         # an epsilon past float32's largest is inf there: every normalized activation 0 (grad norm 0 from step 1), every
         # AdamW update 0: the run trained nothing, silently (fuzz)
         ("--model.norm_eps=1e308", "at most 1"), ("--optim.eps=1e300", "at most 1"),
+        # clipped to a norm below AdamW's eps: each update at most lr x grad_clip/eps (1e-300: the losses of a run
+        # that never updated, step for step); 0 turns clipping off and stays accepted (fuzz)
+        ("--optim.grad_clip=1e-300", "below --optim.eps=1e-05"), ("--optim.grad_clip=1e-44", "below --optim.eps=1e-05"),
         ("--optim.weight_decay=1e308", "lower weight_decay below 1000"), ("--model.rope_theta=1e-300", "must be > 1"),
         ("--model.rope_scaling=llama3 --model.rope_factor=1e-300", "must be >= 1"),
         # torch takes a Python int as 64 bits: RoPE's llama3 scaling was an OverflowError traceback, the model built
