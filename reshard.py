@@ -172,6 +172,19 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
 # ----------------------------------------------------------------------------- one read, broadcast over DP
 
 BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (a larger tensor: alone)
+HEAD_BYTES = 64 << 10        # the pickled structure travels padded to a multiple of this: one graph shape at any step
+
+
+def rehearse(model: dict, optim: dict, g: Grid, zero1: bool, device) -> None:
+    """The pre-compile pass's stand-in for read()'s broadcasts at DP > 1 (no checkpoint is read there): the model's and
+    the replicated optimizer state's, from the same readers, of this run's own state dicts. The buckets and the padded
+    head then have a resume's shapes at this layout, so that on Trainium its graphs are compiled before the run."""
+    if not (g.dp > 1 and g.dp_group is not None and dist.is_initialized()):
+        return
+    readers = [writer_dp_rank(kind, g, zero1) for kind in (0, 1)]
+    broadcast_state(model if g.dp_rank == readers[0] else None, g, readers[0], device)
+    if not zero1:
+        broadcast_state(optim if g.dp_rank == readers[1] else None, g, readers[1], device)
 
 
 def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
@@ -245,7 +258,7 @@ def _broadcast(t: torch.Tensor, src: int, g: Grid, device: torch.device) -> torc
 
 def _broadcast_bytes(b: bytes, src: int, g: Grid, device: torch.device) -> bytes:
     n = _broadcast(torch.tensor([len(b)], dtype=torch.int32), src, g, device).item()
-    buf = torch.zeros((n + 3) // 4, dtype=torch.int32)
+    buf = torch.zeros(-(-n // HEAD_BYTES) * HEAD_BYTES // 4, dtype=torch.int32)    # (the step's int varies its length)
     if b:
         buf.view(torch.uint8)[:n].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
     return _broadcast(buf, src, g, device).view(torch.uint8)[:n].numpy().tobytes()

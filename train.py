@@ -37,6 +37,7 @@ import monitor
 import optim
 import parallel
 import pipeline
+import reshard
 from corpus import check_vocab, mixture_files
 from planner.instances import INSTANCES
 
@@ -395,8 +396,10 @@ def run(argv: list[str]) -> None:
                     if compile_only and not reloaded:
                         # A resume's load graph without a checkpoint: the weights and optimizer state loaded
                         # back from host copies, as load_latest's are. Measured on XLA:CPU (tests/test_xla.py):
-                        # after this pass a resume compiles nothing; without it, its load graph.
+                        # after this pass a resume compiles nothing; without it, its load graph. At DP > 1 also
+                        # its broadcasts of what one rank per DP group reads (tests/test_xla_rules.py).
                         # (NxD's examples skip the load here and leave that graph to the real run.)
+                        reshard.rehearse(model.state_dict(), optimizer.state_dict(), grid, ckpt.layout["zero1"], device)
                         checkpoint.reload_from_host(model, optimizer, device)
                         sync(device)
                         reloaded = True

@@ -242,3 +242,60 @@ def test_the_hang_fault_hangs_on_the_xla_backend(tmp_path):
     import json
     spawn_and_wait(_hang_fault, 1, 2, str(tmp_path), timeout_s=300)
     assert json.loads((tmp_path / "waited.json").read_text()) > 2.0
+
+
+def _run_recording_shapes(rank: int, port: int, args: list, env: dict, out: str):
+    """A rank of a DP=2 run under the rules, writing the (op, mesh, shape, dtype) of every xla collective it issues."""
+    import json
+    import train
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", **env)
+    torch.set_num_threads(1)
+    rules, seen = xla_rules.install(), set()
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        def recorded(t, *a, _f=getattr(dist, name), _n=name, **k):
+            n = len(rules.log)
+            r = _f(t, *a, **k)
+            if len(rules.log) > n:                   # checked: an xla collective (not a gloo host group's)
+                seen.add(json.dumps([_n, rules.log[-1][1], list(t.shape), str(t.dtype)]))
+            return r
+        setattr(dist, name, recorded)
+    train.main(args)
+    with open(os.path.join(out, f"shapes.rank{rank}.json"), "w") as f:
+        json.dump(sorted(seen), f)
+
+
+@pytest.mark.slow
+def test_the_precompile_pass_issues_every_collective_shape_of_a_resume_at_dp2(tmp_path):
+    """At DP > 1 a resume reads the model (and the optimizer state) once per DP group and broadcasts it
+    (reshard.broadcast_state): int32 graphs of the pickled head's length and of each bucket. The pre-compile pass
+    (NEURON_EXTRACT_GRAPHS_ONLY) traced a resume's load only as a world of one has it, so on Trainium every resume at
+    DP > 1 compiled these graphs as it started. Every collective shape of a resumed DP=2 run must be one the pass
+    issued."""
+    import json
+    import shutil
+    import sysconfig
+    import configs
+    import data
+    from gloo_spawn import free_ports, spawn
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py"):
+        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), corpus / name)
+    tok = data.build_tokenizer(configs.DataConfig(data=str(corpus), cache_dir=str(tmp_path / "c")), 512)
+    args = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
+            "--seq_len=32", "--model.max_seq_len=32", "--global_batch=2", "--micro_batch=1", "--model.vocab_size=512",
+            "--log.eval_interval=0", "--log.sample_tokens=0", "--log.peak_tflops=1", "--log.tensorboard=",
+            "--dp=2", "--ckpt.interval=2", "--device=cpu", f"--data={corpus}", f"--data.tokenizer={tok.path}",
+            f"--data.cache_dir={tmp_path}/c"]
+    runs = {"pre": (["--steps=2", f"--out_dir={tmp_path}/pre"], {"NEURON_EXTRACT_GRAPHS_ONLY": "1"}),
+            "run": (["--steps=2", f"--out_dir={tmp_path}/o"], {}),
+            "resume": (["--steps=3", f"--out_dir={tmp_path}/o"], {})}
+    for name, (extra, env) in runs.items():
+        (tmp_path / name).mkdir(exist_ok=True)
+        spawn(_run_recording_shapes, (free_ports(1)[0], args + extra, env, str(tmp_path / name)), 2, timeout_s=300)
+    assert (tmp_path / "o" / "ckpt" / "step_00000002").is_dir()
+    for rank in range(2):
+        pre, resume = (set(json.loads((tmp_path / k / f"shapes.rank{rank}.json").read_text())) for k in ("pre", "resume"))
+        assert any('"torch.int32"' in s for s in resume), resume           # the resume's broadcasts were seen
+        assert resume <= pre, f"rank {rank}: not issued by the pre-compile pass: {sorted(resume - pre)}"
