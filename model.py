@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # CUDA has a fused kernel; on CPU the Function is 1.8x faster than autograd through
+        # CUDA has a fused kernel; on CPU the Function is 1.4x (bf16) to 1.8x faster than autograd through
         # F.rms_norm (composite there); XLA fuses the Function's few ops.
         if x.is_cuda:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
