@@ -3,8 +3,8 @@ with a 1F1B or GPipe schedule (docs/parallelism.md). Top to bottom:
 1. Stages: layers split evenly or at --parallel.pp_cuts; the embedding on the first stage, norm,
    head and loss on the last. Parameters keep their whole-model names (layers.{global i}): init,
    state dicts and checkpoints do not depend on the stage layout.
-2. Point-to-point between neighbours: "send" (isend/irecv) or "allgather" (NxD's on XLA, where
-   send/recv lowers to a slow collective-permute); message shapes follow from the config.
+2. Point-to-point between neighbours: "send" (isend/irecv) or "allgather" (NxD's, the only one on XLA:
+   its send/recv, slow collective-permutes, take torch's group-local peer as a global rank); shapes from the config.
 3. Schedules: GPipe (all forwards, then all backwards) and 1F1B (never more than PP microbatches'
    activations alive); both idle (PP - 1) / (m + PP - 1) of the time.
 4. A step's gradients: each backward scaled as train.py scales it, so PP and non-PP gradients are
