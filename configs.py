@@ -53,7 +53,7 @@ class ParallelConfig:
     zero1: bool = False          # shard optimizer states over the DP group (HLAT 70B)
     zero1_bucket_mb: float = 130.0   # ZeRO-1's reduce-scatter/all-gather bucket cap (NxD: 130; 0 = one bucket)
     pp_schedule: str = "1f1b"    # 1f1b | gpipe
-    pp_p2p: str = "send"         # send (dist.send/recv) | allgather (what NxD does on XLA)
+    pp_p2p: str = "send"         # send (batched isend/irecv) | allgather (what NxD does on XLA; the only one there)
     pp_cuts: str = ""            # explicit stage boundaries, e.g. "3,6" for 8 layers on 3 stages
     instance: str = "trn1"       # trn1 | trn1n | trn2: the instance type (planner/instances.py): the planner, the MFU peak, ranks per node
     cores: int = 0               # planner only: NeuronCores it lays out (0 = 128 instances, the blog's cluster)
