@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 import sharding
 from ckptdir import STEP_DIR, interrupted, scan
-from configs import Config, ConfigError, ModelConfig, path_kind
+from configs import DOMAINS, Config, ConfigError, ModelConfig, path_kind
 from model import num_params, param_shapes
 
 
@@ -33,18 +34,13 @@ class HFError(ConfigError):
 # Config keys that change the computation and that nanotrn does not implement: the value that
 # means "not used", and what any other value means.
 UNSUPPORTED = {
-    "attention_bias": (False, "q/k/v/o projections with biases"),
-    "mlp_bias": (False, "MLP projections with biases"),
+    "attention_bias": (False, "q/k/v/o projections with biases"), "mlp_bias": (False, "MLP projections with biases"),
     "hidden_act": ("silu", "an MLP activation other than SwiGLU's silu"),
     "attention_dropout": (0.0, "dropout on attention probabilities"),
-    "partial_rotary_factor": (1.0, "RoPE on part of each head"),
-    "use_qk_norm": (False, "RMSNorm on queries and keys"),
-    "no_rope_layers": (None, "layers without RoPE"),
-    "attn_logit_softcapping": (None, "soft-capped attention scores"),
-    "final_logit_softcapping": (None, "soft-capped logits"),
-    "embedding_multiplier": (1.0, "a scaled embedding"),
-    "residual_multiplier": (1.0, "scaled residual branches"),
-    "logits_scaling": (1.0, "scaled logits"),
+    "partial_rotary_factor": (1.0, "RoPE on part of each head"), "use_qk_norm": (False, "RMSNorm on queries and keys"),
+    "no_rope_layers": (None, "layers without RoPE"), "attn_logit_softcapping": (None, "soft-capped attention scores"),
+    "final_logit_softcapping": (None, "soft-capped logits"), "embedding_multiplier": (1.0, "a scaled embedding"),
+    "residual_multiplier": (1.0, "scaled residual branches"), "logits_scaling": (1.0, "scaled logits"),
     "quantization_config": (None, "quantized weights (GPTQ, AWQ, FP8...)"),
 }
 ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users try most
@@ -53,6 +49,7 @@ ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users
     "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows",
 }
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # Llama 3.1 rope_scaling
+LLAMA3_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")   # ours, in order
 RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
 EXPORT_TMP = ".export.tmp"      # save_hf writes into it first: a killed export's is removed by the next
 GENERATION = "generation_config.json"
@@ -104,6 +101,12 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
                   max_seq_len=hf.get("max_position_embeddings") or 4096, norm_eps=hf.get("rms_norm_eps", 1e-6),
                   init_std=hf.get("initializer_range", 0.02), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0, **rope)
+    # configs.py's domains, named by config.json's keys: validate named --model.* flags, which --init_from refuses
+    named = {"rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "init_std": "initializer_range",
+             **{f: f"rope_scaling {k}" for f, k in zip(LLAMA3_FIELDS, LLAMA3_ROPE) if f in fields}}
+    for ours, theirs in named.items():
+        if not (math.isfinite(v := fields[ours]) and DOMAINS[f"model.{ours}"][0](v)):
+            raise HFError(f"{theirs}={v!r}: must be {DOMAINS[f'model.{ours}'][1]}; config.json is damaged, re-download it")
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -128,10 +131,11 @@ def _rope(hf: dict) -> dict:
     if missing := [k for k in LLAMA3_ROPE if not isinstance(params.get(k), (int, float))]:
         raise HFError(f"rope scaling 'llama3' without a number for {', '.join(missing)} ({params}): "
                       f"config.json is incomplete; give all of {', '.join(LLAMA3_ROPE)}")
-    return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
-            "rope_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_original_max_len": int(params["original_max_position_embeddings"])}
+    if not params["high_freq_factor"] > params["low_freq_factor"]:      # configs.py's rule, named by these keys
+        raise HFError(f"rope_scaling high_freq_factor={params['high_freq_factor']} must be above low_freq_factor="
+                      f"{params['low_freq_factor']} (llama3 rope scaling blends between them); config.json is damaged")
+    ours = {f: float(params[k]) for f, k in zip(LLAMA3_FIELDS, LLAMA3_ROPE)}
+    return {"rope_theta": float(theta), "rope_scaling": "llama3", **ours, "rope_original_max_len": int(ours["rope_original_max_len"])}
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int | None = None,
@@ -146,10 +150,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, bos_id: int 
            "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": bos_id,
            "eos_token_id": eos_id, "pad_token_id": pad_id, "transformers_version": TRANSFORMERS_FORMAT}
     if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                               "low_freq_factor": cfg.rope_low_freq_factor,
-                               "high_freq_factor": cfg.rope_high_freq_factor,
-                               "original_max_position_embeddings": cfg.rope_original_max_len}
+        out["rope_scaling"] = {"rope_type": "llama3", **{k: getattr(cfg, f) for f, k in zip(LLAMA3_FIELDS, LLAMA3_ROPE)}}
     return out
 
 
@@ -303,8 +304,7 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
                       f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
     for name, (srcs, table) in tables.items():
         for i, s in enumerate(srcs):        # the shapes the config implies
-            n_rows = int((table[:, 0] == i).sum())
-            want = [n_rows, *full[name][1:]]
+            want = [int((table[:, 0] == i).sum()), *full[name][1:]]
             if st.shape(s) != want:
                 raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
                               f"and config.json do not belong together")

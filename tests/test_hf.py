@@ -45,11 +45,19 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"rms_norm_eps": None}, "rms_norm_eps=None"),
     ({"initializer_range": None}, "initializer_range=None"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config=.* means quantized weights"),   # was "an architecture"
+    # Outside configs.py's domains: were refused later naming --model.* flags, which --init_from refuses
+    ({"rope_theta": 0.5}, "rope_theta=0.5: must be > 1"),
+    ({"rope_theta": float("nan")}, "rope_theta=nan: must be > 1"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps=0: must be >= 1.4e-45"),
+    ({"initializer_range": -0.02}, "initializer_range=-0.02: must be >= 1.4e-45"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "factor": 0}}, "rope_scaling factor=0.0: must be >= 1"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "original_max_position_embeddings": 0}}, "original_max_position_embeddings=0: must be >= 1"),
+    ({"rope_scaling": {**LLAMA31_ROPE, "low_freq_factor": 4.0}}, "high_freq_factor=4.0 must be above .*low_freq_factor=4.0"),
 ])
 def test_refused_config_keys_are_named(change, expected):
     with pytest.raises(hf_io.HFError, match=expected.replace("(", r"\(")) as e:
         hf_io.model_config_from_hf({**BASE, **change})
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and not re.search(r"--model\.(?!max_seq_len)", str(e.value))   # a flag --init_from takes
 
 
 def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load():
