@@ -502,6 +502,8 @@ def cli(argv: list[str]):
                                              else "unknown flag") + f"; {usage}")
     if not argv:
         raise CheckpointError(usage)
+    if argv[0] == "ls" and flags:                           # else silently ignored
+        raise CheckpointError(f"{flags[0]} is export's flag: ls takes CKPT_DIR only; {usage}")
     if len(argv) != {"ls": 2, "export": 3}[argv[0]]:      # what was given, not only the usage
         want = "CKPT_DIR" if argv[0] == "ls" else "CKPT_DIR HF_OUT_DIR"
         raise CheckpointError(f"{argv[0]} takes {want}, given {' '.join(map(repr, argv[1:])) or 'nothing'}; {usage}")

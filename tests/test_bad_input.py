@@ -395,6 +395,8 @@ CASES = [
     ("ckpt: ls a file", ("checkpoint", ["ls", "{W}/afile"]), ["afile", "is a file"], 1, True),
     ("ckpt: ls no checkpoint", ("checkpoint", ["ls", "{W}/emptydir"]), ["emptydir", "holds no checkpoint"], 1, True),
     ("ckpt: bad flag", ("checkpoint", ["ls", "{W}/run/ckpt", "--force"]), ["--force: unknown flag", "usage"], 1, True),
+    *[(f"ckpt: ls {f}", ("checkpoint", ["ls", f, "{W}/run/ckpt"]), [f, "export's flag", "ls takes CKPT_DIR only"], 1, True)
+      for f in ("--overwrite", "--dtype=bf16")],       # was the listing, exit 0: the flag silently ignored (fuzz)
     ("ckpt: bad dtype", ("checkpoint", ["export", "--dtype=fp16", "{W}/run/ckpt", "{t}/hf"]),   # was the usage alone
      ["--dtype=fp16: give --dtype=auto, --dtype=fp32 or --dtype=bf16"], 1, True),
     ("ckpt: dtype without '='", ("checkpoint", ["export", "--dtype", "bf16", "{W}/run/ckpt", "{t}/hf"]),
