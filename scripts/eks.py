@@ -117,8 +117,8 @@ def check(args, train_args: list[str]):
             check_dir("out", args.out)
     except ConfigError as e:
         fail(str(e))
-    if args.max_restarts < 0:
-        fail(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if not 0 <= args.max_restarts < 2**31:       # the Job's backoffLimitPerIndex: an int32, else kubectl apply refuses
+        fail(f"--max-restarts {args.max_restarts}: give 0 to 2147483647 (the Job's backoffLimitPerIndex is a 32-bit integer)")
     if args.grace_period > 10**9:       # configs' bound on seconds (--ckpt.grace_s follows it); a float past it rounds
         fail(f"--grace-period {args.grace_period}: give at most 1000000000 s (about 30 years), the bound of "
              f"--ckpt.grace_s, which follows it")

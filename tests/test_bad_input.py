@@ -412,7 +412,8 @@ CASES = [
     *[(f"eks: {flag} {value!r}", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", flag, value]),
        [flag, value, "give"], 1, True) for flag, value in (
         ("--port", "0"), ("--port", "99999"), ("--shm", "lots"), ("--image", ""), ("--image", "a b"),
-        ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"))],
+        ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"),
+        ("--max-restarts", "2147483648"))],       # backoffLimitPerIndex is an int32: was written, refused by kubectl apply
     ("eks: --out unwritable", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", "--out", "/proc/m"]),
      ["--out='/proc/m'", "/proc is not writable"], 1, True),     # was mkdir's traceback, after every check
     ("eks: --fsx-claim", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "FSx_Claim"]),
