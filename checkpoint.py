@@ -167,12 +167,14 @@ def other_tokenizer(root: Path, kept: str, given: str, resuming: bool) -> str:
             f"replaced): move that folder out of the checkpoint directory, or give another --ckpt.dir")
 
 
-def keep_tokenizer(tok, folder: str) -> None:
+def keep_tokenizer(tok, folder: str, model_dir: str = "") -> None:
     """Copy the run's tokenizer files into folder (the checkpoint directory's tokenizer/, which a resume and
-    `checkpoint.py export` read), with the generation_config.json beside them (hf.save_hf keeps it)."""
+    `checkpoint.py export` read), with the model folder's generation_config.json (hf.save_hf keeps it): model_dir's
+    (--init_from: chosen with its weights, wherever the tokenizer came from), else the one beside the tokenizer."""
     os.makedirs(folder, exist_ok=True)
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
-    for src, dst in ((tok.path, name), (os.path.join(os.path.dirname(tok.path), hf.GENERATION), hf.GENERATION)):
+    gen = os.path.join(model_dir or os.path.dirname(tok.path), hf.GENERATION)
+    for src, dst in ((tok.path, name), (gen, hf.GENERATION)):
         dst = os.path.join(folder, dst)
         if os.path.isfile(src) and not (os.path.exists(dst) and os.path.samefile(src, dst)):   # may be this copy
             shutil.copyfile(src, dst + ".tmp")      # then renamed: the other ranks (train.tokenizer_for_run) and a

@@ -312,7 +312,7 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
 
 
 def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = torch.float32,
-            tokenizer=None, overwrite: bool = False, bos: bool = True) -> None:
+            tokenizer=None, overwrite: bool = False, bos: bool = True, gen_dir: str = "") -> None:
     """config.json, model.safetensors in `dtype`, generation_config.json and the run's tokenizer files
     (BOS added where the run did: bos, its --data.bos). Refuses a non-empty folder unless overwrite. Written
     into <folder>/.export.tmp, moved in once complete: a full disk or a kill leaves an earlier export as it was."""
@@ -323,10 +323,10 @@ def save_hf(model_sd: dict, cfg: ModelConfig, folder: str, dtype: torch.dtype = 
     ids = special_ids(tokenizer) if tokenizer is not None else {}
     sd = to_hf_state_dict({k: v.detach().to("cpu", dtype) for k, v in model_sd.items()}, cfg)
     conf = hf_config(cfg, dtype, ids.get("bos"), ids.get("eos"), ids.get("pad"))
-    # The model folder's own generation_config.json is kept (beside the tokenizer: --init_from's, or its copy kept
-    # with the checkpoints): sampling settings and EOS ids chosen with the weights. Else: generate pads finished
+    # The model folder's own generation_config.json is kept (gen_dir's: the copy kept with the checkpoints, else the
+    # one beside the tokenizer): sampling settings and EOS ids chosen with the weights. Else: generate pads finished
     # sequences of a batch with EOS when the tokenizer has no pad.
-    theirs = os.path.join(os.path.dirname(tokenizer.path), GENERATION) if tokenizer is not None else ""
+    theirs = os.path.join(gen_dir or os.path.dirname(tokenizer.path), GENERATION) if gen_dir or tokenizer is not None else ""
     pad = conf["pad_token_id"] if conf["pad_token_id"] is not None else conf["eos_token_id"]
     gen = json_object(theirs, "re-download it, or remove it") if os.path.isfile(theirs) else {
         "bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"], "pad_token_id": pad,

@@ -207,7 +207,7 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     problem = None
     if grid.is_main and not same and not ckpt.compile_only:
         try:
-            checkpoint.keep_tokenizer(tok, own)
+            checkpoint.keep_tokenizer(tok, own, cfg.init_from)
         except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)
             problem = (f"could not keep the tokenizer in {own} ({'disk full' if e.errno == errno.ENOSPC else e}): "
                        + ("free space, or " if e.errno == errno.ENOSPC else "") +
@@ -449,7 +449,8 @@ def run(argv: list[str]) -> None:
             final = llama.Llama(cfg.model)      # fp32 on the host: a convert on XLA compiles a graph per shape
             final.load_state_dict({k: v.cpu().float() for k, v in full.items()})
             hf.save_hf(final.state_dict(), cfg.model, out_dir, hf.export_dtype(cfg.export_dtype, cfg.model),
-                       tokenizer=tok, overwrite=True, bos=cfg.data.bos)    # checked at the start
+                       tokenizer=tok, overwrite=True, bos=cfg.data.bos,    # checked at the start
+                       gen_dir=os.path.join(cfg.ckpt.dir, "tokenizer"))     # the model folder's, kept there
             log(f"saved the final model to {out_dir} (Hugging Face format)")
             if cfg.log.sample_tokens:       # prompted and ended as transformers' generate on the export
                 prompt = torch.tensor([hf.prompt_ids(tok, "def ", cfg.data.bos)], dtype=torch.long)

@@ -748,6 +748,34 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
         hf_io.check_export_dir(cfg)
 
 
+def test_the_init_from_folders_generation_config_is_kept_with_a_tokenizer_given_from_elsewhere(tmp_path):
+    """--init_from=MODEL --data.tokenizer=ELSEWHERE: the export keeps MODEL's generation_config.json (its sampling
+    settings and EOS ids, chosen with the weights), not ELSEWHERE's. Both exports wrote the tokenizer folder's
+    instead: defaults (temperature 0.8, top_k 50, one EOS) where it had none, another model's where it had one."""
+    import checkpoint
+    import train
+    llama3_tokenizer(tmp_path / "model")
+    torch.manual_seed(0)
+    llama3_hf(vocab_size=400, bos_token_id=0, eos_token_id=1).save_pretrained(tmp_path / "model")
+    theirs = {"bos_token_id": 0, "eos_token_id": [1, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps(theirs))
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    for i, other in enumerate((None, {"eos_token_id": 1, "temperature": 1.5})):     # ELSEWHERE without one, with one
+        tok = tmp_path / f"tok{i}"
+        llama3_tokenizer(tok)
+        if other:
+            (tok / "generation_config.json").write_text(json.dumps(other))
+        run = tmp_path / f"run{i}"
+        train.main([f"--init_from={tmp_path}/model", f"--data.tokenizer={tok}/tokenizer.json", f"--data={tmp_path}/docs.jsonl",
+                    "--seq_len=32", "--global_batch=2", "--micro_batch=2", "--steps=1", "--log.eval_interval=0",
+                    "--log.sample_tokens=0", "--log.tensorboard=", "--ckpt.async_save=false", "--device=cpu",
+                    f"--out_dir={run}", f"--ckpt.dir={run}/ckpt", f"--data.cache_dir={tmp_path}/cache"])
+        checkpoint.main(["export", f"{run}/ckpt", f"{run}/again"])
+        for out in (run / "hf", run / "again"):
+            assert json.loads((out / "generation_config.json").read_text()) == theirs, (i, out)
+
+
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
 # extra whitespace removed): what AutoTokenizer must reproduce, or what must be refused up front.
 SPM_TYPE_TEXTS = ["def f(x):\n    return x * 2  # über", "  two  spaces\tand a tab\n\nnew lines ", "ﬁne ①中文 😀 zzqq",
