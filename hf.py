@@ -453,8 +453,8 @@ def special_ids(tok) -> dict:
     """bos/eos/pad ids of a data.Tokenizer or HFTokenizer (None where it has none). pad is only the
     tokenizer's own: transformers never trains config.json's pad row (padding_idx), so never EOS."""
     bos, eos = (i if i >= 0 else None for i in (tok.bos_id, tok.eos_id))
-    pad = _token_text(getattr(tok, "config", {}).get("pad_token"))
-    return {"bos": bos, "eos": eos, "pad": tok.tk.token_to_id(pad) if pad else None}
+    pad = tok.tk.token_to_id(p) if (p := _token_text(getattr(tok, "config", {}).get("pad_token"))) else None
+    return {"bos": bos, "eos": eos, "pad": pad if pad not in (bos, eos) else None}   # an export's own pads with EOS
 
 
 def save_sentencepiece(tok, folder: str, max_len: int, bos: bool = True) -> None:

@@ -308,6 +308,28 @@ def test_hf_tokenizer_json_ids_and_specials(tmp_path):
         data.load_tokenizer(str(tmp_path / "b"))
 
 
+def test_an_export_started_from_an_export_gives_config_json_no_eos_pad_row(tmp_path):
+    """The export's tokenizer_config.json pads with EOS (for batching), and a run started from that export read it
+    as the tokenizer's own pad: its export's config.json said pad_token_id = EOS, and transformers makes that row
+    padding_idx (never trained by fine-tuning the export). pad_token_id stays the tokenizer's own pad, never EOS/BOS."""
+    import data
+    llama3_tokenizer(tmp_path / "src")
+    cfg = ModelConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    sd = llama.Llama(cfg).init_weights(0).state_dict()
+    hf_io.save_hf(sd, cfg, str(tmp_path / "first"), tokenizer=data.load_tokenizer(str(tmp_path / "src")))
+    assert json.loads((tmp_path / "first" / "tokenizer_config.json").read_text())["pad_token"] == "<|end_of_text|>"
+    hf_io.save_hf(sd, cfg, str(tmp_path / "second"), tokenizer=data.load_tokenizer(str(tmp_path / "first")))
+    for out in ("first", "second"):
+        assert json.loads((tmp_path / out / "config.json").read_text())["pad_token_id"] is None, out
+        assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out).model.embed_tokens.padding_idx is None
+        assert transformers.AutoTokenizer.from_pretrained(tmp_path / out).pad_token_id == 1      # batches still pad
+    conf = json.loads((tmp_path / "src" / "tokenizer_config.json").read_text())
+    llama3_tokenizer(tmp_path / "own")      # a tokenizer with a pad token of its own keeps it
+    (tmp_path / "own" / "tokenizer_config.json").write_text(json.dumps({**conf, "pad_token": "e"}))
+    tok = data.load_tokenizer(str(tmp_path / "own"))
+    assert hf_io.special_ids(tok)["pad"] == tok.tk.token_to_id("e") not in (None, 0, 1)
+
+
 @pytest.mark.parametrize("name", ["bos", "eos"])
 def test_a_tokenizer_config_token_that_tokenizer_json_lacks_names_both_files(tmp_path, name):
     """tokenizer_config.json naming a bos_token / eos_token that tokenizer.json does not have (another model's
