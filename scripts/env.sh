@@ -23,6 +23,12 @@ NANOTRN_NEURON_SDK=2.29.0
 NANOTRN_TORCH_NEURONX=2.9.0.2.13
 
 NEURON_CACHE_DIR="${NEURON_CACHE_DIR:-/var/tmp/neuron-compile-cache}"
+# NEURON_CC_FLAGS below carries it as --cache_dir=PATH, and the flags are split on whitespace.
+if [[ "$NEURON_CACHE_DIR" =~ [[:space:]] ]]; then
+    echo "error: NEURON_CACHE_DIR='$NEURON_CACHE_DIR': NEURON_CC_FLAGS passes it to the compiler as" \
+         "--cache_dir=PATH, split on whitespace; give a path without whitespace" >&2
+    exit 2                                              # a configuration error, as NANOTRN_SR_SEED's below
+fi
 
 # The blog's stability lesson: with the Neuron persistent cache on the shared FSx, every core of
 # 128 nodes polled it, and the traffic caused communication timeouts. Keep it on each node's

@@ -416,6 +416,10 @@ CASES = [
         ("--max-restarts", "2147483648"))],       # backoffLimitPerIndex is an int32: was written, refused by kubectl apply
     ("eks: --out unwritable", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", "--out", "/proc/m"]),
      ["--out='/proc/m'", "/proc is not writable"], 1, True),     # was mkdir's traceback, after every check
+    # the compile cache goes into NEURON_CC_FLAGS as --cache_dir=PATH, split on whitespace: was written (fuzz)
+    ("eks: --cache-dir with a space", ("eks", ["--nodes", "16", "--image", "x:1", "--fsx-claim", "fsx", "--preset",
+                                              "llama2_7b", "--cache-dir", "/var/tmp/neuron cache", "--out", "{t}/m"]),
+     ["NEURON_CACHE_DIR='/var/tmp/neuron cache'", "give a path without whitespace"], 1, True),
     ("eks: --fsx-claim", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "FSx_Claim"]),
      ["--fsx-claim 'FSx_Claim'", "PersistentVolumeClaim name"], 1, True),
     # ---- configs.py and plan.py
