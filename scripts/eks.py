@@ -84,6 +84,12 @@ def parse(argv: list[str]):
     return ap.parse_known_args(argv)
 
 
+# An image reference (the distribution project's grammar): [host[:port]/]path[:tag][@digest], the path lower case.
+_HOST, _PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?", r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE = re.compile(rf"(?:{_HOST}(?:\.{_HOST})*(?::[0-9]+)?/)?{_PART}(?:/{_PART})*(?::\w[\w.-]{{0,127}})?"
+                   r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+
+
 def dns_name(flag: str, value: str, limit: int) -> str:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > limit:
         fail(f"{flag} {value!r} is not a Kubernetes name: lower-case letters, digits and '-', "
@@ -101,7 +107,7 @@ def check(args, train_args: list[str]):
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", args.fsx_claim) or len(args.fsx_claim) > 253:
         fail(f"--fsx-claim {args.fsx_claim!r} is not a PersistentVolumeClaim name: lower-case letters, digits, "
              f"'-' and '.' (kubectl get pvc lists them)")
-    if not args.image.strip() or any(c.isspace() for c in args.image):
+    if not IMAGE.fullmatch(args.image):             # else every pod waits in InvalidImageName
         fail(f"--image {args.image!r}: give the image as a registry reference, e.g. ECR_URI:TAG")
     if not 1 <= args.port < 65535 or RUNTIME_PORT in (args.port, args.port + 1):
         fail(f"--port {args.port}: give a TCP port from 1 to 65534 whose next one is free too (the compile "

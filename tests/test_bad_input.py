@@ -413,7 +413,10 @@ CASES = [
        [flag, value, "give"], 1, True) for flag, value in (
         ("--port", "0"), ("--port", "99999"), ("--shm", "lots"), ("--image", ""), ("--image", "a b"),
         ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"),
-        ("--max-restarts", "2147483648"))],       # backoffLimitPerIndex is an int32: was written, refused by kubectl apply
+        ("--max-restarts", "2147483648"),
+        # not image references (a repository is lower case; a tag <= 128 of [A-Za-z0-9_.-]): every pod would wait in
+        # InvalidImageName, and `kubectl wait` with it for 3 h (fuzz)
+        ("--image", "ECR/Nanotrn:1"), ("--image", "x:1:2"), ("--image", "x:" + "t" * 129), ("--image", "x/:1"))],       # backoffLimitPerIndex is an int32: was written, refused by kubectl apply
     ("eks: --out unwritable", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", "--out", "/proc/m"]),
      ["--out='/proc/m'", "/proc is not writable"], 1, True),     # was mkdir's traceback, after every check
     # the compile cache goes into NEURON_CC_FLAGS as --cache_dir=PATH, split on whitespace: was written (fuzz)
