@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -87,9 +86,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         if (key in required or hf.get(key) is not None) and not (type(hf.get(key)) is int and hf[key] >= 1):
             raise HFError(f"{key}={hf[key]!r}: a Llama config gives a whole number >= 1" if key in hf else
                           f"no {key}: a Llama config.json gives {', '.join(required)}")
-    for key in ("rms_norm_eps", "initializer_range"):    # null too: a TypeError later
-        if key in hf and type(hf[key]) not in (int, float):
-            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a number")
+    for key in ("rms_norm_eps", "initializer_range"):    # null too: a TypeError later; 10**400, NaN: no float
+        if key in hf and not (type(hf[key]) in (int, float) and -1e308 < hf[key] < 1e308):
+            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a finite number")
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % kv:                      # else a reshape error deep in the loader
         raise HFError(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}: each KV head serves a "
@@ -105,7 +104,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     named = {"rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "init_std": "initializer_range",
              **{f: f"rope_scaling {k}" for f, k in zip(LLAMA3_FIELDS, LLAMA3_ROPE) if f in fields}}
     for ours, theirs in named.items():
-        if not (math.isfinite(v := fields[ours]) and DOMAINS[f"model.{ours}"][0](v)):
+        if not DOMAINS[f"model.{ours}"][0](v := fields[ours]):     # (finite numbers: checked above)
             raise HFError(f"{theirs}={v!r}: must be {DOMAINS[f'model.{ours}'][1]}; config.json is damaged, re-download it")
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -120,15 +119,15 @@ def _rope(hf: dict) -> dict:
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     else:
         params, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
-    if type(theta) not in (int, float) or not isinstance(params, dict):     # null, text: a TypeError later
-        raise HFError(f"rope_theta={theta!r}, rope scaling {params!r}: a Llama config gives a number and an object (or null)")
+    if not (type(theta) in (int, float) and -1e308 < theta < 1e308 and isinstance(params, dict)):   # null, text, NaN
+        raise HFError(f"rope_theta={theta!r}, rope scaling {params!r}: a Llama config gives a finite number and an object (or null)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rope_theta": float(theta), "rope_scaling": "none"}
     if kind != "llama3" or params.get("attention_factor", 1.0) != 1.0:
         raise HFError(f"rope scaling {kind!r} ({params}) is not implemented: nanotrn implements none and "
                       f"'llama3' (Llama 3.1 and later); load a checkpoint that uses one of them")
-    if missing := [k for k in LLAMA3_ROPE if not isinstance(params.get(k), (int, float))]:
+    if missing := [k for k in LLAMA3_ROPE if not (type(v := params.get(k)) in (int, float) and -1e308 < v < 1e308)]:
         raise HFError(f"rope scaling 'llama3' without a number for {', '.join(missing)} ({params}): "
                       f"config.json is incomplete; give all of {', '.join(LLAMA3_ROPE)}")
     if not params["high_freq_factor"] > params["low_freq_factor"]:      # configs.py's rule, named by these keys

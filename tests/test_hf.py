@@ -47,7 +47,10 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config=.* means quantized weights"),   # was "an architecture"
     # Outside configs.py's domains: were refused later naming --model.* flags, which --init_from refuses
     ({"rope_theta": 0.5}, "rope_theta=0.5: must be > 1"),
-    ({"rope_theta": float("nan")}, "rope_theta=nan: must be > 1"),
+    ({"rope_theta": float("nan")}, "rope_theta=nan, .*a finite number"),
+    ({"rope_theta": 10**400}, "rope_theta=1000.*a finite number"),        # JSON's whole number no float holds: was an
+    ({"rms_norm_eps": 10**400}, "rms_norm_eps=1000.*a finite number"),     # OverflowError traceback
+    ({"rope_scaling": {**LLAMA31_ROPE, "factor": 10**400}}, "without a number for factor"),
     ({"rms_norm_eps": 0}, "rms_norm_eps=0: must be >= 1.4e-45"),
     ({"initializer_range": -0.02}, "initializer_range=-0.02: must be >= 1.4e-45"),
     ({"rope_scaling": {**LLAMA31_ROPE, "factor": 0}}, "rope_scaling factor=0.0: must be >= 1"),
