@@ -80,9 +80,11 @@ def launch_env() -> tuple[int, int]:
     env = {k: os.environ.get(k, "0" if k == "RANK" else "1") for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not (all(v.isdigit() for v in env.values()) and int(env["RANK"]) < int(env["WORLD_SIZE"]) > 0
-            and int(env["LOCAL_WORLD_SIZE"]) > 0 and (int(env["WORLD_SIZE"]) == 1 or addr and port.isdigit())):
+            and int(env["LOCAL_WORLD_SIZE"]) > 0 and (int(env["WORLD_SIZE"]) == 1 or addr and port.isdigit()
+                                                      and 0 < int(port) < 65536)):     # torchrun --master_port=0: a hang
         raise ConfigError(", ".join(f"{k}={v!r}" for k, v in {**env, "MASTER_ADDR": addr, "MASTER_PORT": port}.items()) +
-                          ": torchrun sets these (RANK below WORLD_SIZE; a rendezvous host and port); or unset them")
+                          ": torchrun sets these (RANK below WORLD_SIZE; a rendezvous host and a port "
+                          "from 1 to 65535: not --master_port=0); or unset them")
     return int(env["WORLD_SIZE"]), int(env["RANK"])
 
 

@@ -465,7 +465,10 @@ CASES = [
     # "MASTER_ADDR expected" traceback, or (RANK >= WORLD_SIZE) a rank waiting forever for peers
     *[(f"env: {e}", T("--global_batch=4", "--parallel.timeout_s=5"), [e.split(", ")[-1], "torchrun sets these"], 1, True) for e in (
         "WORLD_SIZE='x'", "WORLD_SIZE='0'", "WORLD_SIZE=''", "RANK='-1'", "LOCAL_WORLD_SIZE='0'", "LOCAL_WORLD_SIZE='x'",
-        "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'")],
+        "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'",
+        # `torchrun --master_port=0` hands every rank port 0: each waited for a store there past --parallel.timeout_s
+        # (killed after 90 s at timeout_s=5); 65536 is no port either (fuzz)
+        "WORLD_SIZE='2', MASTER_PORT='0'", "WORLD_SIZE='2', RANK='1', MASTER_PORT='65536'")],
     # ---- values whose first steps are NaN (weights or updates near 1e308, a RoPE frequency of 1/1e-300): were
     # a non-finite stop after step 1, with the model built; now refused with the other domains (vinput2)
     *[(f"domain: {a}", T(*a.split()), [a.split()[-1].split("=")[0] + "=", says], 1, True) for a, says in (
