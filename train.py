@@ -205,7 +205,8 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     if kept and not same:           # fresh: a user's own tokenizer/ there, which keeping this run's would replace
         raise checkpoint.CheckpointError(checkpoint.other_tokenizer(ckpt.root, kept[0], tok.path, resuming))
     problem = None
-    if grid.is_main and not same and not ckpt.compile_only:
+    # kept again under --init_from though the same: that folder's generation_config.json, not an earlier run's
+    if grid.is_main and (not same or cfg.init_from) and not ckpt.compile_only:
         try:
             checkpoint.keep_tokenizer(tok, own, cfg.init_from)
         except OSError as e:        # a full disk: one line, on every rank together (one 4-byte all-reduce)

@@ -3,6 +3,7 @@ head_dim) against transformers both ways; transformers 5 configs."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -799,6 +800,20 @@ def test_the_init_from_folders_generation_config_is_kept_with_a_tokenizer_given_
         checkpoint.main(["export", f"{run}/ckpt", f"{run}/again"])
         for out in (run / "hf", run / "again"):
             assert json.loads((out / "generation_config.json").read_text()) == theirs, (i, out)
+    # A run killed before its first checkpoint leaves its tokenizer/ kept; the next one in that --ckpt.dir, from
+    # another model with the same tokenizer (Llama 3 and 3.1), kept the first model's generation_config.json
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({**theirs, "temperature": 0.7}))
+    for step in (tmp_path / "run0" / "ckpt").glob("step_*"):
+        shutil.rmtree(step)
+    os.remove(tmp_path / "run0" / "ckpt" / "latest")
+    shutil.rmtree(tmp_path / "run0" / "hf")
+    train.main([f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--global_batch=2",
+                "--micro_batch=2", "--steps=1", "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=",
+                "--ckpt.async_save=false", "--device=cpu", f"--out_dir={tmp_path}/run0", f"--ckpt.dir={tmp_path}/run0/ckpt",
+                f"--data.cache_dir={tmp_path}/cache", f"--data.tokenizer={tmp_path}/tok0/tokenizer.json"])
+    checkpoint.main(["export", f"{tmp_path}/run0/ckpt", f"{tmp_path}/run0/third"])
+    for out in ("hf", "third"):
+        assert json.loads((tmp_path / "run0" / out / "generation_config.json").read_text())["temperature"] == 0.7, out
 
 
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
