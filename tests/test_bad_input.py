@@ -295,6 +295,11 @@ CASES = [
                                                  "--data.cache_dir={t}/c"]),
      ["--ckpt.resume=false", "run/ckpt", "another --out_dir"], 1, True),
     ("ckpt.dir is the export folder", T("--ckpt.dir={t}/out/hf"), ["--ckpt.dir", "inside the export folder"], 1, True),
+    # inside a step folder of the checkpoint directory: a save wrote into it, pruning deleted it; an export there made the
+    # next run refuse the folder as "named like a checkpoint but not nanotrn's" (fuzz)
+    *[(f"{k} in a checkpoint's folder", T(f"--{k}={{t}}/out/ckpt/step_00000002/x"),
+       [f"--{k}=", "out/ckpt/step_00000002", "deleted when it is pruned"], 1, True)
+      for k in ("log.tensorboard", "data.cache_dir", "out_dir")],
     ("tensorboard in the export folder", T("--log.tensorboard={t}/out/hf/tb"), ["--log.tensorboard", "out/hf"], 1, True),
     ("fault spec", T(), ["NANOTRN_FAULT='boom'"], 1, True),
     ("start_fresh while resuming", T("--ckpt.start_fresh"), ["--ckpt.start_fresh", "--ckpt.resume=false"], 1, True),
