@@ -190,6 +190,29 @@ def test_mixed_up_checkpoint_is_refused(saved, tmp_path, config, tensors, expect
         load_hf(_edit(saved, tmp_path, config, tensors))
 
 
+@pytest.mark.parametrize("kv, tp, vocab, tie", [(1, 4, 101, True), (2, 2, 103, False), (1, 2, 101, False)])
+def test_each_tp_rank_reads_its_own_piece_of_a_folder(tmp_path, kv, tp, vocab, tie):
+    """load_sharded at each TP rank (in one process: no collective is involved) equals sharding.cut of the whole
+    model: the vocabulary padded to a TP multiple (zero rows), KV heads replicated where tp > n_kv_heads (MQA),
+    tied or not; an old transformers' rotary_emb.inv_freq in the file is passed over."""
+    import sharding
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    llama3_hf(num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tie).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(12)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    full, cfg = load_hf(str(tmp_path)).state_dict(), hf_io.read_config(str(tmp_path))
+    for rank in range(tp):
+        piece = llama.Llama(cfg)
+        for name, p in piece.named_parameters():
+            p.data = torch.full_like(sharding.cut(name, full[name], cfg, tp, rank), float("nan"))
+        hf_io.load_sharded(piece, str(tmp_path), cfg, tp, rank)
+        for name, p in piece.named_parameters():
+            assert torch.equal(p.detach(), sharding.cut(name, full[name], cfg, tp, rank)), (rank, name)
+    assert sharding.padded_vocab(vocab, tp) > vocab
+
+
 def test_a_folder_without_weights_is_told_to_download_them(saved, tmp_path):
     # config.json alone (a download that skipped the weights) was told it was "a .bin checkpoint: re-save it"
     (tmp_path / "config.json").write_text((saved / "config.json").read_text())
