@@ -171,7 +171,7 @@ def _read_optim(d: Path, saved: dict, now: dict, g: Grid, m: ModelConfig) -> dic
 
 # ----------------------------------------------------------------------------- one read, broadcast over DP
 
-BUCKET_BYTES = 256 << 20     # tensors travel packed into buckets of this size (a larger tensor: alone)
+BUCKET_BYTES = 64 << 20      # tensors travel packed into buckets of this size (a larger tensor: alone)
 HEAD_BYTES = 64 << 10        # the pickled structure travels padded to a multiple of this: one graph shape at any step
 
 
@@ -200,10 +200,9 @@ def writer_dp_rank(kind: int, g: Grid, zero1: bool) -> int:
 
 def broadcast_state(obj, g: Grid, reader: int, device=None):
     """obj (a state dict) as the DP group's reader (DP rank) holds it, on every rank of the group (obj: None
-    elsewhere). Only broadcasts of plain int32 tensors (the xla backend's rules): the pickled
-    structure, then the tensors' bytes in buckets of BUCKET_BYTES (one XLA graph for all full ones).
-    Through parallel.broadcast (an all-reduce: xla's own broadcast is wrong on sub-groups). Cost per
-    rank: about twice the state's bytes (a ring all-reduce), whatever the DP degree."""
+    elsewhere). The pickled structure, then the tensors' bytes in buckets of BUCKET_BYTES (one XLA graph
+    for all full ones), each through _broadcast. Cost per rank: about four times the state's bytes
+    (two bytes a float32, a ring all-reduce), whatever the DP degree."""
     device = torch.device(device or "cpu")
     src = g.pp_rank * g.tp * g.dp + reader * g.tp + g.tp_rank      # its global rank
     mine = g.rank == src
@@ -226,13 +225,11 @@ def broadcast_state(obj, g: Grid, reader: int, device=None):
     skeleton, buckets = pickle.loads(head)
     data = []
     for i, size in enumerate(buckets):
-        buf = torch.zeros(size // 4, dtype=torch.int32)
-        if mine:
-            raw = buf.view(torch.uint8)
-            for t, b, off, n in tensors:
-                if b == i:
-                    raw[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
-        data.append(_broadcast(buf, src, g, device).view(torch.uint8))
+        raw = torch.zeros(size, dtype=torch.uint8)
+        for t, b, off, n in tensors if mine else ():
+            if b == i:
+                raw[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+        data.append(_broadcast(raw, src, g, device))
 
     def build(o):
         if not isinstance(o, _TensorRef):
@@ -250,18 +247,22 @@ class _TensorRef:
     offset: int
 
 
-def _broadcast(t: torch.Tensor, src: int, g: Grid, device: torch.device) -> torch.Tensor:
-    """t (host, int32) from global rank src to g's DP group, back on the host."""
-    x = parallel.broadcast(t.to(device), src, g.dp_group)     # not dist.broadcast: wrong on xla sub-groups
-    return x.cpu() if device.type != "cpu" else x
+def _broadcast(raw: torch.Tensor, src: int, g: Grid, device: torch.device) -> torch.Tensor:
+    """raw (host bytes, an even count) from global rank src to g's DP group, back on the host, 16 bits a float32:
+    Neuron's collective engine adds in f32 whatever the dtype (no integer datapath: neuronx-cc 2.32's notes, error
+    NCC_EVRF061 after), so int32 words above 2^24 came back rounded. An integer below 2^16 plus the other ranks'
+    zeros is exact in f32, and never the NaN, -0 or subnormal that bytes viewed as f32 can be. Through
+    parallel.broadcast (an all-reduce: xla's own broadcast is wrong on sub-groups)."""
+    x = parallel.broadcast(raw.view(torch.int16).float().to(device), src, g.dp_group)
+    return x.cpu().to(torch.int16).view(torch.uint8)
 
 
 def _broadcast_bytes(b: bytes, src: int, g: Grid, device: torch.device) -> bytes:
-    n = _broadcast(torch.tensor([len(b)], dtype=torch.int32), src, g, device).item()
-    buf = torch.zeros(-(-n // HEAD_BYTES) * HEAD_BYTES // 4, dtype=torch.int32)    # (the step's int varies its length)
+    n = int(_broadcast(torch.tensor([len(b)]).view(torch.uint8), src, g, device).view(torch.int64))
+    raw = torch.zeros(-(-n // HEAD_BYTES) * HEAD_BYTES, dtype=torch.uint8)    # (the step's int varies its length)
     if b:
-        buf.view(torch.uint8)[:n].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
-    return _broadcast(buf, src, g, device).view(torch.uint8)[:n].numpy().tobytes()
+        raw[:n].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+    return _broadcast(raw, src, g, device)[:n].numpy().tobytes()
 
 
 class LazyMap(Mapping):

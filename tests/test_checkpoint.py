@@ -545,6 +545,29 @@ def test_the_one_read_broadcast_carries_tensors_of_any_dtype_and_length_exactly(
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want), (want, have)
 
 
+def test_the_one_read_broadcast_is_exact_through_neurons_f32_all_reduce(monkeypatch):
+    """Neuron's collective engine adds in f32 whatever the operand's dtype (no integer datapath: neuronx-cc 2.32's
+    release notes; NCC_EVRF061): the one-read broadcast sent the state's bytes as int32 words, which came back rounded
+    above 2^24, so a resume at DP > 1 on Trainium read a corrupt pickle and weights. Under an all-reduce that adds as
+    Neuron's does (through f32: the source's value and three ranks' zeros), every bit pattern comes back: float32 NaN
+    payloads, -0, subnormals, bf16 pairs, int64s and a 2^24 + 1 length."""
+    def neurons(t, group, op=None):
+        acc = t.to(torch.float32)
+        for _ in range(3):
+            acc = acc + torch.zeros_like(acc)
+        return t.copy_(acc.round() if not t.is_floating_point() else acc)
+    monkeypatch.setattr(parallel, "all_reduce", neurons)
+    g = torch.Generator().manual_seed(0)
+    odd = torch.tensor([0x7FC00001, -0x7FFFFFFF - 1, 1, 0x7F800000, 0x3C23D70A], dtype=torch.int32).view(torch.float32)
+    state = {"f": torch.cat([odd, torch.randn(1000, generator=g)]), "b": torch.randn(777, generator=g).bfloat16(),
+             "i": torch.randint(-2**62, 2**62, (9,), generator=g), "u": torch.arange(2**24 + 1, dtype=torch.uint8),
+             "n": "x" * 1001}
+    got = reshard.broadcast_state(state, parallel.Grid(), reader=0)
+    assert got["n"] == state["n"]
+    for k in "fbiu":
+        assert got[k].dtype == state[k].dtype and torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8)), k
+
+
 def test_shared_files_are_written_by_spread_replicas(tmp_path):
     """TP=2 x DP=4: the 4 files the DP replicas hold alike (model and optimizer of each TP rank) are
     written by 4 different replicas (dp 0, 1, 2, 3), not all by dp 0; every rank writes its own
