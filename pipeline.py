@@ -348,7 +348,7 @@ def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: t
     comm = model.comm
     comm.reset(model, cut)
     total = torch.zeros((), device=device)
-    count = torch.zeros((), dtype=torch.long, device=device)
+    count = torch.zeros((), device=device)          # float: Neuron's all-reduce adds in f32 (train.train_step)
     for _ in range(n_batches):
         b = next(loader)
         b = dict(zip(b, parallel.to_device(list(b.values()), device)))     # XLA: one batched transfer
@@ -356,7 +356,7 @@ def evaluate(model: PipelineStage, loader, n_batches: int, grid: Grid, device: t
         out = model(b["tokens"] if model.first else x, b["positions"], b.get("doc_ids"), b["targets"])
         if model.last:
             total += out
-        count += (b["targets"] != -100).sum()
+        count += (b["targets"] != -100).sum(dtype=torch.float32)
         cut()
         if not model.last:
             p2p(comm, out, comm.next, recv=False)

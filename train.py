@@ -81,7 +81,8 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     count and each microbatch; the caller's sync ends the reduce/clip/update graph. Returns tensors (and the
     pipeline's statistics): no host sync on XLA."""
     local_tokens = sum((b["targets"] != -100).sum() for b in batches)
-    global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group).clamp(min=1)
+    # reduced in float32: Neuron's all-reduce adds in f32 anyway, and refuses integers in later releases (exact to 2^24)
+    global_tokens = parallel.all_reduce(local_tokens.float(), grid.dp_group).clamp(min=1)
     scale = grid.dp / global_tokens
     cut()       # the token count is a graph of its own: the only one that reads every microbatch
     stats = {}
@@ -118,7 +119,7 @@ def evaluate(model, loader, n_batches: int, grid: parallel.Grid, device: torch.d
         b = next(loader)
         b = dict(zip(b, parallel.to_device(list(b.values()), device)))     # XLA: one batched transfer
         total = total + model(b["tokens"], b["positions"], b.get("doc_ids"), b["targets"])
-        count = count + (b["targets"] != -100).sum()
+        count = count + (b["targets"] != -100).sum(dtype=torch.float32)      # float: Neuron's all-reduce (train_step)
         cut()
     model.train()
     total = parallel.all_reduce(total, grid.dp_group)

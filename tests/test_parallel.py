@@ -70,7 +70,7 @@ def forward_backward(model, batches, grid, normalize: str = "global"):
     local_sum * dp / global_tokens, so reduce_gradients' SUM * 1/dp gives d(total / global_tokens).
     normalize="local_mean" is the common mistake shown in
     test_only_1_over_dp_with_the_global_token_count_gives_the_reference_gradients."""
-    local_tokens = sum((b["targets"] != -100).sum() for b in batches)
+    local_tokens = sum((b["targets"] != -100).sum(dtype=torch.float32) for b in batches)   # float: as train.py
     global_tokens = parallel.all_reduce(local_tokens.clone(), grid.dp_group)
     scale = grid.dp / global_tokens if normalize == "global" else 1.0 / local_tokens
     total = torch.zeros(())
@@ -423,8 +423,8 @@ def test_communication_matches_formulas(spawned):
       so 6L+3, was 4L+2 when the gathered input was saved; reduce-scatter 2L+1 forward (embedding,
       row outputs) + 2L+1 backward (column inputs); each act bytes; the loss's 2 all-reduces; once
       per step 1 all-reduce of the (2L+1) norm-weight gradients, (2L+1)*d*4 bytes.
-    Per step: TP all-reduce of the clip norm (4 bytes); DP: 1 all-reduce of the token count (8
-    bytes, int64) and the gradient buckets: all local parameters, 1 bucket (64 MiB cap), or one
+    Per step: TP all-reduce of the clip norm (4 bytes); DP: 1 all-reduce of the token count (4
+    bytes, float32: Neuron adds in f32) and the gradient buckets: all local parameters, 1 bucket (64 MiB cap), or one
     per parameter with a 1-byte cap. Nothing else: no DP traffic per microbatch."""
     comm = torch.load(os.path.join(spawned, "tp2dp2_comm_and_norm.pt"))["comm"]
     m = tiny_cfg().model
@@ -434,12 +434,12 @@ def test_communication_matches_formulas(spawned):
     per_layer = ((m.n_heads + 2 * m.n_kv_heads) * m.head_dim * d + m.n_heads * m.head_dim * d + 3 * d * m.ffn_dim) // tp + 2 * d
     local_params = 2 * vp // tp * d + L * per_layer + d
     n_tensors = 2 + 6 * L + 1                     # embed, lm_head, final norm; 6 per layer
-    dp = {("dp", "all_reduce"): [2, 8 + 4 * local_params]}
+    dp = {("dp", "all_reduce"): [2, 4 + 4 * local_params]}
     assert comm[False] == {("tp", "all_reduce"): [M * (4 * L + 4) + 1, M * ((4 * L + 2) * act + 3 * tok) + 4], **dp}
     assert comm[True] == {("tp", "all_gather"): [M * (6 * L + 3), M * (6 * L + 3) * act],
                           ("tp", "reduce_scatter"): [M * (4 * L + 2), M * (4 * L + 2) * act],
                           ("tp", "all_reduce"): [2 * M + 2, M * 3 * tok + (2 * L + 1) * d * 4 + 4], **dp}
-    assert comm["small_buckets"][("dp", "all_reduce")] == [1 + n_tensors, 8 + 4 * local_params]
+    assert comm["small_buckets"][("dp", "all_reduce")] == [1 + n_tensors, 4 + 4 * local_params]
 
 
 # ----------------------------------------------------------------------------- SP memory

@@ -18,7 +18,10 @@ worker runs on gloo as before, but:
     batch_isend_irecv (group-local peers taken for global ranks, a sync per op); all_to_all,
     gather, scatter and reduce on a sub-group (all_to_all ignores the mesh, the others run over
     the whole world); all_reduce with an op it has no lowering for (AVG, BXOR, PREMUL_SUM); barrier
-    (a no-op on xla: a barrier must use a gloo group); *_object collectives and coalesced ones.
+    (a no-op on xla: a barrier must use a gloo group); *_object collectives and coalesced ones;
+  - an all-reduce or reduce-scatter of integers fails: Neuron's collective engine adds in f32 whatever the
+    operand's dtype (no integer datapath): an int32 word above 2^24 comes back rounded (neuronx-cc's 2.32
+    release notes: "unsupported ops downcast with a warning", its next default the error NCC_EVRF061).
 Groups created with backend="gloo" (the host group train.py adds on xla) are gloo on Trainium
 too and are not checked. Every checked collective is logged (op, mesh), so a test can list what a
 layout issues on xla. Checks run before the real call, on every rank alike, so a violation raises
@@ -45,6 +48,7 @@ CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter
 NEVER = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object",
          "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce_coalesced")
 NOT_ON_SUBGROUPS = ("all_to_all", "all_to_all_single", "gather", "scatter", "reduce")
+REDUCING = ("all_reduce", "reduce_scatter_tensor", "broadcast")    # xm.collective_broadcast is an all-reduce
 
 
 def mesh_error(mesh, world: int) -> str | None:
@@ -73,7 +77,7 @@ class Rules:
             raise XlaRuleError(f"a collective on a group this test did not create through dist.new_group: {group}")
         return self.meshes[id(group)]
 
-    def check(self, op: str, group, reduce_op=None):
+    def check(self, op: str, group, reduce_op=None, tensor=None):
         if self.suspended:
             return
         mesh = self.mesh_of(group)
@@ -90,6 +94,9 @@ class Rules:
                                "global ordinal (pytorch/xla#9657), other groups get zeros; use parallel.broadcast")
         if reduce_op is not None and reduce_op not in ALLOWED_REDUCE_OPS:
             raise XlaRuleError(f"dist.{op} with {reduce_op}: the xla backend has no such reduction")
+        if op in REDUCING and tensor is not None and not tensor.is_floating_point():
+            raise XlaRuleError(f"dist.{op} of {tensor.dtype}: Neuron adds in f32 (no integer datapath), values "
+                               f"above 2^24 come back rounded; reduce floats (NCC_EVRF061)")
         self.log.append((op, tuple(tuple(g) for g in mesh)))
 
     def new_group(self, original, ranks=None, timeout=None, backend=None, pg_options=None, **kw):
@@ -145,7 +152,7 @@ def install() -> Rules:
             if name == "batch_isend_irecv":
                 group = bound["p2p_op_list"][0].group if bound["p2p_op_list"] else None
             op = bound.get("op") if name in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor") else None
-            rules.check(name, group, op)
+            rules.check(name, group, op, bound.get("tensor", bound.get("input")))
             return original(*args, **kwargs)
         return checked
 
