@@ -22,8 +22,8 @@ worker runs on gloo as before, but:
   - an all-reduce or reduce-scatter of integers fails: Neuron's collective engine adds in f32 whatever the
     operand's dtype (no integer datapath): an int32 word above 2^24 comes back rounded (neuronx-cc's 2.32
     release notes: "unsupported ops downcast with a warning", its next default the error NCC_EVRF061).
-Groups created with backend="gloo" (the host group train.py adds on xla) are gloo on Trainium
-too and are not checked. Every checked collective is logged (op, mesh), so a test can list what a
+Groups created with backend="gloo" (the host group train.py adds on xla, given to its grid here as
+there) are gloo on Trainium too and are not checked. Every checked collective is logged (op, mesh), so a test can list what a
 layout issues on xla. Checks run before the real call, on every rank alike, so a violation raises
 on all ranks instead of hanging one.
 """
@@ -138,6 +138,13 @@ def install() -> Rules:
         return RULES
     rules = RULES = Rules()
     parallel.group_options = lambda backend, mesh: {"xla_pg_options": {"mesh": mesh}}   # the XLA form
+    init = parallel.init_distributed
+
+    def as_on_xla(cfg, device):      # train.py's grid: the host's agreements and barriers over gloo, as on XLA
+        grid = init(cfg, device)
+        grid.host_group = parallel.new_host_group()
+        return grid
+    parallel.init_distributed = as_on_xla
 
     def wrap(name):
         original = getattr(dist, name)
