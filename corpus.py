@@ -65,6 +65,11 @@ def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
     if not np.isfinite(sum(w or 0 for w in weights)):   # 1e308 twice: normalized, each 0 (the first source's windows)
         raise DataError(f"--data: the mixture weights {', '.join(f'{w:g}' for w in weights)} sum past the largest "
                         f"float; weights are relative: give smaller ones (a.arrow:0.7,b.jsonl:0.3)")
+    if weights[0] is not None:      # data.py draws a source with a 53-bit uniform against these cumulative shares
+        cum = np.cumsum(np.array(weights) / sum(weights))
+        if never := [f"{e}:{w:g}" for (e, w), step in zip(out, np.diff(cum, prepend=0.0)) if not step > 0]:
+            raise DataError(f"--data: {never[0]} is so small beside the other weights that its source is never drawn "
+                            f"(each draw is a 53-bit number); raise it, or leave the source out")
     return out
 
 

@@ -348,6 +348,9 @@ CASES = [
     ("init: weights of another model", TI("--init_from={W}/init_twolayers"), ["lacks 9 tensors", "do not belong"], 1, True),
     # ---- train.py: data that cannot be used (2)
     ("corrupt .txt.gz", T("--data={W}/bad.txt.gz"), ["bad.txt.gz", "cannot be decompressed"], 1, True),
+    # a weight so small next to the others that the 53-bit draw never picks its source: was read by nobody, silently (fuzz)
+    *[(f"mixture weight {w} never drawn", T(f"--data={{W}}/corpus:{v},{{W}}/other:{w}"), [f"other:{w}", "never drawn"], 1, True)
+      for v, w in (("1", "1e-300"), ("1e300", "1e-300"), ("1", "1e-17"))],
     ("mixture names a folder twice", T("--data={W}/corpus:1,{W}/corpus:1"), ["earlier source", "one source only"], 1, True),
     # ---- data.py
     ("data: no command", ("data", []), ["usage"], 2, True),
