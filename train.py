@@ -169,13 +169,13 @@ def check_memory(cfg: configs.Config, device: torch.device) -> None:
 
 def check_tokenizer(cfg: configs.Config) -> None:
     """The tokenizer tokenizer_for_run will take, checked before the corpus is indexed: --data.tokenizer loads and fits
-    the vocabulary (under --init_from, the folder's); a weights-only folder: build_tokenizer says so later."""
+    the vocabulary (under --init_from, the folder's: a folder of weights only is refused here, not after indexing)."""
     folder, tok = cfg.init_from, cfg.data.tokenizer
     if checkpoint.ckptdir.scan(cfg.ckpt.dir) and not tok and cfg.ckpt.resume:    # (listed first: unlistable, one line)
         checkpoint.kept_tokenizer(cfg.ckpt.dir, os.path.join(cfg.ckpt.dir, "tokenizer"))
     elif not tok:                       # one will be trained (a tokenizer/ alone too), of a vocabulary that fits
         check_vocab(cfg.model.vocab_size)
-    if not tok or (tok == folder and data.find_tokenizer(folder) is None):
+    if not tok:
         return
     gen = os.path.join(tok if os.path.isdir(tok) else os.path.dirname(tok), hf.GENERATION)
     if os.path.isfile(gen):             # the export keeps it (hf.save_hf): a broken one refused now, not after the run
