@@ -398,7 +398,9 @@ DOMAINS = {
     "model.rope_theta": (lambda v: v > 1, "> 1 (RoPE's base, its powers the wavelengths: Llama 2 1e4, Llama 3 5e5)"),
     **dict.fromkeys(("model.head_dim_override", "parallel.cores", "optim.min_lr", "optim.warmup_steps",
                      "optim.decay_steps", "optim.constant_steps", "optim.weight_decay", "optim.grad_clip",
-                     "ckpt.interval", "parallel.zero1_bucket_mb", "ckpt.keep", "log.eval_interval", "log.peak_tflops"), _NON_NEGATIVE),
+                     "ckpt.interval", "parallel.zero1_bucket_mb", "ckpt.keep", "log.eval_interval"), _NON_NEGATIVE),
+    "log.peak_tflops": (lambda v: 0 <= v <= 1e5, ">= 0 and at most 100000 (per device: a trn1 NeuronCore 95, an H100 989; "
+                        "TFLOP/s, not FLOP/s)"),
     "log.sample_tokens": (lambda v: 0 <= v <= 10_000, ">= 0 and at most 10000 (the sample at the end: a forward pass per token)"),
     **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _SECONDS),
     "log.hang_factor": (lambda v: v == 0 or v >= 2, ">= 2 (median step times), or 0 to turn the watchdog off"),

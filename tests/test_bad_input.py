@@ -486,6 +486,8 @@ CASES = [
         ("--model.norm_eps=1e308", "at most 1"), ("--optim.eps=1e300", "at most 1"),
         # clipped to a norm below AdamW's eps: each update at most lr x grad_clip/eps (1e-300: the losses of a run
         # that never updated, step for step); 0 turns clipping off and stays accepted (fuzz)
+        # a peak given in FLOP/s (190e12): 'MFU 0.0%' at every step, or 'MFU peak: inf' at 1e308 (fuzz)
+        ("--log.peak_tflops=1.9e14", "TFLOP/s, not FLOP/s"), ("--log.peak_tflops=1e308", "at most 100000"),
         ("--optim.grad_clip=1e-300", "below --optim.eps=1e-05"), ("--optim.grad_clip=1e-44", "below --optim.eps=1e-05"),
         ("--optim.weight_decay=1e308", "lower weight_decay below 1000"), ("--model.rope_theta=1e-300", "must be > 1"),
         ("--model.rope_scaling=llama3 --model.rope_factor=1e-300", "must be >= 1"),
