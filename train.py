@@ -187,6 +187,7 @@ def check_tokenizer(cfg: configs.Config) -> None:
         raise hf.HFError(f"the tokenizer {tok} has {n} pieces but {folder}/config.json's vocab_size is {v}: they "
                          f"do not belong together; " + ("use the model's own tokenizer (leave --data.tokenizer "
                          "empty)" if tok != folder else "give its tokenizer with --data.tokenizer"))
+    data.build_tokenizer(cfg.data, v)       # then its BOS/EOS pieces (and a sentencepiece model's export) too
 
 
 def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint.Checkpointer,

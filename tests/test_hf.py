@@ -797,20 +797,24 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
         hf_io.check_export_dir(cfg)
 
 
-def test_a_folder_of_weights_only_is_refused_before_the_corpus_is_indexed(tmp_path):
-    """--init_from a folder without tokenizer.model or tokenizer.json, no --data.tokenizer: refused in one line
-    before any work. It was refused only after the corpus was indexed (every line of a 10 GB file found, its
-    spans written to the cache) by build_tokenizer."""
+@pytest.mark.parametrize("tokenizer, expected", [(None, "holds neither tokenizer.model nor tokenizer.json"),
+                                                   ("json", "tokenizer.json has no EOS piece; set --data.eos=false")])
+def test_a_folder_without_a_usable_tokenizer_is_refused_before_the_corpus_is_indexed(tmp_path, tokenizer, expected):
+    """--init_from a folder of weights only, or whose tokenizer.json names no EOS (no tokenizer_config.json), no
+    --data.tokenizer: refused in one line before any work. Both were refused only after the corpus was indexed
+    (every line of a 10 GB file found, its spans written to the cache) by build_tokenizer."""
     import train
     torch.manual_seed(0)
-    llama3_hf().save_pretrained(tmp_path / "model")
+    if tokenizer:
+        llama3_tokenizer(tmp_path / "model", config=False)
+    llama3_hf(vocab_size=400).save_pretrained(tmp_path / "model")
     with open(tmp_path / "docs.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
     with pytest.raises(SystemExit) as e:
         train.cli([f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--device=cpu",
                    f"--out_dir={tmp_path}/run", f"--data.cache_dir={tmp_path}/cache", "--log.tensorboard="])
     msg = str(e.value.code)
-    assert "holds neither tokenizer.model nor tokenizer.json" in msg and "--data.tokenizer" in msg and "\n" not in msg, msg
+    assert expected in msg and "--data." in msg and "\n" not in msg, msg
     assert not os.path.exists(tmp_path / "cache") or not os.listdir(tmp_path / "cache"), os.listdir(tmp_path / "cache")
 
 
