@@ -14,7 +14,6 @@ reference run side by side in the same process, on this machine.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -37,7 +36,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     # --threads: torch's pool hangs near 3,000 threads and segfaults at 4,096 (set_num_threads, torch 2.9 on CPU)
     for flag, ok, what in (("threads", 1 <= args.threads <= 1024, ">= 1 and <= 1024"),
                            ("steps", args.steps >= 0, ">= 0 (0: the default)"),
-                           ("layers", args.layers >= 1, ">= 1"), ("lr", 0 < args.lr < math.inf, "a positive number")):
+                           # init: its dim-64 model, ~46k parameters a layer, two of them with AdamW's state
+                           ("layers", 1 <= args.layers <= 1000, ">= 1 and <= 1000 (1000: ~1.5 GB)"),
+                           ("lr", 0 < args.lr <= 1, "> 0 and at most 1, as --optim.lr")):
         if not ok:
             parser.error(f"--{flag}={getattr(args, flag)}: give {what}")
     for flag, names in (("data_shapes", DATA_SHAPES), ("data_corpora", CORPORA)):

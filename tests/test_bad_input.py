@@ -394,7 +394,9 @@ CASES = [
     *[(f"bench: {a}", ("bench", [w, a]), [a.split("=")[0], "give"], 2, True) for w, a in (
         ("step", "--threads=0"), ("step", "--threads=100000"), ("init", "--layers=0"), ("init", "--lr=nan"), ("step", "--steps=-1"),
         ("data", "--data_shapes=arrow,foo"), ("data", "--data_corpora=files,foo"), ("ckpt", "--out={W}/afile"),
-        ("step", "--device=cuda"))],
+        ("step", "--device=cuda"),
+        # were accepted: 2^31 layers built for minutes (no output in 40 s), lr 1e308 trained 150 steps of NaN (fuzz)
+        ("init", "--layers=2147483648"), ("init", "--lr=1e308"), ("init", "--lr=5"))],
     ("ckpt: no arguments", ("checkpoint", []), ["usage: python checkpoint.py"], 1, True),
     ("ckpt: ls without dir", ("checkpoint", ["ls"]), ["usage"], 1, True),
     ("ckpt: unknown command", ("checkpoint", ["show", "x"]), ["'show'", "usage"], 1, True),
