@@ -133,6 +133,19 @@ def load_full_state_dict(model, full_sd: dict, grid) -> None:
         p.copy_(sharding.cut(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))
 
 
+class FixedLoader:
+    """The held-out loader's interface as train.evaluate uses it: reset(), then next()."""
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def reset(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.batches[self.i - 1]
+
+
 @contextlib.contextmanager
 def count_collectives():
     """with count_collectives() as log: the (op, group, bytes) of every all-reduce, all-gather and

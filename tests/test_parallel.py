@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import assert_close, count_collectives, load_full_state_dict, packed_batch, seeded_model  # noqa: E402
+from conftest import FixedLoader  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -130,6 +131,8 @@ def _run_layout(name: str, cfg, grid: parallel.Grid, out_dir: str):
         res["loss"].append(r["loss"])
         res["norm"].append(r["grad_norm"])
     res["grads"], res["params"] = opt.grads, parallel.gather_full_state_dict(model, grid)
+    held_out = rank_batches(99, grid)       # train.evaluate: each rank's sums, all-reduced over DP
+    res["eval"] = train.evaluate(model, FixedLoader(held_out), len(held_out), grid, torch.device("cpu"))
     if cfg.model.tie_embeddings:       # still one Parameter after the steps; its logits, for the export's check
         parallel.check_tied(model)
         with torch.no_grad():
@@ -343,6 +346,7 @@ def test_layout_matches_single_process(spawned, reference, reference_tied, name)
             assert_close(res["grads"][k], g, f"{where}: grad of {k} (step 0, reduced and clipped)")
         for k, p in reference["params"].items():
             assert_close(res["params"][k], p, f"{where}: {k} after {STEPS} AdamW steps")
+        assert_close(res["eval"], reference["eval"], f"{where}: evaluation after {STEPS} steps")
 
 
 @pytest.mark.slow

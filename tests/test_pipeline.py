@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import assert_close, count_collectives, load_full_state_dict, packed_batch, seeded_model  # noqa: E402
+from conftest import FixedLoader  # noqa: E402
 from gloo_spawn import single_process_reference, spawn_and_wait  # noqa: E402
 import xla_rules  # noqa: E402
 import configs  # noqa: E402
@@ -93,19 +94,6 @@ class SavedBy:
 
     def __del__(self):
         SavedBy.alive[self.i] -= 1
-
-
-class FixedLoader:
-    """The held-out loader's interface as train.evaluate uses it: reset(), then next()."""
-    def __init__(self, batches):
-        self.batches, self.i = batches, 0
-
-    def reset(self):
-        self.i = 0
-
-    def __next__(self):
-        self.i += 1
-        return self.batches[self.i - 1]
 
 
 # ----------------------------------------------------------------------------- the reference
