@@ -207,6 +207,36 @@ def test_generate_extends_prompt():
     assert out.shape == (1, 8) and torch.equal(out[:, :3], torch.tensor([[1, 2, 3]]))
 
 
+def test_generate_past_the_context_reads_the_last_max_seq_len_tokens():
+    """A prompt longer than max_seq_len: each new token is the model's on the LAST max_seq_len tokens
+    (the first ones would give every step the same context)."""
+    m = llama.Llama(tiny_cfg(2, max_seq_len=8)).init_weights(1).eval()
+    prompt = torch.randint(0, 101, (2, 11), generator=torch.Generator().manual_seed(0))
+    out, want = m.generate(prompt, 4, temperature=1.0, top_k=1), prompt
+    with torch.no_grad():
+        for _ in range(4):
+            want = torch.cat((want, m(want[:, -8:])[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, want), (out[:, 11:], want[:, 11:])
+
+
+def test_generate_with_eos_goes_on_with_eos_in_a_row_that_sampled_it():
+    """Sampled rows (a random tiny model's greedy rows repeat one token, which hides it): a row that
+    drew eos_id goes on with it while the others sample, and sampling ends once every row has it."""
+    m = llama.Llama(tiny_cfg(2)).init_weights(1).eval()
+    prompt = torch.randint(2, 101, (3, 4), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(2)
+    free = m.generate(prompt, 12, temperature=1.0, top_k=0)
+    eos = int(free[0, 6])                                   # row 0 draws it by its third new token
+    torch.manual_seed(2)                                    # the same draws up to there
+    out = m.generate(prompt, 12, temperature=1.0, top_k=0, eos_id=eos)
+    first = [int((row[4:] == eos).nonzero()[0]) + 4 if (row[4:] == eos).any() else None for row in out]
+    assert first[0] is not None and first[0] <= 6 and torch.equal(out[0, :first[0]], free[0, :first[0]])
+    for row, f in zip(out, first):
+        assert f is None or bool((row[f:] == eos).all()), (row, eos)
+    assert out.shape[1] == 16 or None not in first
+    assert any(f is None or f > first[0] for f in first[1:]), first       # another row went on sampling
+
+
 def test_flops_per_token_counts_matmul_weights():
     cfg = tiny_cfg(2)
     m = llama.Llama(cfg)
