@@ -965,3 +965,18 @@ def test_a_pp_checkpoint_resumes_at_other_stage_cuts(tmp_path, cuts):
             assert torch.equal(v, full.state_dict()[k]), (cuts, rank, k)
         for k, v in resumed.state_dict()["state"].items():
             assert torch.equal(v, want[k]), (cuts, rank, k)
+
+
+def test_a_resharded_piece_holds_its_own_memory_not_the_tensor_joined_for_it():
+    """reshard.reshard joins each tensor from every saved TP rank's piece and cuts this rank's: the cut is
+    a view of the joined tensor (chunk, the vocabulary's padding slice) or, replicated, the saved piece
+    itself. Kept as a view, each rank would hold every full tensor while it loads (a 128256 x 8192 bf16
+    embedding at TP=32: 2 GiB a rank, not 64 MiB), and a save of it would write the whole storage."""
+    m = configs.ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    full = {k: torch.randn(s) for k, s in llama.param_shapes(m).items()}
+    shards = [{k: sharding.cut(k, v, m, 2, r).clone() for k, v in full.items()} for r in range(2)]
+    for tp, rank in ((4, 1), (1, 0)):
+        for k, t in reshard.reshard(shards, m, tp, rank).items():
+            assert torch.equal(t, sharding.cut(k, full[k], m, tp, rank)), k
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (k, tp)
+            assert all(t.data_ptr() != s[k].data_ptr() for s in shards), (k, tp)
