@@ -230,6 +230,13 @@ def test_shuffle_and_mixture_same_at_any_layout_and_resume_across_dp(files, tok)
     # Realized proportions over 20,000 windows: within 2% of the weights (4 binomial sigmas: 1.3%).
     n = loaders[0].mixture_counts(5000)
     assert abs(n[0] / n.sum() - 0.7) < 0.02, n
+    # A window's lane is drawn apart from its source: with one hash for both, source 0 (u < 0.7) never drew its
+    # lanes past 0.7 of them, nor source 1 its first ones. Over 4 streams x 2000 windows each of a source's 2
+    # lanes takes half of its windows (within 5%; 3 binomial sigmas are 2.6%).
+    g, lane = loaders[0].draw_source_and_lane(np.arange(4)[:, None], np.arange(2000)[None, :])
+    for source in (0, 1):
+        share = np.bincount(lane[g == source], minlength=2) / (g == source).sum()
+        assert loaders[0].lanes[source] == 2 and np.allclose(share, 0.5, atol=0.05), (source, share)
     with pytest.raises(data.DataError, match="every source a weight"):
         data.Corpus(f"{files['jsonl']}:0.7,{files['arrow_file_large']}")
 
