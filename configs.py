@@ -402,7 +402,9 @@ DOMAINS = {
     "log.peak_tflops": (lambda v: 0 <= v <= 1e5, ">= 0 and at most 100000 (per device: a trn1 NeuronCore 95, an H100 989; "
                         "TFLOP/s, not FLOP/s)"),
     "log.sample_tokens": (lambda v: 0 <= v <= 10_000, ">= 0 and at most 10000 (the sample at the end: a forward pass per token)"),
-    **dict.fromkeys(("parallel.timeout_s", "ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _SECONDS),
+    **dict.fromkeys(("ckpt.grace_s", "log.hang_min_s", "log.hang_startup_s"), _SECONDS),
+    "parallel.timeout_s": (lambda v: 1e-3 <= v <= 1e9, "at least 0.001 (torch counts milliseconds: below, 0, and the "
+                           "first collective times out) and at most 1e9 (about 30 years)"),
     "log.hang_factor": (lambda v: v == 0 or v >= 2, ">= 2 (median step times), or 0 to turn the watchdog off"),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.val_fraction"), _FRACTION),
     "parallel.dp": (lambda v: v == -1 or v >= 1, ">= 1, or -1 to infer it from the world size"),

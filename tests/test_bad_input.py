@@ -489,6 +489,9 @@ CASES = [
         # clipped to a norm below AdamW's eps: each update at most lr x grad_clip/eps (1e-300: the losses of a run
         # that never updated, step for step); 0 turns clipping off and stays accepted (fuzz)
         # a peak given in FLOP/s (190e12): 'MFU 0.0%' at every step, or 'MFU peak: inf' at 1e308 (fuzz)
+        # torch counts a collective's timeout in milliseconds: 1e-9 s was 0 ms, and at world 2 the first collective
+        # failed as "another rank is gone or hung (wait timeout after 0ms)" (fuzz)
+        ("--parallel.timeout_s=1e-9", "at least 0.001"), ("--parallel.timeout_s=0.0004", "at least 0.001"),
         ("--log.peak_tflops=1.9e14", "TFLOP/s, not FLOP/s"), ("--log.peak_tflops=1e308", "at most 100000"),
         ("--optim.grad_clip=1e-300", "below --optim.eps=1e-05"), ("--optim.grad_clip=1e-44", "below --optim.eps=1e-05"),
         ("--optim.weight_decay=1e308", "lower weight_decay below 1000"), ("--model.rope_theta=1e-300", "must be > 1"),
