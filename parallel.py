@@ -77,7 +77,7 @@ def backend_for(device_type: str) -> str:
 
 def launch_env() -> tuple[int, int]:
     """(WORLD_SIZE, RANK) from torchrun (unset: one process), checked: else int('x'), a ZeroDivisionError or a hang."""
-    env = {k: os.environ.get(k, "0" if k == "RANK" else "1") for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: os.environ.get(k, "0" if "RANK" in k else "1") for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not (all(v.isdigit() for v in env.values()) and int(env["RANK"]) < int(env["WORLD_SIZE"]) > 0
             and int(env["LOCAL_WORLD_SIZE"]) > 0 and (int(env["WORLD_SIZE"]) == 1 or addr and port.isdigit()

@@ -478,7 +478,9 @@ CASES = [
         "WORLD_SIZE='2', RANK='2'", "WORLD_SIZE='2', MASTER_ADDR=None", "WORLD_SIZE='2', MASTER_PORT='x'",
         # `torchrun --master_port=0` hands every rank port 0: each waited for a store there past --parallel.timeout_s
         # (killed after 90 s at timeout_s=5); 65536 is no port either (fuzz)
-        "WORLD_SIZE='2', MASTER_PORT='0'", "WORLD_SIZE='2', RANK='1', MASTER_PORT='65536'")],
+        "WORLD_SIZE='2', MASTER_PORT='0'", "WORLD_SIZE='2', RANK='1', MASTER_PORT='65536'",
+        # int()'s ValueError on a CUDA host (hardware.pick_device, torch.cuda.set_device); here it trained (fuzz)
+        "LOCAL_RANK='x'", "LOCAL_RANK='-1'")],
     # ---- values whose first steps are NaN (weights or updates near 1e308, a RoPE frequency of 1/1e-300): were
     # a non-finite stop after step 1, with the model built; now refused with the other domains (vinput2)
     *[(f"domain: {a}", T(*a.split()), [a.split()[-1].split("=")[0] + "=", says], 1, True) for a, says in (
