@@ -980,3 +980,19 @@ def test_a_resharded_piece_holds_its_own_memory_not_the_tensor_joined_for_it():
             assert torch.equal(t, sharding.cut(k, full[k], m, tp, rank)), k
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (k, tp)
             assert all(t.data_ptr() != s[k].data_ptr() for s in shards), (k, tp)
+
+
+def test_a_killed_writes_leftover_temporary_folder_does_not_fail_the_next_save_of_that_step(tmp_path):
+    """A write killed in step_N/.tmp-rankR leaves files there; a restart that trains to step N again (from
+    an older checkpoint, perhaps at another layout, whose files have other names) writes into the same
+    folder: the leftovers are cleared first, or the folder's last rmdir failed the save."""
+    cfg = tiny_cfg(tmp_path)
+    model, opt = trained(cfg, steps=1)
+    stale = tmp_path / "step_00000002" / ".tmp-rank00000"
+    stale.mkdir(parents=True)
+    (stale / "optim_dp01_tp00_pp00.pt").write_bytes(b"half a file")
+    ck = Checkpointer(cfg)
+    ck.save(2, model.state_dict(), opt.state_dict())
+    ck.close()
+    assert not stale.exists() and (tmp_path / "latest").read_text() == "step_00000002"
+    assert Checkpointer(cfg).load_latest().step == 2
