@@ -290,8 +290,10 @@ def test_save_errors_surface(tmp_path):
         ck.save(1, {"w": torch.ones(2)}, extra={"bad": torch.ones(1)})
     (tmp_path / "step_00000002").write_text("a file where the directory should be")
     ck.save(2, {"w": torch.ones(2)})             # the writer thread fails...
-    with pytest.raises(CheckpointError, match="could not write the checkpoint of step 2"):
-        ck.close()                               # ...and the training thread hears of it
+    # ...and the training thread hears of it as it was raised: train.py tells a rank's own SaveFailed (a full
+    # disk) at once, and a wrapped one would read "the background save of step 2 failed: SaveFailed('...')"
+    with pytest.raises(checkpoint.SaveFailed, match="^could not write the checkpoint of step 2"):
+        ck.close()
 
 
 def test_an_export_that_fills_the_disk_is_one_line_and_leaves_the_earlier_export(tmp_path, monkeypatch):
