@@ -149,12 +149,21 @@ def test_the_last_step_is_evaluated_once_and_changes_nothing(tmp_path, capsys, m
     resumed to 4 end with the weights of 4 steps not evaluated at all. In-process runs of the SMALL model."""
     import signal
     import torch
+    import configs
+    import optim
     import train
 
     def val_steps(args):
         capsys.readouterr()
-        train.main([*SMALL, "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg(), *args])
-        return [int(s) for s in re.findall(r"step\s+(\d+) \| val loss", capsys.readouterr().out)]
+        argv = [*SMALL, "--log.tensorboard=", "--device=cpu", "--log.peak_tflops=1", cache_arg(), *args]
+        train.main(argv)
+        out = capsys.readouterr().out
+        # each step's lr is the schedule's at that step (0-based), from warmup's lr / 20 on: a shift passed unseen
+        lrs = [float(x) for x in re.findall(r"step\s+\d+ \| loss [0-9.]+ \| lr ([0-9.e+-]+) \|", out)]
+        start = len(lrs) and int(re.findall(r"step\s+(\d+) \| loss", out)[0]) - 1
+        o = configs.from_args(argv).optim
+        assert lrs == [float(f"{optim.lr_at(s, o):.2e}") for s in range(start, start + len(lrs))] and lrs, out
+        return [int(s) for s in re.findall(r"step\s+(\d+) \| val loss", out)]
 
     def where(name):
         return [f"--out_dir={tmp_path}/{name}", f"--ckpt.dir={tmp_path}/{name}/ckpt"]
