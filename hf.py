@@ -373,8 +373,7 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as Fast
-        folder = path if os.path.isdir(path) else os.path.dirname(path)
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        folder, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path), path)
         try:
             self.tk = Fast.from_file(file)
         except Exception as e:       # tokenizers raises its own Exception type for bad files
@@ -556,7 +555,9 @@ def apply_init_from(cfg, argv: list[str] = (), share: tuple[int, int] = (0, 1)) 
             if saved.get("init_from") == cfg.init_from and not interrupted(step, share):   # resume would load the folder
                 cfg.model = dataclasses.replace(ModelConfig(**{k: v for k, v in saved["model"].items() if hasattr(cfg.model, k)}), **run)
                 return
-        raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)")
+        hub = cfg.init_from.count("/") == 1 and not cfg.init_from.startswith((".", "/", "~"))    # owner/name, as transformers takes
+        raise HFError(f"--init_from={cfg.init_from} does not exist: give a Hugging Face model folder (save_pretrained's output)"
+                      + (f"; a hub id is downloaded first: hf download {cfg.init_from} --local-dir DIR, then --init_from=DIR" * hub))
     export = os.path.join(cfg.out_dir, "hf")           # where train.py writes the final export
     if os.path.isdir(export) and os.path.isdir(cfg.init_from) and os.path.samefile(export, cfg.init_from):
         raise HFError(f"--init_from={cfg.init_from} is this run's export folder (<out_dir>/hf): the final "

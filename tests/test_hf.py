@@ -734,6 +734,8 @@ def test_a_resume_needs_no_init_from_folder_its_checkpoints_hold_the_model(saved
                  [f"--init_from={tmp_path}/moved_awya", f"--ckpt.dir={tmp_path}/ckpt"]):
         with pytest.raises(hf_io.HFError, match="does not exist"):
             hf_io.apply_init_from(configs.from_args(args), [])
+    with pytest.raises(hf_io.HFError, match=r"hf download meta-llama/Llama-3.2-1B --local-dir DIR, then --init_from=DIR$"):
+        hf_io.apply_init_from(configs.from_args(["--init_from=meta-llama/Llama-3.2-1B"]), [])     # a hub id: no download
     os.remove(step / "manifest.json")     # every save cut short: resume would fall back to the folder (a traceback)
     with pytest.raises(hf_io.HFError, match="does not exist"):
         hf_io.apply_init_from(configs.from_args([f"--init_from={gone}", f"--ckpt.dir={tmp_path}/ckpt"]), [])
