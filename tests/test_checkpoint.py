@@ -998,17 +998,3 @@ def test_a_killed_writes_leftover_temporary_folder_does_not_fail_the_next_save_o
     ck.close()
     assert not stale.exists() and (tmp_path / "latest").read_text() == "step_00000002"
     assert Checkpointer(cfg).load_latest().step == 2
-
-
-def test_a_step_already_saved_is_not_written_again(tmp_path, capsys):
-    """save() of a step at or below the newest saved (or resumed) one is said and skipped: writing it would
-    replace the files of a complete checkpoint in place, under its manifest."""
-    cfg = tiny_cfg(tmp_path)
-    model, opt = trained(cfg, steps=1)
-    ck = Checkpointer(cfg)
-    ck.save(2, model.state_dict(), opt.state_dict())
-    ck.save(2, {k: torch.zeros_like(v) for k, v in model.state_dict().items()}, opt.state_dict())
-    ck.close()
-    loaded = Checkpointer(cfg).load_latest()
-    assert all(torch.equal(loaded.model[k], v) for k, v in model.state_dict().items())
-    assert "step 2 is already saved (newest is step 2); not saving it again" in capsys.readouterr().out
