@@ -337,3 +337,14 @@ def test_the_tokenizer_command_names_its_own_flag_for_a_parquet_column(tmp_path)
     with pytest.raises(SystemExit, match=r"no column 'text'; its columns are \['body'\]: set --text-field ") as e:
         data.main(["tokenizer", "--data", str(tmp_path / "body.parquet"), "--vocab", "300", "--cache-dir", str(tmp_path / "c")])
     assert "--data.text_field" not in str(e.value)
+
+
+def test_null_and_whitespace_texts_are_empty_documents_as_training_reads_them(tmp_path):
+    """A record whose text is null or only whitespace is an empty document, as training's reader counts it
+    (corpus.py: a null text is ""; whitespace makes no token): not written, counted as empty, not as bad. A
+    number is a bad record. Written, a whitespace text was a document of the prepared corpus and of its count."""
+    src = tmp_path / "a.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in ("one doc", None, " \n\t ", "two docs", 5)) + "\n")
+    counts = prepare.prepare([str(src)], str(tmp_path / "o.arrow"), workers=1)
+    assert read(tmp_path / "o.arrow") == ["one doc", "two docs"]
+    assert (counts["documents"], counts["empty_docs"], counts["bad_records"]) == (2, 2, 1), counts
