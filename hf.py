@@ -305,7 +305,7 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
         for i, s in enumerate(srcs):        # the shapes the config implies
             want = [int((table[:, 0] == i).sum()), *full[name][1:]]
             if st.shape(s) != want:
-                raise HFError(f"{s} has shape {st.shape(s)} but config.json implies {want}: the weights "
+                raise HFError(f"{folder}: {s} has shape {st.shape(s)} but config.json implies {want}: the weights "
                               f"and config.json do not belong together")
     return st, tables
 

@@ -186,8 +186,9 @@ def _edit(saved, tmp_path, config=None, tensors=None):
     ({"intermediate_size": 128}, None, "gate_proj.weight has shape \\[96, 64\\] but config.json implies \\[128, 64\\]"),
 ])
 def test_mixed_up_checkpoint_is_refused(saved, tmp_path, config, tensors, expected):
-    with pytest.raises(hf_io.HFError, match=expected):
+    with pytest.raises(hf_io.HFError, match=expected) as e:
         load_hf(_edit(saved, tmp_path, config, tensors))
+    assert str(e.value).startswith(str(tmp_path)), str(e.value)        # which folder (the shape's named none)
 
 
 @pytest.mark.parametrize("kv, tp, vocab, tie", [(1, 4, 101, True), (2, 2, 103, False), (1, 2, 101, False)])
