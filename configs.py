@@ -565,9 +565,10 @@ def check_paths(cfg: Config) -> None:
     ckpt = os.path.realpath(cfg.ckpt.dir)
     for key, path in dirs + ((("log.tensorboard", cfg.log.tensorboard),) if cfg.log.tensorboard else ()):
         check_dir(key, path)        # (an empty out_dir, ckpt.dir or cache_dir: refused by check_values)
-        if (inside := os.path.relpath(os.path.realpath(path), ckpt).split(os.sep)[0])[:5] == "step_" and inside[5:13].isdigit():
-            raise ConfigError(f"--{key}={path} is inside {os.path.join(cfg.ckpt.dir, inside)}, a checkpoint's folder: a save "
-                              f"writes into it, and it is deleted when it is pruned; give another --{key}")
+        under = os.path.relpath(os.path.realpath(path), ckpt).split(os.sep)[0]     # its folder right under ckpt.dir
+        if under.startswith("step_") and under[5:13].isdigit():
+            raise ConfigError(f"--{key}={path} is inside {os.path.join(cfg.ckpt.dir, under)}, a checkpoint's folder: "
+                              f"a save writes into it, and it is deleted when it is pruned; give another --{key}")
     if (tok := cfg.data.tokenizer) and (kind := path_kind(tok)) != "a directory":   # a model folder, else a readable file
         if kind != "a file":
             raise ConfigError(f"--data.tokenizer={tok!r} is {'missing' if kind == 'nothing' else kind}: give a file")
