@@ -488,3 +488,12 @@ def test_a_jsonl_files_wrong_field_is_refused_before_its_lines_are_indexed(tmp_p
     assert not cache.exists() or not os.listdir(cache), os.listdir(cache)
     good = LineDocs(str(p), True, "body", str(cache))
     assert good.n == 3002 and good.read([2]) == [b'{"body": "doc 0"}'] and os.listdir(cache)
+
+
+def test_a_texts_own_replacement_characters_are_not_counted_as_invalid_utf8():
+    """decode counts the sequences it replaced, not the U+FFFD a text already held (valid UTF-8, common in
+    scraped pages): counted, they were warned as invalid bytes, and prepare's 10% rule would refuse a file of
+    them as 'not UTF-8 text'."""
+    import sources
+    assert sources.decode("caf\ufffd au lait".encode()) == ("caf\ufffd au lait", 0)
+    assert sources.decode("\ufffd\ufffd ok ".encode() + b"\xff") == ("\ufffd\ufffd ok \ufffd", 1)
