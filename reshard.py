@@ -87,7 +87,7 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
     rank alike: the shared parts are broadcast over the DP group on `device`. Host tensors."""
     saved = meta["layout"]
     load = lambda name: load_file(d / name, mmap=True)
-    shared = g.dp > 1 and g.dp_group is not None and dist.is_initialized()
+    shared = dp_shared(g)
     readers = [writer_dp_rank(kind, g, now["zero1"]) for kind in (0, 1)]     # model, replicated optimizer
     reads = [not shared or g.dp_rank == r for r in readers]
     # The model: this rank's own file at the same TP degree (mmap: only what is copied is read);
@@ -175,11 +175,16 @@ BUCKET_BYTES = 64 << 20      # tensors travel packed into buckets of this size (
 HEAD_BYTES = 64 << 10        # the pickled structure travels padded to a multiple of this: one graph shape at any step
 
 
+def dp_shared(g: Grid) -> bool:
+    """Whether what DP replicas hold alike is read by one of them and broadcast (read), as rehearse traces it."""
+    return g.dp > 1 and g.dp_group is not None and dist.is_initialized()
+
+
 def rehearse(model: dict, optim: dict, g: Grid, zero1: bool, device) -> None:
     """The pre-compile pass's stand-in for read()'s broadcasts at DP > 1 (no checkpoint is read there): the model's and
     the replicated optimizer state's, from the same readers, of this run's own state dicts. The buckets and the padded
     head then have a resume's shapes at this layout, so that on Trainium its graphs are compiled before the run."""
-    if not (g.dp > 1 and g.dp_group is not None and dist.is_initialized()):
+    if not dp_shared(g):
         return
     readers = [writer_dp_rank(kind, g, zero1) for kind in (0, 1)]
     broadcast_state(model if g.dp_rank == readers[0] else None, g, readers[0], device)
