@@ -461,7 +461,8 @@ def test_pod_contract_sigterm_saves_a_killed_pod_rejoins_and_the_run_ends_bit_id
     out = "\n".join(p.out for p in pods)
     log("both pods done")
     assert codes == [0, 0], out[-6000:]
-    assert out.count("resuming from") >= 2 and "healthy" in pods[1].out
+    # rank 0 (which says it) is on whichever pod the c10d rendezvous made it: count every attempt's output
+    assert "\n".join(p.out for p in attempts).count("resuming from") >= 2 and "healthy" in pods[1].out
 
     reference.join()
     assert ref["r"].returncode == 0, ref["r"].stderr[-3000:]
