@@ -237,6 +237,8 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
 
 
 BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+READERS = {bool: lambda t: BOOLS[("true" if t is None else t).lower()], int: lambda t: int(t.replace("_", "")),
+           float: float, str: str}      # a bare --flag (t None) sets a bool
 
 
 def _parse_value(key: str, text: str | None, typ) -> object:
@@ -244,7 +246,7 @@ def _parse_value(key: str, text: str | None, typ) -> object:
     if text is None and typ is not bool:    # a bare --flag other than a bool's (it was told "--model.dim='true': expected an int")
         raise ConfigError(f"--{key} was given no value: set it as --{key}=VALUE")
     try:
-        value = BOOLS[("true" if text is None else text).lower()] if typ is bool else int(text.replace("_", "")) if typ is int else float(text) if typ is float else text
+        value = READERS.get(typ, str)(text)
     except (KeyError, ValueError):
         raise ConfigError(f"--{key}={text!r}: expected {({int: 'an int', float: 'a number'}).get(typ, 'true or false')}") from None
     mantissa = text.lower().partition("e")[0] if typ is float else ""     # 1e-400 reads as 0.0, 1e400 as inf
