@@ -65,16 +65,17 @@ def stochastic_round_(dsts: list, values: list, generator: torch.Generator | Non
     """dst.copy_(value) rounded fp32 -> bf16 with E[result] == value, for each pair in turn. bf16 is the top 16 bits of
     an fp32: a uniform integer in [0, 2^16) added to the bit pattern carries into bit 16 with probability (low 16 bits)
     / 2^16, the fraction of the way from the lower neighbour in magnitude; truncating the low bits gives the bf16
-    (exactly, inside copy_). NaN stays NaN (a quiet NaN's top mantissa bit survives). On CPU one draw serves all the
-    pairs (a serial Mersenne Twister: one draw equals the draws in turn); CUDA's and XLA's generators advance per call,
-    so there each tensor draws its own."""
+    (exactly, inside copy_). A NaN is put back whole: its payload's carry could reach the sign (0x7FFFFFFF -> -0.0, a
+    diverged weight silently zero) or leave inf's bits. On CPU one draw serves all the pairs (a serial Mersenne
+    Twister: one draw equals the draws in turn); CUDA's and XLA's generators advance per call, so each tensor draws."""
     cpu = values[0].device.type == "cpu"
     for pairs in [list(zip(dsts, values))] if cpu else [[pair] for pair in zip(dsts, values)]:
         bits = sr_noise(sum(v.numel() for _, v in pairs), values[0].device, generator)
         for (dst, value), b in zip(pairs, bits.split([v.numel() for _, v in pairs])):
-            b += value.float().reshape(-1).view(torch.int32)      # in place: one temporary for all
+            v = value.float().reshape(-1)
+            b += v.view(torch.int32)              # in place: one temporary for all
             b &= -65536                           # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
-            dst.copy_(b.view(torch.float32).view(dst.shape))
+            dst.copy_(torch.where(v.isnan(), v, b.view(torch.float32)).view(dst.shape))
 
 
 def sr_noise(n: int, device, generator: torch.Generator | None) -> torch.Tensor:
@@ -316,8 +317,7 @@ class AdamW:
     def state_dict(self) -> dict:
         """Moments, master weights, step and the SR streams' state (seed and step), by reference."""
         return {"precision": self.precision, "step": self.step_count, "sr_seed": self.sr_seed,
-                "lr": [g["lr"] for g in self.param_groups], "layout": self._layout(),
-                "state": self._state_tensors()}
+                "lr": [g["lr"] for g in self.param_groups], "layout": self._layout(), "state": self._state_tensors()}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):

@@ -319,6 +319,23 @@ def test_sr_result_is_always_a_bf16_neighbour():
     assert special[:2].isnan().all() and special[2] == math.inf and special[3] == -math.inf
 
 
+
+def test_sr_keeps_every_nan_payload_nan_and_rounds_the_largest_floats_to_max_or_inf():
+    """A NaN's low bits plus the noise can carry into the sign (0x7FFFFFFF came out -0.0, 0xFFFFFFFF +0.0: a
+    diverged weight silently zero) or truncate to inf's bits (0x7F800001). Every NaN stays NaN, as x.to(bf16) keeps
+    it; inf stays inf; above bf16's largest finite value the result is that value or inf (round to nearest: inf)."""
+    nans = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFFF8000, 0x7F800001, 0xFF800001, 0x7FC00000, 0xFFC00000]
+    bits = torch.tensor(nans, dtype=torch.int64).repeat_interleave(2048)
+    x = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    assert x.isnan().all() and x.to(torch.bfloat16).isnan().all()
+    assert stochastic_round(x, torch.Generator().manual_seed(0)).isnan().all()
+    bf16_max = torch.finfo(torch.bfloat16).max
+    big = torch.tensor([math.inf, -math.inf, 3.39e38, -3.39e38, torch.finfo(torch.float32).max]).repeat(512)
+    r = stochastic_round(big, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(r[big.isinf()], big[big.isinf()])
+    assert ((r.abs() == bf16_max) | r.isinf())[big.isfinite()].all()
+    assert torch.equal(r.sign(), big.sign())
+
 def test_sr_draws_are_randint_draws():
     """optim.sr_noise (random_() masked to 16 bits, CPU) gives torch.randint(0, 2^16)'s numbers from
     the same generator state, so stochastic rounding rounds as it did with randint; and
