@@ -53,13 +53,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(str(e))
 
 
+class HelpFormat(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The docstring's lines as written, and every flag's default after its help."""
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python bench.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python bench.py", description=__doc__, formatter_class=HelpFormat)
     parser.add_argument("which", choices=list(BENCHES), metavar="WHICH", help=", ".join(BENCHES) + " (above)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measured process (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measured process")
     parser.add_argument("--steps", type=int, default=0, help="0 = the benchmark's default")
-    parser.add_argument("--out", default="out/bench", help="the JSON, figures and corpora go here (default out/bench)")
+    parser.add_argument("--out", default="out/bench", help="the JSON, figures and corpora go here")
     parser.add_argument("--step_tokens", type=int, default=4096, help="step: tokens per step of the second "
                         "trainer-vs-bare rows (batch 4 x step_tokens/4; 0 = only the 512-token rows)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

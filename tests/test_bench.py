@@ -3,6 +3,7 @@ are ratios measured by `python bench.py WHICH`, never asserted here."""
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -36,6 +37,20 @@ def test_help_names_the_command_and_says_what_every_argument_is(capsys):
     for name in ("WHICH", "-h, --help", "--threads THREADS", "--steps STEPS", "--out OUT", "--layers LAYERS", "--lr LR"):
         line = next(x for x in args.splitlines() if x.strip().startswith(name))
         assert line.strip() != name, f"{name} has no help: {out}"
+
+
+def test_help_gives_every_flags_default(capsys):
+    # `python bench.py --help` gave the default of --threads and --out only: --layers (16), --lr (1e-2),
+    # --dtype, --step_tokens (4096) and the data flags left a user to read benchmarks/cli.py for theirs
+    from benchmarks import cli
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    options = capsys.readouterr().out.split("options:")[1]
+    flags = re.split(r"\n  (?=-)", options)[1:]             # one block per flag, its help's wrapped lines included
+    assert len(flags) == 12, options
+    for block in flags:
+        if not block.startswith("-h"):
+            assert " ".join(block.split()).count("(default: ") == 1, f"no default, or two, in: {block}"
 
 
 @pytest.mark.slow      # ~4 s: transformers' import
