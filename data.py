@@ -219,7 +219,8 @@ class SpanReader:
             text = [t[1:] if t and s > 0 and t[0] == " " else t for t, s in zip(text, rows[:, 1].tolist())]
         ok = (np.fromiter(map(len, text), np.int64, len(text)) > 0) & ~(first & last & np.fromiter(map(str.isspace, text), bool, len(text)))
         enc = self.tok.encode_batch(text if ok.all() else [t for t, k in zip(text, ok.tolist()) if k], False, False, self.threads)
-        bos, eos = ok & first & self.bos, ok & last & self.eos
+        # A document's last span can be empty (a final ' ' its dummy prefix stood for): its EOS, and its count, still.
+        bos, eos = ok & first & self.bos, (ok | ~first) & last & self.eos
         n = np.zeros(len(rows), np.int64)
         n[ok] = np.fromiter(map(len, enc), np.int64, len(enc))
         n += bos.astype(np.int64) + eos
@@ -231,8 +232,8 @@ class SpanReader:
         tokens[body] = np.concatenate(enc or [np.zeros(0, np.int32)])
         reps, bad = np.array(reps, np.int64), np.array(bad, np.int64)
         counts = np.zeros((len(spans), len(STAT_KEYS)), np.int64)
-        counts[mine] = np.stack([np.ones(len(rows), np.int64), last & (n > 0), last & first & (n == 0) & (bad == 0),
-                                 bad, reps, n], 1)
+        counts[mine] = np.stack([np.ones(len(rows), np.int64), last & ((n > 0) | ~first),
+                                 last & first & (n == 0) & (bad == 0), bad, reps, n], 1)
         return tokens, counts[:, -1], counts        # counts[:, -1]: tokens per read (0: the other split)
 
 

@@ -570,6 +570,25 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     assert loader.corpus.warning("empty_files", 1).startswith("data warning: 1 empty files skipped")
 
 
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_a_document_whose_last_span_the_dummy_prefix_empties_keeps_its_eos_and_is_counted(tok, tmp_path, eos):
+    """A hard cut just before a document's final ' ' leaves a last span of ' ', which the sentencepiece dummy prefix
+    stands for (SpanReader.drop_space): its text is empty. The document still ends in EOS and counts as a document
+    (before: no EOS, counted neither as a document nor as empty, with --data.eos true or false)."""
+    d = tmp_path / "c"
+    d.mkdir()
+    for i in range(3):
+        (d / f"long{i}.txt").write_text("ab" * 2048 + " ")          # 4097 bytes: spans of 4096 bytes and ' '
+        (d / f"short{i}.txt").write_text(f"a short document {i}")
+    loader = data.PackedLoader(cfg(str(d), val_fraction=0.0, eos=eos), tok, prefetch=0)
+    rows = np.asarray(loader.index.rows)
+    assert loader.read.drop_space and len(rows) == 9 and (rows[:, 1] == 4096).sum() == 3
+    tokens, n, counts = loader.read(np.arange(len(rows)))
+    st = dict(zip(data.STAT_KEYS, counts.sum(0).tolist()))
+    assert (st["documents"], st["empty_docs"]) == (6, 0), st
+    assert (tokens == tok.eos_id).sum() == (6 if eos else 0)
+
 def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p = tmp_path / "x.jsonl"
     p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
