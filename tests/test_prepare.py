@@ -44,6 +44,20 @@ def shards(tmp_path):
     return src
 
 
+
+def test_the_bad_records_named_are_the_first_five_across_all_shards(tmp_path, capsys):
+    """MAX_EXAMPLES bad records are named in the summary over the whole run, in shard order, not up to five per
+    shard (three shards of three bad records: 9 counted, 5 named, the third shard's none)."""
+    for s in range(3):
+        (tmp_path / f"s{s}.jsonl").write_text(f'{{"text": "good {s}"}}\nnot json {s}a\nnot json {s}b\n{{"body": "{s}"}}\n')
+    counts = prepare.prepare([str(tmp_path / f"s{s}.jsonl") for s in range(3)], str(tmp_path / "all.arrow"), workers=1)
+    err = capsys.readouterr().err
+    named = [w for s in range(3) for w in (f"s{s}.jsonl:2: not JSON", f"s{s}.jsonl:3: not JSON",
+                                           f"s{s}.jsonl:4: no field 'text'") if w in err]
+    assert counts["bad_records"] == 9 and "9 bad records skipped" in err and prepare.MAX_EXAMPLES == 5
+    assert named == ["s0.jsonl:2: not JSON", "s0.jsonl:3: not JSON", "s0.jsonl:4: no field 'text'",
+                     "s1.jsonl:2: not JSON", "s1.jsonl:3: not JSON"], err
+
 def read(path) -> list[str]:
     return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("text").to_pylist()
 
