@@ -66,21 +66,26 @@ def parse(argv: list[str]):
     ap.add_argument("--nodes", type=int, required=True, help="instances (one pod each)")
     ap.add_argument("--image", required=True, help="the nanotrn image (Dockerfile), e.g. ECR_URI:TAG")
     ap.add_argument("--fsx-claim", required=True, help="PersistentVolumeClaim of the FSx for Lustre file system")
-    ap.add_argument("--mount", default="/fsx", help="where the FSx claim is mounted in the pods")
-    ap.add_argument("--name", default="nanotrn", help="the Service; the Jobs are NAME-train and NAME-compile")
-    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--mount", default="/fsx", help="where the FSx claim is mounted in the pods (default: %(default)s)")
+    ap.add_argument("--name", default="nanotrn",
+                    help="the Service; the Jobs are NAME-train and NAME-compile (default: %(default)s)")
+    ap.add_argument("--namespace", default="default",
+                    help="the Kubernetes namespace of the Service and Jobs (default: %(default)s)")
     ap.add_argument("--job", choices=("train", "compile"), default="train",
-                    help="what goes to stdout: the training Job or the pre-compile Job (with the Service)")
+                    help="what goes to stdout: the training Job or the pre-compile Job (with the Service) "
+                         "(default: %(default)s)")
     ap.add_argument("--out", default="", help="write NAME-compile.yaml and NAME-train.yaml here instead")
     ap.add_argument("--max-restarts", type=int, default=3,
-                    help="torchrun's restarts of a pod's workers, and the Job's replacements of each pod")
+                    help="torchrun's restarts of a pod's workers, and the Job's replacements of each pod "
+                         "(default: %(default)s)")
     ap.add_argument("--grace-period", type=int, default=2 * TORCHRUN_STOP_S,
-                    help="terminationGracePeriodSeconds (at least torchrun's 30 s + 5)")
-    ap.add_argument("--shm", default="64Gi", help="size limit of the memory-backed /dev/shm")
+                    help="terminationGracePeriodSeconds (at least torchrun's 30 s + 5) (default: %(default)s)")
+    ap.add_argument("--shm", default="64Gi", help="size limit of the memory-backed /dev/shm (default: %(default)s)")
     ap.add_argument("--cache-dir", default="/var/tmp/neuron-compile-cache",
-                    help="the Neuron compile cache on each node's local disk (hostPath)")
+                    help="the Neuron compile cache on each node's local disk (hostPath) (default: %(default)s)")
     ap.add_argument("--port", type=int, default=29500,
-                    help="the rendezvous port on pod 0 (and the next one: the compile Job's health check)")
+                    help="the rendezvous port on pod 0 (and the next one: the compile Job's health check) "
+                         "(default: %(default)s)")
     return ap.parse_known_args(argv)
 
 

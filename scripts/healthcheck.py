@@ -302,19 +302,24 @@ def report_text(rep: dict, hosts: list[str], node_of: list[int], factor: float) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel degree of the run")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel degree of the run")
-    ap.add_argument("--mb", type=float, default=64.0, help="payload per collective, MB")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions (XLA compiles here)")
-    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per op and kind")
-    ap.add_argument("--factor", type=float, default=2.0, help="named when this many times the median")
-    ap.add_argument("--min-gap-ms", type=float, default=1.0, help="and at least this much slower")
-    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "nccl", "gloo"))
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel degree of the run (default: %(default)s)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel degree of the run (default: %(default)s)")
+    ap.add_argument("--mb", type=float, default=64.0, help="payload per collective, MB (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed repetitions (XLA compiles here) (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per op and kind (default: %(default)s)")
+    ap.add_argument("--factor", type=float, default=2.0,
+                    help="named when this many times the median (default: %(default)s)")
+    ap.add_argument("--min-gap-ms", type=float, default=1.0,
+                    help="and at least this much slower (default: %(default)s)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "nccl", "gloo"),
+                    help="auto: xla on Trainium, else nccl on a GPU, else gloo (default: %(default)s)")
     ap.add_argument("--ranks-per-node", type=int, default=0,
-                    help="default LOCAL_WORLD_SIZE (torchrun places ranks in blocks per node)")
+                    help="0 = LOCAL_WORLD_SIZE (torchrun places ranks in blocks per node) (default: %(default)s)")
     ap.add_argument("--json", default="", help="also write the full report here (rank 0)")
     ap.add_argument("--warn-only", action="store_true", help="exit 0 even when something is slow")
-    ap.add_argument("--timeout-s", type=float, default=300.0, help="a dead rank fails the check after this")
+    ap.add_argument("--timeout-s", type=float, default=300.0,
+                    help="a dead rank fails the check after this many seconds (default: %(default)s)")
     ap.add_argument("--inject-delay", default="", metavar="RANK:SECONDS",
                     help="testing only: this rank sleeps before each collective")
     args = ap.parse_args(argv)

@@ -9,6 +9,7 @@ Two tiers (the `slow` marker is registered in pytest.ini):
 import contextlib
 import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -199,3 +200,11 @@ def run_in_xla_world_of_one(code: str) -> None:
     r = subprocess.run([sys.executable, "-c", XLA_WORLD_OF_ONE + code, root], capture_output=True, text=True, env=env,
                        timeout=300, cwd=root)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def help_flags(out: str) -> dict[str, str]:
+    """An argparse --help's options as {flag: its help text}, wrapped lines joined, names and metavar left out."""
+    options = out.split("options:\n")[1].split("\n\n")[0]
+    blocks = re.split(r"\n  (?=-)", "\n" + options)[1:]
+    return {b.split()[0].rstrip(","): re.sub(r"^(-\S+,? )+(\{\S+\}|[A-Z_:]+)? *", "", " ".join(b.split()))
+            for b in blocks}

@@ -32,7 +32,7 @@ sys.path.insert(0, str(SCRIPTS))
 import configs  # noqa: E402
 import eks  # noqa: E402
 from planner import instances  # noqa: E402
-from conftest import cache_arg  # noqa: E402
+from conftest import cache_arg, help_flags  # noqa: E402
 from gloo_spawn import free_ports, run_train  # noqa: E402
 from test_scripts import ARGS_7B, parse_dry_run, run_script  # noqa: E402
 
@@ -182,6 +182,18 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
     assert r.returncode != 0 and "already exist" in r.stderr
     assert (tmp_path / "held" / "nanotrn-train.yaml").read_text() == "mine\n"       # never overwritten
 
+
+
+def test_help_says_every_flag_and_its_default(capsys):
+    # `eks.py --help` gave --namespace no help and no flag its default (--mount /fsx, --grace-period 60, ...)
+    with pytest.raises(SystemExit) as e:
+        eks.parse(["--help"])
+    said = help_flags(capsys.readouterr().out)
+    assert e.value.code == 0 and len(said) == 14, said
+    for flag, text in said.items():
+        assert text, f"{flag} has no help"
+        if flag not in ("-h", "--nodes", "--image", "--fsx-claim", "--out"):      # required, or no default to give
+            assert text.count("(default: ") == 1, f"{flag}: {text}"
 
 def test_the_mount_itself_is_on_fsx(tmp_path):
     """--cache-dir=/fsx is the shared file system (and a second volume at the FSx mount's path,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import configs  # noqa: E402
-from conftest import cache_arg  # noqa: E402
+from conftest import cache_arg, help_flags  # noqa: E402
 import healthcheck  # noqa: E402
 from parallel import rank_groups  # noqa: E402
 
@@ -686,3 +686,16 @@ def test_sigterm_before_the_workers_handlers_still_stops_them(tmp_path):
     assert p.returncode == 143, err[-3000:]
     assert len(re.findall(r"\[rank \d\] SIGUSR1 during the set-up: stopping", err)) == 2, err[-3000:]
     assert "SIGUSR1: stopped after step 0, not saved" in out and "step      1 |" not in out, out[-2000:]
+
+
+def test_healthcheck_help_says_every_flag_and_its_default(capsys):
+    # `healthcheck.py --help` gave --backend no help at all and no flag its default (--mb 64, --reps 10, ...)
+    with pytest.raises(SystemExit) as e:
+        healthcheck.main(["--help"])
+    said = help_flags(capsys.readouterr().out)
+    assert e.value.code == 0
+    assert len(said) == 14, said
+    for flag, text in said.items():
+        assert text, f"{flag} has no help"
+        if flag not in ("-h", "--json", "--warn-only", "--inject-delay"):      # no default to give
+            assert text.count("(default: ") == 1, f"{flag}: {text}"
