@@ -514,4 +514,8 @@ def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str, flag:
 
 
 if __name__ == "__main__":      # a library: `python prepare.py` did nothing, silently, with exit 0
-    sys.exit("usage: python data.py prepare SOURCES... --out OUT.arrow|DIR/ [-j N] [--force] (prepare.py is its library)")
+    usage = "usage: python data.py prepare SOURCES... --out OUT.arrow|DIR/ [-j N] [--force] (prepare.py is its library)"
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(usage)
+    else:
+        sys.exit(usage)

@@ -189,6 +189,20 @@ def test_training_cache_of_a_compressed_shard_keeps_its_bytes_for_the_loader_to_
     assert c.examples["utf8"].startswith(f"{tmp_path / 'a.txt.gz'}: 2 invalid UTF-8 sequences replaced")
 
 
+@pytest.mark.parametrize("argv,code", [(["--help"], 0), (["-h"], 0), ([], 1), (["x.jsonl", "--out", "x.arrow"], 1)])
+def test_prepare_py_run_as_a_script_names_the_command(capsys, monkeypatch, argv, code):
+    # `python prepare.py --help` printed its usage as an error (exit 1): asking for help is no error
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["prepare.py", *argv])
+    status, said = 0, ""
+    try:
+        runpy.run_path(os.path.join(ROOT, "prepare.py"), run_name="__main__")
+        said = capsys.readouterr().out
+    except SystemExit as e:
+        status, said = (1, e.code) if isinstance(e.code, str) else (e.code or 0, capsys.readouterr().out)
+    assert status == code and said.startswith("usage: python data.py prepare SOURCES... --out"), (status, said)
+
+
 @pytest.mark.parametrize("cmd,flags", [("prepare", ["sources", "--out OUT", "--text-field", "--doc-per-line", "--force"]),
                                        ("tokenizer", ["--data DATA", "--vocab VOCAB", "--cache-dir", "--doc-per-line"])])
 def test_data_py_help_says_what_every_argument_is(capsys, cmd, flags):
