@@ -591,8 +591,8 @@ def check_export_dir(cfg: Config) -> str:
         if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
             raise ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
                               f"next run would refuse the mixed folder; give another --{key}")
-    ckpts = os.listdir(cfg.ckpt.dir) if os.path.isdir(cfg.ckpt.dir) and cfg.ckpt.resume else []
-    if os.path.exists(os.path.join(folder, "config.json")) and not any(STEP_DIR.match(n) for n in ckpts):
+    # Step folders only (scan): one a resume set aside (step_N.bad<time>) is never resumed, so continues nothing.
+    if os.path.exists(os.path.join(folder, "config.json")) and not (cfg.ckpt.resume and scan(cfg.ckpt.dir)):
         raise ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts afresh "
                           f"({'--ckpt.resume=false' if not cfg.ckpt.resume else f'no checkpoint in {cfg.ckpt.dir}'}):"
                           f" it would be overwritten at the end; move it away or give another --out_dir")

@@ -795,6 +795,12 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
     over.ckpt.dir, over.ckpt.resume, over.ckpt.start_fresh = str(tmp_path / "ckpt"), False, True
     with pytest.raises(ConfigError, match=r"starts afresh \(--ckpt.resume=false\)"):
         hf_io.check_export_dir(over)
+    aside = Config(out_dir=str(tmp_path))     # only folders a resume set aside (corrupt, incomplete): it starts afresh
+    aside.ckpt.dir = str(tmp_path / "aside")
+    for name in ("step_00000004.bad1700000000", "step_00000003.incomplete1700000000"):
+        (tmp_path / "aside" / name).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"starts afresh \\(no checkpoint in {tmp_path / 'aside'}\\)"):
+        hf_io.check_export_dir(aside)       # (they counted as a run to continue: the export overwritten at the end)
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
         hf_io.check_export_dir(cfg)
