@@ -195,6 +195,19 @@ def test_tensorboard_scalars_read_back_and_curves(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+def test_a_diverged_evaluation_is_logged_not_an_overflow(tmp_path):
+    """A val loss past 709.8 (a diverged run: logits in the thousands) has a perplexity beyond a float's
+    range: math.exp raises OverflowError there, which ended the run at its evaluation. It is logged, its
+    perplexity capped at exp(50)."""
+    cfg = small_cfg(tmp_path)
+    lines = []
+    mon = Monitor(cfg, flops_per_token=2e6, peak_flops=1e18, print_fn=lines.append)
+    mon.eval(7, torch.tensor(1000.0))
+    mon.close()
+    assert lines == [f"step      7 | val loss 1000.0000 | val ppl {math.exp(50.0):.2f}"]
+    assert monitor.read_scalars(cfg.log.tensorboard)["val/loss"] == [(7, 1000.0)]
+
+
 @pytest.mark.parametrize("restart_from", [0, 3])
 def test_tensorboard_hides_what_a_crashed_run_logged_past_the_restart(tmp_path, restart_from):
     """A run killed after step 6 restarts from its checkpoint of step 3, or from scratch (it died
