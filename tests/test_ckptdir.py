@@ -543,3 +543,24 @@ def test_a_ckpt_dir_this_user_cannot_list_is_one_line_before_any_work(tmp_path):
     assert f"{tmp_path}/ck_latest/latest cannot be read by this user, so it cannot be checked" in said[6], said
     assert "fix its permissions" in said[6] and "not nanotrn's" not in said[6], said
     assert not any((tmp_path / d).exists() for d in ("out", "cache", "hf")), "work started"
+
+
+def test_atomic_write_syncs_the_data_before_the_rename_and_the_folder_after_it(tmp_path, monkeypatch):
+    """`latest` and each manifest hold their old bytes or their new ones after a power loss, never a part: the
+    temporary's data reaches the disk (fsync) before the rename makes it the file, and the folder is synced after
+    the rename (which is what makes the rename itself durable). The real calls, in the order they were made."""
+    calls, fsync, replace = [], ckptdir.os.fsync, ckptdir.os.replace
+
+    def spy_fsync(fd):
+        calls.append(("fsync", ckptdir.os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def spy_replace(a, b):
+        calls.append(("replace", str(b)))
+        return replace(a, b)
+    monkeypatch.setattr(ckptdir.os, "fsync", spy_fsync)
+    monkeypatch.setattr(ckptdir.os, "replace", spy_replace)
+    ckptdir.atomic_write(tmp_path / "latest", b"step_00000002")
+    assert calls == [("fsync", str(tmp_path / ".latest.tmp")), ("replace", str(tmp_path / "latest")),
+                     ("fsync", str(tmp_path))]
+    assert (tmp_path / "latest").read_bytes() == b"step_00000002" and not (tmp_path / ".latest.tmp").exists()
