@@ -633,6 +633,15 @@ def test_fault_spec_and_random_restarts(tmp_path, monkeypatch):
     assert deaths == 3 == len((tmp_path / "faults.log").read_text().splitlines())
 
 
+def test_random_faults_draw_apart_by_rank_and_by_seed(tmp_path):
+    """NANOTRN_FAULT=p=: 'every rank, every step, dies with probability p', each rank on its own draws (a node
+    lost, not the whole cluster at once), and seed=N gives another pattern of deaths."""
+    killed = type("Killed", (Exception,), {})
+    draws = lambda spec, rank: [_dies(Faults(spec, rank, tmp_path), s, killed, log=False) for s in range(64)]
+    assert draws("p=0.5", 0) != draws("p=0.5", 1)
+    assert draws("p=0.5,seed=1", 0) != draws("p=0.5", 0) == draws("p=0.5,seed=0", 0)
+
+
 def test_fault_hooks_fire_only_where_asked(tmp_path):
     """The hooks the product calls: Faults.step (train.py) makes step S's gradients NaN under
     NANOTRN_FAULT=nan:S and leaves the steps around it untouched (its hooks are removed); Faults.file
