@@ -195,6 +195,22 @@ def test_tensorboard_scalars_read_back_and_curves(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+def test_a_verdict_read_at_the_flush_resets_the_consecutive_skips():
+    """XLA's skip mode: each step's verdict is a device tensor, read at the flush (on the host here, the same
+    path). A step that was not skipped ends a run of skips there too: 2 skips, a good step, 2 skips, ... never
+    reach 3 in a row, and do not stop the run."""
+    cfg = small_cfg(None, interval=10, on_nonfinite="skip")
+    lines = []
+    mon = Monitor(cfg, 1e6, 1e12, print_fn=lines.append, max_consecutive_skips=3)
+    for s in range(1, 31):
+        skip = s % 3 != 0
+        loss = torch.tensor(float("nan") if skip else 2.0)
+        mon.step(s, loss=loss, grad_norm=torch.tensor(1.0), lr=1e-3, tokens=64, skipped=torch.tensor(skip))
+    mon.close()
+    assert mon.skipped == 20 and mon.consecutive_skips == 0
+    assert sum("update skipped" in line for line in lines) == 20
+
+
 def test_a_diverged_evaluation_is_logged_not_an_overflow(tmp_path):
     """A val loss past 709.8 (a diverged run: logits in the thousands) has a perplexity beyond a float's
     range: math.exp raises OverflowError there, which ended the run at its evaluation. It is logged, its
