@@ -126,6 +126,25 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
         dog.close()
 
 
+def test_a_phase_before_three_timed_steps_leaves_the_startup_allowance(monkeypatch):
+    """An evaluation or save after the first step (one step timed, the next ones may still compile on XLA):
+    the step after the phase gets startup_s, as step_done gives it, not factor x the one time seen."""
+    now = [0.0]
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(monitor.faulthandler, "dump_traceback_later", lambda s, **k: None)
+    monkeypatch.setattr(monitor.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    dog = monitor.Watchdog(0, factor=10, min_s=5, startup_s=1000)
+    try:
+        for t in (300.0, 301.0):                    # the first step done, the second timed at 1 s
+            now[0] = t
+            dog.step_done()
+        with dog.phase("evaluation at step 2"):
+            now[0] = 320.0
+        assert list(dog.times) == [1.0] and dog.limit() == 1000 and dog.deadline == 320 + 1000
+    finally:
+        dog.close()
+
+
 @pytest.mark.slow
 def test_a_hang_in_a_single_process_run_ends_by_the_watchdog_too(hung):
     """NANOTRN_FAULT=hang:0:STEP in `python train.py` (no process group, or a world of one, where a
