@@ -598,7 +598,7 @@ def test_shared_files_are_written_by_spread_replicas(tmp_path):
 # ----------------------------------------------------------------------------- fault injection
 
 def test_fault_spec_and_random_restarts(tmp_path, monkeypatch):
-    for bad in ("7", "a:b", "1:2:write", "p=2", "p=0.1,foo=1"):
+    for bad in ("7", "a:b", "1:2:write", "1:2:save:3", "p=2", "p=0.1,foo=1"):
         with pytest.raises(configs.ConfigError, match="NANOTRN_FAULT"):
             Faults(bad, 0, tmp_path)
 
