@@ -7,6 +7,7 @@ here rather than reading the variable each in its own way.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 
@@ -51,15 +52,38 @@ def pick_device(name: str, world: int = 1) -> torch.device:
                 raise ConfigError("--device=xla needs torch_xla (the Neuron venv has it)") from None
         else:   # a device named but missing is refused, never run on the CPU instead: "No PjRtPlugin
             try:    # registered for: X", NEURON without its runtime ("No module named 'libneuronxla'"), TPU without libtpu
-                return torch_xla.device()
+                device = torch_xla.device()
             except (RuntimeError, ImportError, OSError) as e:
                 raise ConfigError(f"PJRT_DEVICE={xla_platform()!r}: {str(e).split('. ')[0]}; "
                                   f"use NEURON on Trainium (its venv), CPU for XLA:CPU, or unset it") from None
+            check_functionalization()
+            return device
     if name in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if name == "cuda":
         raise ConfigError("--device=cuda but no CUDA device is visible: give --device=cpu or auto")
     return torch.device("cpu")
+
+
+def check_functionalization() -> None:
+    """torch-xla's functionalization, which the model needs on XLA. With it off (XLA_DISABLE_FUNCTIONALIZATION=1)
+    a split along a non-leading dimension returns other elements (pytorch/xla#8640; a known issue of torch-neuronx
+    2.6 to 2.9 in Neuron's release notes, whose workaround is XLA_DISABLE_FUNCTIONALIZATION=0), and the model
+    splits its fused qkv and gate_up on the last one: the tiny model's first loss was 8.3002 instead of 8.2975,
+    silently (XLA:CPU). Off is Neuron's default (its torch-neuronx environment variables page), so on Trainium it
+    must be set to 0 (scripts/env.sh exports it); elsewhere unset is torch-xla's default, on. Read as torch-xla
+    reads it (sys_util::GetEnvBool: "true", "false", else the integer prefix), once the device exists."""
+    value = os.environ.get("XLA_DISABLE_FUNCTIONALIZATION")
+    digits = re.match(r"\s*[+-]?(\d*)", value or "").group(1)        # C's atoi: 0 without digits
+    if value is None and xla_platform() == "NEURON":
+        said = " unset (on Trainium: off, Neuron's default)"
+    elif value == "true" or (value not in (None, "false") and int(digits or 0) != 0):
+        said = f"={value}"
+    else:
+        return
+    raise ConfigError(f"XLA_DISABLE_FUNCTIONALIZATION{said}: without torch-xla's functionalization a split along "
+                      f"the last dimension (the model's qkv and gate_up) returns wrong data (pytorch/xla#8640): "
+                      f"export XLA_DISABLE_FUNCTIONALIZATION=0 (scripts/env.sh does: launch with scripts/launch.sh)")
 
 
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)

@@ -57,3 +57,23 @@ def test_multi_process_xla_off_trainium_is_refused_before_any_group(monkeypatch,
     with pytest.raises(configs.ConfigError, match=r"multi-process XLA needs Trainium \(PJRT_DEVICE=NEURON\)"):
         hardware.pick_device("xla" if pjrt is None else "auto", world=2)
     assert not dist.is_initialized()
+
+
+def test_functionalization_must_be_on_and_on_trainium_said_so(monkeypatch):
+    """hardware.check_functionalization, read as torch-xla's GetEnvBool reads it: "true", "false", else C's atoi.
+    Unset is on (torch-xla's default) except on Trainium, where Neuron's default is off; set off anywhere on XLA, the
+    model's last-dimension splits return wrong data (pytorch/xla#8640; test_bad_input runs train.py with it)."""
+    for pjrt, value, refused in [("NEURON", None, True), ("CPU", None, False), ("NEURON", "0", False),
+                                 ("NEURON", "false", False), ("CPU", "1", True), ("NEURON", "true", True),
+                                 ("CPU", "-1", True), ("CPU", " 7x", True), ("CPU", "TRUE", False), ("CPU", "", False),
+                                 ("CPU", "+0", False), ("CPU", "no", False)]:
+        monkeypatch.setenv("PJRT_DEVICE", pjrt)
+        if value is None:
+            monkeypatch.delenv("XLA_DISABLE_FUNCTIONALIZATION", raising=False)
+        else:
+            monkeypatch.setenv("XLA_DISABLE_FUNCTIONALIZATION", value)
+        if refused:
+            with pytest.raises(configs.ConfigError, match="export XLA_DISABLE_FUNCTIONALIZATION=0"):
+                hardware.check_functionalization()
+        else:
+            hardware.check_functionalization()
