@@ -1,11 +1,10 @@
 """Hugging Face, both ways: load a transformers Llama folder into any layout, export a complete one.
 
-Loading refuses, by name and before any weight is read, whatever nanotrn's Llama would compute
-differently (another architecture, biases, a sliding window, another rope scaling, a tensor nothing
-consumes, a shape the config does not imply): training on wrong logits is the failure it prevents.
-Weights convert by row bookkeeping only (`_hf_rows`); `load_sharded` reads from the safetensors
-files only this rank's rows, so at 4096 ranks each reads about 1/(TP*PP) of the model and none
-holds it whole. The export (`save_hf`) is a folder AutoModelForCausalLM, AutoTokenizer,
+Loading refuses, by name and before any weight is read, whatever nanotrn's Llama would compute differently (another
+architecture, biases, a sliding window, another rope scaling, a tensor nothing consumes, a shape the config does not
+imply): training on wrong logits is the failure it prevents. Weights convert by row bookkeeping only (`_hf_rows`);
+`load_sharded` reads from the safetensors files only this rank's rows, so at 4096 ranks each reads about 1/(TP*PP) of
+the model and none holds it whole. The export (`save_hf`) is a folder AutoModelForCausalLM, AutoTokenizer,
 lm-evaluation-harness and llama.cpp's converter load with no other argument.
 """
 from __future__ import annotations
@@ -30,8 +29,7 @@ class HFError(ConfigError):
     """A Hugging Face folder that nanotrn cannot load exactly."""
 
 
-# Config keys that change the computation and that nanotrn does not implement: the value that
-# means "not used", and what any other value means.
+# Keys nanotrn does not implement that change the computation: the value that means "not used", what any other means.
 UNSUPPORTED = {
     "attention_bias": (False, "q/k/v/o projections with biases"), "mlp_bias": (False, "MLP projections with biases"),
     "hidden_act": ("silu", "an MLP activation other than SwiGLU's silu"),
@@ -40,13 +38,13 @@ UNSUPPORTED = {
     "no_rope_layers": (None, "layers without RoPE"), "attn_logit_softcapping": (None, "soft-capped attention scores"),
     "final_logit_softcapping": (None, "soft-capped logits"), "embedding_multiplier": (1.0, "a scaled embedding"),
     "residual_multiplier": (1.0, "scaled residual branches"), "logits_scaling": (1.0, "scaled logits"),
-    "quantization_config": (None, "quantized weights (GPTQ, AWQ, FP8...)"),
-}
+    "quantization_config": (None, "quantized weights (GPTQ, AWQ, FP8...)")}
 ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users try most
     "qwen2": "q/k/v biases and sliding-window layers", "qwen3": "q/k norms",
     "phi3": "fused projections and partial RoPE variants", "mixtral": "mixture-of-experts MLPs",
-    "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows",
-}
+    "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows"}
+# A key config.json leaves out is what transformers' LlamaConfig / MistralConfig default to (not one guess for both)
+DEFAULTS = {"llama": {"max_position_embeddings": 2048}, "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096}}
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # Llama 3.1 rope_scaling
 LLAMA3_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")   # ours, in order
 RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
@@ -74,10 +72,12 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         if hf.get(key) is not None and hf[key] != off:
             raise HFError(f"{key}={hf[key]!r} means {what}, which nanotrn's Llama does not implement; "
                           f"load a checkpoint with {key}={off!r} (Llama 2 and 3 have it)")
-    max_len = overrides.get("max_seq_len", hf.get("max_position_embeddings") or 4096)
-    window = hf.get("sliding_window")
+    said, hf = hf, {**DEFAULTS[kind], **hf}
+    positions = hf["max_position_embeddings"] or DEFAULTS[kind]["max_position_embeddings"]     # null: as absent
+    max_len, window = overrides.get("max_seq_len", positions), hf.get("sliding_window")
     if window is not None and (hf.get("use_sliding_window", True) and window < max_len):
-        raise HFError(f"sliding_window={window} is shorter than the sequence ({max_len}): nanotrn has no "
+        default = "" if "sliding_window" in said else " (transformers' default: config.json gives none)"
+        raise HFError(f"sliding_window={window}{default} is shorter than the sequence ({max_len}): nanotrn has no "
                       f"sliding-window attention; train with sequences of at most {window} tokens "
                       f"(--model.max_seq_len={window}) or use a checkpoint without one")
     # The shape as whole numbers, the rest as numbers: else a ZeroDivisionError or a TypeError later.
@@ -97,7 +97,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     fields = dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], ffn_dim=hf["intermediate_size"],
                   n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=kv,
-                  max_seq_len=hf.get("max_position_embeddings") or 4096, norm_eps=hf.get("rms_norm_eps", 1e-6),
+                  max_seq_len=positions, norm_eps=hf.get("rms_norm_eps", 1e-6),
                   init_std=hf.get("initializer_range", 0.02), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else 0, **rope)
     # configs.py's domains, named by config.json's keys: validate named --model.* flags, which --init_from refuses

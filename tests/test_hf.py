@@ -71,7 +71,19 @@ def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load()
     assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 64
     assert hf_io.model_config_from_hf({**BASE, "model_type": "mistral", "sliding_window": 64}).max_seq_len == 64  # = the sequence
     assert hf_io.model_config_from_hf({**BASE, "head_dim": 24}).head_dim == 24
-    assert hf_io.model_config_from_hf({**BASE, "max_position_embeddings": None}).max_seq_len == 4096   # null: absent
+    # No max_position_embeddings (or null): transformers' LlamaConfig / MistralConfig default (2048 / 131072), not 4096
+    for kind, hf_class in (("llama", transformers.LlamaConfig), ("mistral", transformers.MistralConfig)):
+        absent = {k: v for k, v in BASE.items() if k != "max_position_embeddings"} | {"model_type": kind, "sliding_window": None}
+        theirs = hf_class.from_dict(absent).max_position_embeddings
+        assert hf_io.model_config_from_hf(absent).max_seq_len == theirs == {"llama": 2048, "mistral": 131072}[kind]
+        assert hf_io.model_config_from_hf({**absent, "max_position_embeddings": None}).max_seq_len == theirs
+    # A Mistral config.json without sliding_window: transformers' 4096, so a longer sequence is refused (it loaded)
+    assert transformers.MistralConfig.from_dict({**BASE, "model_type": "mistral"}).sliding_window == 4096
+    long = {**BASE, "model_type": "mistral", "max_position_embeddings": 8192}
+    with pytest.raises(hf_io.HFError, match=r"^sliding_window=4096 \(transformers' default: config.json gives none\) "
+                                            r"is shorter than the sequence \(8192\)"):
+        hf_io.model_config_from_hf(long)
+    assert hf_io.model_config_from_hf(long, max_seq_len=4096).max_seq_len == 4096
     v5 = {k: v for k, v in BASE.items() if k != "rope_theta"}
     assert hf_io.model_config_from_hf({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}).rope_theta == 500000.0
     m = hf_io.model_config_from_hf({**v5, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}})
