@@ -78,9 +78,10 @@ def mixture_files(spec: str, split: str = "train", left_out: list | None = None,
     """parse_mixture's entries and each one's files; a file named by two entries counts in the first. A
     weighted source left no file of its own is refused: train.py calls this before any work."""
     entries, seen, per_entry = parse_mixture(spec), set(), []
-    for entry, _ in entries:
-        per_entry.append([p for p in resolve_paths(entry, split, left_out, split_flag)
-                          if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))])
+    for entry, _ in entries:        # (one source: resolve_paths has left each file once)
+        found = resolve_paths(entry, split, left_out, split_flag)
+        real = map(os.path.realpath, found) if len(entries) > 1 else found
+        per_entry.append([p for p, r in zip(found, real) if not (r in seen or seen.add(r))])
     empty = [e for (e, w), ps in zip(entries, per_entry) if w is not None and not ps]
     if empty:
         raise DataError(f"mixture source {empty[0]!r} holds no files of its own: they are an earlier source's too; "

@@ -184,8 +184,8 @@ def resolve_paths(spec: str, split: str = "train", left_out: list | None = None,
             if os.path.islink(p) and not os.path.exists(p):     # a folder's (a named one: path_kind above)
                 raise DataError(f"{p} is {path_kind(p)}: fix the link or remove it")
             raise DataError(f"{p} is not readable by this user: fix its permissions or leave it out")
-    seen = set()
-    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+    seen = set()        # one realpath a file: on a shared file system a metadata request per path component and rank
+    return [p for p, real in zip(paths, map(os.path.realpath, paths)) if not (real in seen or seen.add(real))]
 
 
 def not_utf16(head: bytes, path: str) -> bytes:
