@@ -303,6 +303,10 @@ class Tokenizer:
         try:
             self.path, self.sp = path, spm.SentencePieceProcessor(model_file=path)
         except (OSError, RuntimeError) as e:
+            if is_tiktoken(path):
+                raise DataError(f"{path} is a tiktoken file (Llama 3's original tokenizer.model), which nanotrn does not "
+                                f"read: give the model's Hugging Face tokenizer.json instead (--data.tokenizer, or beside "
+                                f"config.json for --init_from)") from None
             raise DataError(f"{path}: not a sentencepiece model ({_spm_message(e)}); {fix}") from None
         self.vocab_size = self.sp.vocab_size()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
@@ -386,9 +390,21 @@ def line_chunks(line: str, n: int = 2000):
 
 
 def find_tokenizer(folder: str) -> str | None:
-    """The tokenizer a model folder holds: tokenizer.model first (Llama 2's original), else tokenizer.json."""
-    return next((p for p in (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json"))
-                 if os.path.isfile(p)), None)
+    """The tokenizer a model folder holds: tokenizer.model first (Llama 2's original), else tokenizer.json; also
+    where a tokenizer.model is Llama 3's original (tiktoken's, which nanotrn does not read)."""
+    found = [p for p in (os.path.join(folder, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(p)]
+    if len(found) == 2 and is_tiktoken(found[0]):
+        return found[1]
+    return found[0] if found else None
+
+
+def is_tiktoken(path: str) -> bool:
+    """tiktoken's format: text, one 'base64-bytes rank' a line (a sentencepiece model is a binary protobuf)."""
+    try:
+        with open(path, "rb") as f:
+            return re.fullmatch(rb"[A-Za-z0-9+/]+=* \d+", f.readline(256).rstrip(b"\r\n")) is not None
+    except OSError:
+        return False
 
 
 def load_tokenizer(path: str):

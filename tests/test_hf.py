@@ -324,6 +324,29 @@ def test_tokenizer_json_tokenizes_on_the_loaders_threads(tmp_path, monkeypatch):
     assert (os.environ["RAYON_NUM_THREADS"], os.environ["TOKENIZERS_PARALLELISM"]) == ("2", "true")
 
 
+
+def test_a_tiktoken_tokenizer_model_is_named_and_its_tokenizer_json_taken(tmp_path):
+    """Llama 3's original tokenizer.model is tiktoken's text format ('base64-bytes rank' a line), not sentencepiece:
+    it was refused as 'not a sentencepiece model (could not parse ModelProto ...); give a sentencepiece .model', the
+    wrong fix, even in a folder whose tokenizer.json nanotrn reads. Now the folder's tokenizer.json is taken, and
+    the file alone is refused in one line naming it and the fix."""
+    import base64
+    import data
+    llama3_tokenizer(tmp_path / "m")
+    tiktoken = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    (tmp_path / "m" / "tokenizer.model").write_text(tiktoken)
+    tok = data.load_tokenizer(str(tmp_path / "m"))
+    assert isinstance(tok, hf_io.HFTokenizer) and tok.path == str(tmp_path / "m" / "tokenizer.json")
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "alone" / "tokenizer.model").write_text(tiktoken)
+    for given in (tmp_path / "alone", tmp_path / "alone" / "tokenizer.model", tmp_path / "m" / "tokenizer.model"):
+        with pytest.raises(data.DataError) as e:
+            data.load_tokenizer(str(given))
+        assert str(e.value) == (f"{given if given.name == 'tokenizer.model' else given / 'tokenizer.model'} is a "
+                                f"tiktoken file (Llama 3's original tokenizer.model), which nanotrn does not read: give "
+                                f"the model's Hugging Face tokenizer.json instead (--data.tokenizer, or beside config.json for "
+                                f"--init_from)")
+
 def test_hf_tokenizer_json_ids_and_specials(tmp_path):
     import data
     n = llama3_tokenizer(tmp_path / "a", config=False)
