@@ -34,7 +34,8 @@ class SpikeDetector:
     def __init__(self, window: int = 20, margin: float = 0.1, growth: float = 3.0, persist: int = 5):
         self.window, self.margin, self.growth, self.persist = window, margin, growth, persist
         self.history = collections.deque(maxlen=window)
-        self.spikes: list[tuple[int, int]] = []     # (first step, length) of every finished spike
+        self.spikes = collections.deque(maxlen=100)  # (first step, length) of the latest finished spikes
+        self.counts = (0, 0, 0)       # this process's finished spikes: how many, one-step ones, the longest
         self.current: list[int] | None = None       # [first step, length so far] of an open spike
         self.lowest_mean = math.inf
         self.growing = False
@@ -54,7 +55,9 @@ class SpikeDetector:
                     warnings.append(f"step {step}: gradient-norm spike persists for {self.current[1]} steps "
                                     f"(norm {norm:.3f} > running mean {r:.3f} + {self.margin}); benign spikes "
                                     f"last one step: watch the loss for divergence")
-            elif self.current is not None:
+            elif self.current is not None:        # counted, not kept: a flush's summary costs the same at any step
+                n, one, longest = self.counts
+                self.counts = (n + 1, one + (self.current[1] == 1), max(longest, self.current[1]))
                 self.spikes.append(tuple(self.current))
                 self.current = None
         self.history.append(norm)
@@ -69,9 +72,8 @@ class SpikeDetector:
 
     def totals(self) -> tuple[int, int, int]:
         """Spikes, one-step spikes, the longest: this process's and the run's before a resume."""
-        lengths = [length for _, length in self.spikes]
-        return (self.earlier[0] + len(lengths), self.earlier[1] + lengths.count(1),
-                max([self.earlier[2], *lengths]))
+        (n, one, longest), (n0, one0, longest0) = self.counts, self.earlier
+        return n0 + n, one0 + one, max(longest0, longest)
 
     def summary(self) -> dict:
         n, one, longest = self.totals()
