@@ -246,11 +246,14 @@ def table(report: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--microbatches", default="2,4,8", help="one run per number of microbatches per step")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--resume-steps", type=int, default=2)
-    ap.add_argument("--graphs", default="/tmp/pp_graphs.hlo", help="torch-xla writes every graph run here")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--microbatches", default="2,4,8",
+                    help="one run per number of microbatches per step (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps of each run (default: %(default)s)")
+    ap.add_argument("--resume-steps", type=int, default=2,
+                    help="then a resume into a freshly built stage and this many steps more (default: %(default)s)")
+    ap.add_argument("--graphs", default="/tmp/pp_graphs.hlo",
+                    help="torch-xla writes every graph run here (default: %(default)s)")
+    ap.add_argument("--json", default="", help="also write the report here")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py arguments replacing the tiny model's")
     args = ap.parse_args()
     if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.microbatches) or args.steps < 1 or args.resume_steps < 0:

@@ -203,14 +203,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="", help="write the report here")
     ap.add_argument("--eager-steps", type=int, default=0,
-                    help="first run the same config this many steps on the eager CPU (loss reference)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (1 to 1024)")
+                    help="first run the same config this many steps on the eager CPU (loss reference) "
+                         "(default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of this process (1 to 1024) (default: %(default)s)")
     ap.add_argument("--graphs", default="", help="record every graph run (HLO) in this file: the census")
     ap.add_argument("--resume-steps", type=int, default=0,
-                    help="then run train.py again, resuming from the XLA run's last checkpoint, this many more steps")
+                    help="then run train.py again, resuming from the XLA run's last checkpoint, this many more steps"
+                         " (default: %(default)s)")
     ap.add_argument("--precompile-steps", type=int, default=0,
                     help="first run scripts/launch.sh compile's pass (NEURON_EXTRACT_GRAPHS_ONLY, eval every 4 "
-                         "steps, a save every 5) this many steps, in this process: its graphs are in the cache")
+                         "steps, a save every 5) this many steps, in this process: its graphs are in the cache"
+                         " (default: %(default)s)")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
     args = ap.parse_args()
     train_args = [a for a in args.train_args if a != "--"]

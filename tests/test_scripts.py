@@ -699,3 +699,16 @@ def test_healthcheck_help_says_every_flag_and_its_default(capsys):
         assert text, f"{flag} has no help"
         if flag not in ("-h", "--json", "--warn-only", "--inject-delay"):      # no default to give
             assert text.count("(default: ") == 1, f"{flag}: {text}"
+
+
+@pytest.mark.parametrize("script,no_default", [("pp_graphs.py", ("-h", "--json")),
+                                               ("xla_check.py", ("-h", "--json", "--graphs"))])
+def test_the_xla_scripts_help_says_every_flag_and_its_default(script, no_default):
+    # `pp_graphs.py --help` said nothing of --steps, --resume-steps and --json, and neither script gave a default
+    r = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=60)
+    said = help_flags(r.stdout)
+    assert r.returncode == 0 and len(said) >= 6, r
+    for flag, text in said.items():
+        assert text, f"{script} {flag} has no help"
+        if flag not in no_default:
+            assert text.count("(default: ") == 1, f"{script} {flag}: {text}"
