@@ -21,10 +21,13 @@ never leak into other tests:
   - the first losses equal eager CPU's within 1e-4 (fp32) with functionalization on (what
     scripts/env.sh sets, as NxD's 70B scripts); off (Neuron's default: train.py refuses it) the forward differs;
   - the HLO of a bf16 step: every matmul in bf16 on the explicit attention path, and no infinity
-    in any tensor (only as a max-reduction's start value).
+    in any tensor (only as a max-reduction's start value);
+  - every graph of the run keeps to what neuronx-cc computes as written (neuron_violations: no f64
+    tensor, no integer matmul, scatter-add, power or reduction, no int64 input but the batch's).
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -63,7 +66,7 @@ def xla_check(out, args, **opts) -> dict:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(r.stdout[-3000:])
     rep = json.loads(report.read_text())
-    rep["stdout"], rep["ckpt_dir"] = r.stdout, out / "out" / "ckpt"
+    rep["stdout"], rep["ckpt_dir"], rep["graphs"] = r.stdout, out / "out" / "ckpt", out / "graphs.txt.0"
     return rep
 
 
@@ -199,6 +202,54 @@ def test_graph_census(run, run_accum8):
         assert eight[label] == two[label], (label, two, eight)
     (t2,), (t8,) = two["token count"], eight["token count"]
     assert t8 - t2 <= 16 * 6 and t8 < 200, (t2, t8)       # a compare and a sum per microbatch
+
+
+# An HLO instruction: name, element type and dimensions (none for a tuple), opcode.
+INSTR = re.compile(r"^\s*(?:ROOT )?(%\S+) = (?:\([^)]*\)|(\w+)\[([^\]]*)\]\S*) ([\w-]+)\(", re.M)
+
+
+def neuron_violations(hlo: str, batch: str) -> list[str]:
+    """What neuronx-cc would change or refuse in a graph (aws-neuron-sdk docs, 2.32: data-types.rst, the compiler's
+    error pages): no f64 on a NeuronCore (torch-xla's dtype.cpp casts F64 to F32 on NEURON: a scalar only, to keep
+    its meaning), no complex (NCC_EVRF004), no dynamic shape (EMOD025); dot, power, scatter-with-compute, all-reduce
+    and reduce-scatter of integers run through f32, exact only to 2^24, or int64 power through int32 (EVRF035/060/
+    061/062/063); every int64 is downcast to int32 on trn1 (data-types.rst), so the only int64 inputs are the
+    batch's tokens, targets, positions and doc ids (below the vocabulary and seq_len) and scalars; no sort or topk
+    (EVRF013: integer topk refused; aws-neuron-sdk#868: argsort crashed) and no random numbers on the device
+    (weights are initialised on the host, no dropout; bf16_sr rounds in hardware)."""
+    bad = []
+    for name, dt, dims, op in INSTR.findall(hlo):
+        what = f"{name} = {dt or 'tuple'}[{dims}] {op}"
+        if dt in ("c64", "c128") or (dt == "f64" and dims) or "<=" in dims:
+            bad.append(f"{what}: no complex, f64 array or dynamic shape on Neuron")
+        elif op in ("dot", "power", "scatter", "all-reduce", "reduce-scatter") and dt[:1] in ("s", "u"):
+            bad.append(f"{what}: integer {op} (computed in f32, or int64 downcast)")
+        elif op in ("rng", "rng-bit-generator", "rng-get-and-update-state", "sort", "topk"):
+            bad.append(f"{what}: not on the device")
+        elif dt in ("s64", "u64") and op == "parameter" and dims not in ("", batch):
+            bad.append(f"{what}: an int64 input other than the batch's (downcast to int32 on trn1)")
+    return bad
+
+
+def test_every_graph_keeps_to_neurons_types_and_ops(run):
+    """Every graph the run and its resume ran (steps, logs, evals, saves, the load), by neuron_violations.
+    The checker's own counter-examples (an f64 tensor, an integer matmul and power, an int64 counter,
+    torch.randint and torch.sort on the device) are each caught."""
+    text = run["graphs"].read_text()
+    graphs = {g.split("## END_GRAPH")[0] for g in text.split("## BEGIN_GRAPH")[1:]}
+    bad = sorted({v for g in graphs for v in neuron_violations(g, "2,32")})      # TINY's [micro_batch, seq_len]
+    print(f"{len(graphs)} distinct graphs, {sum(len(INSTR.findall(g)) for g in graphs)} instructions")
+    assert len(graphs) >= 6 and not bad, bad
+    counter = textwrap.dedent("""
+        %p3.1 = s64[1]{0} parameter(3)
+        %broadcast.6 = f64[3,4]{1,0} broadcast(f64[] %c.5), dimensions={}
+        %dot.13 = s64[3,3]{1,0} dot(s64[3,4]{1,0} %a.1, s64[4,3]{1,0} %b.2), lhs_contracting_dims={1}
+        %power.46 = s64[1]{0} power(s64[1]{0} %x.44, s64[1]{0} %y.45)
+        %rng-bit-generator.26 = (u64[2]{0}, u64[4]{0}) rng-bit-generator(u64[2]{0} %s.25), algorithm=rng_default
+        %sort.86 = (f32[5]{0}, s32[5]{0}) sort(f32[5]{0} %v.1, s32[5]{0} %i.2), dimensions={0}
+        ROOT %p0.2 = s64[2,32]{1,0} parameter(0)""")
+    assert [v.split(" = ")[0] for v in neuron_violations(counter, "2,32")] == [
+        "%p3.1", "%broadcast.6", "%dot.13", "%power.46", "%rng-bit-generator.26", "%sort.86"]
 
 
 def test_no_host_sync_outside_log_eval_and_checkpoint_steps(run):
