@@ -131,7 +131,9 @@ DATA_WARNINGS = ("bad_records", "utf8_replacements")
 
 def run_total(counts: list, grid: parallel.Grid) -> list[int]:
     """Counts of every rank's data loader (saved and resumed with its position) summed over the run, divided by tp * pp
-    (one DP replica's ranks read the same data): one all-reduce of a few numbers, a few ms of gloo at 4096 ranks."""
+    (one DP replica's ranks read the same data): one all-reduce of a few numbers at log steps, over gloo's ring:
+    2 (world - 1) hops, some 0.1-0.2 s of host time at 4096 ranks as checkpoint.StopSignal's (here 0.38 / 1.7 /
+    5.5 ms at 2 / 4 / 8 ranks)."""
     t = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=grid.host_device)
     if grid.world > 1 and torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, group=grid.host_group)
