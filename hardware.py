@@ -86,6 +86,27 @@ def check_functionalization() -> None:
                       f"export XLA_DISABLE_FUNCTIONALIZATION=0 (scripts/env.sh does: launch with scripts/launch.sh)")
 
 
+def check_auto_cast(precision: str, device: torch.device) -> None:
+    """neuronx-cc's --auto-cast in NEURON_CC_FLAGS (scripts/env.sh appends NEURON_CC_EXTRA_FLAGS; the right-most one
+    counts): "all" computes every FP32 operation in --auto-cast-type (bf16 by default), "matmult" every FP32 matmul
+    (the compiler's CLI reference; its default, none, leaves the model's types, since 2.27 at least). "all" turns the
+    fp32 arithmetic of every mode (the update, the loss, the token count in f32, the resume's 16-bit words carried
+    exactly in f32: reshard._broadcast) into bf16; "matmult" makes an fp32 run's matmuls bf16, fp32 in name only."""
+    if not trainium(device):
+        return
+    words = os.environ.get("NEURON_CC_FLAGS", "").split()
+    modes = [w.split("=", 1)[1] if "=" in w else (words[i + 1] if i + 1 < len(words) else "")
+             for i, w in enumerate(words) if w.split("=", 1)[0] == "--auto-cast"]
+    mode = modes[-1] if modes else "none"
+    if mode == "all" or (mode != "none" and precision == "fp32"):
+        raise ConfigError(f"NEURON_CC_FLAGS has --auto-cast={mode}: neuronx-cc then computes "
+                          f"{'every FP32 operation' if mode == 'all' else 'the FP32 matmuls'} in --auto-cast-type (bf16 unless "
+                          f"given), and "
+                          f"--optim.precision={precision}'s fp32 arithmetic "
+                          f"{'(the update, the loss, the exact token count and resume broadcast) ' if mode == 'all' else ''}"
+                          f"would not be fp32: remove it (or use --auto-cast=none)")
+
+
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)
 
 def matmul_shapes(cfg: Config, tp: int = 1) -> list[tuple[int, int, int]]:

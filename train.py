@@ -234,6 +234,7 @@ def run(argv: list[str]) -> None:
     device = hardware.pick_device(cfg.device, world)
     configs.validate(cfg, world, parallel.backend_for(device.type))
     optim.check_rounding(cfg.optim.precision, device)   # bf16_sr: the device must round stochastically
+    hardware.check_auto_cast(cfg.optim.precision, device)   # neuronx-cc keeps the fp32 the precision chose
     configs.check_paths(cfg)
     mixture_files(cfg.data.data, cfg.data.split)   # --data readable, with files, before the claim; a listing a rank, as Corpus's
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read

@@ -77,3 +77,28 @@ def test_functionalization_must_be_on_and_on_trainium_said_so(monkeypatch):
                 hardware.check_functionalization()
         else:
             hardware.check_functionalization()
+
+
+def test_auto_cast_that_would_undo_the_precisions_fp32_is_refused_on_trainium(monkeypatch):
+    """hardware.check_auto_cast: neuronx-cc's --auto-cast in NEURON_CC_FLAGS (scripts/env.sh appends
+    NEURON_CC_EXTRA_FLAGS to it), the right-most one, either spelling. "all" computes every FP32 operation in
+    bf16 (every mode's update, loss, token count and resume broadcast); "matmult" an fp32 run's matmuls. Was
+    accepted: the run said fp32 (or mixed) and computed in bf16. Off Trainium the variable does nothing."""
+    base = "--model-type=transformer --distribution-strategy=llm-training --cache_dir=/var/tmp/c"
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    for flags, precision, refused in [("", "fp32", False), (base, "fp32", False), (f"{base} --auto-cast=none", "fp32", False),
+                                      (f"{base} --auto-cast=all", "bf16", True), (f"{base} --auto-cast all", "mixed", True),
+                                      (f"{base} --auto-cast=matmult --auto-cast-type=tf32", "fp32", True),
+                                      (f"{base} --auto-cast=matmult", "bf16", False),
+                                      (f"{base} --auto-cast=all --auto-cast=none", "fp32", False),
+                                      (f"{base} --auto-cast-type=fp16", "fp32", False)]:
+        monkeypatch.setenv("NEURON_CC_FLAGS", flags)
+        if refused:
+            with pytest.raises(configs.ConfigError, match=f"--auto-cast=(all|matmult).*precision={precision}"):
+                hardware.check_auto_cast(precision, XLA)
+        else:
+            hardware.check_auto_cast(precision, XLA)
+    monkeypatch.setenv("NEURON_CC_FLAGS", f"{base} --auto-cast=all")
+    hardware.check_auto_cast("fp32", torch.device("cpu"))
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    hardware.check_auto_cast("fp32", XLA)
