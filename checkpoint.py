@@ -369,7 +369,7 @@ class Checkpointer:
             meta = json.loads((d / "meta.json").read_text())
             check_config(meta, d, self.cfg, self.say)
             loaded = reshard.read(d, meta, self.grid, self.layout, self.cfg.model, load_optim, names, self.say,
-                                  self.device)
+                                  self.device, positions=not self.c.reset_data)
         where = {}
         if skipped:
             parallel.barrier(self.grid)         # every rank is done looking at them

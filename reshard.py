@@ -82,9 +82,10 @@ class LazyList(Sequence):
 # ----------------------------------------------------------------------------- reading at any layout
 
 def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bool,
-         names=None, say=print, device=None) -> Loaded:
+         names=None, say=print, device=None, positions: bool = True) -> Loaded:
     """This rank's part of the verified checkpoint d (meta: its meta.json) at layout `now`. On every
-    rank alike: the shared parts are broadcast over the DP group on `device`. Host tensors."""
+    rank alike: the shared parts are broadcast over the DP group on `device`. Host tensors.
+    positions=False (--ckpt.reset_data): the data stream starts afresh, its saved positions unused."""
     saved = meta["layout"]
     load = lambda name: load_file(d / name, mmap=True)
     shared = dp_shared(g)
@@ -124,6 +125,7 @@ def read(d: Path, meta: dict, g: Grid, now: dict, m: ModelConfig, load_optim: bo
         # Read on first use: a data loader takes only the saved ranks owning its streams (one or
         # two at any scale), not all DP ranks' files on every rank.
         data = LazyList(saved["dp"], lambda r: rank_file(r * saved["tp"])["data"])
+    data = data if positions else None
     if saved != now:
         say(f"{d.name} was saved at layout {saved}, this run is {now}: model"
             f"{' and optimizer' if optim is not None else ''} resharded; RNG streams start from the seed"

@@ -185,6 +185,17 @@ def assert_only_checkpoint(ckpt: Path, step: int):
     assert verdict == ckptdir.OK and files                          # every rank's marker: all saved this step
 
 
+
+@pytest.mark.slow
+def test_a_reset_data_resume_at_another_dp_degree_says_only_that_the_stream_starts_afresh(tmp_path):
+    """Resumed at DP=1 from DP=2 with --ckpt.reset_data, the console said both "data loaders take the saved
+    positions of their streams" (reshard.read) and "the data stream starts afresh" (train.py): the second is
+    what happens (data.md's "A new corpus, same run")."""
+    ok(train(tmp_path / "run", "--optim.max_steps=2", "--ckpt.interval=2", "--dp=2", nproc=2))
+    r = ok(train(tmp_path / "run", "--optim.max_steps=3", "--ckpt.reset_data"))
+    assert "saved at layout" in r.stdout and "the data stream starts afresh" in r.stdout, r.stdout
+    assert "saved positions" not in r.stdout, r.stdout
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp=2"], ["--tp=2", "--pp=2"]], ids=["dp2", "tp2xpp2"])
 def test_sigterm_to_torchrun_stops_after_the_step_it_came_during_within_30s(tmp_path, layout):
