@@ -56,6 +56,10 @@ VIOLATIONS = {
     "integer all_reduce": (lambda g, t: dist.all_reduce(t.int(), group=g["pair"]), "adds in f32"),
     "integer reduce-scatter": (lambda g, t: dist.reduce_scatter_tensor(t[:1].long(), t.long(), group=g["pair"]),
                                "adds in f32"),
+    "int64 beyond int32 gathered": (lambda g, t: dist.all_gather_into_tensor(
+        torch.empty(4, dtype=torch.long), t.long() << 31, group=g["pair"]), "beyond int32"),
+    "integer reduce-scatter, list form": (lambda g, t: dist.reduce_scatter(
+        t[:1].long(), [t[:1].long(), t[1:].long()], group=g["pair"]), "adds in f32"),
     "sub-group without mesh": (lambda g, t: dist.new_group([0, 1]), "must name each of the 4 ranks once"),
     "odd pairs without wrap-around": (lambda g, t: dist.new_group(
         [1, 2], pg_options={"xla_pg_options": {"mesh": [[1, 2]]}}), "missing \\[0, 3\\]"),

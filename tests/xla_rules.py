@@ -21,7 +21,9 @@ worker runs on gloo as before, but:
     (a no-op on xla: a barrier must use a gloo group); *_object collectives and coalesced ones;
   - an all-reduce or reduce-scatter of integers fails: Neuron's collective engine adds in f32 whatever the
     operand's dtype (no integer datapath): an int32 word above 2^24 comes back rounded (neuronx-cc's 2.32
-    release notes: "unsupported ops downcast with a warning", its next default the error NCC_EVRF061).
+    release notes: "unsupported ops downcast with a warning", its next default the error NCC_EVRF061);
+  - an int64 operand of any collective with a value beyond int32 fails: neuronx-cc runs int64 as int32 on
+    trn1 (always) and trn2 (unless --native-int64), so a gathered or broadcast int64 comes back wrapped.
 Groups created with backend="gloo" (the host group train.py adds on xla, given to its grid here as
 there) are gloo on Trainium too and are not checked. Every checked collective is logged (op, mesh), so a test can list what a
 layout issues on xla. Checks run before the real call, on every rank alike, so a violation raises
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
 import torch.distributed as dist
 
 import parallel
@@ -48,7 +51,7 @@ CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter
 NEVER = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object",
          "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce_coalesced")
 NOT_ON_SUBGROUPS = ("all_to_all", "all_to_all_single", "gather", "scatter", "reduce")
-REDUCING = ("all_reduce", "reduce_scatter_tensor", "broadcast")    # xm.collective_broadcast is an all-reduce
+REDUCING = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast")    # xm.collective_broadcast: an all-reduce
 
 
 def mesh_error(mesh, world: int) -> str | None:
@@ -97,6 +100,10 @@ class Rules:
         if op in REDUCING and tensor is not None and not tensor.is_floating_point():
             raise XlaRuleError(f"dist.{op} of {tensor.dtype}: Neuron adds in f32 (no integer datapath), values "
                                f"above 2^24 come back rounded; reduce floats (NCC_EVRF061)")
+        if (tensor is not None and tensor.dtype == torch.int64 and tensor.numel()
+                and not -2**31 <= int(tensor.min()) <= int(tensor.max()) < 2**31):
+            raise XlaRuleError(f"dist.{op} of int64 values beyond int32: neuronx-cc runs int64 as int32 (trn1 always, "
+                               f"trn2 unless --native-int64: aws-neuron-sdk data-types), they come back wrapped")
         self.log.append((op, tuple(tuple(g) for g in mesh)))
 
     def new_group(self, original, ranks=None, timeout=None, backend=None, pg_options=None, **kw):
@@ -159,7 +166,8 @@ def install() -> Rules:
             if name == "batch_isend_irecv":
                 group = bound["p2p_op_list"][0].group if bound["p2p_op_list"] else None
             op = bound.get("op") if name in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor") else None
-            rules.check(name, group, op, bound.get("tensor", bound.get("input")))
+            operand = next((bound[k] for k in ("tensor", "input", "input_tensor", "output") if k in bound), None)
+            rules.check(name, group, op, operand)
             return original(*args, **kwargs)
         return checked
 
