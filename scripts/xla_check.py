@@ -5,7 +5,8 @@ reads nothing back except at log, eval and checkpoint steps.
 
     PJRT_DEVICE=CPU python scripts/xla_check.py --json out/xla.json -- --device=xla --steps=24
     python scripts/xla_check.py --eager-steps=3 --json out/xla.json -- --device=xla ...  # + an eager CPU run
-    PJRT_DEVICE=NEURON python scripts/xla_check.py -- --preset llama2_7b ...               # one NeuronCore
+    (NANOTRN_PRECISION=bf16_sr; source scripts/env.sh; python scripts/xla_check.py -- --preset llama2_7b ...)
+                                                       # one NeuronCore, in the environment launch.sh gives a run
 
 It runs train.main() itself, unchanged, with two of its functions wrapped: train_step (the step
 begins) and sync (the cuts inside the step, then the step ends). Windows: "step" = from
