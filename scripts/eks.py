@@ -117,10 +117,14 @@ def check(args, train_args: list[str]):
     if not 1 <= args.port < 65535 or RUNTIME_PORT in (args.port, args.port + 1):
         fail(f"--port {args.port}: give a TCP port from 1 to 65534 whose next one is free too (the compile "
              f"Job's health check), not {RUNTIME_PORT - 1} or {RUNTIME_PORT} (the Neuron runtime's)")
-    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?", args.shm):
+    if not (m := re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE])?", args.shm)):
         fail(f"--shm {args.shm!r} is not a Kubernetes quantity: give e.g. 64Gi")
-    if not float(re.match(r"[0-9.]+", args.shm).group()):     # an empty /dev/shm: every batch through it fails
-        fail(f"--shm {args.shm!r}: give a size above zero, e.g. 64Gi (the data loader's workers pass batches there)")
+    # Ki..Ei: powers of 1024; k..E: of 1000; none: bytes (--shm 1 is one byte)
+    scale = {"": 1} | {u: 1000 ** i for i, u in enumerate("kMGTPE", 1)}
+    scale |= {u + "i": 1024 ** i for i, u in enumerate("KMGTPE", 1)}
+    if float(m[1]) * scale[m[2] or ""] < 64 * 2**20:
+        fail(f"--shm {args.shm!r}: give at least 64Mi, e.g. 64Gi (a container's /dev/shm without this volume is 64 MB, "
+             f"the size the volume is there to exceed)")
     if args.out and (kind := path_kind(args.out)) not in ("nothing", "a directory"):
         fail(f"--out {args.out} is {kind}: give a directory")
     try:                    # one it can write into: /proc is a directory even root cannot (mkdir's traceback after the checks)
@@ -301,7 +305,8 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
         "containers": [container],
         "volumes": [
             {"name": "fsx", "persistentVolumeClaim": {"claimName": args.fsx_claim}},
-            # Docker's /dev/shm is 64 MB; the data loader's workers pass batches through it.
+            # A container's /dev/shm is 64 MB (Docker's, containerd's): torch's shared tensors and
+            # multiprocessing use it (nanotrn's own loader is a thread: nothing there, docs/data.md).
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": args.shm}},
             # The node's own disk, kept across pods: the compile Job fills it, the training Job reads it.
             {"name": "neuron-cache", "hostPath": {"path": args.cache_dir, "type": "DirectoryOrCreate"}}],

@@ -422,6 +422,7 @@ CASES = [
     *[(f"eks: {flag} {value!r}", ("eks", ["--nodes", "2", "--image", "x:1", "--fsx-claim", "fsx", flag, value]),
        [flag, value, "give"], 1, True) for flag, value in (
         ("--port", "0"), ("--port", "99999"), ("--shm", "lots"), ("--image", ""), ("--image", "a b"),
+        ("--shm", "1"), ("--shm", "63Mi"), ("--shm", "0.05Gi"),    # below the container's default 64 MB: written (fuzz)
         ("--out", "{W}/afile"), ("--out", "{W}/afile/sub"),
         ("--max-restarts", "2147483648"),
         # not image references (a repository is lower case; a tag <= 128 of [A-Za-z0-9_.-]): every pod would wait in

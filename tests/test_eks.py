@@ -163,7 +163,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
         (["--nodes=2", *ARGS_7B, "--port=65535"], "--port 65535"),         # its next one: the health check's
         (["--nodes=2", *ARGS_7B, "--name=Big_Run"], "not a Kubernetes name"),
         (["--nodes=2", *ARGS_7B, "--cache-dir=/dev/shm"], "--cache-dir '/dev/shm' overlaps /dev/shm"),
-        (["--nodes=2", *ARGS_7B, "--shm=0.0Gi"], "--shm '0.0Gi': give a size above zero"),
+        (["--nodes=2", *ARGS_7B, "--shm=0.0Gi"], "--shm '0.0Gi': give at least 64Mi"),
         (["--nodes=2", *ARGS_7B, "--mount=/opt"], "--mount '/opt' overlaps /opt/nanotrn"),      # hides the code
         (["--nodes=2", *ARGS_7B, "--cache-dir=/opt/nanotrn/cache"], "overlaps /opt/nanotrn"),
     ]
