@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import statistics
 
 import torch
@@ -187,9 +188,14 @@ def bench_step(args):
     gpu = device.type == "cuda"
     shapes = GPU_SHAPES if gpu else STEP_SHAPES
     small = shapes["1B body, vocab 512"]
-    if not gpu and (args.step_tokens < 0 or args.step_tokens % small["batch"]):      # (a GPU runs no such rows)
-        raise SystemExit(f"--step_tokens={args.step_tokens}: give a multiple of {small['batch']} "
-                         f"(the batch; e.g. 4096 = 4 x 1024), or 0 for the 512-token trainer rows only")
+    # The timed pair holds both steps at once, ~100 KiB a token each (peak_memory at 4096 and 16384 tokens, fp32):
+    # at most this machine's memory over 256 KiB a token, else every other row runs first and then this one fails.
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    most = ram // (256 << 10) // small["batch"] * small["batch"]
+    if not gpu and not (0 <= args.step_tokens <= most and args.step_tokens % small["batch"] == 0):   # (GPU: none)
+        raise SystemExit(f"--step_tokens={args.step_tokens}: give a multiple of {small['batch']} up to {most} (the "
+                         f"trainer and the bare step hold ~100 KiB a token each; this machine has {ram / 2**30:.0f} "
+                         f"GiB), or 0 for the 512-token trainer rows only")
     bodies = [small] if gpu or not args.step_tokens else [small, dict(small, seq=args.step_tokens // small["batch"])]
     where = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
     print(f"bench.py step: {args.dtype}, {where}, {rounds} rounds, torch {torch.__version__}")

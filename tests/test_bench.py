@@ -75,7 +75,7 @@ def test_the_steps_compared_run_the_models_loss_as_the_trainer_does(monkeypatch)
     assert seen == {"ours": 1 / 16, "bare step": 1 / 16, "trainer": 1 / 16}
 
 
-def test_step_tokens_is_checked_only_where_it_is_used():
+def test_step_tokens_is_checked_only_where_it_is_used(monkeypatch):
     """--step_tokens sizes the CPU's second pair of trainer rows; on a GPU the trainer pair runs at the 1B body only,
     yet a GPU run refused a value it never uses ('--step_tokens=3: give a multiple of 4'). Checked on the CPU only."""
     import argparse
@@ -90,6 +90,16 @@ def test_step_tokens_is_checked_only_where_it_is_used():
     args.device = torch.device("cpu")
     with pytest.raises(SystemExit, match="--step_tokens=3: give a multiple of 4"):
         step.bench_step(args)
+    # Unbounded, 2^40 tokens ran every other row first (minutes), then failed building a step no memory holds
+    monkeypatch.setattr(step.multiprocessing, "get_context", lambda *a: pytest.fail("past the check"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    most = ram // (256 << 10) // 4 * 4
+    for tokens in (2**40, most + 4):
+        args.step_tokens = tokens
+        with pytest.raises(SystemExit, match=rf"^--step_tokens={tokens}: give a multiple of 4 up to {most} \(the "
+                                             rf"trainer and the bare step hold ~100 KiB a token each; this machine "
+                                             rf"has {ram / 2**30:.0f} GiB\)"):
+            step.bench_step(args)
 
 
 @pytest.mark.slow      # ~4 s: transformers' import
