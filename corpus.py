@@ -28,6 +28,26 @@ from spans import by_hash, held_out, permute
 COPIED = COMPRESSED + (".parquet",)     # read through an Arrow copy (prepare.cached): no cheap random access
 # The flags a corpus or tokenizer refusal names: train.py's. `data.py tokenizer` passes its own (and has no
 # --data.tokenizer to offer): passed down, not rewritten into the message, which would rewrite a path too.
+MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"   # the kernel's limit of memory maps a process (65,530 by default)
+MAP_ROOM = 8192     # maps left to the run itself (libraries, threads, torch's large tensors: a tiny CPU run holds ~770)
+
+
+def check_maps(n_files: int) -> None:
+    """A JSON lines, Arrow or cached file is memory-mapped with its offsets index for the whole run: 2 maps a
+    file on every rank, against the kernel's per-process limit (~28,000 files at the default). Past it a map fails
+    with ENOMEM partway through the start (said as a damaged Arrow file): refused here, before any work."""
+    try:
+        with open(MAX_MAP_COUNT) as f, open("/proc/self/maps") as held:
+            limit, held = int(f.read()), sum(1 for _ in held)
+    except (OSError, ValueError):       # not Linux: no such limit
+        return
+    if held + 2 * n_files + MAP_ROOM > limit:
+        raise DataError(f"--data has {n_files:,} files read through memory maps, 2 each for the whole run: with the "
+                        f"{held:,} this process holds and {MAP_ROOM:,} for the run, past the kernel's vm.max_map_count "
+                        f"{limit:,}. Join them into fewer files (python data.py prepare SRC... --out corpus.arrow: one), "
+                        f"or raise the limit (sysctl -w vm.max_map_count={held + 2 * n_files + 2 * MAP_ROOM})")
+
+
 FLAGS = {"data.data": "--data", "data.text_field": "--data.text_field", "data.split": "--data.split",
          "model.vocab_size": "--model.vocab_size", "data.tokenizer": "--data.tokenizer"}
 
@@ -111,6 +131,8 @@ class Corpus:
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
+        check_maps(sum(stat[p].st_size > 0 and (p.endswith(COPIED + (".jsonl", ".json", ".arrow")) or
+                                                 doc_per_line and p.endswith(".txt")) for p in paths))
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             field = field_of[p]

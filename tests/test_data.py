@@ -1362,3 +1362,27 @@ def test_tokenizer_trains_on_a_one_line_corpus_beyond_its_first_2000_characters(
     tok = data.Tokenizer(path)
     tail = " ".join(words)[250_000:251_000]                 # text from far past the first 2,000 characters
     assert tok.vocab_size == 2048 and tok.decode(tok.encode(tail)) == tail
+
+
+def test_more_mapped_files_than_the_kernels_map_limit_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Every JSON lines, Arrow or cached file is memory-mapped with its offsets index for the whole run, on every
+    rank: 2 maps a file against the kernel's per-process vm.max_map_count (65,530 by default). A folder of 33,000
+    .jsonl shards built its 33,000 line indexes (minutes) and then failed: an OSError (ENOMEM) traceback from a
+    LineDocs map, or for Arrow shards 'not a valid .arrow file ... write it again', the wrong fix. Refused now in
+    one line, before an index is built; one file fewer fits. (The limit here: a file read as the kernel's is.)"""
+    import corpus
+    (tmp_path / "d").mkdir()
+    for i in range(30):
+        (tmp_path / "d" / f"{i:02d}.jsonl").write_text(json.dumps({"text": f"document {i}"}) + "\n")
+    (tmp_path / "d" / "notes.txt").write_text("a whole-file document: opened when read, never mapped")
+    with open("/proc/self/maps") as f:
+        held = sum(1 for _ in f)
+    limit = tmp_path / "max_map_count"
+    monkeypatch.setattr(corpus, "MAX_MAP_COUNT", str(limit))
+    limit.write_text(str(held + 2 * 30 + corpus.MAP_ROOM - 20))         # (the maps Python's imports may add meanwhile)
+    with pytest.raises(data.DataError, match=r"30 files read through memory maps.*vm.max_map_count \d.*"
+                                             r"python data.py prepare .* --out corpus.arrow"):
+        data.Corpus(str(tmp_path / "d"), cache_dir=str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()                                # no index built
+    limit.write_text(str(held + 2 * 30 + corpus.MAP_ROOM + 40))
+    assert data.Corpus(str(tmp_path / "d"), cache_dir=str(tmp_path / "c")).n_docs == 31
