@@ -396,10 +396,10 @@ EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restart
 
 class Watchdog:
     """A hung run ends with every thread's stack and exit status EXIT_HUNG instead of waiting forever (a crash restarts
-    from the newest checkpoint; a rank stuck in a collective never exits, and xla's device collectives have no
-    timeout): once no step_done() came for factor x the median step time (at least min_s; startup_s before the first
-    steps and in a phase()). A faulthandler timer at twice the limit is the backstop if C code holds the GIL. Per
-    step: a median of 100 numbers, nothing that grows with the ranks. factor 0: every call does nothing."""
+    from the newest checkpoint; a rank stuck in a collective never exits, and xla's device collectives have no timeout):
+    once no step_done() came for factor x the median step time (at least min_s; startup_s before the first steps and in
+    a phase()). A faulthandler timer at twice the limit (5 s after it at least) is the backstop if C code holds the GIL.
+    Per step: a median of 100 numbers, nothing that grows with the ranks. factor 0: every call does nothing."""
 
     def __init__(self, rank: int, factor: float, min_s: float, startup_s: float, out=None):
         self.rank, self.factor, self.min_s, self.startup_s = rank, factor, min_s, startup_s
@@ -451,7 +451,9 @@ class Watchdog:
         with self._cv:
             self.deadline, self.why = time.monotonic() + seconds, why
             self._cv.notify()
-        faulthandler.dump_traceback_later(2 * seconds, exit=True, file=self.out)   # the backstop
+        # The backstop, 5 s after the limit at least: the watchdog's thread must have time to say why (at 2 x 1 ms it
+        # fired first, while a starting run held the GIL: stacks, status 1, no watchdog line)
+        faulthandler.dump_traceback_later(max(2 * seconds, seconds + 5), exit=True, file=self.out)
 
     def _watch(self) -> None:
         with self._cv:

@@ -126,6 +126,28 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
         dog.close()
 
 
+
+def test_a_near_zero_limit_still_ends_by_the_watchdog_line_and_its_status(monkeypatch):
+    """--log.hang_startup_s=0.001: the faulthandler backstop (then at twice the limit, 2 ms) fired before or while
+    the watchdog's thread said why, so the run ended with stacks and status 1, without the watchdog's line (train.py
+    at 1e-6, 0.001, 0.01: rc 1 each; the line in two of three). The backstop now leaves the watchdog 5 s at least."""
+    import subprocess
+    armed = []
+    monkeypatch.setattr(monitor.faulthandler, "dump_traceback_later", lambda s, **k: armed.append(s))
+    monkeypatch.setattr(monitor.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    dog = monitor.Watchdog(0, factor=0, min_s=5, startup_s=1e-3)     # factor 0: nothing armed, no thread
+    dog.factor = 2
+    dog._arm(1e-3, "test")
+    dog.factor = 0
+    assert armed == [1e-3 + 5]
+    # The main thread busy in Python, as a starting run is: the watchdog's thread waits for the GIL (up to 5 ms)
+    code = ("import time, monitor\nmonitor.Watchdog(0, factor=2, min_s=1, startup_s=1e-3)\nt = time.time()\n"
+            "while time.time() - t < 30:\n    sum(range(10**5))\n")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == monitor.EXIT_HUNG, (r.returncode, r.stderr[-2000:])
+        assert "[rank 0] watchdog: the run did not finish its first step: the run is hung" in r.stderr
+
 def test_a_phase_before_three_timed_steps_leaves_the_startup_allowance(monkeypatch):
     """An evaluation or save after the first step (one step timed, the next ones may still compile on XLA):
     the step after the phase gets startup_s, as step_done gives it, not factor x the one time seen."""
