@@ -642,6 +642,23 @@ def test_random_faults_draw_apart_by_rank_and_by_seed(tmp_path):
     assert draws("p=0.5,seed=1", 0) != draws("p=0.5", 0) == draws("p=0.5,seed=0", 0)
 
 
+def test_a_save_fault_dies_halfway_through_the_file(tmp_path, monkeypatch):
+    """NANOTRN_FAULT=0:2:save kills the rank halfway through its largest file (a kill at the end would leave a
+    whole file, and test the atomic save less): here, at the write after the first 500 of its 1000 bytes."""
+    killed = type("Killed", (Exception,), {})
+
+    def fake_kill(pid, sig):
+        raise killed
+    monkeypatch.setattr(faults.os, "kill", fake_kill)
+    sizes = {"model_tp00_pp00.pt": 1000, "rank00000.pt": 10}
+    wrap = Faults("0:2:save", 0, tmp_path).file(2, "model_tp00_pp00.pt", sizes)
+    with open(tmp_path / "model_tp00_pp00.pt", "wb") as raw, pytest.raises(killed):
+        f = wrap(raw)
+        for _ in range(10):
+            f.write(b"x" * 100)
+    assert (tmp_path / "model_tp00_pp00.pt").stat().st_size == 500
+
+
 def test_fault_hooks_fire_only_where_asked(tmp_path):
     """The hooks the product calls: Faults.step (train.py) makes step S's gradients NaN under
     NANOTRN_FAULT=nan:S and leaves the steps around it untouched (its hooks are removed); Faults.file
