@@ -796,6 +796,19 @@ def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path
     assert data.SpanIndex(c, SEQ, str(tmp_path / "old")).n_spans == idx.n_spans
 
 
+def test_a_truncated_span_index_is_refused_naming_the_file_to_delete(tmp_path):
+    """A cached span index cut short beside a whole .json (a copy of the cache interrupted, a full shared disk):
+    one line naming the file and the fix, not numpy's "mmap length is greater than file size" traceback."""
+    f, cache = tmp_path / "a.txt", str(tmp_path / "cache")
+    f.write_text("\n\n".join(DOCS))
+    idx = data.SpanIndex(data.Corpus(str(f)), SEQ, cache)
+    assert idx.n_spans >= 2
+    with open(idx.path, "r+b") as fh:
+        fh.truncate(24 * (idx.n_spans - 1))
+    with pytest.raises(data.DataError, match=re.escape(f"(rm {idx.path}*)")):
+        data.SpanIndex(data.Corpus(str(f)), SEQ, cache)
+
+
 def test_a_file_rewritten_at_the_same_size_gets_a_new_span_index(tmp_path):
     """The span index was keyed by the files' names and sizes only: a corpus file rewritten in place at the
     same size (its lines shuffled, its words reordered) reused the old index, whose cuts fell at the old
