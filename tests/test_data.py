@@ -788,7 +788,7 @@ def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path
     # An index an older nanotrn built for this corpus (the long document one whole span) is not reused: on
     # several nodes with their own caches it would be dealt beside this correct one, silently.
     old_key = hashlib.sha256(json.dumps([c.fingerprint, spans.span_bytes(SEQ), spans.INDEX_VERSION]).encode()).hexdigest()
-    stale = tmp_path / "old" / f"spans-{old_key[:12]}.bin"
+    stale = tmp_path / "old" / f"spans-{old_key[:12]}-{c.stamp}.bin"     # as SpanIndex.path_for names it
     stale.parent.mkdir()
     stale.write_bytes(np.array([[0, 0, -1], [1, 0, -1]], np.int64).tobytes())
     (stale.parent / (stale.name + ".json")).write_text(json.dumps({"version": spans.INDEX_VERSION, "spans": 2,
