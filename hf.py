@@ -73,6 +73,15 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
             raise HFError(f"{key}={hf[key]!r} means {what}, which nanotrn's Llama does not implement; "
                           f"load a checkpoint with {key}={off!r} (Llama 2 and 3 have it)")
     said, hf = hf, {**DEFAULTS[kind], **hf}
+    # The shape as whole numbers, the rest as numbers: else a ZeroDivisionError or a TypeError later.
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for key in (*required, "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window"):
+        if (key in required or hf.get(key) is not None) and not (type(hf.get(key)) is int and hf[key] >= 1):
+            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a whole number >= 1" if key in hf else
+                          f"no {key}: a Llama config.json gives {', '.join(required)}")
+    for key in ("rms_norm_eps", "initializer_range"):    # null too: a TypeError later; 10**400, NaN: no float
+        if key in hf and not (type(hf[key]) in (int, float) and -1e308 < hf[key] < 1e308):
+            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a finite number")
     positions = hf["max_position_embeddings"] or DEFAULTS[kind]["max_position_embeddings"]     # null: as absent
     max_len, window = overrides.get("max_seq_len", positions), hf.get("sliding_window")
     if window is not None and (hf.get("use_sliding_window", True) and window < max_len):
@@ -80,15 +89,6 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         raise HFError(f"sliding_window={window}{default} is shorter than the sequence ({max_len}): nanotrn has no "
                       f"sliding-window attention; train with sequences of at most {window} tokens "
                       f"(--model.max_seq_len={window}) or use a checkpoint without one")
-    # The shape as whole numbers, the rest as numbers: else a ZeroDivisionError or a TypeError later.
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    for key in (*required, "num_key_value_heads", "max_position_embeddings", "head_dim"):
-        if (key in required or hf.get(key) is not None) and not (type(hf.get(key)) is int and hf[key] >= 1):
-            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a whole number >= 1" if key in hf else
-                          f"no {key}: a Llama config.json gives {', '.join(required)}")
-    for key in ("rms_norm_eps", "initializer_range"):    # null too: a TypeError later; 10**400, NaN: no float
-        if key in hf and not (type(hf[key]) in (int, float) and -1e308 < hf[key] < 1e308):
-            raise HFError(f"{key}={hf[key]!r}: a Llama config gives a finite number")
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % kv:                      # else a reshape error deep in the loader
         raise HFError(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}: each KV head serves a "

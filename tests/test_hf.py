@@ -35,6 +35,9 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
     ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"model_type": "mistral", "sliding_window": 32}, "sliding_window=32"),
+    # text where a whole number goes, beside a window (Mistral's default 4096 too): was a TypeError traceback
+    ({"model_type": "mistral", "max_position_embeddings": "8192"}, "max_position_embeddings='8192': a Llama config"),
+    ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window='4096': a Llama config gives a whole"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
