@@ -179,6 +179,8 @@ def keep_tokenizer(tok, folder: str, model_dir: str = "") -> None:
         if os.path.isfile(src) and not (os.path.exists(dst) and os.path.samefile(src, dst)):   # may be this copy
             shutil.copyfile(src, dst + ".tmp")      # then renamed: the other ranks (train.tokenizer_for_run) and a
             os.replace(dst + ".tmp", dst)           # run after a kill see the whole file or none, never a part
+    if not os.path.isfile(gen) and os.path.isfile(kept := os.path.join(folder, hf.GENERATION)):
+        os.remove(kept)         # this model has none: an earlier model's copy, kept here, would ship in the export
     if isinstance(tok, hf.HFTokenizer):
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(tok.config, f)
