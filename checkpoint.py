@@ -413,7 +413,7 @@ class StopSignal:
     asks for) and SIGINT end the run at the next step boundary with a checkpoint of that step, inside the launcher's
     grace period (stop_budget). Ranks agree at every boundary with one blocking MAX all-reduce over the host group, so
     all stop after the same step; one read a boundary later would stop a step late (7B: 1.5 s on 128 nodes, plan.py;
-    11 s on 16, a third of a 30 s grace period). At 4096 ranks that 4-byte gloo ring is ~8,000 hops, 0.1-0.2 s of
+    11 s on 16, a third of a 30 s grace period). At 4096 ranks that 8-byte gloo ring is ~8,000 hops, 0.1-0.2 s of
     host time a step, hidden while the device runs ahead (gloo here: 0.3 / 1.5 / 6 ms at 2 / 4 / 8 ranks)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
