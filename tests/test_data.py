@@ -981,6 +981,10 @@ def test_missing_text_column_names_the_columns(tmp_path):
 def test_refusals_before_training(files, tok, cache, tmp_path):
     with pytest.raises(data.DataError, match=f"{VOCAB} pieces but the model's vocab_size is 300"):
         data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=300)
+    padded = -(-VOCAB // 128) * 128         # an embedding padded to a multiple of 128 (Llama 3's 128,256) is fine
+    assert data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=padded).vocab_size == VOCAB
+    with pytest.raises(data.DataError, match=f"would never be trained.*padded, at most {padded}"):
+        data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=padded + 1)
     idx = data.SpanIndex(data.Corpus(files["txt"]), SEQ, CACHE[0])
     most = sum(len(d.encode()) for d in DOCS) + 2 * len(DOCS)
     with pytest.raises(data.DataError, match=rf"at most {most:,} tokens.*global_batch 5000 x \(seq_len 32 \+ 1\) = "
