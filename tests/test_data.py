@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import corpus  # noqa: E402
 import data  # noqa: E402
 import spans  # noqa: E402
 from configs import DataConfig, ModelConfig  # noqa: E402
@@ -976,6 +977,15 @@ def test_missing_text_column_names_the_columns(tmp_path):
     (tmp_path / "t.jsonl").write_text('{"body": "a"}\n')
     with pytest.raises(data.DataError, match=r"t.jsonl:1: no text field 'text'.*\['body'\]"):
         data.Corpus(str(tmp_path / "t.jsonl"))
+
+
+def test_a_document_encoded_in_pieces_gives_the_whole_documents_tokens(tok):
+    """corpus.iter_pieces (a document over PIECE_CHARS, here 200 characters, encoded in pieces): each cut replaces
+    one space, which the next piece's dummy prefix stands for, so the pieces' tokens joined are the whole's."""
+    text = "  ".join(DOCS[:40]).replace("\n\n", " \n ")
+    pieces = list(corpus.iter_pieces(text, 200))
+    assert len(pieces) > 20 and max(map(len, pieces)) <= 200
+    assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
 
 
 def test_refusals_before_training(files, tok, cache, tmp_path):
