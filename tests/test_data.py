@@ -988,6 +988,25 @@ def test_a_document_encoded_in_pieces_gives_the_whole_documents_tokens(tok):
     assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
 
 
+def test_a_long_document_gets_exactly_the_bos_and_eos_asked_for(tok, monkeypatch):
+    """Tokenizer.encode_batch's path for documents over PIECE_CHARS (lowered to 200 here) adds BOS and EOS itself:
+    each only where asked, as the short documents' path (sentencepiece's add_bos/add_eos) does."""
+    text = " ".join(DOCS[:5])
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 200)
+    monkeypatch.setattr(corpus.iter_pieces, "__defaults__", (200,))
+    for bos, eos in ((True, False), (False, True), (True, True)):
+        got = tok.encode_batch([text, "short"], bos, eos)
+        want = [[tok.bos_id] * bos + tok.encode(t) + [tok.eos_id] * eos for t in (text, "short")]
+        assert [g.tolist() for g in got] == want, (bos, eos)
+
+
+def test_a_line_without_spaces_loses_no_character_to_the_tokenizer_sample():
+    """corpus.line_chunks cuts a line over 2,000 characters for sentencepiece's trainer: at a space, which it drops,
+    or, in a line without one (minified text), hard, dropping nothing."""
+    line = "".join(chr(97 + i % 26) for i in range(5000))
+    assert "".join(corpus.line_chunks(line)) == line and max(map(len, corpus.line_chunks(line))) == 2000
+
+
 def test_refusals_before_training(files, tok, cache, tmp_path):
     with pytest.raises(data.DataError, match=f"{VOCAB} pieces but the model's vocab_size is 300"):
         data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=300)
