@@ -141,6 +141,12 @@ def test_foreign_step_folder_and_latest_are_refused_with_their_path(tmp_path):
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is not nanotrn's `latest` pointer"):
         start(cfg)
     assert tree(tmp_path) == before
+    # a file whose first 64 bytes read as a pointer but which goes on (nanotrn's holds the name alone)
+    (tmp_path / "latest").write_text("step_00000003" + " " * 60 + "and a user's notes after it")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is not nanotrn's `latest` pointer"):
+        start(cfg)
+    assert tree(tmp_path) == before
     (tmp_path / "latest").write_text("step_00000003")          # nanotrn's own: fine
     start(cfg).close()
     # a checkpoint moved to another disk and linked back: refused as a link, not said to hold no checkpoint files
