@@ -117,8 +117,10 @@ except ImportError:                    # (measured on this 2-core host: zlib 770
 
 
 def crc_of(path: Path) -> int:
-    crc, buf = 0, bytearray(1 << 24)
+    # A buffer of the file's size, at most 16 MB: a fresh 16 MB one per file cost 2.7 ms to zero, 11 s to
+    # verify the 4096 small rank files of a 4096-rank checkpoint (checkpoint.py ls, export).
     with open(path, "rb", buffering=0) as f:
+        crc, buf = 0, bytearray(max(1, min(1 << 24, os.fstat(f.fileno()).st_size)))
         while n := f.readinto(buf):
             crc = crc32(memoryview(buf)[:n], crc)
     return crc
