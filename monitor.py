@@ -99,10 +99,16 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient norm under --log.on_nonfinite=stop."""
 
 
-def _nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
+def _back(saved: int | None) -> str:
+    """Where a stopped run goes on from: the newest checkpoint, or (none saved) the start."""
+    return (f"the newest checkpoint, step {saved}, is the last good one: resume from it" if saved is not None else
+            "no checkpoint was saved before it (--ckpt.interval): run again")
+
+
+def _nonfinite_message(step: int, loss: float, grad_norm: float, saved: int | None) -> str:
     return (f"step {step}: non-finite loss {loss} / gradient norm {grad_norm}. Stopped before any checkpoint of this "
-            f"state was written; the newest checkpoint is the last good one. Resume from it (maybe with a lower "
-            f"--optim.lr), or pass --log.on_nonfinite=skip to skip such steps")
+            f"state was written; {_back(saved)} (maybe with a lower --optim.lr), or pass --log.on_nonfinite=skip "
+            f"to skip such steps")
 
 
 # ----------------------------------------------------------------------------- the monitor
@@ -126,6 +132,7 @@ class Monitor:
         self.spikes = SpikeDetector()
         self.pending: list[dict] = []
         self.skipped = self.consecutive_skips = 0
+        self.saved = start_step or None     # the newest checkpoint's step (a resume's, then train.py's saves)
         self.max_consecutive_skips = max_consecutive_skips
         if "monitor" in resume:         # (a checkpoint saved before the monitor's state was: a fresh detector)
             state = resume["monitor"]
@@ -161,7 +168,7 @@ class Monitor:
             self.consecutive_skips = 0
             return True
         if self.policy == "stop":
-            raise NonFiniteError(_nonfinite_message(step, loss_v, gn_v))
+            raise NonFiniteError(_nonfinite_message(step, loss_v, gn_v, self.saved))
         self._count_skip(step, loss_v, gn_v)
         return False
 
@@ -172,7 +179,7 @@ class Monitor:
                    f"({self.skipped} skipped so far)")
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise NonFiniteError(f"step {step}: {self.consecutive_skips} consecutive non-finite steps; skipping cannot "
-                                 f"recover this run. Resume from the last checkpoint with a lower --optim.lr")
+                                 f"recover this run: {_back(self.saved)} with a lower --optim.lr")
 
     # -------------------------------------------------------------- per step
     def step(self, step: int, *, loss, grad_norm, lr: float, tokens, data_wait: float = 0.0,
@@ -213,7 +220,7 @@ class Monitor:
                     self.consecutive_skips = 0
             finite = math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
             if self.policy == "stop" and not r["skipped"] and not finite:
-                raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"]))
+                raise NonFiniteError(_nonfinite_message(r["step"], r["loss"], r["grad_norm"], self.saved))
             for warning in self.spikes.update(r["step"], r["grad_norm"]):
                 self.print("warning: " + warning)
             # DP replicas hold identical weights: their norms agree exactly, so a spread above fp32's

@@ -391,7 +391,7 @@ def run(argv: list[str]) -> None:
                         # forward and backward run (guard waits before its update): bench.py ckpt.
                         ckpt.save(step, model.state_dict(), optimizer.state_dict(), data=batches.state_dict(),
                                   extra=mon.state_dict(), defer_copy=True)
-                        saved = step
+                        saved = mon.saved = step
                     else:
                         log(f"{stopping}: the checkpoint of step {step} cannot be written before the launcher's "
                             f"SIGKILL: {why}. Not starting it: the newest complete checkpoint stays "

@@ -146,8 +146,27 @@ def test_nonfinite_skip_and_stop(tmp_path):
         mon.check_finite(7, float("nan"), 1.0)
 
     stop = Monitor(small_cfg(None, on_nonfinite="stop"), 1e6, 1e12, print_fn=lines.append)
-    with pytest.raises(NonFiniteError, match=r"step 9: non-finite loss nan.*last good one.*on_nonfinite=skip"):
+    with pytest.raises(NonFiniteError, match=r"step 9: non-finite loss nan.*no checkpoint.*on_nonfinite=skip"):
         stop.check_finite(9, torch.tensor(float("nan")), torch.tensor(1.0))
+
+
+def test_a_nonfinite_stop_names_the_checkpoint_to_resume_from_or_says_there_is_none():
+    # A stop said "the newest checkpoint is the last good one. Resume from it" in a run that had saved none (the tiny
+    # preset saves only at its end): the same command again starts over and meets the same NaN at the same step.
+    nan = float("nan")
+    fresh = Monitor(small_cfg(None, on_nonfinite="stop"), 1e6, 1e12, print_fn=lambda *a: None)
+    with pytest.raises(NonFiniteError) as e:
+        fresh.check_finite(3, nan, 1.0)
+    assert "no checkpoint was saved before it" in str(e.value) and "resume" not in str(e.value).lower(), e.value
+    resumed = Monitor(small_cfg(None, on_nonfinite="stop"), 1e6, 1e12, print_fn=lambda *a: None, start_step=4)
+    with pytest.raises(NonFiniteError, match=r"^step 5: .*the newest checkpoint, step 4, is the last good one: resume"):
+        resumed.check_finite(5, nan, 1.0)
+    resumed.saved = 6                                     # train.py's save of step 6
+    with pytest.raises(NonFiniteError, match=r"the newest checkpoint, step 6, is the last good one"):
+        resumed.check_finite(8, nan, 1.0)
+    skips = Monitor(small_cfg(None, on_nonfinite="skip"), 1e6, 1e12, print_fn=lambda *a: None, max_consecutive_skips=1)
+    with pytest.raises(NonFiniteError, match=r"1 consecutive non-finite steps; .*no checkpoint was saved before it"):
+        skips.check_finite(2, nan, 1.0)
 
 
 @pytest.mark.slow
