@@ -172,7 +172,9 @@ def measure(kinds, backend, device, sync, host_group, nbytes: int, warmup: int, 
                 mine, pg = i, created
         n = len(groups[0])
         numel = max(n, nbytes // 4) // n * n
-        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        # zeros: an all-reduce sums in place, and ones grew by the group's size a rep (f32's inf after the 11th
+        # at 4096 ranks); the bytes moved, and so the timings, do not depend on the values
+        buf = torch.zeros(numel, dtype=torch.float32, device=device)
         out = torch.empty(numel, dtype=torch.float32, device=device)
         chunk = buf[: numel // n].clone()
         for op in OPS:
@@ -191,7 +193,6 @@ def measure(kinds, backend, device, sync, host_group, nbytes: int, warmup: int, 
                 seconds = time.perf_counter() - t0
                 if rep >= 0:
                     records.append((kind, op, mine, rep, rank, seconds))
-            buf.fill_(1.0)                       # keep all-reduce sums finite over the reps
     return records
 
 

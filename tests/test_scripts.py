@@ -5,6 +5,7 @@ a Trainium job). The health check really runs: 4 gloo ranks under torchrun, one 
 """
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -712,3 +713,30 @@ def test_the_xla_scripts_help_says_every_flag_and_its_default(script, no_default
         assert text, f"{script} {flag} has no help"
         if flag not in no_default:
             assert text.count("(default: ") == 1, f"{script} {flag}: {text}"
+
+
+def _measure_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    real, largest = dist.all_reduce, []
+
+    def all_reduce(t, *a, **k):              # the real call, then the buffer's largest magnitude
+        out = real(t, *a, **k)
+        largest.append(t.abs().max().item())
+        return out
+    dist.all_reduce = all_reduce
+    healthcheck.measure({"world": [[0, 1]]}, "gloo", torch.device("cpu"), lambda: None, dist.group.WORLD,
+                        nbytes=64, warmup=0, reps=130, delay=None)
+    Path(out_dir, f"largest.{rank}").write_text(json.dumps(largest))
+    dist.destroy_process_group()
+
+
+def test_healthcheck_all_reduce_sums_stay_finite_over_the_reps(tmp_path):
+    """measure() all-reduces one buffer in place rep after rep: its values must not grow with the group's size a
+    rep (ones became 2^k at 2 ranks, inf after 128 reps; at 4096 ranks after 11, the default --reps is 10)."""
+    from gloo_spawn import free_ports, spawn
+    spawn(_measure_worker, (free_ports(1)[0], str(tmp_path)), nprocs=2, timeout_s=300)
+    for rank in range(2):
+        largest = json.loads((tmp_path / f"largest.{rank}").read_text())
+        assert len(largest) == 130 and all(math.isfinite(x) and x <= 2 for x in largest), largest[-3:]
