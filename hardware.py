@@ -99,12 +99,11 @@ def check_auto_cast(precision: str, device: torch.device) -> None:
              for i, w in enumerate(words) if w.split("=", 1)[0] == "--auto-cast"]
     mode = modes[-1] if modes else "none"
     if mode == "all" or (mode != "none" and precision == "fp32"):
-        raise ConfigError(f"NEURON_CC_FLAGS has --auto-cast={mode}: neuronx-cc then computes "
-                          f"{'every FP32 operation' if mode == 'all' else 'the FP32 matmuls'} in --auto-cast-type (bf16 unless "
-                          f"given), and "
-                          f"--optim.precision={precision}'s fp32 arithmetic "
-                          f"{'(the update, the loss, the exact token count and resume broadcast) ' if mode == 'all' else ''}"
-                          f"would not be fp32: remove it (or use --auto-cast=none)")
+        what = "every FP32 operation" if mode == "all" else "the FP32 matmuls"
+        which = " (the update, the loss, the exact token count and resume broadcast)" if mode == "all" else ""
+        raise ConfigError(f"NEURON_CC_FLAGS has --auto-cast={mode}: neuronx-cc then computes {what} in --auto-cast-type "
+                          f"(bf16 unless given), and --optim.precision={precision}'s fp32 arithmetic{which} would not "
+                          f"be fp32: remove it (or use --auto-cast=none)")
 
 
 # ----------------------------------------------------------------------------- peak FLOPs (MFU)
