@@ -1007,6 +1007,17 @@ def test_a_line_without_spaces_loses_no_character_to_the_tokenizer_sample():
     assert "".join(corpus.line_chunks(line)) == line and max(map(len, corpus.line_chunks(line))) == 2000
 
 
+def test_the_tokenizer_is_trained_on_the_training_documents_only(tmp_path):
+    """corpus.sample_texts: where documents are held out by hash, the tokenizer never sees one (its pieces
+    would be fitted to the evaluation text); every other document is in the sample."""
+    (tmp_path / "l.txt").write_text("".join(f"document number {i} of the corpus\n" for i in range(1000)))
+    c = corpus.Corpus(str(tmp_path / "l.txt"), doc_per_line=True, cache_dir=str(tmp_path))
+    assert spans.by_hash(c.n_docs, 0.1)
+    held = spans.held_out(np.arange(c.n_docs), 0.1)
+    assert {t for t, _ in corpus.sample_texts(c, 0.1)} == {f"document number {i} of the corpus"
+                                                          for i in np.flatnonzero(~held)}
+
+
 def test_refusals_before_training(files, tok, cache, tmp_path):
     with pytest.raises(data.DataError, match=f"{VOCAB} pieces but the model's vocab_size is 300"):
         data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=300)
