@@ -376,3 +376,15 @@ def test_null_and_whitespace_texts_are_empty_documents_as_training_reads_them(tm
     counts = prepare.prepare([str(src)], str(tmp_path / "o.arrow"), workers=1)
     assert read(tmp_path / "o.arrow") == ["one doc", "two docs"]
     assert (counts["documents"], counts["empty_docs"], counts["bad_records"]) == (2, 2, 1), counts
+
+
+def test_a_failed_forced_prepare_leaves_the_shards_that_were_there(shards, tmp_path):
+    """--force replaces the shards in --out as each is written; a run that fails first (here --strict at a bad
+    record of the first source) removes only what it began, never the earlier run's shards."""
+    sources, out = [str(shards / "a.jsonl"), str(shards / "b.jsonl.gz")], f"{tmp_path}/dir/"
+    prepare.prepare(sources, out, workers=1)
+    before = {n: (tmp_path / "dir" / n).read_bytes() for n in os.listdir(tmp_path / "dir")}
+    assert sorted(before) == ["00000-a.arrow", "00001-b.arrow"]
+    with pytest.raises(data.DataError, match="a.jsonl:6: not JSON .*--strict"):
+        prepare.prepare(sources, out, force=True, strict=True, workers=1)
+    assert {n: (tmp_path / "dir" / n).read_bytes() for n in os.listdir(tmp_path / "dir")} == before
