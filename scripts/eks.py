@@ -45,8 +45,6 @@ from planner.instances import INSTANCES, check_instances  # noqa: E402  (the pla
 
 WORKDIR = "/opt/nanotrn"        # where the Dockerfile puts the repository in the image
 CONTAINER = "nanotrn"
-TORCHRUN_STOP_S = 30            # torchrun SIGKILLs its workers 30 s after passing on a SIGTERM: a
-                                # constant in torch (elastic/multiprocessing/api.py, close(timeout=30))
 STOP_MARGIN_S = 5               # of the pod's grace period, for passing the stop on and the workers' exit:
                                 # train.py's final save gets the rest (--ckpt.grace_s, checkpoint.stop_budget)
 CONFIG_ERROR = 2                # launch.sh's exit status for a bad configuration: no retry can help
@@ -78,8 +76,8 @@ def parse(argv: list[str]):
     ap.add_argument("--max-restarts", type=int, default=3,
                     help="torchrun's restarts of a pod's workers, and the Job's replacements of each pod "
                          "(default: %(default)s)")
-    ap.add_argument("--grace-period", type=int, default=2 * TORCHRUN_STOP_S,
-                    help="terminationGracePeriodSeconds (at least torchrun's 30 s + 5) (default: %(default)s)")
+    ap.add_argument("--grace-period", type=int, default=60,
+                    help="terminationGracePeriodSeconds: the final save's budget plus 5 s (default: %(default)s)")
     ap.add_argument("--shm", default="64Gi", help="size limit of the memory-backed /dev/shm (default: %(default)s)")
     ap.add_argument("--cache-dir", default="/var/tmp/neuron-compile-cache",
                     help="the Neuron compile cache on each node's local disk (hostPath) (default: %(default)s)")
@@ -137,10 +135,12 @@ def check(args, train_args: list[str]):
     if args.grace_period > 10**9:       # configs' bound on seconds (--ckpt.grace_s follows it); a float past it rounds
         fail(f"--grace-period {args.grace_period}: give at most 1000000000 s (about 30 years), the bound of "
              f"--ckpt.grace_s, which follows it")
-    if args.grace_period < TORCHRUN_STOP_S + 5:
-        fail(f"--grace-period {args.grace_period}: torchrun gives its workers {TORCHRUN_STOP_S} s after a "
-             f"SIGTERM to save and exit; below {TORCHRUN_STOP_S + 5} s the kubelet kills torchrun first "
-             f"and the final checkpoint is lost")
+    # (torchrun's fixed 30 s from its SIGTERM to its SIGKILL is not in the way: launch.sh passes the pod's SIGTERM
+    # to the workers alone; a budget too short for the final save skips it and says so: checkpoint.stop_budget)
+    if args.grace_period <= STOP_MARGIN_S:
+        fail(f"--grace-period {args.grace_period}: the final save's budget (--ckpt.grace_s) is the grace period "
+             f"minus {STOP_MARGIN_S} s to stop: give more than {STOP_MARGIN_S} s (one step plus the save, "
+             f"docs/checkpoints.md; default 60)")
     if not args.mount.startswith("/") or args.mount.rstrip("/") in ("", "/dev", "/dev/shm"):
         fail(f"--mount {args.mount!r}: give an absolute path such as /fsx")
     if not args.cache_dir.startswith("/") or under(args.cache_dir, args.mount):
