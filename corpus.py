@@ -115,11 +115,14 @@ class Corpus:
     (`a.arrow:0.7,b/:0.3`, weights summing to 1); unweighted, one group of every document."""
 
     def __init__(self, spec: str = "stdlib", text_field: str = "text", doc_per_line: bool = False,
-                 split: str = "train", cache_dir: str = ".cache", flags: dict = FLAGS):
+                 split: str = "train", cache_dir: str = ".cache", flags: dict = FLAGS, listing: tuple | None = None):
         self.spec, self.sources, self.examples = spec, [], {}
         self._record = (-1, b"")                # read_spans: (document, its text) of the last long .jsonl record
-        self.left_out = []
-        entries, per_entry = mixture_files(spec, split, self.left_out, flags["data.split"])
+        # listing: mixture_files' (entries, per_entry) and its left_out, where the caller has listed the corpus
+        # already (train.py, before any work): one listing a rank, a metadata request a file on a shared file system
+        if listing is None:
+            listing = (*mixture_files(spec, split, left := [], flags["data.split"]), left)
+        entries, per_entry, self.left_out = listing
         # One text field for every source, or one per source in --data's order (a mixture of "text" and "content")
         fields = [f.strip() for f in text_field.split(",")]
         if len(fields) not in (1, len(entries)) or not all(fields):

@@ -236,7 +236,7 @@ def run(argv: list[str]) -> None:
     optim.check_rounding(cfg.optim.precision, device)   # bf16_sr: the device must round stochastically
     hardware.check_auto_cast(cfg.optim.precision, device)   # neuronx-cc keeps the fp32 the precision chose
     configs.check_paths(cfg)
-    mixture_files(cfg.data.data, cfg.data.split)   # --data readable, with files, before the claim; a listing a rank, as Corpus's
+    listing = (*mixture_files(cfg.data.data, cfg.data.split, left := []), left)   # --data readable, with files: Corpus's
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
     out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
     check_memory(cfg, device)
@@ -267,7 +267,7 @@ def run(argv: list[str]) -> None:
         # bytes, so a corpus too small for one global batch is refused before a tokenizer is trained (at first use,
         # cached; one process trains, the others wait). Every TP/PP rank of a DP replica reads the same batches.
         d = cfg.data
-        corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir)
+        corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir, listing=listing)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
         data.check_size(d, index, grid.dp, cfg.log.eval_windows if cfg.log.eval_interval else 0)
         tok = tokenizer_for_run(cfg, corpus, ckpt, grid, log)   # given, the run's own, or trained

@@ -1170,3 +1170,15 @@ def test_multi_process_xla_on_a_cpu_host_is_refused_before_torch_xlas_import(tmp
     assert "multi-process XLA needs Trainium (PJRT_DEVICE=NEURON)" in lines[0] and "--device=cpu" in lines[0], lines
     assert not re.search(r"\| +torch_xla$", r.stderr, re.M), "torch_xla was imported before the refusal"
     assert not os.listdir(tmp_path)
+
+
+def test_a_run_lists_its_corpus_once_a_rank(W, tmp_path, monkeypatch):
+    """train.py checks --data before any work (mixture_files) and Corpus then needs the same listing: listed twice,
+    every rank walked the corpus twice at start (a stat a file, a metadata request each on a shared file system,
+    x4096 ranks). Corpus takes the check's listing: one walk a rank."""
+    import corpus
+    calls, real = [], corpus.resolve_paths
+    monkeypatch.setattr(corpus, "resolve_paths", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    train.main([*TINY, f"--data={W}/corpus", f"--data.tokenizer={W}/tok.model", f"--out_dir={tmp_path}/o",
+                f"--ckpt.dir={tmp_path}/ck", f"--data.cache_dir={tmp_path}/cache", "--steps=1"])
+    assert calls == [f"{W}/corpus"], calls
