@@ -570,6 +570,23 @@ def test_the_one_read_broadcast_is_exact_through_neurons_f32_all_reduce(monkeypa
         assert got[k].dtype == state[k].dtype and torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8)), k
 
 
+def test_the_one_read_broadcast_moves_a_state_in_buckets_of_at_most_bucket_bytes(monkeypatch):
+    """reshard.broadcast_state sends a state bucket by bucket (a 7B rank's state is gigabytes, four times that as
+    float32 carriers): consecutive tensors up to BUCKET_BYTES (1 KB here), a larger tensor alone; after the two
+    sends of the pickled header, one send per bucket, and every tensor back bit for bit."""
+    monkeypatch.setattr(reshard, "BUCKET_BYTES", 1024)
+    sizes, send = [], reshard._broadcast
+
+    def spy(raw, *args):
+        sizes.append(raw.numel())
+        return send(raw, *args)
+    monkeypatch.setattr(reshard, "_broadcast", spy)
+    state = {**{f"w{i}": torch.randn(100) for i in range(5)}, "big": torch.randn(750)}     # 400 bytes each, 3000
+    got = reshard.broadcast_state(state, parallel.Grid(), reader=0)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    assert sizes[2:] == [800, 800, 400, 3008]
+
+
 def test_shared_files_are_written_by_spread_replicas(tmp_path):
     """TP=2 x DP=4: the 4 files the DP replicas hold alike (model and optimizer of each TP rank) are
     written by 4 different replicas (dp 0, 1, 2, 3), not all by dp 0; every rank writes its own
