@@ -388,3 +388,12 @@ def test_a_failed_forced_prepare_leaves_the_shards_that_were_there(shards, tmp_p
     with pytest.raises(data.DataError, match="a.jsonl:6: not JSON .*--strict"):
         prepare.prepare(sources, out, force=True, strict=True, workers=1)
     assert {n: (tmp_path / "dir" / n).read_bytes() for n in os.listdir(tmp_path / "dir")} == before
+
+
+def test_shards_into_the_folder_holding_a_source_are_refused(shards, tmp_path):
+    """--out DIR/ (one shard per source) where DIR holds a source file: --data=DIR would read that source beside its
+    own shards, every document twice. Refused before anything is written."""
+    before = sorted(os.listdir(shards))
+    with pytest.raises(data.DataError, match=f"--out {shards}/ holds some of the sources"):
+        prepare.prepare([str(shards / "a.jsonl")], f"{shards}/", workers=1)
+    assert sorted(os.listdir(shards)) == before
