@@ -131,6 +131,9 @@ class Corpus:
             raise DataError(f"{flags['data.text_field']}={text_field} names {what}: give one field for all, or one per "
                             f"source in its order")
         field_of = {p: fields[i % len(fields)] for i, ps in enumerate(per_entry) for p in ps}
+        field_flag = flags["data.text_field"]     # a mixture's sources may each hold their text under another name
+        if len(entries) > 1:
+            field_flag += f" (for one source of a mixture: one field a source, in its order, {field_flag}=A,B)"
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
@@ -142,14 +145,14 @@ class Corpus:
             if stat[p].st_size == 0:
                 continue
             elif p.endswith(COPIED):     # through an Arrow copy, made once (sources.COMPRESSED)
-                copy = prepare.cached(p, field, doc_per_line, cache_dir, flags["data.text_field"])
-                self.sources.append(CachedDocs(p, copy, field, doc_per_line, cache_dir, flags["data.text_field"]))
+                copy = prepare.cached(p, field, doc_per_line, cache_dir, field_flag)
+                self.sources.append(CachedDocs(p, copy, field, doc_per_line, cache_dir, field_flag))
                 if not self.sources[-1].n and p.endswith(COMPRESSED):     # nothing decompressed: an empty file,
                     empty.append(p)                                         # said as its raw twin is
             elif p.endswith((".jsonl", ".json")):
-                self.sources.append(LineDocs(p, True, field, cache_dir, flags["data.text_field"]))
+                self.sources.append(LineDocs(p, True, field, cache_dir, field_flag))
             elif p.endswith(".arrow"):
-                self.sources.append(ColumnDocs(p, field, cache_dir, flags["data.text_field"]))
+                self.sources.append(ColumnDocs(p, field, cache_dir, field_flag))
             elif doc_per_line and p.endswith(".txt"):
                 self.sources.append(LineDocs(p, False, field, cache_dir))
             elif self.sources and isinstance(self.sources[-1], FileDocs):

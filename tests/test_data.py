@@ -276,6 +276,10 @@ def test_each_source_of_a_mixture_may_name_its_own_text_field(tmp_path):
                             "field for all, or one per source in its order")
     with pytest.raises(data.DataError, match=r"^--data.text_field=content, names an empty field: give one field"):
         data.Corpus(f"{code},{prose}", text_field="content,", cache_dir=str(tmp_path / "c"))
+    # The one field missing from one source of a mixture: the fix named is the per-source form, not one field for all
+    with pytest.raises(data.DataError, match=r"prose.jsonl:1: no text field 'content'.*one field a source, in its order, "
+                                             r"--data.text_field=A,B\) to the one holding the text"):
+        data.Corpus(f"{code},{prose}", text_field="content", cache_dir=str(tmp_path / "c"))
 
 
 def test_the_mixture_line_says_a_small_weight_as_it_is(files):
