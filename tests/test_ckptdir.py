@@ -591,3 +591,17 @@ def test_verifying_many_small_files_allocates_what_they_hold_not_16_mb_each(tmp_
     assert peak < 1 << 20, peak
     (tmp_path / "rank00003.pt").write_bytes(b"x" * 1400)                  # a damaged one is still found
     assert ckptdir.verify(tmp_path, files).startswith("rank00003.pt: crc32 ")
+
+
+def test_the_marker_wait_gives_up_at_its_first_look_once_told_to(tmp_path, monkeypatch):
+    """Rank 0's writer stops waiting for the missing markers at its first look once give_up() is true (the peers are
+    lost: checkpoint.py's peers_lost), not after the whole --ckpt marker timeout."""
+    d = ckptdir.CkptDir(tmp_path)
+    ckptdir.step_dir(tmp_path, 3).mkdir()
+    (ckptdir.step_dir(tmp_path, 3) / ckptdir.marker_name(0)).write_text("{}")
+
+    def sleep(s):
+        raise AssertionError(f"waited {s} s after give_up() was true")
+    monkeypatch.setattr(ckptdir.time, "sleep", sleep)
+    assert d.wait_for_markers(3, 2, timeout_s=600, give_up=lambda: True) == [1]
+
