@@ -605,3 +605,13 @@ def test_the_marker_wait_gives_up_at_its_first_look_once_told_to(tmp_path, monke
     monkeypatch.setattr(ckptdir.time, "sleep", sleep)
     assert d.wait_for_markers(3, 2, timeout_s=600, give_up=lambda: True) == [1]
 
+
+def test_start_fresh_in_a_directory_without_checkpoints_moves_nothing(tmp_path, capsys):
+    """--ckpt.start_fresh with no step folder there (a first run, or one that never saved): nothing to move aside,
+    so no previous_* folder and no line saying so; a tokenizer/ left by a run that saved nothing stays in place."""
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.model").write_bytes(b"kept")
+    before = tree(tmp_path)
+    start(cfg_for(tmp_path, "--ckpt.resume=false", "--ckpt.start_fresh")).close()
+    assert tree(tmp_path) == before and not list(tmp_path.glob("previous_*"))
+    assert "start_fresh" not in capsys.readouterr().err
