@@ -127,6 +127,7 @@ def test_watchdog_limit_follows_the_median_step_and_phases_get_the_startup_allow
 
 
 
+@pytest.mark.slow     # three subprocesses (7 s)
 def test_a_near_zero_limit_still_ends_by_the_watchdog_line_and_its_status(monkeypatch):
     """--log.hang_startup_s=0.001: the faulthandler backstop (then at twice the limit, 2 ms) fired before or while
     the watchdog's thread said why, so the run ended with stacks and status 1, without the watchdog's line (train.py
