@@ -893,31 +893,25 @@ def test_the_init_from_folders_generation_config_is_kept_with_a_tokenizer_given_
             assert json.loads((out / "generation_config.json").read_text()) == theirs, (i, out)
     # A run killed before its first checkpoint leaves its tokenizer/ kept; the next one in that --ckpt.dir, from
     # another model with the same tokenizer (Llama 3 and 3.1), kept the first model's generation_config.json
+    def rerun_in_run0(export: str) -> dict:
+        """run0's --ckpt.dir without its checkpoints (its tokenizer/ kept): train, export; {folder: generation config}."""
+        for step in (tmp_path / "run0" / "ckpt").glob("step_*"):
+            shutil.rmtree(step)
+        os.remove(tmp_path / "run0" / "ckpt" / "latest")
+        shutil.rmtree(tmp_path / "run0" / "hf")
+        train.main([f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--global_batch=2",
+                    "--micro_batch=2", "--steps=1", "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=",
+                    "--ckpt.async_save=false", "--device=cpu", f"--out_dir={tmp_path}/run0",
+                    f"--ckpt.dir={tmp_path}/run0/ckpt", f"--data.cache_dir={tmp_path}/cache",
+                    f"--data.tokenizer={tmp_path}/tok0/tokenizer.json"])
+        checkpoint.main(["export", f"{tmp_path}/run0/ckpt", f"{tmp_path}/run0/{export}"])
+        return {out: json.loads((tmp_path / "run0" / out / "generation_config.json").read_text()) for out in ("hf", export)}
     (tmp_path / "model" / "generation_config.json").write_text(json.dumps({**theirs, "temperature": 0.7}))
-    for step in (tmp_path / "run0" / "ckpt").glob("step_*"):
-        shutil.rmtree(step)
-    os.remove(tmp_path / "run0" / "ckpt" / "latest")
-    shutil.rmtree(tmp_path / "run0" / "hf")
-    train.main([f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--global_batch=2",
-                "--micro_batch=2", "--steps=1", "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=",
-                "--ckpt.async_save=false", "--device=cpu", f"--out_dir={tmp_path}/run0", f"--ckpt.dir={tmp_path}/run0/ckpt",
-                f"--data.cache_dir={tmp_path}/cache", f"--data.tokenizer={tmp_path}/tok0/tokenizer.json"])
-    checkpoint.main(["export", f"{tmp_path}/run0/ckpt", f"{tmp_path}/run0/third"])
-    for out in ("hf", "third"):
-        assert json.loads((tmp_path / "run0" / out / "generation_config.json").read_text())["temperature"] == 0.7, out
+    for out, gen in rerun_in_run0("third").items():
+        assert gen["temperature"] == 0.7, out
     # ... and from a model folder without one, the earlier model's kept copy (0.7) was shipped: now the defaults
     os.remove(tmp_path / "model" / "generation_config.json")
-    for step in (tmp_path / "run0" / "ckpt").glob("step_*"):
-        shutil.rmtree(step)
-    os.remove(tmp_path / "run0" / "ckpt" / "latest")
-    shutil.rmtree(tmp_path / "run0" / "hf")
-    train.main([f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--global_batch=2",
-                "--micro_batch=2", "--steps=1", "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=",
-                "--ckpt.async_save=false", "--device=cpu", f"--out_dir={tmp_path}/run0", f"--ckpt.dir={tmp_path}/run0/ckpt",
-                f"--data.cache_dir={tmp_path}/cache", f"--data.tokenizer={tmp_path}/tok0/tokenizer.json"])
-    checkpoint.main(["export", f"{tmp_path}/run0/ckpt", f"{tmp_path}/run0/fourth"])
-    for out in ("hf", "fourth"):
-        gen = json.loads((tmp_path / "run0" / out / "generation_config.json").read_text())
+    for out, gen in rerun_in_run0("fourth").items():
         assert (gen["temperature"], gen["eos_token_id"]) == (0.8, 1), (out, gen)
 
 
