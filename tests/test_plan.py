@@ -315,6 +315,8 @@ def test_validate_command_prints_the_table(capsys, monkeypatch, tmp_path):
 
 def test_matmul_roofline_and_overlap():
     assert set(cost.HBM_BW) == set(instances.INSTANCES)                     # every instance type is priced
+    # configs (which imports nothing of the project) names the choices: the same three the planner prices
+    assert set(configs.CHOICES["parallel.instance"]) == set(instances.INSTANCES)
     hbm, peak = cost.HBM_BW["trn1"], instances.INSTANCES["trn1"].bf16_flops
     big = cost._matmul_s(4096, 4096, 4096, peak, hbm, 2, 0.5)
     assert big == pytest.approx(2 * 4096**3 / (0.5 * peak))                 # compute-bound
