@@ -345,20 +345,6 @@ class PackedLoader:
                        len(self.lanes) - 1)
         return g, (uniform(self.cfg.seed, 2, streams, b) * np.asarray(self.lanes)[g]).astype(np.int64)
 
-    def mixture_counts(self, n_batches: int | None = None) -> np.ndarray:
-        """Windows per source in the first n_batches global batches of every stream (default: the windows a
-        stream has handed out), recomputed from the hash: what the DP ranks' stats()["windows_by_source"]
-        sum to, which train.py logs (this costs global_batch x n_batches hashes, 4.9e8 at the blog's scale)."""
-        per = len(self.lanes) * self.lanes_max      # a stream's lanes (global_lane): their windows, summed
-        n_batches = sum(p["stats"]["windows"] for k, p in self._state["streams"].items()
-                        if int(k) // per == self.streams[0]) if n_batches is None else n_batches
-        counts = np.zeros(len(self.lanes), np.int64)
-        for b0 in range(0, n_batches, 4096):
-            b = np.arange(b0, min(n_batches, b0 + 4096))
-            g, _ = self.draw_source_and_lane(np.arange(self.n_streams)[:, None], b[None, :])
-            counts += np.bincount(g.ravel(), minlength=len(self.lanes))
-        return counts
-
     # ---------------------------------------------------------------- producer
     def _produce(self, state: dict):
         """Yield (batch, state after it) forever from `state`: this rank's streams round-robin."""

@@ -134,6 +134,22 @@ def load_full_state_dict(model, full_sd: dict, grid) -> None:
         p.copy_(sharding.cut(name, full_sd[name].to(p.device, p.dtype), model.cfg, grid.tp, grid.tp_rank))
 
 
+def mixture_counts(loader, n_batches: int | None = None):
+    """Windows per source in the first n_batches global batches of every stream of a PackedLoader (default: the
+    windows a stream has handed out), recounted from the hash: the reference for what the DP ranks'
+    stats()["windows_by_source"] sum to, which train.py logs (global_batch x n_batches hashes)."""
+    import numpy as np
+    per = len(loader.lanes) * loader.lanes_max      # a stream's lanes (global_lane): their windows, summed
+    n_batches = sum(p["stats"]["windows"] for k, p in loader.state_dict()["streams"].items()
+                    if int(k) // per == loader.streams[0]) if n_batches is None else n_batches
+    counts = np.zeros(len(loader.lanes), np.int64)
+    for b0 in range(0, n_batches, 4096):
+        b = np.arange(b0, min(n_batches, b0 + 4096))
+        g, _ = loader.draw_source_and_lane(np.arange(loader.n_streams)[:, None], b[None, :])
+        counts += np.bincount(g.ravel(), minlength=len(loader.lanes))
+    return counts
+
+
 class FixedLoader:
     """The held-out loader's interface as train.evaluate uses it: reset(), then next()."""
     def __init__(self, batches):

@@ -21,6 +21,7 @@ import corpus  # noqa: E402
 import data  # noqa: E402
 import spans  # noqa: E402
 from configs import DataConfig, ModelConfig  # noqa: E402
+from conftest import mixture_counts  # noqa: E402
 from corpus import train_tokenizer  # noqa: E402
 from sources import stdlib_files  # noqa: E402
 from spans import positions, span_bytes  # noqa: E402
@@ -220,16 +221,16 @@ def test_shuffle_and_mixture_same_at_any_layout_and_resume_across_dp(files, tok)
         got, _, stats = global_batches(c(1), tok, 4, 14, resume=saved)
         assert all(torch.equal(a, b) for a, b in zip(ref[10:], got)) and stats == ref_stats, spec
     # The mixture: lanes of source 1 read only its documents; the windows each source gave (summed
-    # over the DP ranks' states) are what mixture_counts() recomputes from the hash for the log.
+    # over the DP ranks' states) are what the hash recount (conftest.mixture_counts) gives for the log.
     loaders = [data.PackedLoader(cfg(mix, micro_batch=2, shuffle=2), tok, r, 2, prefetch=0) for r in range(2)]
     lo1 = loaders[0].index.groups[1][0]                # source 1's spans come after source 0's
     assert all(((lane_spans(loaders[0], lane, 40) >= lo1) == (lane % 4 >= 2)).all() for lane in loaders[0].global_lanes)
     take(loaders[0], 30)
     take(loaders[1], 30)
     by_source = np.sum([x.stats()["windows_by_source"] for x in loaders], axis=0)
-    assert by_source.tolist() == loaders[0].mixture_counts(30).tolist() and by_source.sum() == 120
+    assert by_source.tolist() == mixture_counts(loaders[0], 30).tolist() and by_source.sum() == 120
     # Realized proportions over 20,000 windows: within 2% of the weights (4 binomial sigmas: 1.3%).
-    n = loaders[0].mixture_counts(5000)
+    n = mixture_counts(loaders[0], 5000)
     assert abs(n[0] / n.sum() - 0.7) < 0.02, n
     # A window's lane is drawn apart from its source: with one hash for both, source 0 (u < 0.7) never drew its
     # lanes past 0.7 of them, nor source 1 its first ones. Over 4 streams x 2000 windows each of a source's 2
@@ -249,14 +250,14 @@ def test_the_logged_mixture_counts_the_windows_read_also_after_a_data_reset(file
     c = cfg(f"{files['jsonl']}:0.6,{files['arrow_file_large']}:0.4", micro_batch=2, shuffle=2)
     first = data.PackedLoader(c, tok, prefetch=0)
     take(first, 6)                                      # 3 global batches of 4 windows
-    assert first.mixture_counts().tolist() == first.stats()["windows_by_source"] and first.mixture_counts().sum() == 12
+    assert mixture_counts(first).tolist() == first.stats()["windows_by_source"] and mixture_counts(first).sum() == 12
     resumed, restarted = data.PackedLoader(c, tok, prefetch=0), data.PackedLoader(c, tok, prefetch=0)
     resumed.load_state_dict(first.state_dict())
     take(resumed, 4)
     take(restarted, 4)                                  # the data stream afresh: its first 2 global batches
-    assert resumed.mixture_counts().tolist() == resumed.mixture_counts(5).tolist() and resumed.mixture_counts().sum() == 20
-    assert restarted.mixture_counts().tolist() == restarted.stats()["windows_by_source"] == restarted.mixture_counts(2).tolist()
-    assert restarted.mixture_counts().sum() == 8
+    assert mixture_counts(resumed).tolist() == mixture_counts(resumed, 5).tolist() and mixture_counts(resumed).sum() == 20
+    assert mixture_counts(restarted).tolist() == restarted.stats()["windows_by_source"] == mixture_counts(restarted, 2).tolist()
+    assert mixture_counts(restarted).sum() == 8
 
 def test_each_source_of_a_mixture_may_name_its_own_text_field(tmp_path):
     """--data.text_field applied to every source: a mixture of a JSON-lines file keyed "content" (The Stack's) and one

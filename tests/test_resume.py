@@ -27,7 +27,7 @@ import configs  # noqa: E402
 import data  # noqa: E402
 import reshard  # noqa: E402
 import sources  # noqa: E402
-from conftest import cache_arg, seeded_model  # noqa: E402
+from conftest import cache_arg, mixture_counts, seeded_model  # noqa: E402
 from gloo_spawn import run_train  # noqa: E402
 
 ARGS = ["--model.n_layers=2", "--model.dim=32", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=64",
@@ -109,7 +109,7 @@ def test_resume_across_tp_pp_dp_zero1_equals_uninterrupted(tmp_path):
     mixture = lambda *rs: re.findall(r"step +\d+ \| data mixture .*", "".join(r.stdout for r in rs))
     assert mixture(a, b, c) == mixture(ref) and len(mixture(ref)) == 6, (mixture(a, b, c), mixture(ref))
     loader = data.PackedLoader(cfg.data, data.build_tokenizer(cfg.data, cfg.model.vocab_size), prefetch=0)
-    assert mixture(ref)[-1] == f"step     12 | {loader.corpus.mixture_line(loader.mixture_counts(12))}"
+    assert mixture(ref)[-1] == f"step     12 | {loader.corpus.mixture_line(mixture_counts(loader, 12))}"
     m = cfg.model
     for step in (4, 8, 12):
         want, got = (tmp_path / x / "ckpt" / f"step_{step:08d}" for x in ("ref", "run"))
