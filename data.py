@@ -212,7 +212,7 @@ class SpanReader:
         rows = np.asarray(self.index.rows)[spans[mine]]     # asarray: no np.memmap per read (its __getitem__)
         text, reps, bad = zip(*self.corpus.read_spans(rows, quiet)) if len(rows) else ((), (), ())
         text = [t or "" for t in text] if None in text else list(text)     # None: a bad record
-        first, last = rows[:, 1] == 0, rows[:, 2] < 0
+        first, last = rows[:, 1] == 0, rows[:, 2] <= 0        # end 0: a long blank document's one span (spans.blank)
         # A span's opening space: the tokenizer's own dummy prefix stands for it (drop_space). A
         # document of only whitespace makes no token, not even BOS/EOS. Per span only C-level maps.
         if self.drop_space and not first.all():

@@ -2,16 +2,18 @@
 
 A span is a piece of one document of at most span_bytes(seq_len) bytes (~4 windows of text), cut
 only where tokenization does not cross the cut: a long document spreads over every stream like many
-short ones. The span index (rows of (document, first byte, end byte or -1), int64) is built once per
+short ones. The span index (rows of (document, first byte, end byte or -1; 0: a blank one), int64) is built once per
 corpus and span size in the cache, streamed, under a lock, and memory-mapped by every rank.
 The order is pure functions of integer keys (a counter-based hash, a Feistel permutation computed
 per index): any rank computes any choice alone, and nothing per span is ever materialized.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -155,6 +157,19 @@ BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows 
 READ_BYTES = 1 << 26        # bytes of long documents read at once while building (a longer one in blocks)
 SAMPLE_SPANS = 1024         # spans whose text the index's content digest reads (at most 32 MB at seq_len 2048)
 _SPACES = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
+_LEAD = re.compile(rb"[ \t\n\r\x0b\x0c]*")
+
+
+def blank(raw: bytes, dec=None, final: bool = True) -> bool:
+    """Only whitespace, as str.isspace says of its text: such a document makes no token (data.SpanReader), as
+    prepare drops it. Told at the first byte that is not ASCII whitespace; the text is decoded only where that
+    opens another space (U+3000). dec: the document's incremental decoder, where it is read in blocks (a
+    character may span two)."""
+    i = _LEAD.match(raw).end()
+    if i < len(raw) and raw[i] & 0xC0 != 0x80 and not raw[i:i + 4].decode("utf-8", "replace")[0].isspace():
+        return False                        # the common case: text
+    text = (dec or codecs.getincrementaldecoder("utf-8")("replace")).decode(raw, final)
+    return text.isspace() or not text
 
 
 def cut_points(raw: bytes, limit: int, final: bool = True) -> list[int]:
@@ -183,18 +198,19 @@ def cut_points(raw: bytes, limit: int, final: bool = True) -> list[int]:
     return cuts
 
 
-def doc_cuts(corpus, doc: int, limit: int) -> list[int]:
+def doc_cuts(corpus, doc: int, limit: int) -> list[int] | None:
     """cut_points of a document longer than READ_BYTES, read a block at a time: held whole, its cutting
     took ~4.5 bytes of memory per byte (1.4 GB for one 315 MB .txt file), so a text file of tens of GB
-    could not be indexed. Now ~5 x READ_BYTES (~0.3 GB) whatever its size."""
-    cuts, base, buf = [], 0, b""
+    could not be indexed. Now ~5 x READ_BYTES (~0.3 GB) whatever its size. None: blank (each block)."""
+    cuts, base, buf, empty, dec = [], 0, b"", True, codecs.getincrementaldecoder("utf-8")("replace")
     for block, last in corpus.raw_blocks(doc, READ_BYTES):
+        empty = empty and blank(block, dec, last)
         buf += block
         new = cut_points(buf, limit, last)
         cuts += [base + k for k in new]
         if new:
             base, buf = base + new[-1], buf[new[-1]:]
-    return cuts
+    return None if empty else cuts
 
 
 def span_bytes(seq_len: int) -> int:
@@ -260,9 +276,15 @@ class SpanIndex:
                     fits = lengths[big[a:b]] <= READ_BYTES
                     raws = iter(c.raw(lo + big[a:b][fits]))
                     for j, fit in zip(big[a:b], fits):
-                        cut = cut_points(next(raws), self.span_bytes) if fit else doc_cuts(c, lo + j, self.span_bytes)
-                        starts = np.asarray([0] + cut, np.int64)
-                        ends = np.append(starts[1:], -1)
+                        if fit:
+                            raw = next(raws)
+                            cut = None if blank(raw) else cut_points(raw, self.span_bytes)
+                        else:
+                            cut = doc_cuts(c, lo + j, self.span_bytes)
+                        # A long blank document: one span that reads nothing (end 0), not spans of whitespace
+                        # a lane would tokenize (a short one is read: its text is blank, no token).
+                        starts = np.asarray([0] + (cut or []), np.int64)
+                        ends = np.append(starts[1:], -1 if cut is not None else 0)
                         parts += [rows[prev:j], np.stack([np.full(len(starts), lo + j), starts, ends], 1)]
                         prev, long_docs = j + 1, long_docs + (len(starts) > 1)
                 block = np.concatenate(parts + [rows[prev:]]).astype(np.int64)

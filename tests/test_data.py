@@ -595,6 +595,30 @@ def test_a_document_whose_last_span_the_dummy_prefix_empties_keeps_its_eos_and_i
     assert (st["documents"], st["empty_docs"]) == (6, 0), st
     assert (tokens == tok.eos_id).sum() == (6 if eos else 0)
 
+
+@pytest.mark.parametrize("read_bytes", [spans.READ_BYTES, 4096])
+def test_a_document_of_only_whitespace_is_empty_however_long_as_prepare_drops_it(tok, tmp_path, monkeypatch, read_bytes):
+    """A document of only whitespace makes no token and counts as empty (prepare drops it so), also one longer
+    than a span: cut into spans of whitespace, it was tokenized (BOS, EOS and a token a few characters) and
+    counted as a document, while a short one counted as empty and prepare dropped both. read_bytes 4096: the
+    long documents are indexed a block at a time (spans.doc_cuts)."""
+    import prepare
+    monkeypatch.setattr(spans, "READ_BYTES", read_bytes)
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "a_blank_long.txt").write_text(" \n\t \n" * 3000)           # 15,000 bytes: 4 spans of 4096 before
+    (d / "b_blank_long_unicode.txt").write_text("\u3000 \n" * 3000)   # str.isspace's, not only ASCII's
+    (d / "c_blank_short.txt").write_text(" \n\t \n")
+    (d / "d_text.txt").write_text("some words of text " * 400)           # 7,600 bytes: 2 spans
+    loader = data.PackedLoader(cfg(str(d), val_fraction=0.0), tok, prefetch=0)
+    rows = np.asarray(loader.index.rows)
+    tokens, n, counts = loader.read(np.arange(len(rows)))
+    st = dict(zip(data.STAT_KEYS, counts.sum(0).tolist()))
+    assert n[rows[:, 0] < 3].sum() == 0 and (st["documents"], st["empty_docs"]) == (1, 3), (n.tolist(), st)
+    assert n.sum() == len(tok.encode("some words of text " * 400)) + 2      # the text's tokens, BOS, EOS
+    prepared = prepare.prepare([str(d)], str(tmp_path / "o.arrow"), workers=1)
+    assert (prepared["documents"], prepared["empty_docs"]) == (st["documents"], st["empty_docs"])
+
 def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p = tmp_path / "x.jsonl"
     p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
