@@ -34,7 +34,6 @@ class SpikeDetector:
     def __init__(self, window: int = 20, margin: float = 0.1, growth: float = 3.0, persist: int = 5):
         self.window, self.margin, self.growth, self.persist = window, margin, growth, persist
         self.history = collections.deque(maxlen=window)
-        self.spikes = collections.deque(maxlen=100)  # (first step, length) of the latest finished spikes
         self.counts = (0, 0, 0)       # this process's finished spikes: how many, one-step ones, the longest
         self.current: list[int] | None = None       # [first step, length so far] of an open spike
         self.lowest_mean = math.inf
@@ -58,7 +57,6 @@ class SpikeDetector:
             elif self.current is not None:        # counted, not kept: a flush's summary costs the same at any step
                 n, one, longest = self.counts
                 self.counts = (n + 1, one + (self.current[1] == 1), max(longest, self.current[1]))
-                self.spikes.append(tuple(self.current))
                 self.current = None
         self.history.append(norm)
         if len(self.history) == self.window:
