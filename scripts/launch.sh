@@ -56,6 +56,14 @@ if ((10#$MASTER_PORT > 65535)); then
     echo "error: MASTER_PORT=$MASTER_PORT: give a TCP port, 1 to 65535" >&2
     exit 2
 fi
+# The port the Neuron runtime's collectives bootstrap on the first node (torch-xla sets
+# NEURON_RT_ROOT_COMM_ID=MASTER_ADDR:62182, torch_xla/_internal/neuron.py): torchrun's store cannot listen there too.
+RUNTIME_PORT=62182
+if ((10#$MASTER_PORT == RUNTIME_PORT)); then
+    echo "error: MASTER_PORT=$MASTER_PORT is the Neuron runtime's collectives bootstrap port on the first node" \
+         "(torch-xla's NEURON_RT_ROOT_COMM_ID default): give another, e.g. MASTER_PORT=29500" >&2
+    exit 2
+fi
 # The commands it runs, named by the variable that gives them (bash's own line, exit 127, named neither; a pod
 # retried it). PYTHON now (it reads the config below), TORCHRUN after the config's checks, in a real run only.
 no_command() {
@@ -166,7 +174,7 @@ fi
 # The node, before any rank starts. Every rank holds sockets and files (EFA, the runtime, data
 # shards, checkpoint files): raise the open-file limit as the NxD scripts do (ulimit -n 65535).
 # Reserve the rendezvous port and the port the Neuron runtime's collectives bootstrap on
-# (torch-xla sets NEURON_RT_ROOT_COMM_ID=MASTER_ADDR:62182) so that no outgoing connection of
+# (RUNTIME_PORT, above) so that no outgoing connection of
 # another process takes them as its ephemeral port (the NxD scripts: sysctl
 # net.ipv4.ip_local_reserved_ports, with sudo). The list is added to, never replaced.
 NOFILE=65535
@@ -181,7 +189,7 @@ is_reserved() {     # the kernel prints consecutive ports as one range: 29500,29
     return 1
 }
 missing=()
-for port in "$MASTER_PORT" 62182; do
+for port in "$MASTER_PORT" "$RUNTIME_PORT"; do
     is_reserved "$port" || missing+=("$port")
 done
 node_setup=("ulimit -n $NOFILE")

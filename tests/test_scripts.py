@@ -360,6 +360,19 @@ def test_a_master_addr_with_a_port_is_refused_and_an_ipv6_address_is_not():
         assert ok.returncode == 0 and f"--master_addr={addr}" in ok.stdout, ok.stderr
 
 
+def test_the_neuron_runtimes_bootstrap_port_is_refused_as_the_rendezvous_port():
+    # MASTER_PORT=62182 was accepted: torchrun's store on the first node listens there, and so does the Neuron
+    # runtime's collectives bootstrap of rank 0 (torch-xla's NEURON_RT_ROOT_COMM_ID default, MASTER_ADDR:62182,
+    # torch_xla/_internal/neuron.py): on Trainium one of the two fails to bind, on every start. eks.py refused it.
+    env = dict(DRY_RUN="1", NNODES="2", MASTER_ADDR="node-0", NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+    for extra in ({}, {"NODE_RANK": "0"}):                        # c10d rendezvous, and SLURM's static node ranks
+        r = run_script([SCRIPTS / "launch.sh", "health", *ARGS_7B], MASTER_PORT="62182", **env, **extra)
+        assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
+        assert r.stderr.startswith("error: MASTER_PORT=62182 is the Neuron runtime's collectives bootstrap port"), r.stderr
+    ok = run_script([SCRIPTS / "launch.sh", "health", *ARGS_7B], MASTER_PORT="62183", **env)
+    assert ok.returncode == 0 and "--rdzv-endpoint=node-0:62183" in ok.stdout, ok.stderr
+
+
 def _host_group_worker(rank, ports, out_dir):
     os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     import torch
