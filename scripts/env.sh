@@ -59,9 +59,10 @@ export NEURON_COMPILE_CACHE_URL="$NEURON_CACHE_DIR"
 # 2.29 DLAMI this targets, the last release that trains with PyTorch/XLA.
 export NEURON_FUSE_SOFTMAX=1
 export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
-# A graph may wait this long (seconds; the runtime's default is 30) for its collectives: at 128
-# nodes a slow first step, a checkpoint save on some ranks or a late node exceeds 30 s without
-# anything being wrong. The HLAT scripts set 4000.
+# A graph may wait this long (seconds) for its collectives: at 128 nodes a slow first step, a
+# checkpoint save on some ranks or a late node can take minutes without anything being wrong. The
+# runtime's default is 30 s by its configuration guide, 600 s on trn1 by its developer guide
+# (neuron-runtime/guides); NxDT's Llama configs set 100 (neuron_rt_exec_timeout), the HLAT scripts 4000.
 export NEURON_RT_EXEC_TIMEOUT=4000
 # bf16 weights with stochastic rounding in hardware (not XLA_USE_BF16: deprecated, torch-xla 2.9
 # still reads it with a warning; the model is cast with model.to(torch.bfloat16) in train.py).
@@ -110,8 +111,13 @@ NANOTRN_ENV_VARS=(PJRT_DEVICE NEURON_CC_FLAGS NEURON_COMPILE_CACHE_URL NEURON_FU
                   MALLOC_ARENA_MAX TORCH_GLOO_LAZY_INIT XLA_DISABLE_FUNCTIONALIZATION)
 if [[ -n "${NEURON_LOGICAL_NC_CONFIG:-}" ]]; then NANOTRN_ENV_VARS+=(NEURON_LOGICAL_NC_CONFIG); fi
 
-# Multi-node: collectives between instances go over EFA with device RDMA; fork-safe because the
-# data loader forks worker processes.
+# Multi-node: collectives between instances go over EFA with device RDMA (FI_PROVIDER=efa,
+# FI_EFA_USE_DEVICE_RDMA=1: every NxD and NxDT launch script). FI_EFA_FORK_SAFE=1: on kernels before
+# 5.15 (Amazon Linux 2's 5.10) the Neuron runtime disables multi-node collectives without it (Neuron
+# docs, nrt-troubleshoot "FI_EFA_FORK_SAFE"), and where the kernel does not make fork safe itself
+# libfabric aborts a rank that forks (ofiwg/libfabric prov/efa/src/efa_fork_support.c): a compile on
+# a cache miss runs neuronx-cc as a child of the rank (nanotrn's data loader is a thread, it forks
+# nothing). With it libfabric puts no bounce buffer in huge pages, so a pod needs no hugepages-2Mi.
 # And a rendezvous that takes a replaced node (Kubernetes restarts a failed pod; scripts/eks.py):
 # by default torchrun's c10d agents share one store with their workers, whose address the rank-0
 # agent publishes only in its first round, so a new agent waits for it forever (torch 2.9,
