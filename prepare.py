@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import check_dir, path_kind
-from sources import (BOM, COMPRESSED, JSON_LINES, SUFFIXES, DataError, build_once, decode, map_file, no_surrogates,
-                     not_utf16, progress, resolve_paths, temporary, text_column)
+from sources import (BOM, COMPRESSED, JSON_LINES, NUL_PROBE, SUFFIXES, DataError, build_once, decode, map_file,
+                     no_surrogates, not_utf16, progress, resolve_paths, temporary, text_column)
 
 BLOCK = 8 << 20                 # input read at a time (decompressed bytes)
 BATCH_BYTES = 16 << 20          # text per output record batch
@@ -152,6 +152,19 @@ def records(path: str, field: str, doc_per_line: bool):
         yield path, text, None, repl, os.path.getsize(path)
 
 
+def check_heads(paths: list[str]) -> None:
+    """Refuse a UTF-16/32 text source now (sources.not_utf16 of its first bytes, decompressed), not when its
+    shard is reached after hours of converting others. Cost: an open and a 4 KiB read a file."""
+    for p in (p for p in paths if not p.endswith((".arrow", ".parquet"))):     # (their text is UTF-8 by format)
+        raw, stream = _open(p)
+        with raw, stream:
+            try:
+                head = stream.read(NUL_PROBE)
+            except OSError:         # a corrupt .gz/.zst: named where it is read, with the line it stops at
+                continue
+        not_utf16(head, p)
+
+
 # ----------------------------------------------------------------------------- one shard -> one .arrow
 
 def convert(path: str, dst: str, field: str = "text", doc_per_line: bool = False, strict: bool = False,
@@ -256,6 +269,7 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
                         f"--data={inside[0]} does not read its documents twice")
     empty = [p for p in paths if os.path.getsize(p) == 0]
     paths = [p for p in paths if os.path.getsize(p) > 0]
+    check_heads(paths)
     os.makedirs(folder, exist_ok=True)
     _remove_leftovers(out, one, folder)
     parts = temporary(out, "parts") if one else folder
