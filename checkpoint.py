@@ -197,13 +197,13 @@ def reload_from_host(model: torch.nn.Module, optimizer, device) -> None:
     optimizer.load_state_dict(to_host(optimizer.state_dict()))
 
 
-def agree(grid: Grid, value: int) -> int:
-    """The smallest value any rank holds, so that all ranks fall back, or refuse, together."""
+def agree(grid: Grid, value: int, op=dist.ReduceOp.MIN) -> int:
+    """The smallest value any rank holds (op MIN), so that all ranks fall back, or refuse, together."""
     if grid.world == 1 or not dist.is_initialized():
         return int(value)
     # Host-side agreement: over the gloo host group on XLA (no device graph to compile for it).
     t = torch.tensor([int(value)], device=grid.host_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.host_group)
+    dist.all_reduce(t, op=op, group=grid.host_group)
     return int(t.item())
 
 
@@ -443,12 +443,7 @@ class StopSignal:
         """Call at every step boundary (after `step` steps) on every rank: the signal's name once
         any rank heard one during a step up to this one, else None."""
         self.during = step + 1              # a signal noted from here on counts for the next boundary
-        mine = self.got if self.got and self.heard_during <= step else 0
-        if self.grid.world == 1 or not torch.distributed.is_initialized():
-            return signal.Signals(mine).name if mine else None
-        t = torch.tensor([mine], device=self.grid.host_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.grid.host_group)
-        agreed = int(t.item())
+        agreed = agree(self.grid, self.got if self.got and self.heard_during <= step else 0, dist.ReduceOp.MAX)
         if agreed and self.heard_at is None:            # told by the others: the grace period runs from now
             self.heard_at = time.monotonic()
         return signal.Signals(agreed).name if agreed else None
