@@ -30,18 +30,9 @@ from parallel import Grid
 
 def stage_bounds(cfg: Config) -> list[tuple[int, int]]:
     """[start, end) of the layers of each stage: even, or cut at cfg.parallel.pp_cuts
-    ("3,6": stages [0,3), [3,6), [6,n_layers))."""
+    ("3,6": stages [0,3), [3,6), [6,n_layers)); both checked by configs.check_values."""
     n, pp, cuts = cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.pp_cuts
-    if cuts:
-        edges = [0] + [int(c) for c in cuts.split(",")] + [n]
-        if len(edges) != pp + 1 or any(a >= b for a, b in zip(edges, edges[1:])):
-            raise ConfigError(f"pp_cuts {cuts!r} must be {pp - 1} increasing layer indices strictly "
-                              f"between 0 and n_layers {n}")
-    else:
-        if n % pp != 0:
-            raise ConfigError(f"n_layers {n} is not divisible by pp {pp}; change pp or give explicit "
-                              f"stage boundaries with --parallel.pp_cuts")
-        edges = [n // pp * s for s in range(pp + 1)]
+    edges = [0] + [int(c) for c in cuts.split(",")] + [n] if cuts else [n // pp * s for s in range(pp + 1)]
     return list(zip(edges, edges[1:]))
 
 
