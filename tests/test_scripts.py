@@ -373,6 +373,17 @@ def test_the_neuron_runtimes_bootstrap_port_is_refused_as_the_rendezvous_port():
     assert ok.returncode == 0 and "--rdzv-endpoint=node-0:62183" in ok.stdout, ok.stderr
 
 
+def test_the_docs_launch_a_trainium_node_through_launch_sh():
+    # docs/huggingface.md gave `torchrun --nproc_per_node=32 train.py ...`: a trn1 node's 32 ranks without env.sh's
+    # environment (PJRT_DEVICE, NEURON_CC_FLAGS, XLA_DISABLE_FUNCTIONALIZATION=0, ...), which train.py refuses on
+    # Trainium (hardware.check_functionalization). A documented command with a node's ranks goes through launch.sh.
+    from test_configs import DOCS, doc_commands
+    run = re.compile(r"^\s*(?:\w+=\S+\s+)*torchrun\b[^#]*--nproc[_-]per[_-]node[= ](\d+)[^#]*\btrain\.py")
+    bare = [(doc, c) for doc in DOCS for c in doc_commands((ROOT / doc).read_text())
+            if (m := run.search(c)) and int(m.group(1)) >= 32]
+    assert bare == [], bare
+
+
 def _host_group_worker(rank, ports, out_dir):
     os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     import torch
