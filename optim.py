@@ -281,14 +281,10 @@ class AdamW:
         for t, before in keep:
             t.copy_(torch.where(apply, t, before))
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self):
+        """torch.optim's set_to_none=True, the fp32 accumulators (main_grad) too."""
         for _, p in self.named:
-            if set_to_none:
-                p.grad = p.main_grad = None
-            else:
-                for g in (p.grad, getattr(p, "main_grad", None)):
-                    if g is not None:
-                        g.zero_()
+            p.grad = p.main_grad = None
 
     def set_lr(self, lr: float):
         for g in self.param_groups:

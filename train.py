@@ -102,7 +102,7 @@ def train_step(model, optimizer, batches: list[dict], grid: parallel.Grid, cfg: 
     skipped = optim.guarded_step(optimizer, True if guard is None else guard(loss, grad_norm))
     if grid.pp > 1:
         pipeline.sync_tied_embedding(model, grid, optimizer)        # bf16_sr (hardware; ZeRO-1): copies round apart
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return {"loss": loss, "grad_norm": grad_norm, "tokens": global_tokens, "skipped": skipped, **stats}
 
 

@@ -405,7 +405,7 @@ OPTIMIZER_PROBE = textwrap.dedent("""
         opt.set_lr(optim.lr_at(t - 1, cfg.optim))
         model(tokens).float().pow(2).mean().backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         torch_xla.sync()
     for t in (1, 2, 3):
         step(t)
@@ -457,7 +457,7 @@ CHECKPOINTING_PROBE = textwrap.dedent("""
             b = {k: v.to(device) for k, v in batches[0].items()}
             model(b["tokens"], b["positions"], b["doc_ids"], b["targets"]).backward()
             barrier = "opt-barrier" in torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             torch_xla.sync()
         for step in range(steps):
             opt.set_lr(optim.lr_at(step, cfg.optim))
