@@ -55,27 +55,32 @@ class StaleDataState(DataError):
 
 def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int = 0) -> None:
     """Refuse a corpus smaller than one global batch before a tokenizer is trained on it: tokens <=
-    bytes (byte fallback) + BOS/EOS, so only when certainly too small, naming the settings that pass.
-    Likewise more evaluation windows than the whole corpus holds (EvalWindows would cycle the
-    held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it)."""
+    bytes (byte fallback) + one a span (a dummy prefix) + BOS/EOS, so only when certainly too small,
+    naming the settings that pass. Likewise more evaluation windows than the whole corpus holds
+    (EvalWindows would cycle the held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it)."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
+    # A sentencepiece dummy prefix is a token of its own before a piece that has none ('{'): one more a span.
+    bound = index.bytes + index.n_spans + ends * index.corpus.n_docs
     # Under one global batch the refusal below comes first: it names settings that pass (this one could not).
-    if gb * L1 <= index.bytes + ends * index.corpus.n_docs < eval_windows * L1:
+    if gb * L1 <= bound < eval_windows * L1:
         raise DataError(f"--log.eval_windows={eval_windows} windows of seq_len {cfg.seq_len} + 1 tokens are more than "
-                        f"all of {cfg.data!r} holds (at most {index.bytes + ends * index.corpus.n_docs:,} tokens), "
+                        f"all of {cfg.data!r} holds (at most {bound:,} tokens), "
                         f"let alone its held-out share: lower --log.eval_windows (or --log.eval_interval=0)")
-    if index.bytes + ends * index.corpus.n_docs >= gb * L1:
+    if bound >= gb * L1:
         return
-    # Small enough to read (under one global batch of bytes): documents of only whitespace make no token.
+    # Small enough to read (under one global batch of bytes): a document of only whitespace (one span) makes no
+    # token; a span of whitespace inside a document does.
     rows = np.asarray(index.rows)
-    kept = [(len(t.encode()), r) for (t, _, _), r in zip(index.corpus.read_spans(rows, quiet=True), rows) if t and not t.isspace()]
-    text = sum(n for n, _ in kept)
-    most = text + sum(int(cfg.bos) * (r[1] == 0) + int(cfg.eos) * (r[2] < 0) for _, r in kept)
+    first, last = rows[:, 1] == 0, rows[:, 2] <= 0
+    text = [t or "" for t, _, _ in index.corpus.read_spans(rows, quiet=True)]
+    kept = ~(first & last & np.array([not t.strip() for t in text], bool))
+    size = int(sum(len(t.encode()) for t, k in zip(text, kept.tolist()) if k))
+    most = size + int(kept.sum()) + int(cfg.bos) * int((kept & first).sum()) + int(cfg.eos) * int((kept & last).sum())
     fits = most // L1 // step * step
     fix = " or ".join(([f"--global_batch={fits}"] if fits else []) + ([f"--seq_len={most // gb - 1}"] if most // gb > 1 else []))
     if fix and eval_windows and not index.has_val():      # else the next refusal: 'no held-out split'
         fix += ", with --log.eval_interval=0 (under one span of text, nothing is held out to evaluate on)"
-    raise DataError(f"{cfg.data!r} holds {text:,} bytes of text, at most {most:,} tokens, but one global batch "
+    raise DataError(f"{cfg.data!r} holds {size:,} bytes of text, at most {most:,} tokens, but one global batch "
                     f"is global_batch {gb} x (seq_len {cfg.seq_len} + 1) = {gb * L1:,} tokens: add data"
                     + (f", or set {fix}" if fix else ""))
 

@@ -1055,7 +1055,7 @@ def test_refusals_before_training(files, tok, cache, tmp_path):
     with pytest.raises(data.DataError, match=f"would never be trained.*padded, at most {padded}"):
         data.build_tokenizer(DataConfig(tokenizer=tok.path), vocab_size=padded + 1)
     idx = data.SpanIndex(data.Corpus(files["txt"]), SEQ, CACHE[0])
-    most = sum(len(d.encode()) for d in DOCS) + 2 * len(DOCS)
+    most = sum(len(d.encode()) for d in DOCS) + 2 * len(DOCS) + idx.n_spans     # a dummy prefix a span at most
     with pytest.raises(data.DataError, match=rf"at most {most:,} tokens.*global_batch 5000 x \(seq_len 32 \+ 1\) = "
                                              rf"165,000.*--global_batch={most // 33 // 2 * 2} or --seq_len={most // 5000 - 1}"):
         data.check_size(cfg(files["txt"], global_batch=5000, micro_batch=2), idx)
@@ -1067,6 +1067,26 @@ def test_refusals_before_training(files, tok, cache, tmp_path):
         data.Corpus(f"{files['jsonl']},{tmp_path / 't.csv'}")
     with pytest.raises(data.DataError, match="could not train a 100000-piece tokenizer"):
         data.build_tokenizer(DataConfig(data=files["jsonl"], cache_dir=cache), 100000)
+
+
+def test_the_size_checks_at_most_is_an_upper_bound_of_the_tokens_read(tmp_path):
+    """check_size refuses only a corpus certainly under one global batch: its 'at most N tokens' must be at least
+    what the loader makes of it. Before, N was bytes + BOS/EOS: 3-byte documents of symbols, each with a dummy
+    prefix '\u2581' of its own, made 17,513 tokens where it said at most 15,000 (a global batch they fill was
+    refused), and a span of only whitespace inside a document (its tokens read) was left out of the count."""
+    rng = np.random.default_rng(0)
+    short = ["".join(rng.choice(list("{}()[];:=+-*/<>!?#@$%^&|~0123456789"), 3)) for _ in range(3000)]
+    spaced = short + [" " * 5000 + "end", " " * 5000]   # a whitespace span inside a document; a blank one (no token)
+    for name, lines in (("short", short), ("spaced", spaced)):
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n")
+        c = DataConfig(data=str(tmp_path / f"{name}.txt"), doc_per_line=True, seq_len=64, micro_batch=1,
+                       global_batch=1, val_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+        loader = data.PackedLoader(c, data.build_tokenizer(c, 300), prefetch=0)
+        real = int(loader.read(np.arange(loader.index.n_spans))[1].sum())
+        data.check_size(DataConfig(**{**c.__dict__, "global_batch": real // 65}), loader.index)     # a batch it fills
+        with pytest.raises(data.DataError, match=r"at most ([\d,]+) tokens") as e:
+            data.check_size(DataConfig(**{**c.__dict__, "global_batch": 10 * real // 65}), loader.index)
+        assert int(re.search(r"at most ([\d,]+) tokens", str(e.value))[1].replace(",", "")) >= real, name
 
 
 def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing_out(tok, tmp_path):
