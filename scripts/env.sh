@@ -51,8 +51,13 @@ nanotrn_check_local_dir "$NEURON_CACHE_DIR" || exit 1
 export PJRT_DEVICE=NEURON
 # Compiler: transformer-specific optimizations and the LLM-training distribution strategy (the
 # blog), and the local cache. neuron_parallel_compile and the real run both read this variable,
-# so the pre-compiled graphs are found by the run (same cache, same flags).
-export NEURON_CC_FLAGS="--model-type=transformer --distribution-strategy=llm-training --cache_dir=${NEURON_CACHE_DIR}${NEURON_CC_EXTRA_FLAGS:+ ${NEURON_CC_EXTRA_FLAGS}}"
+# so the pre-compiled graphs are found by the run (same cache, same flags). A compile cut short (a
+# torchrun restart kills every node's workers, one may be compiling a missed graph; the time
+# limit's USR1 during the compile step) is cached as failed, and every later run on that node
+# skips it and fails: --retry_failed_compilation compiles it again (Neuron docs, neuron-caching
+# "a compilation interrupted by ctrl-C ... marked as failed"; NxD's run_llama_7b_tp_ptl.sh sets it).
+# It and --cache_dir are the cache wrapper's flags (neuron_cc_wrapper), not passed to neuronx-cc.
+export NEURON_CC_FLAGS="--model-type=transformer --distribution-strategy=llm-training --retry_failed_compilation --cache_dir=${NEURON_CACHE_DIR}${NEURON_CC_EXTRA_FLAGS:+ ${NEURON_CC_EXTRA_FLAGS}}"
 export NEURON_COMPILE_CACHE_URL="$NEURON_CACHE_DIR"
 # Custom softmax lowering (the blog) and host/device overlap: up to 3 graphs in flight. The
 # in-flight variable does nothing from Neuron 2.31 on (the runtime ignores it); it matters on the
