@@ -239,8 +239,7 @@ class Checkpointer:
     graph cuts as a real one (aws-neuron-sdk #813)."""
 
     def __init__(self, cfg: Config, grid: Grid | None = None, device: torch.device | str | None = None,
-                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False,
-                 faults: Faults | None = None):
+                 log=print, marker_timeout_s: float = 600.0, compile_only: bool = False):
         self.cfg, self.c, self.grid = cfg, cfg.ckpt, grid or Grid()
         self.root, self.device, self.marker_timeout_s = Path(cfg.ckpt.dir), device, marker_timeout_s
         self._log = log
@@ -250,7 +249,7 @@ class Checkpointer:
                        "zero1": bool(cfg.parallel.zero1 and g.dp > 1)}
         if g.pp > 1:     # which layers each stage holds: the same PP degree at other --parallel.pp_cuts reshards too
             self.layout["stages"] = [list(b) for b in pipeline.stage_bounds(cfg)]
-        self.faults = faults or Faults.from_env(g.rank, self.root, g.host_group)
+        self.faults = Faults(os.environ.get("NANOTRN_FAULT", ""), g.rank, self.root, g.host_group)
         self.dir = ckptdir.CkptDir(self.root, say=self.say, warn=self.warn)
         self.writer = Writer(self.root, g.rank, g.world, self.faults, self.c.async_save, device,
                              finish=self._finish if g.rank == 0 else None, keep=self.c.keep)

@@ -70,10 +70,6 @@ class Faults:
                               f"or any)") from None
         self.fired = self.log.read_text().splitlines() if self.log.exists() else []
 
-    @classmethod
-    def from_env(cls, rank: int, root: Path, host_group=None) -> Faults:
-        return cls(os.environ.get("NANOTRN_FAULT", ""), rank, root, host_group)
-
     def die(self, what: str):
         line = f"rank {self.rank} {what} ({self.spec})"
         self.log.parent.mkdir(parents=True, exist_ok=True)
