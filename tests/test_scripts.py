@@ -152,6 +152,20 @@ def test_sbatch_runs_health_compile_train_with_one_environment():
     assert "for ((attempt = 0; attempt <= MAX_RESTARTS" in (SCRIPTS / "slurm_train.sbatch").read_text()
 
 
+def test_sbatch_help_and_a_run_without_the_first_node_are_one_line():
+    # `slurm_train.sbatch --help` printed bash's "line 33: SLURM_JOB_NUM_NODES: run this with sbatch" (exit 1); a
+    # run by hand without SLURM_JOB_NODELIST or MASTER_ADDR bash's "SLURM_JOB_NODELIST: unbound variable", and
+    # with it on a machine without scontrol "scontrol: command not found" (exit 127), naming no fix.
+    sbatch = SCRIPTS / "slurm_train.sbatch"
+    r = run_script([sbatch, "--help"])
+    assert r.returncode == 0 and "sbatch --nodes=16 scripts/slurm_train.sbatch" in r.stdout, (r.stdout, r.stderr)
+    assert shutil.which("scontrol", path=os.environ["PATH"]) is None      # (as on this test machine)
+    for extra in ({}, {"SLURM_JOB_NODELIST": "trn[001-002]"}):
+        r = run_script([sbatch, *ARGS_7B], DRY_RUN="1", SLURM_JOB_NUM_NODES="2", SLURM_SUBMIT_DIR=str(ROOT), **extra)
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr.startswith("error: MASTER_ADDR is unset") and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_sbatch_gives_the_final_save_its_early_warning():
     """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
     not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, checkpoint.stop_budget)
