@@ -376,7 +376,9 @@ class Checkpointer:
             parallel.barrier(self.grid)         # every rank is done looking at them
             if self.grid.rank == 0:
                 where = self.dir.set_aside([(x, v) for x, v, _ in skipped])
-                self.dir.point_latest(d)
+                # `latest` named a folder now set aside: it names d, or is gone when none is left (or unwritable)
+                if d is None or not self.dir.write_latest(d):
+                    (self.root / "latest").unlink(missing_ok=True)
             parallel.barrier(self.grid)
         elif d is not None and self.grid.rank == 0:     # stale after a kill between a manifest and its `latest`,
             latest = self.root / "latest"               # or a newest folder deleted by hand: named until a save

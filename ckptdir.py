@@ -370,12 +370,6 @@ class CkptDir:
             fsync_dir(self.root)
         return where
 
-    def point_latest(self, d: Path | None):
-        """After folders were set aside: `latest` names d, the checkpoint resumed from, or is gone when
-        none is left; it named a folder now renamed aside, and a script reading it found nothing."""
-        if d is None or not self.write_latest(d):     # (not left naming a folder set aside)
-            (self.root / "latest").unlink(missing_ok=True)
-
     def write_latest(self, d: Path) -> bool:
         """`latest` names d; where it cannot be written (a full disk) that is said, not raised: resume
         finds checkpoints by scanning, and rank 0 raising here (load_latest) left the others in a barrier."""
