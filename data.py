@@ -440,11 +440,6 @@ class PackedLoader:
         s = {k: sum(p["stats"][k] for p in st.values()) for k in COUNTERS}
         s["windows_by_source"] = [sum(p["stats"]["windows"] for k, p in st.items()
                                       if int(k) // self.lanes_max % len(self.lanes) == g) for g in range(len(self.lanes))]
-
-        def epoch(lane, p):
-            deal, j = self._deal_of(lane)
-            return (j + p["i"] * deal.lanes) // deal.n
-        s["epoch"] = min(epoch(int(k), p) for k, p in st.items())     # the lowest lane's
         return s
 
     def close(self) -> None:
