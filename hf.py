@@ -571,14 +571,13 @@ def apply_init_from(cfg, argv: list[str] = (), share: tuple[int, int] = (0, 1)) 
 
 
 def export_dtype(choice: str, cfg: ModelConfig) -> torch.dtype:
-    if choice == "auto":
-        return torch.bfloat16 if num_params(cfg) > 1e9 else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    auto = torch.bfloat16 if num_params(cfg) > 1e9 else torch.float32
+    return {"auto": auto, "fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
 
-def check_export_dir(cfg: Config) -> str:
-    """<out_dir>/hf, the run's final export (returned), checked before any work: only an earlier export's files, none
-    of the run's other folders in it, a model there only if this run continues a checkpoint (not fresh, not start_fresh)."""
+def check_export_dir(cfg: Config, share: tuple[int, int] = (0, 1)) -> str:
+    """<out_dir>/hf, the run's final export (returned), checked before any work: only an earlier export's files, none of
+    the run's other folders in it, a model only if this run continues a checkpoint. share: (RANK, WORLD), as check's."""
     folder = os.path.join(cfg.out_dir, "hf")
     if os.path.lexists(folder) and not os.path.isdir(folder):     # else makedirs fails after the whole run
         raise HFError(f"{folder} is {path_kind(folder)}, where the export goes: move it, or choose another --out_dir")
@@ -591,10 +590,11 @@ def check_export_dir(cfg: Config) -> str:
         if path and Path(path).resolve().is_relative_to(Path(folder).resolve()):
             raise ConfigError(f"--{key}={path} is inside the export folder {folder} (<out_dir>/hf): the "
                               f"next run would refuse the mixed folder; give another --{key}")
-    # Step folders only (scan): one a resume set aside (step_N.bad<time>) is never resumed, so continues nothing.
-    if os.path.exists(os.path.join(folder, "config.json")) and not (cfg.ckpt.resume and scan(cfg.ckpt.dir)):
+    # A folder resume takes: not one set aside (scan), nor a save cut short (resume sets it aside, starts afresh).
+    if os.path.exists(os.path.join(folder, "config.json")) and not (cfg.ckpt.resume and any(
+            not interrupted(d, share) for _, d in scan(cfg.ckpt.dir))):
         raise ConfigError(f"{folder} holds a model exported by an earlier run, and this run starts afresh "
-                          f"({'--ckpt.resume=false' if not cfg.ckpt.resume else f'no checkpoint in {cfg.ckpt.dir}'}):"
+                          f"({'--ckpt.resume=false' if not cfg.ckpt.resume else f'no complete checkpoint in {cfg.ckpt.dir}'}):"
                           f" it would be overwritten at the end; move it away or give another --out_dir")
     return folder
 

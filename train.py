@@ -238,7 +238,7 @@ def run(argv: list[str]) -> None:
     configs.check_paths(cfg)
     listing = (*mixture_files(cfg.data.data, cfg.data.split, left := []), left)   # --data readable, with files: Corpus's
     check_tokenizer(cfg)                               # after check_paths: a FIFO is refused, not read
-    out_dir = hf.check_export_dir(cfg)                 # the final export; never over someone's files
+    out_dir = hf.check_export_dir(cfg, (rank, world))  # the final export; never over someone's files
     check_memory(cfg, device)
     for w in configs.warnings(cfg) if rank == 0 else []:
         print(f"warning: {w}", file=sys.stderr)

@@ -820,7 +820,10 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
     """train.py checks out/hf before any work: a continued run's earlier export may be replaced, anything else not."""
     cfg = Config(out_dir=str(tmp_path))
     cfg.ckpt.dir = str(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)     # a run that continues
+    step = tmp_path / "ckpt" / "step_00000002"                     # a run that continues (a complete save)
+    step.mkdir(parents=True)
+    (step / "rank00000.done").write_text(json.dumps({"step": 2, "rank": 0, "world": 1, "files": {}, "format": 2}))
+    (step / "manifest.json").write_text(json.dumps({"format": 2, "step": 2, "world": 1, "lineage": "a"}))
     (tmp_path / "hf").mkdir()
     assert hf_io.check_export_dir(cfg) == str(tmp_path / "hf")      # empty
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -837,8 +840,13 @@ def test_a_run_replaces_only_its_own_export(tmp_path):
     aside.ckpt.dir = str(tmp_path / "aside")
     for name in ("step_00000004.bad1700000000", "step_00000003.incomplete1700000000"):
         (tmp_path / "aside" / name).mkdir(parents=True)
-    with pytest.raises(ConfigError, match=f"starts afresh \\(no checkpoint in {tmp_path / 'aside'}\\)"):
+    with pytest.raises(ConfigError, match=f"starts afresh \\(no complete checkpoint in {tmp_path / 'aside'}\\)"):
         hf_io.check_export_dir(aside)       # (they counted as a run to continue: the export overwritten at the end)
+    for cut in ("step_00000004", "step_00000003"):  # save cut short (no manifest, no marker): resume sets them aside,
+        (tmp_path / "aside" / cut).mkdir()      # warns and starts afresh: they continued the run and the export of
+    (tmp_path / "aside" / "step_00000004" / "rank00000.done").write_bytes((step / "rank00000.done").read_bytes())
+    with pytest.raises(ConfigError, match="starts afresh"):        # the run before was overwritten at the end
+        hf_io.check_export_dir(aside)
     (tmp_path / "hf" / "notes.txt").write_text("mine")
     with pytest.raises(hf_io.HFError, match="notes.txt"):
         hf_io.check_export_dir(cfg)
