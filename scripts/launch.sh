@@ -50,6 +50,8 @@ for var in NNODES NPROC_PER_NODE MAX_RESTARTS COMPILE_STEPS MASTER_PORT JOB_COMP
         echo "error: $var=$value: give a whole number >= $least" >&2
         exit 2
     fi
+    # as a decimal from here on: bash's own arithmetic reads 010 as octal 8 and 08 as an error, Python as 10 and 8
+    if [[ -n "$value" ]]; then printf -v "$var" '%d' "$((10#$value))"; fi
 done
 # In range too: torchrun would fail on every node, as a retried error (a port: its traceback).
 if ((10#$MASTER_PORT > 65535)); then
@@ -83,6 +85,7 @@ if [[ -n "$NODE_RANK" ]] && { [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || ((10#$NODE_RAN
     echo "error: NODE_RANK=$NODE_RANK: give a whole number below NNODES=$NNODES" >&2
     exit 2
 fi
+if [[ -n "$NODE_RANK" ]]; then NODE_RANK=$((10#$NODE_RANK)); fi
 
 # Read the run's own config (configs.py needs only the standard library) and validate the layout
 # for this world size and the xla backend now: a bad --tp, batch or pipeline p2p fails here, before

@@ -390,6 +390,21 @@ def test_the_neuron_runtimes_bootstrap_port_is_refused_as_the_rendezvous_port():
     assert ok.returncode == 0 and "--rdzv-endpoint=node-0:62183" in ok.stdout, ok.stderr
 
 
+def test_whole_numbers_with_leading_zeros_are_read_as_decimals():
+    # launch.sh compared its numbers as decimals (10#) but computed with them as bash reads them: NNODES=08 died on
+    # four of bash's 'value too great for base (error token is "08")' lines (exit 1: a Job retries it), and
+    # NNODES=010 made a world of 8 x 32 in bash and of 10 x 32 in train.py's check.
+    env = dict(DRY_RUN="1", MASTER_ADDR="node-0", NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="08", NODE_RANK="07", MASTER_PORT="029500",
+                   MAX_RESTARTS="03", **env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    _, (cmd,), headers = parse_dry_run(r.stdout)
+    assert "8 node(s) x 32 ranks = 256 (trn1.32xlarge); tp=8 pp=1 dp=32" in headers[0], headers
+    assert cmd[:6] == ["torchrun", "--nproc_per_node=32", "--nnodes=8", "--node_rank=7", "--master_addr=node-0",
+                       "--master_port=29500"], cmd
+    assert "net.ipv4.ip_local_reserved_ports=29500,62182" in headers[2], headers
+
+
 def test_the_docs_launch_a_trainium_node_through_launch_sh():
     # docs/huggingface.md gave `torchrun --nproc_per_node=32 train.py ...`: a trn1 node's 32 ranks without env.sh's
     # environment (PJRT_DEVICE, NEURON_CC_FLAGS, XLA_DISABLE_FUNCTIONALIZATION=0, ...), which train.py refuses on
