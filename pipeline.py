@@ -247,21 +247,16 @@ class _Microbatches:
 
 
 def gpipe(mb: _Microbatches, comm: Comm) -> None:
-    """All forwards, then all backwards: simple, but holds every microbatch's activations."""
-    for _ in mb.batches:
-        x = p2p(comm, None, comm.prev, recv=True)
-        p2p(comm, mb.forward(x), comm.next, recv=False)
-    for _ in mb.batches:
-        dy = p2p(comm, None, comm.next, recv=True)
-        p2p(comm, mb.backward(dy), comm.prev, recv=False)
+    """All forwards, then all backwards (1F1B warmed up with every microbatch): holds all their activations."""
+    one_f_one_b(mb, comm, warmup=len(mb.batches))
 
 
-def one_f_one_b(mb: _Microbatches, comm: Comm) -> None:
+def one_f_one_b(mb: _Microbatches, comm: Comm, warmup: int | None = None) -> None:
     """1F1B (PipeDream-flush, Megatron's non-interleaved): stage s runs PP - s - 1 warm-up forwards,
     then one forward and one backward in turn (at most PP - s microbatches alive), then the last
     backwards. A send and a receive at the same moment go as one exchange: neighbours meet in order."""
     m, grid = len(mb.batches), mb.grid
-    warmup = min(grid.pp - grid.pp_rank - 1, m)
+    warmup = min(grid.pp - grid.pp_rank - 1, m) if warmup is None else warmup
     for _ in range(warmup):
         x = p2p(comm, None, comm.prev, recv=True)
         p2p(comm, mb.forward(x), comm.next, recv=False)
