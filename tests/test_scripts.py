@@ -166,6 +166,19 @@ def test_sbatch_help_and_a_run_without_the_first_node_are_one_line():
         assert r.stderr.startswith("error: MASTER_ADDR is unset") and r.stderr.count("\n") == 1, r.stderr
 
 
+def test_sbatch_reads_max_restarts_before_any_step():
+    # MAX_RESTARTS=08 ran the health check and the compile pass, then died on bash's 'value too great for base' in
+    # the restart loop (exit 1, no training); MAX_RESTARTS=x was refused only by launch.sh, inside the first srun step.
+    env = dict(DRY_RUN="1", SLURM_JOB_NUM_NODES="2", MASTER_ADDR="trn001", SLURM_SUBMIT_DIR=str(ROOT),
+               NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+    r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B], MAX_RESTARTS="08", **env)
+    assert r.returncode == 0 and r.stdout.count("# srun") == 3 and r.stderr == "", r.stderr
+    for bad in ("x", "-1"):
+        r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B], MAX_RESTARTS=bad, **env)
+        assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+        assert r.stderr == f"error: MAX_RESTARTS={bad}: give a whole number >= 0 (restarts of the training step)\n"
+
+
 def test_sbatch_gives_the_final_save_its_early_warning():
     """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
     not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, checkpoint.stop_budget)
