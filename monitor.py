@@ -399,6 +399,11 @@ def say_once(message: str, wait_s: float = 30.0, where=None, out=None) -> int:
 EXIT_HUNG = 124        # as GNU timeout: the launcher sees a failure and restarts the run
 
 
+def _secs(s: float) -> str:
+    """A limit as the hang's line says it: whole seconds from 10 s, 3 digits below (0.274 s was said '0 s')."""
+    return f"{s:.0f}" if s >= 10 else f"{s:.3g}"
+
+
 class Watchdog:
     """A hung run ends with every thread's stack and exit status EXIT_HUNG instead of waiting forever (a crash restarts
     from the newest checkpoint; a rank stuck in a collective never exits, and xla's device collectives have no timeout):
@@ -431,23 +436,23 @@ class Watchdog:
             self.times.append(now - self._since)
         self._since = now
         if len(self.times) < 3:
-            self._arm(self.startup_s, f"no training step finished in {self.startup_s:.0f} s")
+            self._arm(self.startup_s, f"no training step finished in {_secs(self.startup_s)} s")
             return
         med = statistics.median(self.times)     # once a step: limit() would sort the 100 times again
         limit = max(self.min_s, self.factor * med)
-        self._arm(limit, f"no training step finished in {limit:.0f} s ({self.factor:g} x the median step time, "
+        self._arm(limit, f"no training step finished in {_secs(limit)} s ({self.factor:g} x the median step time, "
                          f"{med:.3g} s)")
 
     @contextlib.contextmanager
     def phase(self, what: str):
         """Not a step (an evaluation, a save, a resume): allowed startup_s, not timed as a step."""
         self._since = None
-        self._arm(self.startup_s, f"{what} did not finish in {self.startup_s:.0f} s")
+        self._arm(self.startup_s, f"{what} did not finish in {_secs(self.startup_s)} s")
         try:
             yield
         finally:
             self._since = time.monotonic()
-            self._arm(self.limit(), f"no training step finished in {self.limit():.0f} s after {what}")
+            self._arm(self.limit(), f"no training step finished in {_secs(self.limit())} s after {what}")
 
     def _arm(self, seconds: float, why: str) -> None:
         if self.factor <= 0:
