@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, check_dir  # noqa: E402  (the repository root, where configs.py and parallel.py live)
 import hardware  # noqa: E402
 from planner.instances import INSTANCES  # noqa: E402
-from parallel import launch_env, rank_groups  # noqa: E402
+from parallel import backend_for, launch_env, rank_groups  # noqa: E402
 
 OPS = ("all_reduce", "all_gather")
 
@@ -72,9 +72,10 @@ def group_kinds(world: int, tp: int, pp: int, ranks_per_node: int) -> dict[str, 
 # ----------------------------------------------------------------------------- measuring
 
 def resolve(backend: str) -> str:
-    """--backend auto: xla on Trainium, nccl where CUDA is, else gloo (CPU)."""
+    """--backend auto: a run's backend (parallel.backend_for) for Trainium's xla device, else CUDA's, else the CPU's
+    (never XLA:CPU, which pick_device would take for one process: no collectives between processes)."""
     if backend == "auto":
-        return "xla" if not hardware.xla_on_cpu() else ("nccl" if torch.cuda.is_available() else "gloo")
+        return backend_for("xla" if not hardware.xla_on_cpu() else "cuda" if torch.cuda.is_available() else "cpu")
     return backend
 
 
