@@ -33,6 +33,11 @@ case "$mode" in
     "") echo "$usage" >&2; exit 2 ;;
     *) echo "launch.sh: unknown mode '$mode'; $usage" >&2; exit 2 ;;
 esac
+# Only 1 prints: any other value ran the job for real (DRY_RUN=true started it where it was typed).
+if [[ ! "${DRY_RUN:-0}" =~ ^[01]$ ]]; then
+    echo "error: DRY_RUN=$DRY_RUN: give 1 (print the commands, run nothing) or 0" >&2
+    exit 2
+fi
 
 NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"

@@ -179,6 +179,25 @@ def test_sbatch_reads_max_restarts_before_any_step():
         assert r.stderr == f"error: MAX_RESTARTS={bad}: give a whole number >= 0 (restarts of the training step)\n"
 
 
+def test_a_switch_that_is_neither_0_nor_1_is_refused_not_read_as_off(tmp_path):
+    # DRY_RUN=true (or yes) was not 1, so launch.sh ran the real torchrun on the machine it was typed on: a user who
+    # asked to print the commands started the job. slurm_train.sbatch's HEALTHCHECK=yes and PRECOMPILE=true skipped
+    # the step they meant to ask for, without a word.
+    fake = tmp_path / "torchrun"
+    fake.write_text(f"#!/bin/bash\ntouch {tmp_path}/started\n")
+    fake.chmod(0o755)
+    for value in ("true", "yes"):
+        r = run_script([SCRIPTS / "launch.sh", "train", "--preset", "tiny", "--dp", "2"], DRY_RUN=value,
+                       TORCHRUN=str(fake), NPROC_PER_NODE="2", NEURON_CACHE_DIR=str(tmp_path / "cache"))
+        assert r.returncode == 2 and not (tmp_path / "started").exists(), (r.stdout, r.stderr)
+        assert r.stderr == f"error: DRY_RUN={value}: give 1 (print the commands, run nothing) or 0\n", r.stderr
+    env = dict(SLURM_JOB_NUM_NODES="2", MASTER_ADDR="trn001", SLURM_SUBMIT_DIR=str(ROOT))
+    for var in ("DRY_RUN", "HEALTHCHECK", "PRECOMPILE"):
+        r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B], **{"DRY_RUN": "1", **env, var: "yes"})
+        assert r.returncode == 2 and r.stdout == "", (var, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"error: {var}=yes: give 1 or 0"), r.stderr
+
+
 def test_sbatch_gives_the_final_save_its_early_warning():
     """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
     not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, checkpoint.stop_budget)
