@@ -307,6 +307,18 @@ def test_the_docs_links_and_cited_names_exist():
                     obj = getattr(obj, part)
 
 
+def test_the_testing_page_names_every_shared_test_helper():
+    """docs/testing.md lists what tests/conftest.py and tests/gloo_spawn.py share: every public function and class of
+    theirs is named there (mixture_counts, FixedLoader, as_plain_user, run_in_xla_world_of_one, help_flags, cache_arg
+    and gloo_spawn's functions were not), so a new test finds the helper instead of writing it again."""
+    import ast
+    text = open(os.path.join(ROOT, "docs", "testing.md")).read()
+    for helpers in ("conftest.py", "gloo_spawn.py"):
+        tree = ast.parse(open(os.path.join(ROOT, "tests", helpers)).read())
+        names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
+        assert len(names) >= 5 and [n for n in names if f"`{n}`" not in text] == [], helpers
+
+
 def test_a_folder_even_root_cannot_write_into_is_refused(tmp_path):
     """/proc (and /sys, a read-only mount) refuse a new folder even to root, whom os.access lets write anywhere: the
     output folders were accepted, and a run failed at its first TensorBoard event or its export, after training
