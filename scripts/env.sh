@@ -32,9 +32,16 @@ fi
 
 # The blog's stability lesson: with the Neuron persistent cache on the shared FSx, every core of
 # 128 nodes polled it, and the traffic caused communication timeouts. Keep it on each node's
-# local disk. Refuse a network file system here, before any node starts compiling.
+# local disk. Refuse a network file system here, before any node starts compiling, and a cache URL
+# (the Neuron cache takes s3://..., one cache all nodes share: neuron-caching.rst).
 nanotrn_check_local_dir() {
     local dir="$1" probe="$1" fstype
+    if [[ "$dir" =~ ^[A-Za-z][A-Za-z0-9+.-]*:// ]]; then
+        echo "error: NEURON_CACHE_DIR=$dir is a URL, one cache every node would share; the Neuron compile cache" \
+             "must be on each node's local disk (the blog: a shared cache caused timeouts). Set NEURON_CACHE_DIR" \
+             "to a local path, e.g. /var/tmp/neuron-compile-cache." >&2
+        return 1
+    fi
     while [[ ! -e "$probe" && "$probe" != "/" ]]; do probe="$(dirname "$probe")"; done
     fstype="$(stat -f -c %T "$probe" 2>/dev/null || echo unknown)"
     case "$fstype" in
@@ -45,7 +52,7 @@ nanotrn_check_local_dir() {
             return 1 ;;
     esac
 }
-nanotrn_check_local_dir "$NEURON_CACHE_DIR" || exit 1
+nanotrn_check_local_dir "$NEURON_CACHE_DIR" || exit 2        # a configuration error: no retry can help
 
 # The PJRT plugin of torch-neuronx: torch_xla.device() is a NeuronCore.
 export PJRT_DEVICE=NEURON

@@ -377,8 +377,18 @@ def test_compile_cache_on_network_file_system_is_refused(tmp_path):
     (shim / "stat").chmod(0o755)
     r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1",
                    NEURON_CACHE_DIR="/fsx/neuron-cache", PATH=f"{shim}:{os.environ['PATH']}")
-    assert r.returncode != 0
+    assert r.returncode == 2            # a configuration error, as every other (it was 1, which a Job retries)
     assert "local disk" in r.stderr and "torchrun" not in r.stdout
+
+
+def test_a_compile_cache_url_is_refused_as_shared_and_no_folder_is_made(tmp_path):
+    # NEURON_CACHE_DIR=s3://bucket/cache passed the local-disk check (its nearest existing parent was '.'): every
+    # node's ranks would poll one shared cache in S3, the blog's timeouts, and a real run's `mkdir -p` made a
+    # folder 's3:' in the repository.
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], DRY_RUN="1", NEURON_CACHE_DIR="s3://bucket/neuron-cache")
+    assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: NEURON_CACHE_DIR=s3://bucket/neuron-cache is a URL") and "local disk" in r.stderr
+    assert not (Path("/tmp") / "s3:").exists()
 
 
 @pytest.mark.parametrize("seed", ["abc", "-1", "1.5", "7 8", "4294967296", "99999999999999999999999"])
