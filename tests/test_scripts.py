@@ -198,6 +198,20 @@ def test_a_switch_that_is_neither_0_nor_1_is_refused_not_read_as_off(tmp_path):
         assert r.stderr.startswith(f"error: {var}=yes: give 1 or 0"), r.stderr
 
 
+def test_sbatch_does_not_restart_a_step_that_failed_on_its_configuration(tmp_path):
+    # launch.sh exits 2 for a configuration error (eks.py's podFailurePolicy fails the Job on it at once); the sbatch
+    # loop started such a training step again MAX_RESTARTS times, each refused the same way on every node.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')   # one node
+    (fake / "srun").chmod(0o755)
+    r = run_script([SCRIPTS / "slurm_train.sbatch", *ARGS_7B, "--tp=7"], SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
+                   MASTER_ADDR="trn001", SLURM_SUBMIT_DIR=str(ROOT), HEALTHCHECK="0", PRECOMPILE="0",
+                   PATH=f"{fake}:{os.environ['PATH']}", NEURON_CACHE_DIR=str(tmp_path / "cache"))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("config error:") == 1 and "attempt 2" not in r.stderr, r.stderr
+
+
 def test_sbatch_gives_the_final_save_its_early_warning():
     """--signal=B:USR1@N asks SLURM for the stop N s before the time limit, because a 7B save does
     not fit torchrun's or KillWait's 30 s: train.py's budget (--ckpt.grace_s, checkpoint.stop_budget)
