@@ -452,16 +452,18 @@ def load_tokenizer(path: str):
     return Tokenizer(path)
 
 
-def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None, flags: dict = FLAGS) -> Tokenizer:
+def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = None, flags: dict = FLAGS,
+                    pretrained: bool = False) -> Tokenizer:
     """Load cfg.tokenizer, or train (first use) / load (cached) a BPE of exactly vocab_size pieces (a refusal
-    names `flags`, FLAGS or a command's own)."""
+    names `flags`, FLAGS or a command's own). pretrained: vocab_size is an --init_from model's (train.check_tokenizer
+    checked the pair): its rows past the pieces are that model's own padding, not refused."""
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         if tok.vocab_size > vocab_size:
             raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but the model's "
                             f"vocab_size is {vocab_size}: token ids would index past the embedding; "
                             f"set --model.vocab_size={tok.vocab_size} (or more)")
-        if vocab_size > (padded := -(-tok.vocab_size // 128) * 128):
+        if vocab_size > (padded := -(-tok.vocab_size // 128) * 128) and not pretrained:
             # Padding to a multiple of 128 is common; more means rows no token ever trains.
             raise DataError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} pieces but --model.vocab_size is "
                             f"{vocab_size}: {vocab_size - tok.vocab_size} embedding rows would never be trained "

@@ -185,11 +185,13 @@ def check_tokenizer(cfg: configs.Config) -> None:
     if not folder:
         return data.build_tokenizer(cfg.data, cfg.model.vocab_size)      # loads it: no corpus read, nothing trained
     n, v = data.load_tokenizer(tok).vocab_size, cfg.model.vocab_size
-    if not n <= v <= -(-n // 128) * 128:
+    # The folder's own tokenizer may have fewer pieces than a multiple of 128 pads to (DeepSeek-Coder: 32,022 of 32,256);
+    # one from elsewhere that far from the rows is another model's.
+    if not n <= v or (tok != folder and v > -(-n // 128) * 128):
         raise hf.HFError(f"the tokenizer {tok} has {n} pieces but {folder}/config.json's vocab_size is {v}: they "
                          f"do not belong together; " + ("use the model's own tokenizer (leave --data.tokenizer "
                          "empty)" if tok != folder else "give its tokenizer with --data.tokenizer"))
-    data.build_tokenizer(cfg.data, v)       # then its BOS/EOS pieces (and a sentencepiece model's export) too
+    data.build_tokenizer(cfg.data, v, pretrained=True)      # then its BOS/EOS pieces (a sentencepiece model's export too)
 
 
 def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint.Checkpointer,
@@ -202,7 +204,7 @@ def tokenizer_for_run(cfg: configs.Config, corpus: data.Corpus, ckpt: checkpoint
     if not d.tokenizer and resuming:        # none kept there: refused (kept_tokenizer says why)
         log(f"tokenizer: the run's own, kept in {checkpoint.kept_tokenizer(ckpt.root, own)}")
         d = dataclasses.replace(d, tokenizer=own)
-    tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus)
+    tok = data.build_tokenizer(d, vocab_size=cfg.model.vocab_size, corpus=corpus, pretrained=bool(cfg.init_from))
     name = "tokenizer.json" if isinstance(tok, hf.HFTokenizer) else "tokenizer.model"
     kept = [k for k in (os.path.join(own, n) for n in ("tokenizer.model", "tokenizer.json")) if os.path.isfile(k)]
     same = any(os.path.basename(k) == name and filecmp.cmp(k, tok.path, shallow=False) for k in kept)

@@ -923,6 +923,29 @@ def test_the_init_from_folders_generation_config_is_kept_with_a_tokenizer_given_
         assert (gen["temperature"], gen["eos_token_id"]) == (0.8, 1), (out, gen)
 
 
+def test_a_model_padded_far_past_its_own_tokenizer_trains_and_another_tokenizer_is_refused(tmp_path):
+    """DeepSeek-Coder 1.x (LlamaForCausalLM) has 32,022 pieces and 32,256 embedding rows, more than a multiple of 128
+    pads (32,128): --init_from it with its own tokenizer was refused, "they do not belong together; give its
+    tokenizer with --data.tokenizer" (a fix that is what it did). Its own tokenizer is taken with the model's rows
+    (the export keeps them); a tokenizer from elsewhere that far from the rows is still refused as not the model's."""
+    import train
+    llama3_tokenizer(tmp_path / "model")                    # 400 pieces
+    torch.manual_seed(0)
+    llama3_hf(vocab_size=640, bos_token_id=0, eos_token_id=1).save_pretrained(tmp_path / "model")
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    args = [f"--init_from={tmp_path}/model", f"--data={tmp_path}/docs.jsonl", "--seq_len=32", "--global_batch=2",
+            "--micro_batch=2", "--steps=1", "--log.eval_interval=0", "--log.sample_tokens=0", "--log.tensorboard=",
+            "--ckpt.async_save=false", "--device=cpu", f"--data.cache_dir={tmp_path}/cache"]
+    train.main([*args, f"--out_dir={tmp_path}/run"])
+    assert json.loads((tmp_path / "run" / "hf" / "config.json").read_text())["vocab_size"] == 640
+    assert (tmp_path / "run" / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "model" / "tokenizer.json").read_bytes()
+    (tmp_path / "other").mkdir()
+    shutil.copy(tmp_path / "model" / "tokenizer.json", tmp_path / "other")
+    with pytest.raises(hf_io.HFError, match="has 400 pieces but .*vocab_size is 640: they do not belong together"):
+        train.main([*args, f"--out_dir={tmp_path}/run2", f"--data.tokenizer={tmp_path}/other/tokenizer.json"])
+
+
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
 # extra whitespace removed): what AutoTokenizer must reproduce, or what must be refused up front.
 SPM_TYPE_TEXTS = ["def f(x):\n    return x * 2  # über", "  two  spaces\tand a tab\n\nnew lines ", "ﬁne ①中文 😀 zzqq",
