@@ -508,13 +508,18 @@ def copy_records(path: str, dst: str, field: str, doc_per_line: bool, report=lam
     report(os.path.getsize(path) - done)
 
 
-def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str, flag: str = "--data.text_field") -> str:
-    """The Arrow file training reads for a compressed or Parquet shard (no cheap random access): copied
-    once into cache_dir by the process that gets the lock; keyed by name, size, mtime and the settings."""
-    st = os.stat(path)
+def copy_path(path: str, text_field: str, doc_per_line: bool, cache_dir: str, st: os.stat_result) -> str:
+    """Where cached() keeps a shard's copy: keyed by name, size, mtime (st: its os.stat) and the settings."""
     key = hashlib.sha256(json.dumps([os.path.basename(path), st.st_size, st.st_mtime_ns, text_field,
                                      doc_per_line, RECIPE]).encode()).hexdigest()[:12]
-    dst = os.path.join(cache_dir, f"{shard_name(0, path)[6:-6]}-{key}.arrow")
+    return os.path.join(cache_dir, f"{shard_name(0, path)[6:-6]}-{key}.arrow")
+
+
+def cached(path: str, text_field: str, doc_per_line: bool, cache_dir: str, flag: str = "--data.text_field") -> str:
+    """The Arrow file training reads for a compressed or Parquet shard (no cheap random access): copied
+    once into cache_dir (copy_path) by the process that gets the lock."""
+    st = os.stat(path)
+    dst = copy_path(path, text_field, doc_per_line, cache_dir, st)
     if os.path.exists(dst):
         return dst
 

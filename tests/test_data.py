@@ -786,6 +786,21 @@ def test_a_compressed_utf16_file_is_refused_with_a_fix_that_decompresses_it_firs
         assert f"{tool} -dc {path} | iconv -f UTF-16 -t UTF-8 | {tool} > {stem}.utf8{ext};" in str(e.value)
 
 
+def test_a_compressed_utf16_file_is_refused_before_the_files_before_it_are_copied(tmp_path):
+    """Compressed sources are copied once into the cache (hours for a big corpus): a UTF-16 one was refused only when
+    its own copy began, after every one before it was copied (train.py over a.jsonl.gz, 300,000 records, then a UTF-16
+    z.jsonl.gz: a's copy made, then the refusal). Now the heads of the files still to copy are sniffed first."""
+    import gzip
+    (tmp_path / "c").mkdir()
+    with gzip.open(tmp_path / "c" / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100))
+    with gzip.open(tmp_path / "c" / "z.jsonl.gz", "wt", encoding="utf-16") as f:
+        f.write(json.dumps({"text": "saved as Unicode"}) + "\n")
+    with pytest.raises(data.DataError, match="z.jsonl.gz is UTF-16 text"):
+        data.Corpus(str(tmp_path / "c"), cache_dir=str(tmp_path / "cache"))
+    assert not list((tmp_path / "cache").glob("a-*.arrow"))
+
+
 def test_a_compressed_file_of_nothing_is_an_empty_file_as_its_raw_twin_is(tmp_path):
     """An empty .txt / .jsonl is skipped and said ("empty files skipped"); compressed, the same nothing
     (a .txt.gz, .jsonl.gz, .txt.zst of no bytes) was skipped without a word."""
