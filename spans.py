@@ -166,7 +166,8 @@ def blank(raw: bytes, dec=None, final: bool = True) -> bool:
     opens another space (U+3000). dec: the document's incremental decoder, where it is read in blocks (a
     character may span two)."""
     i = _LEAD.match(raw).end()
-    if i < len(raw) and raw[i] & 0xC0 != 0x80 and not raw[i:i + 4].decode("utf-8", "replace")[0].isspace():
+    first = raw[i:i + 4].decode("utf-8", "replace")[:1]      # U+FFFD: invalid, or a character a block cuts
+    if first not in ("", "\ufffd") and not first.isspace():
         return False                        # the common case: text
     text = (dec or codecs.getincrementaldecoder("utf-8")("replace")).decode(raw, final)
     return text.isspace() or not text

@@ -169,3 +169,16 @@ def test_the_content_digest_reads_the_text_of_every_span_of_a_corpus_of_up_to_sa
     after = spans.SpanIndex(Corpus(str(f), doc_per_line=True, cache_dir=str(tmp_path / "b")), 8, str(tmp_path / "b"))
     assert before.n_spans == 100 <= spans.SAMPLE_SPANS and np.array_equal(np.asarray(before.rows), np.asarray(after.rows))
     assert after.content != before.content
+
+
+def test_blank_reads_a_document_in_blocks_as_whole_whatever_a_block_cuts():
+    """spans.blank, a block at a time with one decoder (doc_cuts: documents over READ_BYTES), says of a document what
+    str.isspace says of its text, wherever a block ends: inside a U+3000 too (its first bytes at a block's end read
+    as text before: a blank document of them cut into spans and tokenized)."""
+    import codecs
+    for doc in (" " * 5 + "\u3000" * 3, " \u3000x", "\u3000\n\u2003 ", "a", " " * 4):
+        raw = doc.encode()
+        for cut in range(len(raw) + 1):
+            dec = codecs.getincrementaldecoder("utf-8")("replace")
+            assert (spans.blank(raw[:cut], dec, False) & spans.blank(raw[cut:], dec, True)) == doc.isspace(), (doc, cut)
+        assert spans.blank(raw) == doc.isspace(), doc
