@@ -2,8 +2,8 @@
 
     python train.py                                   # the tiny preset on CPU, on the embedded corpus
     torchrun --nproc_per_node=4 train.py --tp=2 --dp=2
-    torchrun --nproc_per_node=32 train.py --preset llama2_7b --data train.arrow --tokenizer tokenizer.model
-    torchrun --nproc_per_node=32 train.py --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
+    scripts/launch.sh train --preset llama2_7b --data train.arrow --tokenizer tokenizer.model   # a trn1 node
+    scripts/launch.sh train --preset llama3_8b --init_from=Meta-Llama-3-8B --data train.arrow
 
 The order of a run (run): parse and validate the whole config (bad input fails here, before any
 work); pick the device; create the process groups; claim the checkpoint directory; the data's span
