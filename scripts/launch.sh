@@ -33,6 +33,13 @@ case "$mode" in
     "") echo "$usage" >&2; exit 2 ;;
     *) echo "launch.sh: unknown mode '$mode'; $usage" >&2; exit 2 ;;
 esac
+for arg in "$@"; do         # help on what the mode runs (the config had taken --help for a key)
+    if [[ "$arg" == -h || "$arg" == --help ]]; then
+        echo "$usage"
+        if [[ "$mode" == health ]]; then exec "${PYTHON:-python3}" scripts/healthcheck.py --help; fi
+        exec "${PYTHON:-python3}" train.py --help
+    fi
+done
 # Only 1 prints: any other value ran the job for real (DRY_RUN=true started it where it was typed).
 if [[ ! "${DRY_RUN:-0}" =~ ^[01]$ ]]; then
     echo "error: DRY_RUN=$DRY_RUN: give 1 (print the commands, run nothing) or 0" >&2

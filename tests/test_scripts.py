@@ -294,6 +294,16 @@ def test_launch_sh_help_is_not_an_error_and_an_unknown_mode_is_named():
     assert r.returncode == 2 and r.stderr.startswith("usage:"), r
 
 
+def test_help_after_the_mode_is_the_help_of_what_the_mode_runs():
+    # `launch.sh train --help` went to the config as a key: "config error: unknown config key --help (--help lists
+    # them all)", exit 2. Now launch.sh's usage and then train.py's help (health: healthcheck.py's), exit 0.
+    for mode, says in (("train", "presets (--preset NAME)"), ("compile", "presets (--preset NAME)"),
+                       ("health", "--ranks-per-node")):
+        r = run_script([SCRIPTS / "launch.sh", mode, "--preset", "llama2_7b", "--help"])
+        assert r.returncode == 0 and r.stdout.startswith("usage: [DRY_RUN=1] scripts/launch.sh"), (mode, r.stderr)
+        assert says in r.stdout, (mode, r.stdout[-500:])
+
+
 def test_a_command_launch_sh_runs_that_is_not_there_is_named_with_its_variable(tmp_path):
     """PYTHON or TORCHRUN naming nothing here was bash's 'launch.sh: line N: /x: No such file or directory', exit
     127 (in a pod: a failure the Job retries, not FailJob's 2), naming neither the variable nor the fix. A dry run
