@@ -71,11 +71,26 @@ if ((10#$MASTER_PORT > 65535)); then
     exit 2
 fi
 # The port the Neuron runtime's collectives bootstrap on the first node (torch-xla sets
-# NEURON_RT_ROOT_COMM_ID=MASTER_ADDR:62182, torch_xla/_internal/neuron.py): torchrun's store cannot listen there too.
+# NEURON_RT_ROOT_COMM_ID=MASTER_ADDR:62182 unless it is given, torch_xla/_internal/neuron.py): torchrun's store
+# cannot listen there too. Given, it must name the first node across nodes: the Neuron docs' fix for a hang at
+# collective init sets localhost:48620 (training-troubleshooting.rst), with which each node bootstraps alone.
 RUNTIME_PORT=62182
+if [[ -n "${NEURON_RT_ROOT_COMM_ID:-}" ]]; then
+    if [[ ! "$NEURON_RT_ROOT_COMM_ID" =~ ^(.+):([0-9]{1,5})$ ]] || ((10#${BASH_REMATCH[2]} > 65535)); then
+        echo "error: NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID: give HOST:PORT (the first node and a free port)," \
+             "or unset it (torch-xla then uses MASTER_ADDR:62182)" >&2
+        exit 2
+    fi
+    RUNTIME_PORT=$((10#${BASH_REMATCH[2]}))
+    if ((NNODES > 1)) && [[ "${BASH_REMATCH[1]}" =~ ^(localhost|127\.[0-9.]+|\[?::1\]?)$ ]]; then
+        echo "error: NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID names each node itself: with NNODES=$NNODES every" \
+             "node's runtime would bootstrap alone; unset it (torch-xla then uses MASTER_ADDR:62182)" >&2
+        exit 2
+    fi
+fi
 if ((10#$MASTER_PORT == RUNTIME_PORT)); then
     echo "error: MASTER_PORT=$MASTER_PORT is the Neuron runtime's collectives bootstrap port on the first node" \
-         "(torch-xla's NEURON_RT_ROOT_COMM_ID default): give another, e.g. MASTER_PORT=29500" >&2
+         "(NEURON_RT_ROOT_COMM_ID's, torch-xla's 62182 unless given): give another, e.g. MASTER_PORT=29500" >&2
     exit 2
 fi
 # The commands it runs, named by the variable that gives them (bash's own line, exit 127, named neither; a pod

@@ -486,6 +486,25 @@ def test_the_docs_launch_a_trainium_node_through_launch_sh():
     assert bare == [], bare
 
 
+def test_a_given_neuron_root_comm_id_is_reserved_and_must_name_the_first_node():
+    # torch-xla keeps a NEURON_RT_ROOT_COMM_ID it is given. The Neuron docs' fix for a hang at collective init sets
+    # localhost:48620 (training-troubleshooting.rst): across nodes each runtime then bootstraps alone. launch.sh took
+    # it silently and reserved 62182, not its port.
+    env = dict(DRY_RUN="1", MASTER_ADDR="node-0", NEURON_CACHE_DIR="/tmp/neuron-cache-test")
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2",
+                   NEURON_RT_ROOT_COMM_ID="localhost:48620", **env)
+    assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: NEURON_RT_ROOT_COMM_ID=localhost:48620 names each node itself"), r.stderr
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2", NEURON_RT_ROOT_COMM_ID="node-0", **env)
+    assert r.returncode == 2 and r.stderr.startswith("error: NEURON_RT_ROOT_COMM_ID=node-0: give HOST:PORT"), r.stderr
+    for nodes, given in (("2", "node-0:48620"), ("1", "localhost:48620")):
+        r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES=nodes, NEURON_RT_ROOT_COMM_ID=given, **env)
+        assert r.returncode == 0 and "net.ipv4.ip_local_reserved_ports=29500,48620" in r.stdout, r.stderr
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], NNODES="2", MASTER_PORT="48620",
+                   NEURON_RT_ROOT_COMM_ID="node-0:48620", **env)
+    assert r.returncode == 2 and r.stderr.startswith("error: MASTER_PORT=48620 is the Neuron runtime's"), r.stderr
+
+
 def _host_group_worker(rank, ports, out_dir):
     os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     import torch
