@@ -172,6 +172,12 @@ if ((NNODES > 1)); then
         echo "error: NNODES=$NNODES needs MASTER_ADDR (the first node's host name; the sbatch script sets it)" >&2
         exit 2
     fi
+    if [[ "$MASTER_ADDR" =~ [[:space:]] ]]; then          # e.g. every node of scontrol show hostnames
+        read -r -a words <<< "${MASTER_ADDR//$'\n'/ }"
+        echo "error: MASTER_ADDR='${words[*]}' holds several words: give the first node's host name alone," \
+             "e.g. MASTER_ADDR=${words[0]}" >&2
+        exit 2
+    fi
     if [[ "$MASTER_ADDR" =~ ^([^:]+):([0-9]+)$ ]]; then     # (an IPv6 address has several ':')
         echo "error: MASTER_ADDR=$MASTER_ADDR holds a port: give the host alone, MASTER_ADDR=${BASH_REMATCH[1]}," \
              "and the port as MASTER_PORT=${BASH_REMATCH[2]} (torchrun joins them; '$MASTER_ADDR:$MASTER_PORT'" \

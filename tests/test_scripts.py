@@ -441,6 +441,12 @@ def test_a_master_addr_with_a_port_is_refused_and_an_ipv6_address_is_not():
     for addr in ("node-0", "fd00::12"):
         ok = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], MASTER_ADDR=addr, **env)
         assert ok.returncode == 0 and f"--master_addr={addr}" in ok.stdout, ok.stderr
+    # MASTER_ADDR="$(scontrol show hostnames ...)" holds every node, one a line (NxD's scripts take the list into an
+    # array and use its first): it went into --master_addr whole, a host name no node resolves, on every attempt.
+    r = run_script([SCRIPTS / "launch.sh", "train", *ARGS_7B], MASTER_ADDR="trn-001\ntrn-002", **env)
+    assert r.returncode == 2 and "torchrun" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr == ("error: MASTER_ADDR='trn-001 trn-002' holds several words: give the first node's host name "
+                        "alone, e.g. MASTER_ADDR=trn-001\n"), r.stderr
 
 
 def test_the_neuron_runtimes_bootstrap_port_is_refused_as_the_rendezvous_port():
