@@ -151,6 +151,11 @@ precision="${layout[0]}" tp="${layout[1]}" pp="${layout[2]}" dp="${layout[3]}" o
 instance="${layout[5]}" instance_name="${layout[6]}" NPROC_PER_NODE="${layout[7]}"
 world=$((NNODES * NPROC_PER_NODE))
 if [[ "${DRY_RUN:-0}" != 1 ]] && ! command -v "$TORCHRUN" >/dev/null; then no_command TORCHRUN torchrun; fi
+if [[ "${DRY_RUN:-0}" != 1 && "$mode" == compile ]] && ! command -v neuron_parallel_compile >/dev/null; then
+    echo "error: neuron_parallel_compile: no such command here; the compile pass needs torch-neuronx's (the Neuron" \
+         "DLAMI's PyTorch environment on PATH, or the Dockerfile's image)" >&2
+    exit 2
+fi
 
 export NNODES NANOTRN_PRECISION="$precision" NANOTRN_INSTANCE="$instance"
 # shellcheck source=env.sh source-path=SCRIPTDIR

@@ -316,6 +316,12 @@ def test_a_command_launch_sh_runs_that_is_not_there_is_named_with_its_variable(t
     lines = [line for line in r.stderr.splitlines() if not line.startswith("warning:")]
     assert r.returncode == 2 and lines == [lines[0]] and lines[0].startswith("error: TORCHRUN=torchrun-missing"), r
     assert run_script([SCRIPTS / "launch.sh", "train", "--dry-run", *ARGS_7B], TORCHRUN="torchrun-missing").returncode == 0
+    # and the compile pass's neuron_parallel_compile (torch-neuronx's; not here): bash's 'exec: ...: not found', 127
+    r = run_script([SCRIPTS / "launch.sh", "compile", f"--out_dir={tmp_path}/run", "--device=cpu"], TORCHRUN="true",
+                   NEURON_CACHE_DIR=str(tmp_path / "cache"), NPROC_PER_NODE="1")
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("warning:")]
+    assert r.returncode == 2 and lines == [lines[0]] and lines[0].startswith("error: neuron_parallel_compile: no such "
+                                                                             "command here"), r
 
 
 def test_dry_run_flag_after_the_mode_is_a_dry_run_too():
