@@ -36,8 +36,10 @@ def free_ports(n: int) -> list[int]:
 # The workers fork from a server that has torch and pytest imported: a spawned worker's fresh interpreter spent
 # ~3 s of CPU importing them (8 workers for test_pipeline's world alone, ~30 in the suite). The server is a
 # fresh interpreter that imported and ran nothing else (no threads), so forking it is safe; each worker gets
-# this process's environment as of the call, as a spawned one does.
-mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "pytest"])
+# this process's environment as of the call, as a spawned one does. torch._dynamo (and sympy), ~1.5 s of CPU
+# more: every worker that builds a model imports it (parallel.build_model's meta nn.Embedding: its normal_
+# runs torch._refs.normal_, which imports torch._dynamo on its first call); it starts no thread either.
+mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest"])
 
 
 def _in_environ(environ: dict, worker, rank: int, *args):
