@@ -307,7 +307,8 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
             # locks a forked child would copy held; the server forks workers from a fresh process that ran no work.
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
                                               else "spawn")
-            q = ctx.Queue()
+            q = ctx.SimpleQueue()   # put writes at once: a worker's last report is read before its result (a
+            # Queue's feeder thread sent it later, the result could come first and the bar ended short)
             pool = ctx.Pool(workers, _init_worker, (q,))
             pending = pool.imap(_work, tasks)       # in shard order, whatever order they finish in
             results = _drain(pending, q, progress)
@@ -438,7 +439,6 @@ def _alive(pid: int) -> bool:
 
 def _drain(pending, q, progress):
     """The pool's results in order, forwarding the workers' progress reports while waiting."""
-    import queue
     while True:
         try:
             r = pending.next(timeout=0.2)
@@ -446,11 +446,8 @@ def _drain(pending, q, progress):
             r = None
         except StopIteration:
             break
-        while True:
-            try:
-                progress(*q.get_nowait())
-            except queue.Empty:
-                break
+        while not q.empty():                # every report a worker put before its result
+            progress(*q.get())
         if r is not None:
             yield r
 

@@ -62,6 +62,21 @@ def read(path) -> list[str]:
     return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("text").to_pylist()
 
 
+def test_the_bar_counts_every_workers_last_report_before_the_file_is_written(shards, tmp_path, monkeypatch):
+    """A worker's last progress report (its shard's final bytes) is put on the queue just before it returns its
+    result. With a multiprocessing.Queue (a feeder thread sends it later) the result could arrive first and the
+    report was never read: the bar ended short, and test_bad_input's Ctrl-C (raised from the bar's update) did not
+    happen under load. Every byte of every shard is counted, whatever the order."""
+    import tqdm
+    seen = []
+    monkeypatch.setattr(tqdm.tqdm, "update", lambda self, n=1: seen.append(n))
+    total = sum(p.stat().st_size for p in shards.iterdir() if p.is_file())
+    for k in range(6):
+        seen.clear()
+        prepare.prepare([str(shards)], str(tmp_path / f"all{k}.arrow"), workers=2)
+        assert sum(seen) == total, (k, sum(seen), total)
+
+
 def test_every_format_in_parallel_into_one_file_and_one_per_shard(shards, tmp_path, capsys):
     out = tmp_path / "all.arrow"
     counts = prepare.prepare([str(shards)], str(out), workers=2)
