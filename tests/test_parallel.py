@@ -515,6 +515,20 @@ def test_clip_grad_norm_is_torchs_above_and_below_the_limit(max_norm):
         assert_close(a.grad, b.grad, "clipped gradient")
 
 
+
+def test_clip_at_zero_is_no_clipping():
+    """--optim.grad_clip=0 means no clipping (configs.OptimConfig), where torch's clip_grad_norm_(max_norm=0) zeroes
+    every gradient: the gradients stay as they are, and the norm is still returned for the log."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(4, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(4, 3)
+    before = [p.grad.clone() for p in params]
+    norm = parallel.clip_grad_norm_(params, 0.0, parallel.Grid())
+    assert_close(norm, torch.cat([g.reshape(-1) for g in before]).norm(), "norm")
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("world,change,message", [
