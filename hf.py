@@ -479,10 +479,9 @@ PROBE = ["The quick brown fox jumps over the lazy dog.", "  two  spaces\tand a t
 
 
 def sentencepiece_json(path: str, bos: bool = True):
-    """The sentencepiece model at `path` as a `tokenizers` Tokenizer that encodes as it does: its
-    own normalizer; unigram -> Unigram, bpe -> BPE with the merges its pieces' scores imply (as
-    transformers' converter), char -> BPE without merges. `word` is refused: sentencepiece fuses a
-    run of unknown words into one <unk>, which no tokenizers model does."""
+    """The sentencepiece model at `path` as a `tokenizers` Tokenizer that encodes as it does: its own normalizer;
+    unigram -> Unigram, bpe -> BPE with the merges its pieces' scores imply (as transformers' converter), char -> BPE
+    without merges. `word` is refused: sentencepiece fuses a run of unknown words into one <unk>; no tokenizers model does."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
     m = pb.ModelProto()
@@ -496,8 +495,9 @@ def sentencepiece_json(path: str, bos: bool = True):
                       f"or char model (or leave --data.tokenizer empty to train one)")
     pieces = [(p.piece, p.score) for p in m.pieces]
     vocab = {p: i for i, (p, _) in enumerate(pieces)}
-    if kind == "unigram":
-        tk = Tokenizer(models.Unigram(pieces, unk_id=t.unk_id, byte_fallback=t.byte_fallback))
+    if kind == "unigram":     # a document's <s>, </s>, <unk> is text to sentencepiece: those pieces scored below any text
+        low = [(p, -1e6 if m.pieces[i].type in (2, 3, 5) else score) for i, (p, score) in enumerate(pieces)]
+        tk = Tokenizer(models.Unigram(low, unk_id=t.unk_id, byte_fallback=t.byte_fallback))
     else:
         merges = []
         if kind == "bpe":            # every split of a normal piece into two pieces; higher score first

@@ -539,6 +539,23 @@ def test_sentencepiece_export_loads_in_auto_tokenizer_to_the_same_ids(tmp_path):
         hf_io.save_hf(llama.Llama(cfg).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
 
 
+def test_a_unigram_export_reads_a_documents_literal_special_pieces_as_text(tmp_path):
+    """A unigram model's <s>, </s>, <unk> written in a document (HTML's <s> strike tag) are text to sentencepiece, as
+    training read them; the export's Unigram matched those pieces (score 0, the best) and gave ids 1, 2, 0."""
+    import sentencepiece as spm
+    import data
+    lines = [line for t in TEXTS for line in t.split("\n") if line] + ["if a < b or b > c: print('<b>', 1 << 2, a / b, 'unknown')"]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "sp"), model_type="unigram",
+                                   vocab_size=100, character_coverage=1.0, minloglevel=2)
+    tok = data.load_tokenizer(str(tmp_path / "sp.model"))
+    cfg = ModelConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ["<s>struck</s> x</s>y <unk>", "a <s> b", *TEXTS[:3]]:
+        assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
+    assert auto.decode(auto("<s>x</s>")["input_ids"], skip_special_tokens=True) == "<s>x</s>"
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
