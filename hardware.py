@@ -6,6 +6,7 @@ here rather than reading the variable each in its own way.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import resource
@@ -20,9 +21,13 @@ import sharding
 # ----------------------------------------------------------------------------- which device
 
 def xla_platform() -> str:
-    """The PJRT platform torch-xla runs on, exactly as torch-xla reads it: "NEURON" on Trainium, "CPU" for
-    XLA:CPU (the tests), "" when unset (its import then sets CPU). It accepts no other spelling: "neuron"
-    or "cpu" is "No PjRtPlugin registered", refused by pick_device before any work."""
+    """The PJRT platform torch-xla runs on, as torch-xla picks it: PJRT_DEVICE when set ("NEURON" on Trainium,
+    "CPU" for XLA:CPU, the tests); unset, "NEURON" where the Neuron venv's libneuronxla is installed (torch-xla's
+    import selects it then: torch_xla/__init__.py _aws_ec2_inf_trn_init, runtime._maybe_select_default_device;
+    AWS's launch scripts never set the variable), else "" (the import sets CPU). It accepts no other spelling:
+    "neuron" or "cpu" is "No PjRtPlugin registered", refused by pick_device before any work."""
+    if "PJRT_DEVICE" not in os.environ and importlib.util.find_spec("libneuronxla") is not None:
+        return "NEURON"
     return os.environ.get("PJRT_DEVICE", "")
 
 
@@ -39,8 +44,8 @@ def trainium(device: torch.device | str) -> bool:
 def pick_device(name: str, world: int = 1) -> torch.device:
     """The run's device, decided here once and passed down: xla when one exists or is asked for, else cuda, else cpu.
     `world` processes (torchrun's): several on XLA:CPU are refused, which has no collectives between them."""
-    # An XLA device "is present" when PJRT_DEVICE names one (the Neuron venv sets NEURON; tests set
-    # CPU). Read it BEFORE importing torch_xla: the import itself defaults PJRT_DEVICE to CPU.
+    # An XLA device "is present" when xla_platform() names one (PJRT_DEVICE, or NEURON where the Neuron
+    # venv's libneuronxla is; tests set CPU). Read it BEFORE importing torch_xla: the import sets PJRT_DEVICE.
     if name == "xla" or (name == "auto" and xla_platform()):
         if world > 1 and xla_on_cpu():      # before the import: it took 60-150 s for 2 processes on a loaded host
             raise ConfigError("multi-process XLA needs Trainium (PJRT_DEVICE=NEURON): XLA:CPU has no "

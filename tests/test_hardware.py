@@ -34,6 +34,25 @@ def test_trainium_is_an_xla_device_on_the_neuron_runtime(monkeypatch):
     assert hardware.xla_on_cpu() and hardware.xla_platform() == ""
 
 
+def test_an_unset_pjrt_device_is_neuron_where_torch_xla_picks_it(monkeypatch, tmp_path):
+    """Unset, PJRT_DEVICE is NEURON to torch-xla where the Neuron venv's libneuronxla is installed (its import
+    selects it: torch_xla/__init__.py _aws_ec2_inf_trn_init, runtime._maybe_select_default_device), and AWS's
+    launch scripts never set it. hardware read "" there: pick_device('auto') ran a bare `torchrun train.py` on a
+    trn1 on the CPU with gloo, unrefused, and the health check timed gloo. libneuronxla is not installed here:
+    an empty package of that name stands in for it (only looked up, never imported)."""
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    assert hardware.xla_platform() == ""                        # no Neuron venv: torch-xla's import sets CPU
+    (tmp_path / "libneuronxla").mkdir()
+    (tmp_path / "libneuronxla" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert hardware.xla_platform() == "NEURON" and not hardware.xla_on_cpu() and hardware.trainium(XLA)
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import healthcheck
+    assert healthcheck.resolve("auto") == "xla"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")                    # given, it is what counts
+    assert hardware.xla_platform() == "CPU"
+
+
 def test_the_mfu_peak_is_the_datasheets_on_trainium_only(monkeypatch):
     """hardware.device_peak_flops (the MFU's peak): a NeuronCore's figure from the instance table (the
     caller's row), not measured; an XLA device elsewhere is measured (not here: that needs torch_xla),
