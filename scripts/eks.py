@@ -208,7 +208,7 @@ def env_sh(cfg, nodes: int, cache_dir: str) -> dict[str, str]:
     r = subprocess.run(["bash", "-c", script, "env.sh", str(HERE / "env.sh")], env={**env, **inputs},
                        capture_output=True, text=True)
     if r.returncode != 0:
-        fail(f"scripts/env.sh refused: {r.stderr.strip()}")
+        fail(f"scripts/env.sh refused: {r.stderr.strip().removeprefix('error: ')}")     # (its line's own prefix)
     words = r.stdout.split("\0")[:-1]
     return {**inputs, **dict(zip(words[::2], words[1::2]))}
 

@@ -184,6 +184,14 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path):
 
 
 
+def test_an_input_env_sh_refuses_is_one_line_with_one_error_prefix():
+    # env.sh's own line already starts 'error: ': eks.py said 'error: scripts/env.sh refused: error: NANOTRN_SR_SEED=x'
+    r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "NANOTRN_SR_SEED": "x"})
+    assert r.returncode != 0 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: scripts/env.sh refused: NANOTRN_SR_SEED=x: give a whole number"), r.stderr
+
+
 def test_help_says_every_flag_and_its_default(capsys):
     # `eks.py --help` gave --namespace no help and no flag its default (--mount /fsx, --grace-period 60, ...)
     with pytest.raises(SystemExit) as e:
