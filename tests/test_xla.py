@@ -56,35 +56,83 @@ def child_env(functionalization: bool = True):
             "XLA_DISABLE_FUNCTIONALIZATION": "0" if functionalization else "1"}
 
 
-def xla_check(out, args, **opts) -> dict:
-    """scripts/xla_check.py on train.py's args, every graph recorded; its report."""
-    report = out / "report.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--json={report}", f"--graphs={out}/graphs.txt",
-           *[f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], "--",
+def start(cmd: list[str], **env) -> subprocess.Popen:
+    """cmd in XLA:CPU's environment (child_env, and env), started: the test takes its output with wait()."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**child_env(), **env})
+
+
+def wait(p: subprocess.Popen, timeout: int = 600) -> subprocess.CompletedProcess:
+    """What subprocess.run gives, of a process start() began; killed at the timeout, as run kills it."""
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def xla_check_start(out, args, **opts) -> tuple:
+    """scripts/xla_check.py on train.py's args, every graph recorded, started (xla_check_report waits for it)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "xla_check.py"), f"--json={out / 'report.json'}",
+           f"--graphs={out}/graphs.txt", *[f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], "--",
            *args, f"--out_dir={out}/out", f"--ckpt.dir={out}/out/ckpt", "--log.tensorboard=", cache_arg()]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    return out, start(cmd)
+
+
+def xla_check_report(started: tuple) -> dict:
+    """Its report, once it ended well."""
+    out, p = started
+    r = wait(p)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     print(r.stdout[-3000:])
-    rep = json.loads(report.read_text())
+    rep = json.loads((out / "report.json").read_text())
     rep["stdout"], rep["ckpt_dir"], rep["graphs"] = r.stdout, out / "out" / "ckpt", out / "graphs.txt.0"
     return rep
 
 
+def xla_check(out, args, **opts) -> dict:
+    """scripts/xla_check.py on train.py's args, every graph recorded; its report."""
+    return xla_check_report(xla_check_start(out, args, **opts))
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One XLA run of train.py (and an eager CPU reference of its first steps, and a resumed run), watched."""
-    args = [*TINY, f"--optim.max_steps={STEPS}", f"--log.interval={LOG}", f"--log.eval_interval={EVAL}",
+def started(request, tmp_path_factory):
+    """The module's three long children (run, run_accum8, probes: one XLA process each, ~1 core each, most of
+    this file's time), those the selected tests need, started at once: on 2 cores two run side by side, where
+    one after another left a core idle. Each fixture below waits for its own; one still running at the end of
+    the module (a failed test) is killed."""
+    needed = {n for item in request.session.items if item.module is request.module for n in item.fixturenames}
+    todo = {"run": lambda: xla_check_start(tmp_path_factory.mktemp("xla"), RUN_ARGS, eager_steps=EAGER,
+                                           resume_steps=RESUME),
+            "run_accum8": lambda: xla_check_start(tmp_path_factory.mktemp("xla8"), ACCUM8_ARGS),
+            "probes": lambda: start_probes(tmp_path_factory.mktemp("probes"))}
+    procs = {name: begin() for name, begin in todo.items() if name in needed}
+    yield procs
+    for _, p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+RUN_ARGS = [*TINY, f"--optim.max_steps={STEPS}", f"--log.interval={LOG}", f"--log.eval_interval={EVAL}",
             f"--ckpt.interval={SAVE}"]
-    return xla_check(tmp_path_factory.mktemp("xla"), args, eager_steps=EAGER, resume_steps=RESUME)
+ACCUM8_ARGS = [*[a for a in TINY if not a.startswith("--data.global_batch")], "--data.global_batch=16",
+               "--optim.max_steps=3", "--log.interval=100", "--log.eval_interval=0", "--log.sample_tokens=0"]
 
 
 @pytest.fixture(scope="module")
-def run_accum8(tmp_path_factory):
+def run(started):
+    """One XLA run of train.py (and an eager CPU reference of its first steps, and a resumed run), watched."""
+    return xla_check_report(started["run"])
+
+
+@pytest.fixture(scope="module")
+def run_accum8(started):
     """The same model at 8 microbatches per step (global batch 16), 3 steps, no log, eval or save
     but the last step's."""
-    args = [*[a for a in TINY if not a.startswith("--data.global_batch")], "--data.global_batch=16",
-            "--optim.max_steps=3", "--log.interval=100", "--log.eval_interval=0", "--log.sample_tokens=0"]
-    return xla_check(tmp_path_factory.mktemp("xla8"), args)
+    return xla_check_report(started["run_accum8"])
 
 
 def compiles(s, window):
@@ -282,9 +330,10 @@ def test_the_mixture_line_counts_the_windows_trained_on_not_those_prefetched(tmp
     args = [*TINY, f"--data={tmp_path}/a.txt:0.7,{tmp_path}/b.txt:0.3", "--optim.max_steps=4", "--log.interval=2",
             "--log.eval_interval=2", "--ckpt.interval=0", "--log.tensorboard=", cache_arg()]
     lines = {}
-    for device in ("xla", "cpu"):
-        r = subprocess.run([sys.executable, "train.py", *args, f"--device={device}", f"--out_dir={tmp_path}/{device}"],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    procs = {device: start([sys.executable, "train.py", *args, f"--device={device}", f"--out_dir={tmp_path}/{device}"])
+             for device in ("xla", "cpu")}              # side by side: one core each
+    for device, p in procs.items():
+        r = wait(p)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         lines[device] = [x for x in r.stdout.splitlines() if "data mixture" in x]
     assert [x.split(":")[0] for x in lines["xla"]] == ["step      2 | data mixture over 8 windows",
@@ -319,9 +368,10 @@ def test_functionalization_off_computes_another_forward():
     and gate_up along the last dimension and writes through views, the pattern of pytorch/xla#8640. If
     this starts to pass, torch-xla has fixed it: the setting can then follow Neuron's default."""
     out = {}
-    for off in ("0", "1"):
-        r = subprocess.run([sys.executable, "-c", FORWARD], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                           env={**child_env(off == "0"), "PYTHONPATH": str(ROOT)})
+    procs = {off: start([sys.executable, "-c", FORWARD], XLA_DISABLE_FUNCTIONALIZATION=off, PYTHONPATH=str(ROOT))
+             for off in ("0", "1")}                     # side by side: one core each
+    for off, p in procs.items():
+        r = wait(p, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         out[off] = json.loads(r.stdout.strip().splitlines()[-1])
     print("functionalization on / off:", out)
@@ -585,16 +635,20 @@ PROBE_DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def probes(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("probes")
+def start_probes(tmp: Path) -> tuple:
+    """PROBE_DRIVER over the four probes, in one XLA process, started (the fixture probes waits for it)."""
     names = {"ROOT": str(ROOT), "OUT": str(tmp / "skip.json")}
     todo = [("skip", SKIP_CHILD, names), ("optimizer", OPTIMIZER_PROBE, {}),
             ("checkpointing", CHECKPOINTING_PROBE, {}), ("step_hlo", STEP_HLO, {})]
     (tmp / "todo.json").write_text(json.dumps(todo))
-    r = subprocess.run([sys.executable, "-c", PROBE_DRIVER, str(tmp / "todo.json"), str(tmp / "results.json")],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env={**child_env(), "PYTHONPATH": str(ROOT)})
+    return tmp, start([sys.executable, "-c", PROBE_DRIVER, str(tmp / "todo.json"), str(tmp / "results.json")],
+                      PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def probes(started):
+    tmp, p = started["probes"]
+    r = wait(p)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
     return {**json.loads((tmp / "results.json").read_text()), "skip_out": tmp / "skip.json"}
 
