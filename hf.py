@@ -495,8 +495,8 @@ def sentencepiece_json(path: str, bos: bool = True):
                       f"or char model (or leave --data.tokenizer empty to train one)")
     pieces = [(p.piece, p.score) for p in m.pieces]
     vocab = {p: i for i, (p, _) in enumerate(pieces)}
-    if kind == "unigram":     # a document's <s>, </s>, <unk> is text to sentencepiece: those pieces scored below any text
-        low = [(p, -1e6 if m.pieces[i].type in (2, 3, 5) else score) for i, (p, score) in enumerate(pieces)]
+    if kind == "unigram":     # a document's <s>, <unk>, <0x41> is text to sentencepiece: those pieces scored below any text
+        low = [(p, -1e6 if m.pieces[i].type in (2, 3, 5, 6) else score) for i, (p, score) in enumerate(pieces)]
         tk = Tokenizer(models.Unigram(low, unk_id=t.unk_id, byte_fallback=t.byte_fallback))
     else:
         merges = []

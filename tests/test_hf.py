@@ -556,6 +556,23 @@ def test_a_unigram_export_reads_a_documents_literal_special_pieces_as_text(tmp_p
     assert auto.decode(auto("<s>x</s>")["input_ids"], skip_special_tokens=True) == "<s>x</s>"
 
 
+def test_a_byte_fallback_unigram_export_reads_a_documents_literal_byte_pieces_as_text(tmp_path):
+    """A byte-fallback unigram model's byte pieces (<0x41>) written in a document are text to sentencepiece; the
+    export's Unigram matched them (ids 3-258) where training read '<', '0', 'x', ..."""
+    import sentencepiece as spm
+    import data
+    lines = [line for t in TEXTS for line in t.split("\n") if line] + ["if a < b or b > c: print('<b>', 0x41, 1 << 2)"]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "sp"), model_type="unigram",
+                                   vocab_size=400, hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
+                                   minloglevel=2)
+    tok = data.load_tokenizer(str(tmp_path / "sp.model"))
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"), tokenizer=tok)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ["<0x41> x <0x14>", "a <s> b 😀", *TEXTS[:3]]:
+        assert auto(text)["input_ids"] == [tok.bos_id] + tok.encode(text), text
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
