@@ -206,6 +206,47 @@ def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
     ck2.save(2, model.state_dict(), opt.state_dict())
     assert Checkpointer(cfg).load_latest().step == 2
 
+def test_a_ranks_files_are_on_disk_whole_before_its_completion_marker(tmp_path, monkeypatch):
+    """After a power loss, a step folder whose markers are all there is resumed from: every file a marker vouches
+    for must be on the disk whole. So each file's bytes are flushed and fsynced (the size on disk at the fsync is
+    the file's whole size) before the rename that gives it its name, the step folder is fsynced after the renames
+    (which makes them durable), and only then is the marker written. The real calls, in the order they were made."""
+    cfg = tiny_cfg(tmp_path / "ckpt")
+    cfg.ckpt.async_save = False
+    model, opt = trained(cfg)
+    calls, fsync, replace = [], os.fsync, os.replace
+
+    def spy_fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        return fsync(fd)
+
+    def spy_replace(a, b):
+        calls.append(("replace", str(a), str(b)))
+        return replace(a, b)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    ck = Checkpointer(cfg)
+    ck.save(2, model.state_dict(), opt.state_dict(), data={"pos": 1})
+    ck.close()
+    step = tmp_path / "ckpt" / "step_00000002"
+    marker = [i for i, c in enumerate(calls) if c[0] == "replace" and c[2] == str(step / "rank00000.done")]
+    assert len(marker) == 1, calls
+    before = calls[:marker[0]]
+    files = sorted(n for n in os.listdir(step) if n not in ("rank00000.done", "manifest.json"))
+    assert {"meta.json", "model_tp00_pp00.pt", "optim_tp00_pp00.pt", "rank00000.pt"} <= set(files), files
+    renames = []
+    for name in files:
+        tmp = str(step / ".tmp-rank00000" / name)
+        synced = [i for i, c in enumerate(before) if c[:2] == ("fsync", tmp)]
+        renamed = [i for i, c in enumerate(before) if c == ("replace", tmp, str(step / name))]
+        assert len(synced) == 1 and len(renamed) == 1 and synced[0] < renamed[0], (name, before)
+        assert before[synced[0]][2] == (step / name).stat().st_size > 0, (name, before[synced[0]])
+        renames.append(renamed[0])
+    folder = [i for i, c in enumerate(before) if c[:2] == ("fsync", str(step))]
+    assert folder and folder[-1] > max(renames), before      # the folder synced after the last rename
+    assert Checkpointer(cfg).load_latest().step == 2
+
+
 
 @pytest.mark.slow
 def test_kill_during_write_keeps_previous(tmp_path, capsys):
