@@ -540,6 +540,9 @@ def _tied_zero1_sr_worker(rank: int, world: int, store_file: str):
         every = [torch.empty_like(copy.data) for _ in range(4)]
         dist.all_gather(every, copy.data.contiguous())
         assert all(torch.equal(every[r], every[r + 2]) for r in range(2))      # stage 0's rank r, stage 1's r + 2
+        # and the DP replicas hold one embedding: each pair's sync comes from its own first-stage rank (rank % 2
+        # here), not from a rank outside the pair, whose broadcast would leave both of the pair's copies zeros
+        assert torch.equal(every[0], every[1]) and every[0].abs().sum() > 0
     finally:
         dist.destroy_process_group()
 
