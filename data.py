@@ -296,9 +296,10 @@ class PackedLoader:
                                     f"{cfg.val_fraction}); lower --data.val_fraction or add data")
         else:
             if not idx.has_val():
-                raise DataError(f"{cfg.data!r} has no held-out split (val_fraction {cfg.val_fraction}, "
-                                f"{idx.n_spans} span): set --data.val_fraction above 0 with more than one span "
-                                f"of text, or turn evaluation off with --log.eval_interval=0")
+                fix = ("set --data.val_fraction above 0" if cfg.val_fraction <= 0 else "raise --data.val_fraction"
+                       if idx.n_spans > 1 else "add data (one span is never split)")
+                raise DataError(f"{cfg.data!r} has no held-out split (val_fraction {cfg.val_fraction}, {idx.n_spans} "
+                                f"span): {fix}, or turn evaluation off with --log.eval_interval=0")
             ranges, keep = [idx.val_range()], "val" if idx.hashed else ""
             self.weights, self.lanes_max = np.ones(1), 1
         self.lanes = [lanes_per_stream(hi - lo, self.n_streams, self.lanes_max) for lo, hi in ranges]

@@ -1148,6 +1148,15 @@ def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing
     assert "eval_interval" not in str(e.value).split("add data")[1]
 
 
+def test_one_span_with_a_val_fraction_is_not_told_to_set_the_val_fraction_it_has(tok, tmp_path):
+    """A corpus of one span with --data.val_fraction 0.1 holds nothing out: the refusal names what helps (more
+    text, or evaluation off), not 'set --data.val_fraction above 0', which it already is."""
+    (tmp_path / "s.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS[:20], 600)))
+    with pytest.raises(data.DataError, match=r"no held-out split.*add data.*--log.eval_interval=0") as e:
+        data.PackedLoader(cfg(str(tmp_path / "s.txt")), tok, split="val")
+    assert "val_fraction above" not in str(e.value), e.value
+
+
 def test_a_corpus_under_one_global_batch_is_told_what_passes_even_with_evaluation_on(tok, tmp_path):
     """17 bytes, under one window, with evaluation on (the default): the refusal is the global
     batch's, naming settings that pass (docs/data.md), not 'lower --log.eval_windows', which no value
