@@ -534,6 +534,36 @@ def ranks_save(cfg, step, world, tp, dp, make_state, skip_ranks=()):
         c.close()
 
 
+def _agree_worker(rank: int, root: str, out: str):
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    try:
+        g = parallel.Grid(world=2, rank=rank, dp=2, dp_rank=rank)
+        d, _ = checkpoint.find_newest_valid(Path(root), g, say=lambda m: None, log=lambda m: None)
+        Path(out, f"chose{rank}").write_text(d.name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_falls_back_when_one_ranks_share_finds_damage(tmp_path):
+    """At resume each rank checks a 1/world share of the markers and their files, then the ranks agree on the worst
+    verdict (MIN). A file only rank 1's share covers, damaged in place (same size, one byte flipped), must make rank 0
+    fall back with it: agreeing on the best verdict, both resumed from the damaged step. Two gloo processes."""
+    from gloo_spawn import spawn
+    cfg = tiny_cfg(tmp_path / "ckpt")
+    cfg.ckpt.async_save = False
+    state = lambda g: ({"w": torch.full((4,), 1.0)}, None, {"dp_rank": g.dp_rank})
+    for step in (1, 2):
+        ranks_save(cfg, step, world=2, tp=1, dp=2, make_state=state)
+    d2 = tmp_path / "ckpt" / "step_00000002"
+    raw = bytearray((d2 / "rank00001.pt").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (d2 / "rank00001.pt").write_bytes(bytes(raw))
+    files = [ckptdir.check(d2, (r, 2)) for r in range(2)]
+    assert [ckptdir.verify(d2, f[2]) is None for f in files] == [True, False]     # only rank 1's share sees it
+    spawn(_agree_worker, (str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"chose{r}").read_text() for r in range(2)] == ["step_00000001"] * 2
+
+
 def test_zero1_shards_and_missing_rank(tmp_path, capsys):
     cfg = tiny_cfg(tmp_path)
     cfg.parallel.zero1 = True
