@@ -561,8 +561,7 @@ def test_host_group_connects_lazily(tmp_path):
 WORLD4 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args,env,says", [
+REFUSALS = [
     (["--tp", "3"], {"WORLD_SIZE": "1"}, "no WORLD_SIZE or MASTER_ADDR: run it under torchrun"),
     (["--tp", "3"], {**WORLD4}, "world 4 must be a multiple of tp*pp=3"),
     # accepted, and no rank slept: the check it exists for passed for nothing
@@ -574,14 +573,33 @@ WORLD4 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"
     (["--mb", "1e30"], {**WORLD4}, "--mb 1e+30: a rank holds"),
     (["--mb", "1e7"], {**WORLD4}, "--mb 1e+07: a rank holds"),
     # each rank's ValueError traceback from init_process_group ('only supported with GPUs, no GPUs found')
-    (["--backend=nccl"], {**WORLD4}, "--backend=nccl: no CUDA device is visible")])
-def test_healthcheck_refuses_before_any_process_group(args, env, says):
+    (["--backend=nccl"], {**WORLD4}, "--backend=nccl: no CUDA device is visible")]
+
+
+@pytest.fixture(scope="module")
+def refusals(request):
+    """The selected REFUSALS cases' healthcheck.py runs, two at a time (each is torch's import and one line, a
+    core's worth: one after another they left the second core idle; all eight at once were slower on a loaded
+    host and outran the 60 s); each case's test waits for its own run."""
+    import concurrent.futures
+    cases = {item.callspec.params["case"] for item in request.session.items
+             if item.originalname == "test_healthcheck_refuses_before_any_process_group"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {i: pool.submit(subprocess.run, [sys.executable, str(SCRIPTS / "healthcheck.py"), *args],
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env})
+               for i, (args, env, _) in enumerate(REFUSALS) if i in cases}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(REFUSALS)), ids=[says for _, _, says in REFUSALS])
+def test_healthcheck_refuses_before_any_process_group(refusals, case):
     # WORLD_SIZE=1 without a rendezvous was init_process_group's ValueError traceback; --tp 3 on 4 ranks was
     # refused only after the process group, which waits for the other ranks (here: none come, a hang)
+    args, env, says = REFUSALS[case]
     if "--backend=nccl" in args and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: nccl runs here")
-    r = subprocess.run([sys.executable, str(SCRIPTS / "healthcheck.py"), *args], capture_output=True, text=True,
-                       timeout=60, env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env})
+    r = refusals[case].result()
     assert r.returncode == 1 and r.stderr.startswith(f"healthcheck error: {says}") and "Traceback" not in r.stderr, r
 
 
