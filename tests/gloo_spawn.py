@@ -37,8 +37,8 @@ def free_ports(n: int) -> list[int]:
 # ~3 s of CPU importing them (8 workers for test_pipeline's world alone, ~30 in the suite). The server is a
 # fresh interpreter that imported and ran nothing else (no threads), so forking it is safe; each worker gets
 # this process's environment as of the call, as a spawned one does. torch._dynamo (and sympy), ~1.5 s of CPU
-# more: every worker that builds a model imports it (parallel.build_model's meta nn.Embedding: its normal_
-# runs torch._refs.normal_, which imports torch._dynamo on its first call); it starts no thread either.
+# more: a worker that steps torch.optim (the tests' reference) or checkpoints activations (torch.utils.checkpoint)
+# imports it on first use; it starts no thread either.
 mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest"])
 
 
