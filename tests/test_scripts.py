@@ -294,6 +294,7 @@ def test_launch_sh_help_is_not_an_error_and_an_unknown_mode_is_named():
     assert r.returncode == 2 and r.stderr.startswith("usage:"), r
 
 
+@pytest.mark.slow          # three python processes of train.py / healthcheck.py --help (torch's import each)
 def test_help_after_the_mode_is_the_help_of_what_the_mode_runs():
     # `launch.sh train --help` went to the config as a key: "config error: unknown config key --help (--help lists
     # them all)", exit 2. Now launch.sh's usage and then train.py's help (health: healthcheck.py's), exit 0.
