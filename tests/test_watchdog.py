@@ -149,13 +149,21 @@ def test_a_near_zero_limit_still_ends_by_the_watchdog_line_and_its_status(monkey
         assert r.returncode == monitor.EXIT_HUNG, (r.returncode, r.stderr[-2000:])
         assert "[rank 0] watchdog: the run did not finish its first step: the run is hung" in r.stderr
 
-def test_a_sub_second_limit_is_said_as_it_is_not_as_0_s(monkeypatch):
-    """The line a hang ends with names its limit: sub-second ones were said "in 0 s" (train.py --log.hang_min_s=0.001
-    --log.hang_factor=2: "no training step finished in 0 s (2 x the median step time, 0.137 s)"). Whole seconds stay."""
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The watchdog's clock, set by the test (now[0] = t), and no stack dump armed for real."""
     now = [0.0]
     monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(monitor.faulthandler, "dump_traceback_later", lambda s, **k: None)
     monkeypatch.setattr(monitor.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    return now
+
+
+def test_a_sub_second_limit_is_said_as_it_is_not_as_0_s(clock):
+    """The line a hang ends with names its limit: sub-second ones were said "in 0 s" (train.py --log.hang_min_s=0.001
+    --log.hang_factor=2: "no training step finished in 0 s (2 x the median step time, 0.137 s)"). Whole seconds stay."""
+    now = clock
     dog = monitor.Watchdog(0, factor=2, min_s=0.001, startup_s=0.5)
     try:
         for t in (0.0, 0.137, 0.274, 0.5):
@@ -172,13 +180,10 @@ def test_a_sub_second_limit_is_said_as_it_is_not_as_0_s(monkeypatch):
         dog.close()
 
 
-def test_a_phase_before_three_timed_steps_leaves_the_startup_allowance(monkeypatch):
+def test_a_phase_before_three_timed_steps_leaves_the_startup_allowance(clock):
     """An evaluation or save after the first step (one step timed, the next ones may still compile on XLA):
     the step after the phase gets startup_s, as step_done gives it, not factor x the one time seen."""
-    now = [0.0]
-    monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(monitor.faulthandler, "dump_traceback_later", lambda s, **k: None)
-    monkeypatch.setattr(monitor.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    now = clock
     dog = monitor.Watchdog(0, factor=10, min_s=5, startup_s=1000)
     try:
         for t in (300.0, 301.0):                    # the first step done, the second timed at 1 s
