@@ -374,7 +374,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         # nn.Embedding draws N(0, 1) rows that init_weights or a checkpoint replaces; on the meta device
         # (parallel.build_model) that draw alone imported torch._dynamo, ~1.5 s CPU of every rank's start-up
-        meta = torch.empty(0).device.type == "meta"
+        meta = torch.get_default_device().type == "meta"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim) if meta else None)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
