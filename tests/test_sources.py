@@ -518,3 +518,17 @@ def test_a_folder_of_many_files_resolves_each_files_real_path_once_a_listing(tmp
     assert c.n_docs == n and len(calls) <= 2 * n + 16, len(calls)
     two = corpus.mixture_files(f"{tmp_path / 'c' / '0'}:1,{tmp_path / 'c'}:1")[1]   # a file of two sources: in the first
     assert [len(p) for p in two] == [n // 4, n - n // 4]
+
+
+def test_a_folders_hidden_folders_are_not_read(tmp_path):
+    """docs/data.md: a directory's hidden files and folders are never read. `--data=.` in a project reads its
+    .py and .txt files, not those of its .venv (thousands of site-packages modules), a .git, or Jupyter's
+    .ipynb_checkpoints copy of each text (every document twice); nor are they listed as left out."""
+    from sources import resolve_paths
+    for d, name in (("", "a.txt"), ("src", "b.py"), (".venv/lib/python3.11", "site.py"),
+                    (".ipynb_checkpoints", "a-checkpoint.txt"), (".git/info", "notes.md"), ("src/.cache", "c.txt")):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / d / name).write_text("text")
+    left = []
+    got = resolve_paths(str(tmp_path), left_out=left)
+    assert sorted(os.path.relpath(p, tmp_path) for p in got) == ["a.txt", "src/b.py"] and left == []
