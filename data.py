@@ -318,7 +318,7 @@ class PackedLoader:
                             "shuffle": self.lanes_max, "mixture": [round(float(w), 12) for w in self.weights]}
         start = {"i": 0, "offset": 0, "stats": dict.fromkeys(COUNTERS, 0)}
         self._start_state = {"format": FORMAT, "split": split, "n_streams": self.n_streams, "dp_size": dp_size,
-                             **self.fingerprint, "streams": {str(s): start for s in self.global_lanes}}
+                             "index": idx.meta["version"], **self.fingerprint, "streams": {str(s): start for s in self.global_lanes}}
         self._state, self._it = self._start_state, None
         for g, (name, *_) in enumerate(self.corpus.groups if split == "train" else [(cfg.data,)]):
             self._check_tokens(self.deals[g], name)
@@ -427,7 +427,10 @@ class PackedLoader:
                                     f"with the run's own (kept in <ckpt.dir>/tokenizer: is another run's there, or "
                                     f"a damaged copy?)")
                 why = {"corpus": " (another corpus: its files' names or sizes, or how this nanotrn reads a .gz/.zst/.parquet file, changed)",
-                       "content": " (a file of the corpus was rewritten at its name and size)",
+                       "content": " (a file of the corpus was rewritten at its name and size)" if sd.get("index") else
+                                  " (the state's span index, of an older nanotrn, cut a whitespace-only document longer "
+                                  "than a span into spans, now one that reads nothing; or a file of the corpus was "
+                                  "rewritten at its name and size)",
                        "spans": " (another --data.seq_len, or a corpus with a file of no documents between others, "
                                 "which nanotrn now cuts into spans right)"}.get(key, "")
                 restore = "" if key in ("corpus", "content") else "restore the original setting, or "

@@ -238,13 +238,13 @@ def temporary(path: str, kind: str = "tmp", pid: int | str | None = None) -> str
     return f"{path}.{kind}-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-def build_once(path: str, build) -> None:
-    """Make the cache file `path` once per node: every rank calls this at once, the first to get the
-    lock runs build(tmp), renamed into place (never half-written), the others wait and find it."""
+def build_once(path: str, build, stale=None) -> None:
+    """Make the cache file `path` once per node: every rank calls this at once, the first to get the lock runs
+    build(tmp), renamed into place (never half-written), the others wait and find it. stale(path): True = built again."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(path):
+        if not os.path.exists(path) or (stale and stale(path)):
             mine = temporary(path, pid="")      # with the lock held, none is live here: killed ones (PID, PID.model/.vocab)
             for old in [p for p in glob.glob(glob.escape(mine) + "*") if re.fullmatch(r"\d+(\.[a-z]+)?", p[len(mine):])]:
                 os.remove(old)

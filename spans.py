@@ -152,7 +152,12 @@ def tail_spans(n_docs: int, n_spans: int, val_fraction: float) -> int:
 
 # ----------------------------------------------------------------------------- the span index
 
-INDEX_VERSION = 1
+# 2: a whitespace-only document longer than a span is one span that reads nothing (95ed806); version 1 cut it
+# into spans of whitespace the loader trained on. An index of an older version is built again where it is found.
+# The resume key keeps KEY_VERSION: a corpus whose cuts 2 left alone resumes; one whose cuts it changed is told
+# by the content digest (data.PackedLoader._check says why).
+INDEX_VERSION = 2
+KEY_VERSION = 1
 BLOCK = 1 << 18             # documents per block while building: ~6 MB of rows in memory at once
 READ_BYTES = 1 << 26        # bytes of long documents read at once while building (a longer one in blocks)
 SAMPLE_SPANS = 1024         # spans whose text the index's content digest reads (at most 32 MB at seq_len 2048)
@@ -227,7 +232,7 @@ class SpanIndex:
         self.corpus, self.span_bytes, self.val_fraction = corpus, span_bytes(seq_len), val_fraction
         self.key = self.key_for(corpus, seq_len)       # the resume key: the corpus's names and sizes
         self.path = self.path_for(corpus, seq_len, cache_dir)
-        build_once(self.path, self._build)
+        build_once(self.path, self._build, self.stale)
         with open(self.path + ".json") as f:
             self.meta = json.load(f)
         self.n_spans, self.bytes = self.meta["spans"], self.meta["bytes"]
@@ -246,12 +251,24 @@ class SpanIndex:
         self.tail_end = self.groups[-1 if sizes[-1] > self.tail else int(np.argmax(sizes))][1]
 
     @staticmethod
+    def stale(path: str) -> bool:
+        """An index an older nanotrn built (its cuts may differ from this one's), or without its .json: built again."""
+        if not os.path.exists(path + ".json"):
+            return True
+        with open(path + ".json") as f:
+            version = json.load(f).get("version", 1)
+        if version < INDEX_VERSION:
+            print(f"[data] span index {path}: built by an older nanotrn (version {version}, now {INDEX_VERSION}); "
+                  f"building it again", file=sys.stderr, flush=True)
+        return version < INDEX_VERSION
+
+    @staticmethod
     def key_for(corpus, seq_len: int) -> str:
         # A source of no documents between others (an Arrow shard of no rows) hid the documents after it from
         # builds before d6023f0 (Corpus._ranges): such a corpus gets a key of its own, so an index built then is
         # neither reused nor dealt beside a correct one another node builds now. Other corpora keep theirs.
         gap = ["gap"] if 0 in np.trim_zeros([s.n for s in corpus.sources]) else []
-        return hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), INDEX_VERSION] + gap).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps([corpus.fingerprint, span_bytes(seq_len), KEY_VERSION] + gap).encode()).hexdigest()[:12]
 
     @staticmethod
     def path_for(corpus, seq_len: int, cache_dir: str) -> str:       # (stamp: the files' paths and mtimes)

@@ -646,6 +646,35 @@ def test_a_document_of_only_whitespace_is_empty_however_long_as_prepare_drops_it
     prepared = prepare.prepare([str(d)], str(tmp_path / "o.arrow"), workers=1)
     assert (prepared["documents"], prepared["empty_docs"]) == (st["documents"], st["empty_docs"])
 
+
+def test_a_span_index_of_an_older_version_is_built_again_and_an_old_state_is_told_why(tok, tmp_path, monkeypatch):
+    """An index built before version 2 cut a long blank document into spans of whitespace. Found in the cache, it
+    was used as it was (its blank tokens trained), while a node with an empty cache built the new cuts and
+    refused the run's resume as "a file was rewritten at its name and size". Now it is built again wherever it
+    is found, and an old state is told the index's cuts changed; a corpus whose cuts did not change resumes."""
+    d, cache = tmp_path / "c", str(tmp_path / "cache")
+    d.mkdir()
+    (d / "a_text.txt").write_text("some words of text " * 400)
+    (d / "b_blank_long.txt").write_text(" \n\t \n" * 3000)
+    with monkeypatch.context() as m:                # what a nanotrn before 95ed806 built and saved
+        m.setattr(spans, "INDEX_VERSION", 1)
+        m.setattr(spans, "blank", lambda *a, **k: False)
+        old = data.PackedLoader(cfg(str(d), val_fraction=0.0, cache_dir=cache), tok, prefetch=0)
+        saved = {k: v for k, v in old.state_dict().items() if k != "index"}
+        assert json.load(open(old.index.path + ".json"))["version"] == 1
+    assert old.read(np.arange(old.index.n_spans))[1][1:].sum() > 0       # the blank document's spans read
+    new = data.PackedLoader(cfg(str(d), val_fraction=0.0, cache_dir=cache), tok, prefetch=0)
+    assert new.index.path == old.index.path and new.index.meta["version"] == spans.INDEX_VERSION
+    assert new.read(np.arange(new.index.n_spans))[1][new.index.rows[:, 0] == 1].sum() == 0
+    with pytest.raises(data.DataError, match="span index, of an older nanotrn, cut a whitespace-only document"):
+        new.load_state_dict(saved)
+    (d / "b_blank_long.txt").write_text("more words of text " * 400)      # same size, no blank document
+    with monkeypatch.context() as m:
+        m.setattr(spans, "INDEX_VERSION", 1)
+        saved = {k: v for k, v in data.PackedLoader(cfg(str(d), val_fraction=0.0, cache_dir=cache), tok,
+                                                     prefetch=0).state_dict().items() if k != "index"}
+    data.PackedLoader(cfg(str(d), val_fraction=0.0, cache_dir=cache), tok, prefetch=0).load_state_dict(saved)
+
 def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p = tmp_path / "x.jsonl"
     p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
@@ -859,7 +888,7 @@ def test_a_shard_without_documents_hides_none_of_the_documents_after_it(tmp_path
     assert idx.n_spans > 10 and idx.bytes > len(long_doc), (idx.n_spans, idx.bytes)
     # An index an older nanotrn built for this corpus (the long document one whole span) is not reused: on
     # several nodes with their own caches it would be dealt beside this correct one, silently.
-    old_key = hashlib.sha256(json.dumps([c.fingerprint, spans.span_bytes(SEQ), spans.INDEX_VERSION]).encode()).hexdigest()
+    old_key = hashlib.sha256(json.dumps([c.fingerprint, spans.span_bytes(SEQ), spans.KEY_VERSION]).encode()).hexdigest()
     stale = tmp_path / "old" / f"spans-{old_key[:12]}-{c.stamp}.bin"     # as SpanIndex.path_for names it
     stale.parent.mkdir()
     stale.write_bytes(np.array([[0, 0, -1], [1, 0, -1]], np.int64).tobytes())
