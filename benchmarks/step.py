@@ -128,19 +128,23 @@ def peak_memory(shape: dict, name: str, dtype_name: str, threads: int) -> float:
     the model was built; the building's own temporaries (the weights loaded into transformers)
     are left out by resetting the peak (Linux's clear_refs) once the step is ready. glibc's
     allocator maps every buffer above 64 KiB fresh and returns it on free, so that the resident
-    peak is the peak of live buffers."""
+    peak is the peak of live buffers. Every one-time cost of the step's code is paid before the
+    baseline, by one step of a tiny model of the same kind: its lazy imports (torch.optim's AdamW
+    imports torch._dynamo when built, ~100 MiB resident that our AdamW never loads) and kernels' set-up."""
     import ctypes
     libc = ctypes.CDLL(None)
     libc.mallopt(-3, 65536)              # M_MMAP_THRESHOLD, fixed (no adaptive threshold)
     libc.mallopt(-1, 0)                  # M_TRIM_THRESHOLD
     torch.set_num_threads(threads)
-    import transformers, train  # noqa: F401,E401   (imported before the baseline)
+    dtype = getattr(torch, dtype_name)
+    tiny = dict(shape, vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, batch=2, seq=8)
+    step_fns(*_shape(tiny), dtype, (name,))[name]()
 
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
     before = status("VmRSS:")
-    fns = step_fns(*_shape(shape), getattr(torch, dtype_name), (name,))
+    fns = step_fns(*_shape(shape), dtype, (name,))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                     # VmHWM := VmRSS
     fns[name]()
