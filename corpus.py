@@ -404,6 +404,9 @@ def iter_pieces(text: str, limit: int = PIECE_CHARS):
 
 
 TOKENIZER_CHARS = 8_000_000   # training text sampled from the corpus: enough for 4k-32k pieces, fast
+# The most pieces a tokenizer trained on that sample may have: its last pieces are seen a handful of times (the
+# embedded corpus's sample holds at most 92,777), and sentencepiece learns "too many" only after the whole training.
+MAX_TRAINED_VOCAB = 65536
 SAMPLE_BYTES = 4 * TOKENIZER_CHARS  # read of one document at most, and about that much a read
 TOKENIZER_RECIPE = "bpe-v2"   # bump when the training settings below change (invalidates caches)
 
@@ -501,6 +504,10 @@ def check_vocab(vocab_size: int, flags: dict = FLAGS) -> None:
     if vocab_size < 260:            # sentencepiece's own error for these is an empty message
         raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
                         f"{flags['model.vocab_size']}=260 or more (the corpus's characters add to that){or_given(flags)}")
+    if vocab_size > MAX_TRAINED_VOCAB:      # Llama 3's 128,256: Meta's tokenizer, not one an 8M-character sample makes
+        raise DataError(f"a {vocab_size:,}-piece tokenizer is more than nanotrn trains on its {TOKENIZER_CHARS:,}-character "
+                        f"sample (at most {MAX_TRAINED_VOCAB:,}): set {flags['model.vocab_size']}={MAX_TRAINED_VOCAB} "
+                        f"or less" + (f"{or_given(flags)} (the model's own: Llama 3's tokenizer.json)" if or_given(flags) else ""))
 
 
 def sample_texts(corpus: Corpus, val_fraction: float):

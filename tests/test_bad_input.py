@@ -241,7 +241,7 @@ CASES = [
     # ---- train.py: sizes that must fit in memory
     ("vocab 1e9", ("train", ["--model.vocab_size=1000000000", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
                              "--data.cache_dir={t}/c", "--log.tensorboard="]),
-     ["--model.vocab_size=1000000000", "does not fit"], 1, True),
+     ["1,000,000,000-piece", "--model.vocab_size=65536 or less"], 1, True),     # a tokenizer to train: that bound first
     ("dim 2^20", T("--model.dim=1048576", "--model.n_heads=2", "--model.max_seq_len=32"),
      ["--model.dim=1048576", "does not fit"], 1, True),
     ("head dim 2^30", T("--model.head_dim_override=1073741824", "--model.n_kv_heads=2"),
@@ -274,10 +274,10 @@ CASES = [
                                  "--data.cache_dir={t}/c", "--log.tensorboard="]),
      ["binary.txt", "invalid UTF-8"], 1, True),
     ("utf-16 corpus", T("--data={W}/utf16.txt"), ["utf16.txt", "is UTF-16 text", "iconv -f UTF-16 -t UTF-8"], 1, True),
-    ("vocab above corpus", ("train", [*TINY[:-8], "--model.vocab_size=100000", "--model.max_seq_len=32",
+    ("vocab above corpus", ("train", [*TINY[:-8], "--model.vocab_size=60000", "--model.max_seq_len=32",
                                       "--data={W}/corpus", "--out_dir={t}/o", "--ckpt.dir={t}/o/c",
                                       "--data.cache_dir={t}/c", "--log.tensorboard="]),
-     ["100000", "lower --model.vocab_size"], 1, False),
+     ["60000", "lower --model.vocab_size"], 1, False),
     ("eval windows above corpus", T("--log.eval_windows=1000000", "--log.eval_interval=1"),
      ["--log.eval_windows=1000000", "lower --log.eval_windows"], 1, True),
     ("random tokenizer", T("--data.tokenizer={W}/random.model"), ["random.model", "not a sentencepiece"], 1, True),
@@ -378,14 +378,16 @@ CASES = [
      ["nope", "does not exist"], 1, True),
     ("data: cache-dir a file", ("data", ["tokenizer", "--data", "{W}/corpus", "--cache-dir", "{W}/afile"]),
      ["--cache-dir", "afile"], 1, True),
-    ("data: vocab above corpus", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "100000",
-                                           "--cache-dir", "{t}/c"]), ["100000", "<= ", "lower --vocab"], 1, False),
+    ("data: vocab above corpus", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "60000",
+                                           "--cache-dir", "{t}/c"]), ["60000", "<= ", "lower --vocab"], 1, False),
+    ("data: vocab above what is trained", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "65537",
+                                                    "--cache-dir", "{t}/c"]), ["65,537-piece", "--vocab=65536"], 1, True),
     ("data: --out inside a source", ("data", ["prepare", "{W}/corpus", "--out", "{W}/corpus/all.arrow"]),
      ["inside the source directory", "read its documents twice"], 1, True),
     ("data: corrupt .txt.gz", ("data", ["prepare", "{W}/bad.txt.gz", "--out", "{t}/x.arrow"]),
      ["bad.txt.gz", "cannot be decompressed"], 1, True),
     ("data: vocab beyond int32", ("data", ["tokenizer", "--data", "{W}/corpus", "--vocab", "99999999999",   # (past 2**63: a domain)
-                                           "--cache-dir", "{t}/c"]), ["99999999999", "lower --vocab"], 1, False),
+                                           "--cache-dir", "{t}/c"]), ["99,999,999,999-piece", "--vocab=65536"], 1, True),
     # ---- checkpoint.py
     ("ckpt: ls one step", ("checkpoint", ["ls", "{W}/run/ckpt/step_00000002"]), ["is one checkpoint", "run/ckpt"], 1, True),
     ("ckpt: export into the checkpoints", ("checkpoint", ["export", "--overwrite", "{W}/run/ckpt", "{W}/run/ckpt/tokenizer"]),
@@ -718,7 +720,10 @@ def test_a_bad_mixture_is_refused_in_one_line_before_the_claim(W, tmp_path, caps
 
 
 @pytest.mark.parametrize("args,says", [(["--data=,"], ["--data.data=','", "a source"]),
-                                       (["--data.tokenizer=", "--model.vocab_size=100"], ["100-piece", "260 or more"])])
+                                       (["--data.tokenizer=", "--model.vocab_size=100"], ["100-piece", "260 or more"]),
+                                       # Llama 3's vocabulary, none given: sentencepiece said so after the whole training
+                                       (["--data.tokenizer=", "--model.vocab_size=128256"],
+                                        ["128,256-piece", "--model.vocab_size=65536 or less", "--data.tokenizer"])])
 def test_a_run_that_cannot_get_data_or_a_tokenizer_is_refused_before_the_claim(W, tmp_path, capsys, args, says):
     """--data=, (a mixture of no source) and a vocabulary too small for a tokenizer to be trained (none given, no
     resume of a run that keeps its own): one line before any work; they were refused after the checkpoint directory
