@@ -532,3 +532,17 @@ def test_a_folders_hidden_folders_are_not_read(tmp_path):
     left = []
     got = resolve_paths(str(tmp_path), left_out=left)
     assert sorted(os.path.relpath(p, tmp_path) for p in got) == ["a.txt", "src/b.py"] and left == []
+
+
+def test_a_split_word_inside_a_longer_word_names_no_split_as_in_datasets(tmp_path):
+    """A split's word counts only between datasets' NON_WORDS_CHARS ([-._ 0-9], or the name's ends): latest.jsonl
+    holds 'test', devices.jsonl 'dev', pretraining.jsonl 'train', yet none names a split, and `datasets` reads the
+    four as one 'train' split (get_data_patterns, the reference here). Matched anywhere, the folder was refused
+    as holding only test and validation splits."""
+    from datasets.data_files import get_data_patterns
+    from sources import resolve_paths
+    names = ["contest.jsonl", "devices.jsonl", "latest.jsonl", "pretraining.jsonl"]
+    for n in names:
+        (tmp_path / n).write_text('{"text": "x"}\n')
+    assert {str(k): v for k, v in get_data_patterns(str(tmp_path)).items()} == {"train": ["**"]}
+    assert sorted(os.path.basename(p) for p in resolve_paths(str(tmp_path))) == names
