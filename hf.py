@@ -432,13 +432,13 @@ class HFTokenizer:
         else:
             shutil.copyfile(self.path, os.path.join(folder, "tokenizer.json"))
         ids = special_ids(self)
-        conf = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+        conf = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+                "model_input_names": ["input_ids", "attention_mask"]}   # not token_type_ids: a Llama's generate refuses them
         for name, i in (("bos", ids["bos"]), ("eos", ids["eos"]), ("pad", ids["pad"] if ids["pad"] is not None else ids["eos"])):
             if i is not None:            # the tokenizer pads with EOS when it has no pad (lm-eval batches)
                 conf[f"{name}_token"] = self.tk.id_to_token(i)
         conf.pop("added_tokens_decoder", None), conf.pop("auto_map", None)
-        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-            json.dump(conf, f, indent=2)
+        Path(folder, "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
 
 
 def prompt_ids(tok, text: str, bos: bool = True) -> list[int]:

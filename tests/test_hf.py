@@ -461,6 +461,21 @@ def test_a_run_without_bos_exports_a_tokenizer_without_it(tmp_path):
                 assert auto(text)["input_ids"] == [tok.bos_id] * bos + tok.encode(text) == hf_io.prompt_ids(tok, text, bos)
 
 
+def test_a_tokenizer_json_export_generates_with_the_docs_command(tmp_path):
+    """docs/huggingface.md's `m.generate(**t('def ', return_tensors='pt'), ...)` on the export of a run
+    with a tokenizer.json: PreTrainedTokenizerFast's default inputs hold token_type_ids, which a Llama's
+    generate refuses (ValueError: model_kwargs not used); the export names the two a Llama takes."""
+    import data
+    llama3_tokenizer(tmp_path / "t")
+    cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    hf_io.save_hf(llama.Llama(cfg).init_weights(0).state_dict(), cfg, str(tmp_path / "out"),
+                  tokenizer=data.load_tokenizer(str(tmp_path / "t")))
+    t = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    prompt = t("def ", return_tensors="pt")
+    assert m.generate(**prompt, max_new_tokens=2, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 2
+
+
 def test_kept_tokenizer_can_be_the_runs_tokenizer(tmp_path):
     """A run resumed with --tokenizer=<ckpt dir>/tokenizer (the copy the first run kept) keeps it
     again: copying a file onto itself must not stop the run."""
