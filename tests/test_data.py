@@ -1420,6 +1420,8 @@ def test_a_split_asked_of_a_folder_that_names_none_is_refused_not_ignored(tmp_pa
     assert data.Corpus(str(tmp_path / "dd")).n_docs == 3
     with pytest.raises(data.DataError, match="all of it is 'validation'"):
         data.Corpus(str(tmp_path / "val"), split="test")
+    # what that refusal advises: the default split reads a Dataset saved as another split whole
+    assert data.Corpus(str(tmp_path / "val")).n_docs == 3
 
 
 def test_datasets_folders_read_as_datasets_would(tmp_path):
