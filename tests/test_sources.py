@@ -546,3 +546,15 @@ def test_a_split_word_inside_a_longer_word_names_no_split_as_in_datasets(tmp_pat
         (tmp_path / n).write_text('{"text": "x"}\n')
     assert {str(k): v for k, v in get_data_patterns(str(tmp_path)).items()} == {"train": ["**"]}
     assert sorted(os.path.basename(p) for p in resolve_paths(str(tmp_path))) == names
+
+
+def test_a_recursive_glob_reads_the_files_it_matches_not_its_folders(tmp_path):
+    """`--data='corpus/**'` matches corpus/ and corpus/sub/ as well as the files under them (glob's ** with
+    recursive=True): the folders are passed over, the files read, as the folder itself reads them."""
+    from sources import resolve_paths
+    (tmp_path / "corpus" / "sub.d").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("a")
+    (tmp_path / "corpus" / "sub.d" / "b.txt").write_text("b")
+    got = resolve_paths(str(tmp_path / "corpus" / "**"))
+    assert got == sorted(resolve_paths(str(tmp_path / "corpus"))) == [str(tmp_path / "corpus" / "a.txt"),
+                                                                      str(tmp_path / "corpus" / "sub.d" / "b.txt")]
