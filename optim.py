@@ -496,7 +496,7 @@ class Zero1AdamW(AdamW):
             pieces.append(torch.empty(c1 - c0, dtype=dtype, device=device))
             dist.reduce_scatter_tensor(pieces[-1], bucket, group=g.dp_group)
         shard = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, over_dp=True)
+        norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, device, over_dp=True)
         if max_norm > 0:
             shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(dtype))
         self._grad_shard = shard

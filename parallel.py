@@ -522,10 +522,12 @@ def reduce_gradients(model: nn.Module, grid: Grid, bucket_bytes: int = BUCKET_BY
         _all_reduce_flat(bucket, grid.dp_group, scale=1.0 / grid.dp)
 
 
-def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
+def global_norm(pieces, grid: Grid, device, over_dp: bool = False) -> torch.Tensor:
     """L2 norm of a whole-model quantity from this rank's [(tensor, weight)] (sharding.tp_pieces'
-    weights), summed over TP and PP, and over DP when DP ranks hold disjoint shards (ZeRO-1)."""
-    total = torch.zeros((), dtype=torch.float32, device=pieces[0][0].device if pieces else "cpu")
+    weights), summed over TP and PP, and over DP when DP ranks hold disjoint shards (ZeRO-1). Its sum
+    starts on `device`, the model's: a ZeRO-1 rank may hold no piece (N < ~DP^2), and nccl or xla
+    all-reduce only their device's tensors (it was the CPU's there)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for t, weight in pieces:
         if weight:
             total += t.float().pow(2).sum() * weight
@@ -536,7 +538,7 @@ def global_norm(pieces, grid: Grid, over_dp: bool = False) -> torch.Tensor:
 
 def _norm_of(params, tensors, grid: Grid) -> torch.Tensor:
     return global_norm([(t.reshape(-1)[a:b], w) for p, t in zip(params, tensors)
-                        for a, b, _, w in sharding.tp_pieces(p, grid.tp_rank)], grid)
+                        for a, b, _, w in sharding.tp_pieces(p, grid.tp_rank)], grid, params[0].device)
 
 
 @torch.no_grad()

@@ -682,6 +682,42 @@ def test_zero1_dp2_matches_unsharded(tmp_path):
     spawn(_zero1_worker, (2, str(tmp_path / "store")), nprocs=2)
 
 
+def test_a_global_norm_of_no_piece_is_a_zero_on_the_models_device():
+    """A ZeRO-1 rank whose shard holds no parameter (N < ~DP^2) has no piece: its zero was made on the CPU, which an
+    nccl or xla all-reduce refuses beside the other ranks' device tensors. It is made on the device it is given."""
+    meta = torch.device("meta")
+    for pieces in ([], [(torch.ones(3, dtype=torch.bfloat16, device=meta), 1)]):
+        norm = parallel.global_norm(pieces, Grid(), meta, over_dp=True)
+        assert (norm.device, norm.dtype, norm.shape) == (meta, torch.float32, ()), (len(pieces), norm.device)
+
+
+def _zero1_empty_rank_worker(rank: int, world: int, store_file: str):
+    """DP=4 over 5 elements: S = 2, so rank 3's shard [6, 8) holds none of them (no slot)."""
+    _init_gloo(rank, world, store_file)
+    grid = Grid(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))))
+    try:
+        cfg = tiny_config("fp32", grad_clip=0.5, lr=0.1)
+        p, q = (torch.nn.Parameter(torch.arange(5.0)) for _ in range(2))
+        opt, ref = optim.Zero1AdamW([("w", p)], cfg.optim, grid), optim.AdamW([("w", q)], cfg.optim)
+        assert (len(opt.slots) == 0) == (rank == 3), (rank, len(opt.slots))
+        grads = [torch.linspace(-1, 1, 5) * (r + 1) for r in range(world)]
+        p.grad, q.grad = grads[rank].clone(), sum(grads) / world
+        norm = opt.reduce_scatter_and_clip(0.5)
+        opt.step()
+        ref_norm = torch.linalg.vector_norm(q.grad)
+        q.grad.mul_(0.5 / (ref_norm + 1e-6))
+        ref.step()
+        assert norm.device == p.device and abs(norm.item() - ref_norm.item()) < 1e-6 * ref_norm.item(), (rank, norm)
+        assert torch.allclose(p.detach(), q.detach(), atol=1e-7), (rank, p, q)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero1_with_a_rank_that_holds_no_parameter_matches_unsharded(tmp_path):
+    spawn(_zero1_empty_rank_worker, (4, str(tmp_path / "store")), nprocs=4)
+
+
 def _tp_dp_worker(rank: int, world: int, store_file: str):
     """TP=2 x DP=2 with SP and a KV head replicated on both TP ranks (n_kv_heads=1): ZeRO-1 on
     parallel.py's TP model against the unsharded optimizer on one full model."""
@@ -848,6 +884,12 @@ for name, p in model.named_parameters():
     assert t.device == p.device, f"{name}: the master is on {t.device}, the param on {p.device}"
     parallel._all_gather(t, dist.group.WORLD, dim=0)           # the export's TP gather of it
     parallel.broadcast(t.clone(), 0, dist.group.WORLD)         # the pipeline's, over PP
+# A ZeRO-1 rank holding no parameter: its zero was a CPU tensor, which the backend refuses ("Expected all tensors ...
+# to be XLA tensors") once its all-reduce runs: in a world of one only with XLA_ALWAYS_ALLREDUCE (else a clone).
+import os
+os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"
+norm = parallel.global_norm([], grid, dev, over_dp=True)
+assert norm.device == dev and norm.dtype == torch.float32 and norm.cpu().item() == 0.0, norm.device
 print("ok", len(kept))
 """
 
