@@ -140,9 +140,11 @@ class Corpus:
         check_maps(sum(stat[p].st_size > 0 and (p.endswith(COPIED + (".jsonl", ".json", ".arrow")) or
                                                  doc_per_line and p.endswith(".txt")) for p in paths))
         # A UTF-16 file refused before the files ahead of it are copied (hours for a big corpus): the heads of those still
-        # to copy sniffed first (a first start only: a 4 KiB read of each a rank; later a stat of each copy a rank).
-        prepare.check_heads([p for p in paths if stat[p].st_size and p.endswith(COMPRESSED)
-                             and not os.path.exists(prepare.copy_path(p, field_of[p], doc_per_line, cache_dir, stat[p]))])
+        # to copy sniffed first (a first start only: a 4 KiB read of each a rank; later a stat of each copy a rank), and
+        # those whose lines are indexed (before a big .jsonl's index is built; LineDocs reads that page anyway).
+        lined = (".jsonl", ".json") + ((".txt",) if doc_per_line else ())
+        prepare.check_heads([p for p in paths if stat[p].st_size and (p.endswith(lined) or p.endswith(COMPRESSED) and not
+                             os.path.exists(prepare.copy_path(p, field_of[p], doc_per_line, cache_dir, stat[p])))])
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             field = field_of[p]
