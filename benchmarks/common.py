@@ -32,13 +32,17 @@ def no_page_fault_churn():
 def alternate(fns: dict, rounds: int, reps: int = 1, sync=None) -> dict[str, list[float]]:
     """Seconds of `reps` calls of each function, per round, the functions taking turns in every
     round so that the machine's noise hits all alike; one warm-up call each first (allocator, kernels).
-    sync: waits for an asynchronous device (a GPU) before each clock read."""
+    The order rotates from round to round, so that each function runs in each place as often as the
+    others: one step leaves the allocator and caches in its state for the next. sync: waits for an
+    asynchronous device (a GPU) before each clock read."""
     sync = sync or (lambda: None)
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             sync()
             t = time.perf_counter()
             for _ in range(reps):

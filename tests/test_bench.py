@@ -157,3 +157,20 @@ def test_a_steps_peak_memory_holds_no_one_time_import():
     shape = dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, batch=2, seq=8)
     for name in ("ours", "transformers", "trainer"):
         assert _peak_in_a_fresh_process(shape, name) < 16 * 2**20, name
+
+
+def test_alternating_rounds_rotate_which_step_runs_first():
+    # benchmarks/common.alternate ran the steps in the same order every round: transformers' step always right after
+    # ours freed its buffers (glibc's adaptive mmap threshold and the caches carry one step's state into the next:
+    # common.no_page_fault_churn saw 25% on transformers' step from what ran before it), and `bench.py train`'s
+    # docstring said its three steps rotate where they did not. Now each runs in each position equally often.
+    from benchmarks.common import alternate
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = alternate(fns, rounds=6)
+    assert calls[:3] == ["a", "b", "c"]                        # the warm-up
+    rounds = [calls[i:i + 3] for i in range(3, len(calls), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == ["a", "b", "c"] for r in rounds), rounds
+    for position in range(3):
+        assert sorted(r[position] for r in rounds) == ["a", "a", "b", "b", "c", "c"], rounds
+    assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6, "c": 6}
