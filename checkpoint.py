@@ -41,7 +41,7 @@ from ckptsave import SaveFailed, Writer, to_host  # noqa: F401  (for train.py)
 from faults import Faults
 from reshard import Loaded, writer_dp_rank  # noqa: F401  (tests ask checkpoint.writer_dp_rank)
 
-MODEL_FIELDS_FREE = {"checkpointing", "attention"}       # may change on resume: they do not touch weights
+MODEL_FIELDS_FREE = {"checkpointing", "attention", "max_seq_len"}    # may change on resume: they do not touch weights
 # A new run beside an old one needs its own checkpoints and its own export, which a fresh run will not write over:
 # --out_dir moves both, where --ckpt.dir alone led into the export folder's refusal.
 NEW_RUN = "--out_dir (its ckpt/, hf/ and tb/ follow it unless given)"

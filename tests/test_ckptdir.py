@@ -511,6 +511,18 @@ def test_a_checkpoint_of_an_older_nanotrn_without_later_model_keys_resumes(tmp_p
         Checkpointer(cfg_for(tmp_path, "--model.rope_scaling=llama3")).load_latest()
 
 
+def test_a_resume_may_raise_max_seq_len_to_train_longer_sequences(tmp_path):
+    """--model.max_seq_len only bounds positions (RoPE is computed from them; no weight depends on it),
+    so a run continued at a longer --seq_len may raise it. It was refused as "another model" whose
+    advice (the checkpoint's --model.* settings) met --seq_len's own refusal ("raise max_seq_len"): a loop.
+    A key that shapes a weight is still another model."""
+    save(cfg_for(tmp_path), 3)
+    loaded = start(cfg_for(tmp_path, "--model.max_seq_len=512", "--seq_len=512")).load_latest()
+    assert loaded.step == 3 and torch.equal(loaded.model["w"], torch.full((4,), 3.0))
+    with pytest.raises(CheckpointError, match="model.ffn_dim: checkpoint 704, now 768"):
+        Checkpointer(cfg_for(tmp_path, "--model.ffn_dim=768")).load_latest()
+
+
 @pytest.mark.slow       # one process (~4 s: torch's import)
 def test_a_ckpt_dir_this_user_cannot_list_is_one_line_before_any_work(tmp_path):
     """A --ckpt.dir of mode 0300 (writable, not listable: another user's drop box) as a non-root user was a
