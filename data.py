@@ -67,7 +67,7 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
                         f"all of {cfg.data!r} holds (at most {bound:,} tokens), "
                         f"let alone its held-out share: lower --log.eval_windows (or --log.eval_interval=0)")
     if bound >= gb * L1:
-        return
+        return check_val(cfg, index) if eval_windows else None
     # Small enough to read (under one global batch of bytes): a document of only whitespace (one span) makes no
     # token; a span of whitespace inside a document does.
     rows = np.asarray(index.rows)
@@ -83,6 +83,15 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     raise DataError(f"{cfg.data!r} holds {size:,} bytes of text, at most {most:,} tokens, but one global batch "
                     f"is global_batch {gb} x (seq_len {cfg.seq_len} + 1) = {gb * L1:,} tokens: add data"
                     + (f", or set {fix}" if fix else ""))
+
+
+def check_val(cfg: DataConfig, idx: SpanIndex) -> None:
+    """A held-out split to evaluate on: refused by check_size before a tokenizer is trained, and by a val loader."""
+    if not idx.has_val():
+        fix = ("set --data.val_fraction above 0" if cfg.val_fraction <= 0 else "raise --data.val_fraction"
+               if idx.n_spans > 1 else "add data (one span is never split)")
+        raise DataError(f"{cfg.data!r} has no held-out split (val_fraction {cfg.val_fraction}, {idx.n_spans} "
+                        f"span): {fix}, or turn evaluation off with --log.eval_interval=0")
 
 
 def pack(blocks, L1: int, position: dict):
@@ -295,11 +304,7 @@ class PackedLoader:
                     raise DataError(f"{name!r}: every span is held out for validation (val_fraction "
                                     f"{cfg.val_fraction}); lower --data.val_fraction or add data")
         else:
-            if not idx.has_val():
-                fix = ("set --data.val_fraction above 0" if cfg.val_fraction <= 0 else "raise --data.val_fraction"
-                       if idx.n_spans > 1 else "add data (one span is never split)")
-                raise DataError(f"{cfg.data!r} has no held-out split (val_fraction {cfg.val_fraction}, {idx.n_spans} "
-                                f"span): {fix}, or turn evaluation off with --log.eval_interval=0")
+            check_val(cfg, idx)
             ranges, keep = [idx.val_range()], "val" if idx.hashed else ""
             self.weights, self.lanes_max = np.ones(1), 1
         self.lanes = [lanes_per_stream(hi - lo, self.n_streams, self.lanes_max) for lo, hi in ranges]

@@ -1188,6 +1188,10 @@ def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing
     with pytest.raises(data.DataError) as e:                   # without evaluation it does not say so
         data.check_size(c, idx)
     assert "eval_interval" not in str(e.value).split("add data")[1]
+    # With evaluation on, a size that passes meets the 'no held-out split' refusal here, before a tokenizer is
+    # trained on the corpus (it came from the val loader, after the training); off, it passes.
+    with pytest.raises(data.DataError, match=r"no held-out split.*add data.*--log.eval_interval=0"):
+        data.check_size(cfg(c.data, global_batch=fits, micro_batch=2), idx, eval_windows=8)
 
 
 def test_one_span_with_a_val_fraction_is_not_told_to_set_the_val_fraction_it_has(tok, tmp_path):
