@@ -497,6 +497,8 @@ def test_a_texts_own_replacement_characters_are_not_counted_as_invalid_utf8():
     import sources
     assert sources.decode("caf\ufffd au lait".encode()) == ("caf\ufffd au lait", 0)
     assert sources.decode("\ufffd\ufffd ok ".encode() + b"\xff") == ("\ufffd\ufffd ok \ufffd", 1)
+    # likewise a JSON record's lone surrogate escapes ("\\udc80"), beside a U+FFFD of its own text
+    assert sources.no_surrogates("caf\ufffd \udc80\udc81") == ("caf\ufffd \ufffd\ufffd", 2)
 
 
 def test_a_folder_of_many_files_resolves_each_files_real_path_once_a_listing(tmp_path, monkeypatch):
