@@ -124,6 +124,10 @@ def test_line_index_round_trip(tmp_path):
     p.write_text("\n".join(recs[:3]) + "\n")
     assert LineDocs(str(p), True, "text", cache).read(range(3)) == [r.encode() for r in recs[:3]]
     assert LineDocs(str(p), True, "text", cache).n == 3
+    # Rewritten at its size later (a record edited in place): its lines lie elsewhere, a new index too.
+    p.write_text("\n".join(recs[2::-1]) + "\n")
+    os.utime(p, ns=(os.stat(p).st_atime_ns, os.stat(p).st_mtime_ns + 10**9))
+    assert LineDocs(str(p), True, "text", cache).read(range(3)) == [r.encode() for r in recs[2::-1]]
 
 
 def test_readers_hold_no_open_file(tmp_path):
