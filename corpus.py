@@ -8,6 +8,7 @@ corpus once and cached.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -532,10 +533,11 @@ def sample_texts(corpus: Corpus, val_fraction: float):
 
 
 def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: str, flags: dict = FLAGS,
-                    shown: str = "") -> None:
+                    shown: str = "", probe: bool = False) -> int | None:
     """Byte-fallback BPE with Llama 2's settings (identity normalization, digits split, unk/bos/eos =
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node.
-    Written to `path` (build_tokenizer: build_once's temporary, renamed into place as `shown` once complete)."""
+    Written to `path` (build_tokenizer: build_once's temporary, renamed into place as `shown` once complete).
+    probe: nothing written; returns the pieces it reaches, at most vocab_size (what sentencepiece's "too high" says)."""
     t0, lines, n = time.time(), [], corpus.n_docs
     chars = bad = 0
     for text, repl in sample_texts(corpus, val_fraction):
@@ -553,15 +555,17 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     if bad > chars / 10:
         raise DataError(f"{corpus.spec!r} does not look like text: {bad:,} of the {chars:,} characters sampled "
                         f"are invalid UTF-8 (binary or another encoding); convert it to UTF-8 or leave it out")
-    print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
-          f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
+    if not probe:
+        print(f"[data] training a {vocab_size}-piece BPE tokenizer on {len(lines):,} lines "
+              f"({chars / 1e6:.1f}M chars) of {corpus.spec!r}...", file=sys.stderr, flush=True)
     # Ctrl-C inside sentencepiece's C++ would wait for the training: the default action ends the
     # process at once (the model file is only ever renamed into place).
     main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, signal.SIG_DFL) if main_thread else None
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=path, vocab_size=vocab_size, model_type="bpe",
+            sentence_iterator=iter(lines), vocab_size=vocab_size, model_type="bpe",
+            **({"model_writer": (out := io.BytesIO()), "hard_vocab_limit": False} if probe else {"model_prefix": path}),
             byte_fallback=True, split_digits=True, normalization_rule_name="identity",
             add_dummy_prefix=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
             character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
@@ -578,6 +582,8 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)
+    if probe:
+        return spm.SentencePieceProcessor(model_proto=out.getvalue()).get_piece_size()
     os.replace(path + ".model", path)                   # sentencepiece writes PREFIX.model and PREFIX.vocab
     os.remove(path + ".vocab")
     del lines

@@ -34,7 +34,7 @@ import torch
 from configs import Config, ConfigError, DataConfig, check_dir, check_values
 
 # data.py is what train.py and benchmarks/ read: the names they need from the other modules come from here.
-from corpus import Corpus, DataError, Tokenizer, build_tokenizer, find_tokenizer, load_tokenizer  # noqa: F401
+from corpus import Corpus, DataError, Tokenizer, build_tokenizer, find_tokenizer, load_tokenizer, train_tokenizer  # noqa: F401
 from prepare import prepare
 from spans import Deal, SpanIndex, held_out, lanes_per_stream, positions, uniform
 
@@ -53,11 +53,12 @@ class StaleDataState(DataError):
     """A data state written before the current format: the run resumes its model, not its stream."""
 
 
-def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int = 0) -> None:
+def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int = 0, vocab: int = 0) -> None:
     """Refuse a corpus smaller than one global batch before a tokenizer is trained on it: tokens <=
     bytes (byte fallback) + one a span (a dummy prefix) + BOS/EOS, so only when certainly too small,
     naming the settings that pass. Likewise more evaluation windows than the whole corpus holds
-    (EvalWindows would cycle the held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it)."""
+    (EvalWindows would cycle the held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it).
+    vocab: the pieces of the tokenizer to be trained next (0: one given), whose own bound the refusal names too."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
     # A sentencepiece dummy prefix is a token of its own before a piece that has none ('{'): one more a span.
     bound = index.bytes + index.n_spans + ends * index.corpus.n_docs
@@ -80,6 +81,10 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     fix = " or ".join(([f"--global_batch={fits}"] if fits else []) + ([f"--seq_len={most // gb - 1}"] if most // gb > 1 else []))
     if fix and eval_windows and not index.has_val():      # else the next refusal: 'no held-out split'
         fix += ", with --log.eval_interval=0 (under one span of text, nothing is held out to evaluate on)"
+    # A tokenizer trained on this little text is bounded too (sentencepiece's "too high", after the advice was taken):
+    # the pieces a training on the same sample reaches, said now. Work of one global batch of text at most.
+    if fix and vocab and (most_pieces := train_tokenizer(index.corpus, cfg.val_fraction, vocab, "", probe=True)) < vocab:
+        fix += f", and --model.vocab_size={most_pieces} or less (what a tokenizer trained on this text holds)"
     raise DataError(f"{cfg.data!r} holds {size:,} bytes of text, at most {most:,} tokens, but one global batch "
                     f"is global_batch {gb} x (seq_len {cfg.seq_len} + 1) = {gb * L1:,} tokens: add data"
                     + (f", or set {fix}" if fix else ""))

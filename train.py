@@ -271,7 +271,9 @@ def run(argv: list[str]) -> None:
         d = cfg.data
         corpus = data.Corpus(d.data, d.text_field, d.doc_per_line, d.split, d.cache_dir, listing=listing)
         index = data.SpanIndex(corpus, d.seq_len, d.cache_dir, d.val_fraction)
-        data.check_size(d, index, grid.dp, cfg.log.eval_windows if cfg.log.eval_interval else 0)
+        trains = not d.tokenizer and not (cfg.ckpt.resume and ckpt.has_checkpoints())    # tokenizer_for_run's choice
+        data.check_size(d, index, grid.dp, cfg.log.eval_windows if cfg.log.eval_interval else 0,
+                        cfg.model.vocab_size if trains else 0)
         tok = tokenizer_for_run(cfg, corpus, ckpt, grid, log)   # given, the run's own, or trained
         train_loader = data.PackedLoader(d, tok, grid.dp_rank, grid.dp, split="train", corpus=corpus, index=index)
         # Evaluation is a property of the model: the same held-out windows at every layout (data.py).

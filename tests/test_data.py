@@ -1194,6 +1194,26 @@ def test_too_small_advice_also_turns_evaluation_off_where_one_span_holds_nothing
         data.check_size(cfg(c.data, global_batch=fits, micro_batch=2), idx, eval_windows=8)
 
 
+def test_a_tiny_corpus_refusal_names_the_vocabulary_a_tokenizer_trained_on_it_holds(tmp_path):
+    """A 300-byte text: the size refusal's advice led into sentencepiece's next one, 'Vocabulary size too high
+    (4096) ... <= 394', once a tokenizer was trained on it. Now the refusal names that bound too (a training of the
+    same sample, probed), and what it names passes both: the tokenizer trains at that size, not one piece more."""
+    (tmp_path / "t.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS[:20], 200))[:300])
+    cache = str(tmp_path / "cache")
+    c = DataConfig(data=str(tmp_path / "t.txt"), seq_len=SEQ, micro_batch=2, global_batch=16, cache_dir=cache)
+    idx = data.SpanIndex(data.Corpus(c.data), SEQ, cache, c.val_fraction)
+    with pytest.raises(data.DataError, match=r"--global_batch=(\d+).* and --model.vocab_size=(\d+) or less") as e:
+        data.check_size(c, idx, eval_windows=8, vocab=4096)
+    gb, n = (int(x) for x in re.search(r"--global_batch=(\d+).*--model.vocab_size=(\d+)", str(e.value)).groups())
+    data.check_size(DataConfig(**{**c.__dict__, "global_batch": gb}), idx, vocab=n)
+    assert data.build_tokenizer(DataConfig(data=c.data, cache_dir=cache, val_fraction=c.val_fraction), n).vocab_size == n
+    with pytest.raises(data.DataError, match=f"Vocabulary size too high .* <= {n}"):
+        data.build_tokenizer(DataConfig(data=c.data, cache_dir=cache, val_fraction=c.val_fraction), n + 1)
+    with pytest.raises(data.DataError) as e:            # a vocabulary it holds, or a tokenizer given: not named
+        data.check_size(c, idx, vocab=n)
+    assert "vocab_size" not in str(e.value)
+
+
 def test_one_span_with_a_val_fraction_is_not_told_to_set_the_val_fraction_it_has(tok, tmp_path):
     """A corpus of one span with --data.val_fraction 0.1 holds nothing out: the refusal names what helps (more
     text, or evaluation off), not 'set --data.val_fraction above 0', which it already is."""
