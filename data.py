@@ -58,7 +58,11 @@ def check_size(cfg: DataConfig, index: SpanIndex, dp: int = 1, eval_windows: int
     bytes (byte fallback) + one a span (a dummy prefix) + BOS/EOS, so only when certainly too small,
     naming the settings that pass. Likewise more evaluation windows than the whole corpus holds
     (EvalWindows would cycle the held-out stream for them, in memory: --log.eval_windows=1000000 ran out of it).
-    vocab: the pieces of the tokenizer to be trained next (0: one given), whose own bound the refusal names too."""
+    vocab: the pieces of the tokenizer to be trained next (0: one given), whose own bound the refusal names too.
+    The bound holds where normalizing does not lengthen the text: ours and Llama 2's (identity), byte-level BPEs.
+    A given sentencepiece with NFKC (its default nmt_nfkc) makes U+FDFA (3 bytes) 18 characters (20 tokens at 300
+    pieces): a corpus of such text just under a batch of bytes may be refused though its tokens fill one (the
+    advice still runs). Left so: only corpora under one global batch, and the tokenizer is not loaded here."""
     L1, gb, step, ends = cfg.seq_len + 1, cfg.global_batch, cfg.micro_batch * dp, int(cfg.bos) + int(cfg.eos)
     # A sentencepiece dummy prefix is a token of its own before a piece that has none ('{'): one more a span.
     bound = index.bytes + index.n_spans + ends * index.corpus.n_docs
