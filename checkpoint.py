@@ -511,6 +511,8 @@ def cli(argv: list[str]):
     if (kind := path_kind(root)) != "a directory":
         raise CheckpointError(f"{root!r} is {'missing' if kind == 'nothing' else kind}: give a checkpoint "
                               f"directory (the --ckpt.dir of a run)")
+    if not ckptdir.scan(Path(root)) and ckptdir.scan(Path(root, "ckpt")):      # train.py --out_dir=root's default
+        raise CheckpointError(f"{root} is a run's --out_dir: give its --ckpt.dir, {Path(root, 'ckpt')}")
     if argv[0] == "export":
         out = argv[2]
         try:

@@ -453,6 +453,22 @@ def test_ls_lists_the_folders_set_aside_after_the_step_folders(tmp_path, capsys)
     assert capsys.readouterr().out.splitlines()[0] == "step_00000003.bad1795865382362535150  set aside: damaged; kept, never resumed from"
 
 
+def test_ls_and_export_of_a_runs_out_dir_name_its_ckpt_folder(tmp_path, capsys):
+    """`train.py --out_dir=o1` keeps its checkpoints in o1/ckpt; `checkpoint.py ls o1` said only 'holds no
+    checkpoint: is it a run's --ckpt.dir?' and `export o1 o1/hf-bf16` 'is inside the checkpoint directory
+    o1'. Both now name o1/ckpt, which works; nothing is written."""
+    cfg = tiny_cfg(tmp_path / "o1" / "ckpt")
+    ck = Checkpointer(cfg)
+    ck.save(1, llama.Llama(cfg.model).init_weights(0).state_dict())
+    ck.close()
+    for argv in (["ls", "o1"], ["export", "o1", "o1/hf-bf16"], ["export", "o1", "elsewhere"]):
+        with pytest.raises(checkpoint.CheckpointError, match=f"o1 is a run's --out_dir: give its --ckpt.dir, {tmp_path}/o1/ckpt"):
+            checkpoint.cli([argv[0]] + [str(tmp_path / a) for a in argv[1:]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o1"] and sorted(os.listdir(tmp_path / "o1")) == ["ckpt"]
+    checkpoint.main(["export", str(tmp_path / "o1" / "ckpt"), str(tmp_path / "o1" / "hf-bf16")])
+    assert (tmp_path / "o1" / "hf-bf16" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("argv,says", [
     (["ls", "{ck}", "extra"], "ls takes CKPT_DIR, given '{ck}' 'extra'"),                # was the usage alone
     (["export", "{ck}"], "export takes CKPT_DIR HF_OUT_DIR, given '{ck}'"),
