@@ -44,7 +44,8 @@ ARCHITECTURES = {      # model_type -> why it is not a Llama, for the ones users
     "phi3": "fused projections and partial RoPE variants", "mixtral": "mixture-of-experts MLPs",
     "gemma": "GeLU MLPs and a scaled embedding", "gemma2": "soft-capping and sliding windows"}
 # A key config.json leaves out is what transformers' LlamaConfig / MistralConfig default to (not one guess for both)
-DEFAULTS = {"llama": {"max_position_embeddings": 2048}, "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096}}
+DEFAULTS = {"llama": {"max_position_embeddings": 2048},
+            "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8}}
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # Llama 3.1 rope_scaling
 LLAMA3_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")   # ours, in order
 RUN_MODEL_KEYS = ("checkpointing", "attention", "max_seq_len")    # what a run may set over --init_from's config
@@ -270,8 +271,7 @@ def load_sharded(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: int 
     full = param_shapes(cfg)
     for name, p in model.named_parameters():       # a tied matrix once, as embed.weight
         srcs, table = tables[name]
-        # This rank's rows: the (source, row) table indexed by the TP rule's row numbers; padding
-        # rows (-1) stay zero. Row-parallel weights keep every row and take this rank's columns.
+        # This rank's rows of the (source, row) table by the TP rule (padding, -1: zero); row-parallel: its columns
         rows, cols = sharding.index(name, full[name], cfg, tp, tp_rank)
         mine = table if rows is None else torch.where((rows >= 0).view(-1, 1), table[rows.clamp(min=0)], -1)
         cols = slice(None) if cols is None else cols

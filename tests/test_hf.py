@@ -93,6 +93,22 @@ def test_mistral_without_a_window_explicit_head_dim_and_both_rope_formats_load()
     assert (m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_original_max_len) == (500000.0, "llama3", 4.0, 32)
 
 
+def test_a_key_config_json_leaves_out_is_what_transformers_defaults_it_to():
+    """hf.DEFAULTS' rule for every key a Llama or Mistral config.json may leave out: the model built is the one
+    transformers' LlamaConfig / MistralConfig builds from the same file (its defaults, not ours: nanotrn's own
+    norm_eps is 1e-5 where both classes default rms_norm_eps to 1e-6; MistralConfig gives 8 KV heads)."""
+    ours_of = {"num_key_value_heads": "n_kv_heads", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+               "initializer_range": "init_std", "tie_word_embeddings": "tie_embeddings", "head_dim": "head_dim"}
+    full = {**BASE, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+            "initializer_range": 0.01, "tie_word_embeddings": True, "head_dim": 16, "sliding_window": None}
+    for kind, hf_class in (("llama", transformers.LlamaConfig), ("mistral", transformers.MistralConfig)):
+        for key, field in ours_of.items():
+            absent = {k: v for k, v in full.items() if k != key} | {"model_type": kind}
+            theirs = getattr(hf_class.from_dict(absent), key)
+            theirs = 64 // 16 if key == "head_dim" and theirs is None else theirs     # MistralConfig: None
+            assert getattr(hf_io.model_config_from_hf(absent), field) == theirs != full[key], (kind, key, theirs)
+
+
 def test_hidden_act_swish_is_silu_and_loads(tmp_path):
     """transformers computes hidden_act "swish" as silu (activations.ACT2FN: one SiLU module for both):
     it loads, to transformers' logits, and the export names it silu; "gelu" stays refused."""
