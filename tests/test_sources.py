@@ -108,6 +108,7 @@ def test_line_index_round_trip(tmp_path):
         assert not lines.bounds.flags.owndata             # a view of the mapped index
     lines = LineDocs(str(tmp_path / "a.txt"), False, "text", cache)
     assert lines.read_range(2, 1, -1) == b"d" and lines.read_range(0, 1, 3) == b"b\r"
+    assert lines.read_range(0, 1, -1) == b"b"         # to its end: a CRLF line's last span, as read() gives it
     # The scan's blocks: a newline at every edge of a 7-byte block gives the same index as one block.
     p = tmp_path / "e.jsonl"
     recs = [json.dumps({"text": "x" * (i % 9)}) for i in range(500)]
