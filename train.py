@@ -466,6 +466,8 @@ def run(argv: list[str]) -> None:
                 prompt = torch.tensor([hf.prompt_ids(tok, "def ", cfg.data.bos)], dtype=torch.long)
                 sample = final.generate(prompt, cfg.log.sample_tokens, eos_id=hf.special_ids(tok)["eos"])
                 log("sample:\n" + tok.decode([i for i in sample[0].tolist() if i < tok.vocab_size and i != tok.bos_id]))
+            log(f"next: {out_dir} loads in transformers (docs/huggingface.md); checkpoints: python checkpoint.py ls "
+                f"{cfg.ckpt.dir}" + (f"; curves: tensorboard --logdir {cfg.log.tensorboard}" * bool(cfg.log.tensorboard)))
     if step >= cfg.optim.max_steps and not compile_only and os.path.isdir(stop.launcher):  # then a signal is no stop
         open(os.path.join(stop.launcher, f"ended.{grid.rank}"), "w").close()
     parallel.destroy(grid)

@@ -38,6 +38,9 @@ def test_tiny_training_run_loss_falls(tmp_path):
     assert len(ls) == 8, r.stdout
     assert ls[-1] < ls[0] - 1.0, ls                     # from ~ln(4096)=8.3 down by well over a nat
     assert "val loss" in r.stdout and "sample:" in r.stdout
+    # the last line says what to do next (it was the sample's text): where the export, checkpoints, curves are
+    assert r.stdout.splitlines()[-1] == (f"next: {tmp_path}/out/hf loads in transformers (docs/huggingface.md); checkpoints: "
+                                         f"python checkpoint.py ls {tmp_path}/out/ckpt; curves: tensorboard --logdir {tmp_path}/out/tb")
     # Honest MFU on a CPU run: the peak is named, and no interval reads above 100%. (xla: an earlier
     # test of the session imported torch_xla, which sets PJRT_DEVICE, and train.py follows it.)
     # (cpu: one thread's rate where the run's two measured less, a busy host; hardware.thread_floor)
