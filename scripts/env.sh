@@ -64,7 +64,15 @@ export PJRT_DEVICE=NEURON
 # skips it and fails: --retry_failed_compilation compiles it again (Neuron docs, neuron-caching
 # "a compilation interrupted by ctrl-C ... marked as failed"; NxD's run_llama_7b_tp_ptl.sh sets it).
 # It and --cache_dir are the cache wrapper's flags (neuron_cc_wrapper), not passed to neuronx-cc.
-export NEURON_CC_FLAGS="--model-type=transformer --distribution-strategy=llm-training --retry_failed_compilation --cache_dir=${NEURON_CACHE_DIR}${NEURON_CC_EXTRA_FLAGS:+ ${NEURON_CC_EXTRA_FLAGS}}"
+# --distribution-strategy=llm-training on trn1 only, the blog's and HLAT's flag. AWS's trn2 configs pass none
+# (neuronx-distributed-training examples/conf/hf_llama3_8B_trn2_config.yaml and hf_llama3_70B_trn2_config.yaml:
+# compiler_flags '--model-type transformer'); NxD's Llama scripts dropped it on trn1 too at Neuron 2.22 (its
+# release notes, nxd-core.rst: Llama3-8B slower with it on PyTorch 2.5): kept there, as measured by the blog.
+strategy=" --distribution-strategy=llm-training"
+if [[ "${NANOTRN_INSTANCE:-trn1}" == "trn2" ]]; then
+    strategy=""
+fi
+export NEURON_CC_FLAGS="--model-type=transformer${strategy} --retry_failed_compilation --cache_dir=${NEURON_CACHE_DIR}${NEURON_CC_EXTRA_FLAGS:+ ${NEURON_CC_EXTRA_FLAGS}}"
 export NEURON_COMPILE_CACHE_URL="$NEURON_CACHE_DIR"
 # Custom softmax lowering (the blog) and host/device overlap: up to 3 graphs in flight. The
 # in-flight variable does nothing from Neuron 2.31 on (the runtime ignores it); it matters on the

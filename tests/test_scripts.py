@@ -282,6 +282,10 @@ def test_dry_run_trn2():
     assert "16 node(s) x 64 ranks = 1024 (trn2.48xlarge); tp=8 pp=1 dp=128" in headers[0]
     assert cmds[0][:3] == ["torchrun", "--nproc_per_node=64", "--nnodes=16"]
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    # AWS's trn2 configs compile with '--model-type transformer' and no --distribution-strategy (NxDT's
+    # hf_llama3_*_trn2_config.yaml); trn2 had trn1's llm-training (test_dry_run_7b_on_16_nodes keeps it there)
+    flags = env["NEURON_CC_FLAGS"].split()
+    assert flags[0] == "--model-type=transformer" and not any("distribution-strategy" in f for f in flags), flags
 
 
 def test_launch_sh_help_is_not_an_error_and_an_unknown_mode_is_named():
