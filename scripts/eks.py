@@ -274,7 +274,8 @@ def job(args, mode: str, cfg, hw, train_args: list[str], neuron_env: dict) -> di
     # every interface of the node (more: never scheduled; fewer: less bandwidth): 8 on trn1.32xlarge,
     # 16 on trn1n (Neuron docs, "How to prepare trn1.32xlarge for multi-node execution"), 16 on
     # trn2.48xlarge (network cards 0-15 of AWS's trn2 node group: aws-neuron-eks-samples,
-    # dp_bert_hf_pretrain/cfn/eks_trn2_ng_stack_al2023.yaml). No hugepages-2Mi, as in those manifests: with
+    # dp_bert_hf_pretrain/cfn/eks_trn2_ng_stack_al2023.yaml; its 16 Trainium2 chips each on a 200 Gbps EFA
+    # interface: aws-neuron-sdk neuron-runtime/about/collectives.rst). No hugepages-2Mi, as in those manifests: with
     # env.sh's FI_EFA_FORK_SAFE=1 libfabric keeps its EFA bounce buffers out of huge pages.
     resources = {"aws.amazon.com/neuron": hw.devices, **({"vpc.amazonaws.com/efa": hw.efa} if multi else {})}
     container = {
