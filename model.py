@@ -52,6 +52,12 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
+    def reset_parameters(self):
+        # nn.Linear's kaiming draw, which init_weights or a checkpoint replaces: on the meta device
+        # (parallel.build_model) its shape check alone imported sympy, ~1 s CPU of every rank's start-up
+        if not self.weight.is_meta:
+            nn.Linear.reset_parameters(self)
+
     def forward(self, x):
         return linear(x, self.weight)
 
@@ -493,6 +499,8 @@ class LMHead(nn.Linear):
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
+
+    reset_parameters = Linear.reset_parameters
 
     def loss_sum(self, h: torch.Tensor, targets: torch.Tensor, grad_scale=None) -> torch.Tensor:
         return LinearCrossEntropy.apply(h.flatten(0, -2), self.weight, targets.flatten(), torch.is_grad_enabled(),

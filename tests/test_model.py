@@ -174,6 +174,25 @@ def test_scaled_init_std_matches_formula():
             assert abs(std - cfg.init_std) / cfg.init_std < 0.03, (name, std)
 
 
+def test_a_meta_build_draws_nothing_and_a_real_one_keeps_torchs_init(monkeypatch):
+    """On the meta device (parallel.build_model, param_shapes) the layers draw no initial weights: torch's
+    draws there (nn.Linear's kaiming_uniform_, nn.Embedding's normal_) imported sympy and torch._dynamo,
+    ~1 s CPU of every rank's start-up, for values init_weights or a checkpoint replaces. Off meta, torch's."""
+    drawn = []
+    for name in ("kaiming_uniform_", "normal_", "uniform_"):
+        real = getattr(torch.nn.init, name)
+        monkeypatch.setattr(torch.nn.init, name, lambda *a, _n=name, _f=real, **k: (drawn.append(_n), _f(*a, **k))[1])
+    with torch.device("meta"):
+        llama.Llama(tiny_cfg())
+    assert drawn == []
+    llama.Llama(tiny_cfg())
+    assert {"kaiming_uniform_", "normal_"} <= set(drawn)
+    torch.manual_seed(3)
+    ours = llama.Linear(8, 4).weight
+    torch.manual_seed(3)
+    assert torch.equal(ours, torch.nn.Linear(8, 4, bias=False).weight)
+
+
 def test_init_depends_only_on_seed_and_name():
     cfg = tiny_cfg(2)
     a, b = llama.Llama(cfg).init_weights(5), llama.Llama(cfg).init_weights(5)

@@ -499,6 +499,32 @@ def test_rank_groups_follow_nxd_layout():
     assert len(g["tp"][0]) == 32 and len(g["dp"][0]) == 1 and len(g["pp"][0]) == 8
 
 
+@pytest.mark.parametrize("tie,dtype", [(False, None), (True, torch.bfloat16)])
+def test_build_model_allocates_what_to_empty_allocates_without_empty_like(monkeypatch, tie, dtype):
+    """build_model allocates its meta model with torch.empty, not Module.to_empty: to_empty's empty_like of
+    a meta tensor ran torch's Python reference, whose stride logic imported sympy (~1 s CPU of every rank's
+    start-up). The same parameters and buffers as to_empty's (names, shapes, dtypes, strides, grads), tied."""
+    cfg = configs.PRESETS["tiny"]()
+    cfg.model.tie_embeddings = tie
+    with torch.device("meta"):
+        ref = llama.Llama(cfg.model)
+    if dtype is not None:
+        ref.to(dtype)
+    ref.to_empty(device="cpu")
+    parallel.tie_embeddings(ref)
+    calls = []
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    model = parallel.build_model(cfg, parallel.Grid(), "cpu", dtype=dtype)
+    assert calls == []
+
+    def described(m):
+        return [(n, t.device, t.shape, t.dtype, t.stride(), t.requires_grad, type(t))
+                for n, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]]
+    assert described(model) == described(ref)
+    assert (model.lm_head.weight is model.embed.weight) == tie
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 50.0])
 def test_clip_grad_norm_is_torchs_above_and_below_the_limit(max_norm):
     # Every layout above clips (test_clipping_was_active), so they never see a norm under the limit,
