@@ -314,6 +314,11 @@ def test_a_json_file_of_one_array_is_refused_naming_the_conversion(tmp_path, ind
     with pytest.raises(data.DataError, match=r"alpaca.json holds one JSON array, not JSON lines.*jq -c '\.\[\]' "
                                              r"\S+alpaca.json > \S+alpaca.jsonl"):
         data.Corpus(str(p))
+    # the jq line writes a file not there yet: never a user's alpaca.jsonl, nor its alpaca.1.jsonl
+    (tmp_path / "alpaca.jsonl").write_text("mine")
+    (tmp_path / "alpaca.1.jsonl").write_text("mine too")
+    with pytest.raises(data.DataError, match=r"\S+alpaca.json > \S+alpaca\.2\.jsonl$"):
+        data.Corpus(str(p))
 
 
 def test_json_lines_whose_first_line_is_a_list_are_not_called_one_json_array(tmp_path):
