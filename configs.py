@@ -281,6 +281,8 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
             raise ConfigError(f"unknown config key --{key}{f'; did you mean {hint}?' if hint else ''} (--help lists them all)")
         holder, f = keys[key]
         value = _parse_value(key, text, f.type)
+        if key in ("data.data", "data.tokenizer", "data.cache_dir", "init_from", "out_dir", "ckpt.dir", "log.tensorboard"):
+            value = ",".join(map(os.path.expanduser, value.split(",")))     # --data=~/x: bash expands ~ only at a word's start
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
         setattr(holder, f.name, value)

@@ -327,3 +327,16 @@ def test_a_folder_even_root_cannot_write_into_is_refused(tmp_path):
         configs.check_dir("log.tensorboard", "/proc/nanotrn/tb")
     configs.check_dir("out_dir", str(tmp_path / "new" / "run"))       # a folder that can be made: no error, nothing left
     assert os.listdir(tmp_path) == []
+
+
+def test_a_tilde_after_the_equals_sign_is_the_home_folder(monkeypatch, tmp_path):
+    """bash expands ~ only at a word's start: `--data=~/corpus` reached nanotrn as '~/corpus', refused as
+    "data source '~/corpus' does not exist" though it did. Path keys expand it as the shell would, each
+    source of --data; anything else is kept as given."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = configs.from_args(["--data=~/code.jsonl:0.7,prose.txt,~/more", "--tokenizer=~/t.model", "--init_from=~/m",
+                             "--out_dir=~/run", "--data.cache_dir=~/.cache", "--data.text_field=~x"])
+    assert cfg.data.data == f"{tmp_path}/code.jsonl:0.7,prose.txt,{tmp_path}/more"
+    assert (cfg.data.tokenizer, cfg.init_from, cfg.out_dir) == (f"{tmp_path}/t.model", f"{tmp_path}/m", f"{tmp_path}/run")
+    assert (cfg.ckpt.dir, cfg.log.tensorboard, cfg.data.cache_dir) == (f"{tmp_path}/run/ckpt", f"{tmp_path}/run/tb", f"{tmp_path}/.cache")
+    assert cfg.data.text_field == "~x"
