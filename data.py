@@ -19,6 +19,7 @@ import argparse
 import atexit
 import collections
 import dataclasses
+import os
 import queue
 import signal
 import sys
@@ -549,7 +550,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prepare", help="text/jsonl(.gz/.zst)/arrow/parquet shards -> Arrow, in parallel (prepare.py)")
     a.add_argument("sources", nargs="+", help="files, directories or globs of text/jsonl/arrow/parquet, or 'stdlib'")
-    a.add_argument("--out", required=True, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
+    home = lambda s: ",".join(map(os.path.expanduser, s.split(",")))     # noqa: E731  --out=~/x: bash leaves ~ after '='
+    a.add_argument("--out", required=True, type=home, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
     a.add_argument("--text-field", default="text", help="the JSON key or column holding the text (default: text)")
     a.add_argument("--split", default="train", help="a DatasetDict's or dataset repository's split (default: train)")
     a.add_argument("-j", "--workers", type=int, default=0, help="worker processes (default: one per core)")
@@ -562,7 +564,8 @@ def main(argv: list[str] | None = None) -> None:
              "data.text_field": "--text-field", "data.split": "--split", "data.val_fraction": "--val-fraction"}
     for key, flag in flags.items():
         default = getattr(getattr(Config(), key.split(".")[0]), key.split(".")[1])
-        t.add_argument(flag, default=default, type=type(default), help=f"train.py's --{key} (default: {default})")
+        t.add_argument(flag, default=default, type=home if flag in ("--data", "--cache-dir") else type(default),
+                       help=f"train.py's --{key} (default: {default})")
     t.add_argument("--doc-per-line", action="store_true", help="train.py's --data.doc_per_line")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)

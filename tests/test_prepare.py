@@ -116,6 +116,17 @@ def test_strict_stops_at_the_first_bad_record_and_writes_nothing(shards, tmp_pat
         assert os.listdir(tmp_path / f"dir{j}") == []
 
 
+def test_out_with_a_tilde_after_the_equals_sign_is_written_in_the_home_folder(shards, tmp_path, monkeypatch):
+    """`prepare ... --out=~/x.arrow`: bash leaves ~ after '=', and prepare wrote the corpus into a folder named
+    '~' in the working directory (one `rm -rf ~` from the user's home). --out, and the tokenizer command's --data
+    and --cache-dir, expand it as the shell would."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    data.main(["prepare", str(shards / "a.jsonl"), "--out=~/x.arrow"])
+    assert os.listdir(tmp_path / "home") == ["x.arrow"] and not (tmp_path / "~").exists()
+
+
 def test_wrong_text_field_and_broken_gzip_are_one_line_errors_before_any_output(shards, tmp_path):
     with pytest.raises(SystemExit, match=r"a.jsonl:1: no field 'body'.*--text-field"):
         data.main(["prepare", str(shards / "a.jsonl"), "--out", str(tmp_path / "x.arrow"), "--text-field", "body"])
