@@ -1336,6 +1336,17 @@ def test_tokenizer_command_caches_the_one_training_finds(tmp_path, capsys):
     assert data.build_tokenizer(DataConfig(data=str(tmp_path / "l.txt"), doc_per_line=True, cache_dir=cache), VOCAB).path == path
 
 
+def test_a_tilde_after_the_equals_sign_is_the_home_folder_in_data_py(tmp_path, monkeypatch, capsys):
+    """As train.py's path keys: `data.py tokenizer --data=~/c.txt --cache-dir=~/cache` and `prepare --out=~/p.arrow`
+    reached data.py as '~/c.txt' (bash expands ~ only at a word's start), refused as 'does not exist'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.txt").write_text("\n\n".join(make_docs(300)))
+    data.main(["tokenizer", "--data=~/c.txt", f"--vocab={VOCAB}", "--cache-dir=~/cache"])
+    assert capsys.readouterr().out.strip().startswith(str(tmp_path / "cache"))
+    data.main(["prepare", str(tmp_path / "c.txt"), "--out=~/p.arrow"])
+    assert (tmp_path / "p.arrow").exists()
+
+
 def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
     out = str(tmp_path / "all.arrow")
     data.main(["prepare", files["jsonl"], files["parquet"], "--out", out])
