@@ -281,6 +281,19 @@ def test_llama3_presets_are_the_released_models(preset, released, billions):
     configs.validate(configs.PRESETS[preset](), 4096)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama2_7b", "llama2_70b", "llama3_8b", "llama3_2_1b"])
+def test_every_presets_config_json_reads_back_as_the_same_model(preset):
+    """The export's config.json (hf_config) read back (model_config_from_hf, as --init_from and transformers read
+    it) is the model trained: every field, norm_eps (1e-5 here, transformers' default 1e-6), rope theta and scaling,
+    tied embeddings, init_std, an explicit head_dim."""
+    import dataclasses
+    import configs
+    m = configs.PRESETS[preset]().model
+    for m in (m, dataclasses.replace(m, init_std=0.01, head_dim_override=2 * m.head_dim)):
+        back = hf_io.model_config_from_hf(hf_io.hf_config(m), checkpointing=m.checkpointing, attention=m.attention)
+        assert back == m, (back, m)
+
+
 # ----------------------------------------------------------------------------- tokenizers, runs, exports
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i} of the corpus, über ünïcode 中文\n" * (1 + i % 5)
