@@ -570,3 +570,20 @@ def test_a_recursive_glob_reads_the_files_it_matches_not_its_folders(tmp_path):
     got = resolve_paths(str(tmp_path / "corpus" / "**"))
     assert got == sorted(resolve_paths(str(tmp_path / "corpus"))) == [str(tmp_path / "corpus" / "a.txt"),
                                                                       str(tmp_path / "corpus" / "sub.d" / "b.txt")]
+
+
+def test_a_compressed_jsonl_names_its_bad_record_by_the_line_the_jsonl_does(tmp_path):
+    """A .jsonl.gz is read through its Arrow copy (CachedDocs), a row per line: its first bad record is named
+    by its line number in the file, 1-based, as the .jsonl's reader names it (`zcat x.jsonl.gz | sed -n 3p`)."""
+    import gzip
+    import corpus
+    body = b'{"text": "one"}\n{"text": "two"}\n{not json\n{"text": "four"}\n'
+    (tmp_path / "x.jsonl").write_bytes(body)
+    (tmp_path / "x.jsonl.gz").write_bytes(gzip.compress(body))
+    said = []
+    for name in ("x.jsonl", "x.jsonl.gz"):
+        c = corpus.Corpus(str(tmp_path / name), cache_dir=str(tmp_path / "cache"))
+        c.read(range(c.n_docs))
+        said.append(c.examples["bad_record"])
+    assert [x.split(": ")[0] for x in said] == [f"{tmp_path}/x.jsonl:3", f"{tmp_path}/x.jsonl.gz:3"], said
+    assert said[0].split(": ", 1)[1] == said[1].split(": ", 1)[1], said
