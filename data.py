@@ -568,9 +568,6 @@ def main(argv: list[str] | None = None) -> None:
                        help=f"train.py's --{key} (default: {default})")
     t.add_argument("--doc-per-line", action="store_true", help="train.py's --data.doc_per_line")
     args = p.parse_args(argv)
-    for name in ("out", "data", "cache_dir"):   # --out=~/x: bash expands ~ only at a word's start (as configs' path keys)
-        if hasattr(args, name):
-            setattr(args, name, ",".join(map(os.path.expanduser, getattr(args, name).split(","))))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.cmd == "prepare":

@@ -1337,14 +1337,12 @@ def test_tokenizer_command_caches_the_one_training_finds(tmp_path, capsys):
 
 
 def test_a_tilde_after_the_equals_sign_is_the_home_folder_in_data_py(tmp_path, monkeypatch, capsys):
-    """As train.py's path keys: `data.py tokenizer --data=~/c.txt --cache-dir=~/cache` and `prepare --out=~/p.arrow`
-    reached data.py as '~/c.txt' (bash expands ~ only at a word's start), refused as 'does not exist'."""
+    """As train.py's path keys: `data.py tokenizer --data=~/c.txt --cache-dir=~/cache` reached data.py as '~/c.txt'
+    (bash expands ~ only at a word's start), refused as 'does not exist' (prepare's --out: test_prepare)."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.txt").write_text("\n\n".join(make_docs(300)))
     data.main(["tokenizer", "--data=~/c.txt", f"--vocab={VOCAB}", "--cache-dir=~/cache"])
     assert capsys.readouterr().out.strip().startswith(str(tmp_path / "cache"))
-    data.main(["prepare", str(tmp_path / "c.txt"), "--out=~/p.arrow"])
-    assert (tmp_path / "p.arrow").exists()
 
 
 def test_prepare_writes_one_large_string_arrow(files, tmp_path, capsys):
