@@ -31,8 +31,18 @@ BENCHES = {"step": bench_step, "train": bench_train, "data": bench_data, "precis
            "init": bench_init, "parallel": bench_parallel, "pp": bench_pp, "ckpt": bench_ckpt, "xla": bench_xla}
 
 
+# The flags only some benchmarks read: given to another, it would run as if they were not there.
+READ_BY = {"step_tokens": ("step",), "device": ("step",), "dtype": ("step",), "layers": ("init",), "lr": ("init",),
+           "data_shapes": ("data",), "data_part": ("data",), "data_corpora": ("data",),
+           "steps": ("step", "train", "precision", "init", "parallel", "pp", "xla")}
+
+
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every flag's domain, before a benchmark builds a corpus or a model (parser.error: one line, exit 2)."""
+    for flag, readers in READ_BY.items():
+        if args.which not in readers and getattr(args, flag) != parser.get_default(flag):
+            parser.error(f"--{flag}={getattr(args, flag)}: bench.py {args.which} does not read it (only "
+                         f"{', '.join(readers)}); drop it")
     # --threads: torch's pool hangs near 3,000 threads and segfaults at 4,096 (set_num_threads, torch 2.9 on CPU)
     for flag, ok, what in (("threads", 1 <= args.threads <= 1024, ">= 1 and <= 1024"),
                            ("steps", args.steps >= 0, ">= 0 (0: the default)"),

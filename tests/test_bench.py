@@ -174,3 +174,27 @@ def test_alternating_rounds_rotate_which_step_runs_first():
     for position in range(3):
         assert sorted(r[position] for r in rounds) == ["a", "a", "b", "b", "c", "c"], rounds
     assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6, "c": 6}
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "--steps", "10"], ["data", "--steps", "3"], ["train", "--dtype", "bfloat16"],
+                                  ["train", "--device", "cpu"], ["step", "--layers", "4"], ["precision", "--lr", "0.1"],
+                                  ["pp", "--data_part", "memory"], ["xla", "--step_tokens", "0"]])
+def test_a_flag_the_benchmark_does_not_read_is_refused(argv, monkeypatch, capsys):
+    # `bench.py ckpt --steps 10` ran its fixed 4 rounds, `bench.py train --dtype bfloat16` its fp32 and bf16 rows as
+    # always, `bench.py step --layers 4` the same shapes: the run measured something else than asked, and said nothing
+    from benchmarks import cli
+    monkeypatch.setitem(cli.BENCHES, argv[0], lambda args: pytest.fail(f"bench.py {' '.join(argv)} ran"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith(f"python bench.py: error: {argv[1]}=") and "drop it" in err, err
+
+
+def test_the_flags_a_benchmark_reads_pass_the_check(monkeypatch):
+    from benchmarks import cli
+    ran = []
+    for argv in (["init", "--lr", "0.1", "--layers", "4", "--steps", "2"], ["data", "--data_part", "memory"],
+                 ["step", "--dtype", "bfloat16", "--step_tokens", "0", "--device", "cpu", "--steps", "1"]):
+        monkeypatch.setitem(cli.BENCHES, argv[0], lambda args: ran.append(args.which))
+        cli.main(argv)
+    assert ran == ["init", "data", "step"]
