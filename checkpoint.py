@@ -122,7 +122,8 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
     # A key the checkpoint lacks came into ModelConfig after it was written, with a default that is
     # what nanotrn did before it (tie_embeddings, rope_scaling ... came with hf.py): not another model.
     saved, now = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}, cfg.to_dict()["model"]
-    diffs = [x for x in _diff(saved, now, "model.") if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
+    model_diffs = _diff(saved, now, "model.")
+    diffs = [x for x in model_diffs if x.split(":")[0][6:] not in MODEL_FIELDS_FREE]
     if diffs:
         raise CheckpointError(f"{d} holds another model than this run's:\n  " + "\n  ".join(diffs) +
                               "\nresume with the checkpoint's --model.* settings, or start a new run "
@@ -136,7 +137,8 @@ def check_config(meta: dict, d: Path, cfg: Config, say=print):
     now = cfg.to_dict()
     if not now["data"]["tokenizer"]:     # none given: the run's own, kept in ckpt/tokenizer (train.py), the same
         now["data"]["tokenizer"] = meta["config"].get("data", {}).get("tokenizer", "")
-    other = [x for x in _diff(meta["config"], now) if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
+    other = [x for x in model_diffs if x not in diffs]      # the free ones (max_seq_len ...): taken, and said
+    other += [x for x in _diff(meta["config"], now) if not x.startswith(("model.", "ckpt.", "out_dir", "device", "log."))]
     if other:
         say("resuming with settings that differ from the checkpoint's: " + "; ".join(other))
 

@@ -511,7 +511,7 @@ def test_a_checkpoint_of_an_older_nanotrn_without_later_model_keys_resumes(tmp_p
         Checkpointer(cfg_for(tmp_path, "--model.rope_scaling=llama3")).load_latest()
 
 
-def test_a_resume_may_raise_max_seq_len_to_train_longer_sequences(tmp_path):
+def test_a_resume_may_raise_max_seq_len_to_train_longer_sequences(tmp_path, capsys):
     """--model.max_seq_len only bounds positions (RoPE is computed from them; no weight depends on it),
     so a run continued at a longer --seq_len may raise it. It was refused as "another model" whose
     advice (the checkpoint's --model.* settings) met --seq_len's own refusal ("raise max_seq_len"): a loop.
@@ -519,6 +519,8 @@ def test_a_resume_may_raise_max_seq_len_to_train_longer_sequences(tmp_path):
     save(cfg_for(tmp_path), 3)
     loaded = start(cfg_for(tmp_path, "--model.max_seq_len=512", "--seq_len=512")).load_latest()
     assert loaded.step == 3 and torch.equal(loaded.model["w"], torch.full((4,), 3.0))
+    # said with the other differences (it was taken silently: only non-model keys were reported)
+    assert "settings that differ from the checkpoint's: model.max_seq_len: checkpoint 256, now 512" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="model.ffn_dim: checkpoint 704, now 768"):
         Checkpointer(cfg_for(tmp_path, "--model.ffn_dim=768")).load_latest()
 
