@@ -194,7 +194,8 @@ def test_the_flags_a_benchmark_reads_pass_the_check(monkeypatch):
     from benchmarks import cli
     ran = []
     for argv in (["init", "--lr", "0.1", "--layers", "4", "--steps", "2"], ["data", "--data_part", "memory"],
-                 ["step", "--dtype", "bfloat16", "--step_tokens", "0", "--device", "cpu", "--steps", "1"]):
-        monkeypatch.setitem(cli.BENCHES, argv[0], lambda args: ran.append(args.which))
+                 ["step", "--dtype", "bfloat16", "--step_tokens", "0", "--device", "cpu", "--steps", "1"],
+                 ["parallel", "--threads", "1", "--steps", "3"], ["pp", "--threads", "1", "--steps", "3"]):  # each rank's
+        monkeypatch.setitem(cli.BENCHES, argv[0], lambda args: ran.append(args.which))     # (common.launch_ranks)
         cli.main(argv)
-    assert ran == ["init", "data", "step"]
+    assert ran == ["init", "data", "step", "parallel", "pp"]
