@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # The environment as the session got it, read before any test module is imported. Importing
-# torch_xla sets PJRT_DEVICE=CPU (and XLA_FLAGS, ...) in os.environ: test_xla.py does at collection,
-# test_tied.py and test_data.py in a test. hardware.pick_device follows PJRT_DEVICE (--device=auto), so
+# torch_xla sets PJRT_DEVICE=CPU (and XLA_FLAGS, ...) in os.environ: test_tied.py and test_data.py do
+# in a test (test_xla.py did at collection). hardware.pick_device follows PJRT_DEVICE (--device=auto), so
 # a later train.main in this process, or a train.py child that inherits it, ran on XLA:CPU instead of
 # CPU depending on which files were collected or ran first; after a CPU backward, in-process XLA
 # fails (test_model, test_tied, then test_bad_input: an autograd engine INTERNAL ASSERT).

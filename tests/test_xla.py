@@ -25,6 +25,7 @@ never leak into other tests:
   - every graph of the run keeps to what neuronx-cc computes as written (neuron_violations: no f64
     tensor, no integer matmul, scatter-add, power or reduction, no int64 input but the batch's).
 """
+import importlib.util
 import json
 import os
 import re
@@ -48,7 +49,10 @@ TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_
                                                 # measure the model's matmul shapes, one setup graph each
 HOST_READS = ("TransferFromDevice", "xla::_to_cpu", "aten::_local_scalar_dense")
 
-pytest.importorskip("torch_xla")
+# Looked up, not imported: its import (torch._dynamo, sympy; ~2 s CPU) at collection was paid by every session,
+# the fast tier too, where no test here runs; every test runs torch_xla in its own child process.
+if importlib.util.find_spec("torch_xla") is None:
+    pytest.skip("torch_xla is not installed", allow_module_level=True)
 
 
 def child_env(functionalization: bool = True):
