@@ -139,13 +139,13 @@ def _main(argv: list[str]) -> None:
         if world > MOST_CORES:              # cores_that_run's divisor search at 10^18 cores and sequences: 10^9 tries
             raise ConfigError(f"--parallel.cores={world} is past any Trainium cluster: plan at most {MOST_CORES:,} "
                               f"NeuronCores ({MOST_CORES // 64:,} trn2.48xlarge at 64 logical cores each)")
+        check_instances(cfg, world)         # whole instances first: a batch that splits over 1000 cores runs on none
         try:                                # the configured layout must be one a launch could run
             check_layout(cfg, world)
         except ConfigError as e:
             fits = cores_that_run(cfg, world)
             raise ConfigError(f"{e} (planning for --parallel.cores={world}"
                               + (f"; --parallel.cores={fits} runs this layout)" if fits else ")")) from None
-        check_instances(cfg, world)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     try:

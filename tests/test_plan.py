@@ -360,6 +360,15 @@ def test_layouts_that_no_cluster_of_whole_instances_runs_are_refused(args, named
     plan.main(["--parallel.cores=8", "--parallel.tp=8", "--data.global_batch=8"])  # part of one instance
 
 
+@pytest.mark.parametrize("args", [["--parallel.cores=1000"], ["--instance=trn2", "--parallel.cores=100"]])
+def test_cores_of_no_whole_instances_are_refused_before_the_batch_that_does_not_split(args):
+    # 32 trn1 nodes mistyped as 1000 cores: the refusal said "pick a global batch that is a multiple of
+    # 125", and following it (--global_batch=1000) met the next: 31.25 trn1.32xlarge. The cores come first.
+    with pytest.raises(SystemExit) as e:
+        plan.main(args)
+    assert "plan whole instances, e.g. --parallel.cores=" in str(e.value) and "global batch" not in str(e.value), str(e.value)
+
+
 def test_gpipe_keeps_every_microbatch_on_the_last_stage_too():
     # pipeline.gpipe runs every forward before any backward, so every stage holds all m microbatches
     # (test_pipeline measures it: GPipe all m, 1F1B PP - s on stage s); the planner counted one on
