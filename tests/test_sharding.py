@@ -74,3 +74,23 @@ def test_the_vocabulary_is_padded_only_up_to_the_next_tp_multiple(vocab, tp):
     with torch.device("meta"):
         model = parallel.tensor_parallelize(llama.Llama(m), parallel.Grid(tp=tp, tp_rank=tp - 1), False)
     assert model.embed.weight.shape[0] == rows
+
+
+@pytest.mark.parametrize("tp,n_kv", [(4, 2), (4, 1), (8, 2)])
+def test_tp_pieces_names_a_kv_copy_as_the_ranks_that_hold_the_same_head(tp, n_kv):
+    """Where tp > n_kv_heads each KV head lies on tp / n_kv_heads ranks: tp_pieces' sharing name of a rank's KV rows
+    is what optim.py rounds identically (bf16_sr: one random stream per name), so two ranks share it exactly
+    when cut gave them the same KV head; else the copies of one head drift apart, or two heads round alike."""
+    m = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=8, n_kv_heads=n_kv, ffn_dim=64)
+    name = "layers.0.attn.qkv_proj.weight"
+    full = torch.randn(dict(llama.Llama(m).named_parameters())[name].shape)
+    kv = {}
+    for r in range(tp):
+        with torch.device("meta"):
+            model = parallel.tensor_parallelize(llama.Llama(m), parallel.Grid(tp=tp, tp_rank=r), False)
+        sharding.mark(model, tp, False)
+        (a, b, sharing, _), = [x for x in sharding.tp_pieces(dict(model.named_parameters())[name], r) if x[2].startswith("kv")]
+        kv[r] = sharing, sharding.cut(name, full, m, tp, r).reshape(-1)[a:b]
+    for r in range(tp):
+        for s in range(tp):
+            assert (kv[r][0] == kv[s][0]) == torch.equal(kv[r][1], kv[s][1]), (r, s, kv[r][0], kv[s][0])
