@@ -248,6 +248,9 @@ class CkptDir:
             return (f"--ckpt.dir {root} is one checkpoint, not a checkpoint directory: give the directory that "
                     f"holds it, {root.resolve().parent} (a run resumes from its newest valid checkpoint; to resume "
                     f"from this one, copy it and that directory's tokenizer/ into a new directory, and give that)")
+        if resume and root.is_dir() and not scan(root) and scan(root / "ckpt"):     # meant to resume that run
+            return (f"--ckpt.dir {root} is a run's --out_dir: give its --ckpt.dir, {root / 'ckpt'}, to resume it "
+                    f"(or another --ckpt.dir for a new run)")
         # what this claim creates, removed again by release() if the run leaves nothing else (a start refused)
         self.made = ([p for p in (root, *root.parents) if not p.exists()], not (root / "run.lock").exists())
         try:

@@ -174,6 +174,19 @@ def test_a_ckpt_dir_that_is_one_checkpoint_is_refused_naming_the_directory_that_
     start(cfg_for(tmp_path / "new" / "step_00000001")).close()     # named so, but no checkpoint's: a run's own
 
 
+def test_a_ckpt_dir_that_is_a_runs_out_dir_is_refused_naming_its_ckpt_folder(tmp_path):
+    """--ckpt.dir=o (a run's --out_dir, its checkpoints in o/ckpt), meaning "resume that run": found no step
+    folder in o and trained from step 0 beside o's ckpt/, hf/ and tb/. Refused before anything is written,
+    naming o/ckpt, as checkpoint.py ls/export do (2698197); --ckpt.resume=false still starts a new run there."""
+    save(cfg_for(tmp_path / "ckpt"), 3)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=f"--ckpt.dir {tmp_path} is a run's --out_dir: give its --ckpt.dir, "
+                                              f"{tmp_path / 'ckpt'}, to resume it"):
+        start(cfg_for(tmp_path))
+    assert tree(tmp_path) == before and not (tmp_path / "run.lock").exists()
+    start(cfg_for(tmp_path, "--ckpt.resume=false")).close()
+
+
 def test_a_file_system_without_flock_is_named_not_taken_for_another_run(tmp_path, monkeypatch):
     """flock fails with ENOSYS / EOPNOTSUPP / ENOLCK where the file system does not carry it (FSx for
     Lustre mounted without -o flock, NFS without its lock manager): that was told as "in use by
