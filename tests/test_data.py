@@ -1101,6 +1101,16 @@ def test_a_document_encoded_in_pieces_gives_the_whole_documents_tokens(tok):
     assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
 
 
+def test_a_document_is_cut_into_pieces_only_at_a_space_between_two_words():
+    """iter_pieces' rule, which makes the pieces' tokens the whole's: a cut replaces ONE space with a non-space
+    character on each side; never one of a run of spaces (code's indentation, two spaces after a full stop),
+    which a tokenizer's pieces may merge ('▁▁'). Here many a window's rightmost space is one of two."""
+    text = " ".join(f"def f{i}(x):  return {i}" for i in range(300))
+    pieces = list(corpus.iter_pieces(text, 40))
+    assert " ".join(pieces) == text and len(pieces) > 100
+    assert all(p[:1].strip() and p[-1:].strip() for p in pieces), [p for p in pieces if not (p[:1].strip() and p[-1:].strip())][:3]
+
+
 def test_a_long_document_gets_exactly_the_bos_and_eos_asked_for(tok, monkeypatch):
     """Tokenizer.encode_batch's path for documents over PIECE_CHARS (lowered to 200 here) adds BOS and EOS itself:
     each only where asked, as the short documents' path (sentencepiece's add_bos/add_eos) does."""
