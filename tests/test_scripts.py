@@ -636,6 +636,19 @@ def synthetic_records(kinds, arrival, transfer):
     return records
 
 
+def test_a_group_slower_by_less_than_the_minimum_gap_is_not_called_slow():
+    """A collective of tens of microseconds doubles with any scheduling hiccup: a group is slow only when it is both
+    --factor times the median and --min-gap slower (5x, but 40 us beside the 1 ms gap: healthy, nothing named)."""
+    world, per_node = 8, 4
+    kinds = healthcheck.group_kinds(world, tp=2, pp=1, ranks_per_node=per_node)
+    node_of = [r // per_node for r in range(world)]
+    records = synthetic_records(kinds, lambda r: 0.0, lambda k, g: 5e-5 if 3 in g else 1e-5)
+    rep = healthcheck.analyze(records, kinds, node_of, 2**20, factor=2.0, min_gap_s=1e-3)
+    assert rep["healthy"] and rep["slow_groups"] == [] and rep["suspect_ranks"] == [], rep["slow_groups"]
+    rep = healthcheck.analyze(records, kinds, node_of, 2**20, factor=2.0, min_gap_s=1e-5)     # the same, noticed
+    assert not rep["healthy"] and rep["suspect_ranks"] == [3]
+
+
 def test_analyze_locates_bad_link_and_bad_node():
     world, per_node = 32, 4
     kinds = healthcheck.group_kinds(world, tp=2, pp=1, ranks_per_node=per_node)
