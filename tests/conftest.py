@@ -15,9 +15,20 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# The session's forkserver (gloo_spawn's worlds, prepare.py's worker pools) preloads what its children import:
+# a spawned gloo worker's fresh interpreter spent ~3 s of CPU on torch and pytest (8 workers for test_pipeline's
+# world alone, ~30 in the suite); torch._dynamo (and sympy), ~1.5 s more, is imported on first use by a worker
+# that steps torch.optim (the tests' reference) or checkpoints activations; prepare and pandas (pyarrow's
+# pa.array imports it), ~1.1 s of CPU a pool of 2 prepare workers (~15 pools in the fast tier). The server is
+# a fresh interpreter that imported and ran nothing else (none of these starts a thread): forking it is safe.
+# Set here, not where it is first used, so that it holds whichever file starts the server.
+torch.multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["torch", "torch.distributed", "torch._dynamo", "pytest", "prepare", "pandas"])
 
 # XLA:CPU compiles at LLVM -O0 in the tests, in this process and in every child: compiling is most of
 # an XLA test's time (-O0 takes ~40% less CPU), and what the tests check (graphs, their counts and HLO,

@@ -33,13 +33,8 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-# The workers fork from a server that has torch and pytest imported: a spawned worker's fresh interpreter spent
-# ~3 s of CPU importing them (8 workers for test_pipeline's world alone, ~30 in the suite). The server is a
-# fresh interpreter that imported and ran nothing else (no threads), so forking it is safe; each worker gets
-# this process's environment as of the call, as a spawned one does. torch._dynamo (and sympy), ~1.5 s of CPU
-# more: a worker that steps torch.optim (the tests' reference) or checkpoints activations (torch.utils.checkpoint)
-# imports it on first use; it starts no thread either.
-mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest"])
+# The workers fork from the session's forkserver, torch and pytest imported (conftest.py says what it preloads
+# and why); each worker gets this process's environment as of the call, as a spawned one does.
 
 
 def _in_environ(environ: dict, worker, rank: int, *args):
