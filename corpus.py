@@ -510,7 +510,7 @@ def check_vocab(vocab_size: int, flags: dict = FLAGS) -> None:
     if vocab_size > MAX_TRAINED_VOCAB:      # Llama 3's 128,256: Meta's tokenizer, not one an 8M-character sample makes
         raise DataError(f"a {vocab_size:,}-piece tokenizer is more than nanotrn trains on its {TOKENIZER_CHARS:,}-character "
                         f"sample (at most {MAX_TRAINED_VOCAB:,}): set {flags['model.vocab_size']}={MAX_TRAINED_VOCAB} "
-                        f"or less" + (f"{or_given(flags)} (the model's own: Llama 3's tokenizer.json)" if or_given(flags) else ""))
+                        f"or less" + (f"{or_given(flags)} (a pretrained model's, e.g. Llama 3's tokenizer.json)" if or_given(flags) else ""))
 
 
 def sample_texts(corpus: Corpus, val_fraction: float):

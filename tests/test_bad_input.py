@@ -723,7 +723,7 @@ def test_a_bad_mixture_is_refused_in_one_line_before_the_claim(W, tmp_path, caps
                                        (["--data.tokenizer=", "--model.vocab_size=100"], ["100-piece", "260 or more"]),
                                        # Llama 3's vocabulary, none given: sentencepiece said so after the whole training
                                        (["--data.tokenizer=", "--model.vocab_size=128256"],
-                                        ["128,256-piece", "--model.vocab_size=65536 or less", "--data.tokenizer"])])
+                                        ["128,256-piece", "--model.vocab_size=65536 or less", "--data.tokenizer", "e.g. Llama 3's"])])
 def test_a_run_that_cannot_get_data_or_a_tokenizer_is_refused_before_the_claim(W, tmp_path, capsys, args, says):
     """--data=, (a mixture of no source) and a vocabulary too small for a tokenizer to be trained (none given, no
     resume of a run that keeps its own): one line before any work; they were refused after the checkpoint directory
