@@ -402,7 +402,9 @@ def left_out_line(paths: list[str]) -> str:
     return (f"data warning: {len(paths):,} files of the data folders left out ("
             + ", ".join(f"{n:,} {k}" for k, n in sorted(kinds.items())) + f"; the first: {paths[0]}): "
             + (f"a folder's .json files are read only when named (give {json_dir}/*.json to read them as JSON "
-               f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}")
+               f"lines); " if json_dir else "") + f"nanotrn reads {', '.join(SUFFIXES)}"
+            + (" (a folder with .jsonl, .arrow or .parquet files: those and its .txt; give the others by name or glob)"
+               if any(p.endswith(SUFFIXES) and not p.endswith(".json") for p in paths) else ""))
 
 
 def _remove_leftovers(out: str, one: bool, folder: str) -> None:

@@ -55,9 +55,8 @@ class DataError(ConfigError):
 
 def stdlib_files() -> list[str]:
     """The embedded corpus: every .py file of the running interpreter's standard library."""
-    root = sysconfig.get_paths()["stdlib"]
     out = []
-    for d, dirs, files in os.walk(root):
+    for d, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
         out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
     return out
@@ -112,8 +111,11 @@ def dataset_files(folder: str, split: str = "train", left_out: list | None = Non
     only_split(folder, split, split_flag, want if any(found.values()) else None)
     if not found:
         return [p for p in files if p.endswith(SUFFIXES)]
-    data_files = [p for p in files if p.endswith(STRUCTURED + (".txt", ".txt.gz", ".txt.zst"))      # text, compressed too
-                  and not os.path.basename(p).upper().startswith(("README", "LICENSE", "CHANGELOG"))]
+    read, card = STRUCTURED + (".txt", ".txt.gz", ".txt.zst"), ("README", "LICENSE", "CHANGELOG")    # text, compressed too
+    texts = [p for p in files if not os.path.basename(p).upper().startswith(card)]     # a dataset's card aside
+    data_files = [p for p in texts if p.endswith(read)]
+    if left_out is not None:    # its .md/.rst/.py: left out, and said so at start (they were dropped in silence)
+        left_out += [p for p in texts if p.endswith(SUFFIXES) and not p.endswith(read)]
     if any(found.values()):
         if want not in found.values():
             raise DataError(f"{folder} holds the splits {', '.join(sorted(set(filter(None, found.values()))))}, "
@@ -274,8 +276,7 @@ def offsets_file(path: str, kind: str, cache_dir: str, write) -> np.ndarray:
 
 
 def progress(total: int, desc: str, unit: str = "B"):
-    """A tqdm bar with ETA for a long build (a large corpus's indexes), on a terminal only: never in
-    logs or tests' output. One process of a node builds (the others wait at its lock): one bar."""
+    """A tqdm bar with ETA for a long index build, on a terminal only (never in logs or tests): one a node."""
     from tqdm import tqdm
 
     class Bar(tqdm):
@@ -285,14 +286,13 @@ def progress(total: int, desc: str, unit: str = "B"):
 
 
 def mapped(path: str, dtype=np.uint8) -> np.ndarray:
-    """A file as a read-only array over Arrow's memory map: no file descriptor stays open (np.memmap
-    keeps one, and a folder of thousands of shards would pass the usual limit of 1,024)."""
+    """A file as a read-only array over Arrow's memory map, which keeps no descriptor open (np.memmap keeps one:
+    a folder of thousands of shards would pass the usual limit of 1,024)."""
     return np.frombuffer(map_file(path), dtype) if os.path.getsize(path) else np.zeros(0, dtype)
 
 
 def map_file(path: str) -> pa.Buffer:
-    """The whole file, memory-mapped by Arrow. Arrow opens only names that are UTF-8: another (a name
-    from a foreign file system, surrogate-escaped) through its open descriptor's /proc name."""
+    """The whole file, memory-mapped by Arrow, which opens only UTF-8 names: another through its descriptor's /proc."""
     try:
         return pa.memory_map(path, "r").read_buffer()
     except UnicodeEncodeError:

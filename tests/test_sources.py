@@ -587,3 +587,23 @@ def test_a_compressed_jsonl_names_its_bad_record_by_the_line_the_jsonl_does(tmp_
         said.append(c.examples["bad_record"])
     assert [x.split(": ")[0] for x in said] == [f"{tmp_path}/x.jsonl:3", f"{tmp_path}/x.jsonl.gz:3"], said
     assert said[0].split(": ", 1)[1] == said[1].split(": ", 1)[1], said
+
+
+def test_a_data_folders_md_and_py_beside_its_jsonl_are_said_left_out(tmp_path):
+    """A folder with data files (.jsonl) yields those and its .txt (docs/data.md), so a notes.md or a script
+    beside them is not read: it was dropped in silence, and the start-up line that lists left-out files (by
+    type) did not count it, yet said 'nanotrn reads .md'. Now listed and the line says the folder rule; a
+    dataset's card (README.md) is not data and not said; a plain text folder still reads its .md."""
+    from prepare import left_out_line
+    from sources import resolve_paths
+    for name in ("b.jsonl", "notes.md", "tool.py", "README.md", "a.txt"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    left = []
+    got = resolve_paths(str(tmp_path), left_out=left)
+    assert sorted(os.path.basename(p) for p in got) == ["a.txt", "b.jsonl"]
+    assert sorted(os.path.basename(p) for p in left) == ["notes.md", "tool.py"]
+    line = left_out_line(left)
+    assert "2 files of the data folders left out (1 .md, 1 .py;" in line and "those and its .txt" in line
+    (tmp_path / "b.jsonl").unlink()
+    left = []
+    assert len(resolve_paths(str(tmp_path), left_out=left)) == 4 and left == []
