@@ -1007,6 +1007,7 @@ def test_a_model_padded_far_past_its_own_tokenizer_trains_and_another_tokenizer_
     pads (32,128): --init_from it with its own tokenizer was refused, "they do not belong together; give its
     tokenizer with --data.tokenizer" (a fix that is what it did). Its own tokenizer is taken with the model's rows
     (the export keeps them); a tokenizer from elsewhere that far from the rows is still refused as not the model's."""
+    import configs
     import train
     llama3_tokenizer(tmp_path / "model")                    # 400 pieces
     torch.manual_seed(0)
@@ -1024,6 +1025,14 @@ def test_a_model_padded_far_past_its_own_tokenizer_trains_and_another_tokenizer_
     shutil.copy(tmp_path / "model" / "tokenizer.json", tmp_path / "other")
     with pytest.raises(hf_io.HFError, match="has 400 pieces but .*vocab_size is 640: they do not belong together"):
         train.main([*args, f"--out_dir={tmp_path}/run2", f"--data.tokenizer={tmp_path}/other/tokenizer.json"])
+    # within the padding to a multiple of 128 (400 pieces, 512 rows: as nanotrn pads its own), one from elsewhere is taken
+    shutil.copy(tmp_path / "model" / "tokenizer_config.json", tmp_path / "other")
+    llama3_hf(vocab_size=512, bos_token_id=0, eos_token_id=1).save_pretrained(tmp_path / "padded")
+    argv = [f"--init_from={tmp_path}/padded", *args[1:], f"--out_dir={tmp_path}/run3", f"--data.tokenizer={tmp_path}/other"]
+    cfg = configs.from_args(argv)
+    hf_io.apply_init_from(cfg, argv)
+    train.check_tokenizer(cfg)      # (the check before any work; the run itself as above)
+    assert cfg.model.vocab_size == 512
 
 
 # The user's own sentencepiece model, of each type, with sentencepiece's default settings (NFKC,
