@@ -212,6 +212,7 @@ class Corpus:
         what = {"bad_records": "bad records skipped (not JSON, or no text field)",
                 "utf8_replacements": "invalid UTF-8 sequences replaced by U+FFFD",
                 "empty_files": "empty files skipped"}[kind]
+        what = what.replace("s ", " ", 1) if count == 1 else what       # "1 bad record skipped", not "1 bad records"
         first = self.examples.get({"bad_records": "bad_record", "utf8_replacements": "utf8"}.get(kind, kind))
         return (f"data warning: {count:,} {what}" + (" so far (each counted once, however many epochs read it)"
                                                       if kind != "empty_files" else "")
@@ -318,7 +319,7 @@ class Corpus:
             try:
                 text = json.loads(text)[src.field] or ""
                 if not isinstance(text, str):
-                    raise TypeError(f"field {src.field!r} holds a {type(text).__name__}, not a string")
+                    raise TypeError(f"field {src.field!r} holds {prepare.json_kind(text)}, not a string")
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 if not quiet:
                     what = {KeyError: f"no field {src.field!r}", TypeError: str(e)}.get(type(e), f"not JSON ({e})")

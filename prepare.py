@@ -111,12 +111,12 @@ def records(path: str, field: str, doc_per_line: bool):
             try:
                 rec = json.loads(text)
                 if not isinstance(rec, dict):
-                    raise TypeError(f"a JSON {type(rec).__name__}, not an object")
+                    raise TypeError(f"{json_kind(rec)}, not an object")
                 if field not in rec:
                     raise KeyError(f"no field {field!r} (it has {sorted(rec)[:8]}; set --text-field)")
                 value = rec[field]
                 if value is not None and not isinstance(value, str):
-                    raise TypeError(f"field {field!r} holds a {type(value).__name__}, not a string")
+                    raise TypeError(f"field {field!r} holds {json_kind(value)}, not a string")
             except json.JSONDecodeError as e:
                 yield f"{path}:{n}", None, f"not JSON ({e.msg})", repl, pos
                 continue
@@ -393,6 +393,12 @@ def _beside(out: str, folder: str, shards: list[str]) -> str | None:
     what = [f"reads {len(extra):,} file{'s' * (len(extra) > 1)} beside the shards written (the first: {extra[0]})"] * bool(extra)
     what += [f"leaves out {len(missing):,} of them (a file beside them names a split)"] * bool(missing)
     return f"--data={out} {' and '.join(what)}: move the other files out, or give the shards as {os.path.join(folder, '*.arrow')}"
+
+
+def json_kind(value) -> str:
+    """A JSON value's kind as JSON names it, with its article ('a int' read badly): 'a number', 'an array'."""
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), "null")
 
 
 def left_out_line(paths: list[str]) -> str:

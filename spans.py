@@ -322,7 +322,7 @@ class SpanIndex:
             json.dump({"version": INDEX_VERSION, "spans": n, "documents": c.n_docs, "bytes": total,
                        "content": digest.hexdigest()[:16],
                        "long_documents": long_docs, "span_bytes": self.span_bytes, "corpus": c.spec}, f)
-        print(f"[data] span index: {n:,} spans of {c.n_docs:,} documents ({long_docs:,} cut, {total / 1e6:,.1f} MB "
+        print(f"[data] span index: {n:,} spans of {c.n_docs:,} document{'s' * (c.n_docs != 1)} ({long_docs:,} cut, {total / 1e6:,.1f} MB "
               f"of text) in {time.time() - t0:.1f} s -> {self.path}", file=sys.stderr, flush=True)
 
     def first_span(self, doc: int) -> int:

@@ -600,7 +600,7 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     # Counted and kept as examples, never printed by a loader (train.py says them once, on rank 0).
     assert "invalid UTF-8" not in capsys.readouterr().err
     assert "c.txt" in loader.corpus.examples["utf8"] and "invalid UTF-8" in loader.corpus.examples["utf8"]
-    assert loader.corpus.warning("empty_files", 1).startswith("data warning: 1 empty files skipped")
+    assert loader.corpus.warning("empty_files", 1).startswith("data warning: 1 empty file skipped")
 
 
 
@@ -675,6 +675,7 @@ def test_a_span_index_of_an_older_version_is_built_again_and_an_old_state_is_tol
                                                      prefetch=0).state_dict().items() if k != "index"}
     data.PackedLoader(cfg(str(d), val_fraction=0.0, cache_dir=cache), tok, prefetch=0).load_state_dict(saved)
 
+
 def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p = tmp_path / "x.jsonl"
     p.write_text('{"text": "a b c d e f g h i j k l m n o p"}\n{"text": "q r s t u v"}\n'
@@ -690,6 +691,11 @@ def test_bad_jsonl_line_is_skipped_counted_and_named(tok, tmp_path, capsys):
     p.write_text('{not json\n')
     with pytest.raises(data.DataError, match=r"x.jsonl:1: not JSON"):
         data.Corpus(str(p))
+    p.write_text('{"text": "a b c d e f g h"}\n{"text": 5}\n')     # said as JSON says it: was "holds a int"
+    loader = data.PackedLoader(cfg(str(p), seq_len=4, global_batch=2, val_fraction=0.0), tok, prefetch=0)
+    take(loader, 8)
+    assert loader.corpus.warning("bad_records", 1).startswith("data warning: 1 bad record skipped (not JSON")
+    assert "x.jsonl:2: field 'text' holds a number, not a string" in loader.corpus.warning("bad_records", 1)
 
 
 def test_a_byte_order_mark_opens_a_file_not_its_first_document(tmp_path):

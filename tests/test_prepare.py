@@ -85,7 +85,7 @@ def test_every_format_in_parallel_into_one_file_and_one_per_shard(shards, tmp_pa
     assert counts["documents"] == 61 and counts["bad_records"] == 3 and counts["empty_docs"] == 1
     err = capsys.readouterr().err
     # Each bad record named by file and line, once, in the summary; and tqdm's bar with documents/s.
-    for where in ("a.jsonl:6: not JSON", "a.jsonl:7: no field 'text'", "a.jsonl:8: field 'text' holds a int"):
+    for where in ("a.jsonl:6: not JSON", "a.jsonl:7: no field 'text'", "a.jsonl:8: field 'text' holds a number, not a string"):
         assert err.count(where) == 1, err
     assert "docs/s" in err and "3 bad records skipped" in err
     assert not [p for p in os.listdir(tmp_path) if p != "all.arrow" and p != "src"]   # no temporary left
