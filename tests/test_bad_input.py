@@ -841,6 +841,17 @@ def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys)
     assert os.listdir(tmp_path) == []
 
 
+def test_ctrl_c_in_train_pys_set_up_is_one_word_and_the_shells_status(W, tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt before the training loop's graceful stop is installed (the config checked, the corpus
+    indexed, a tokenizer trained): "interrupted", no traceback, status 130 (128 + SIGINT, what the shell and
+    test_ctrl_c_while_train_py_starts take for Ctrl-C), nothing written. Raised here where the config is read."""
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(configs, "from_args", interrupt)
+    code, text = run_entry("train", [*TINY, f"--out_dir={tmp_path}/o"], capsys)
+    assert (code, text.strip()) == (130, "interrupted") and os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_tokenizer_training_is_quiet(tmp_path):
     """A real process: SIGINT while sentencepiece trains ends it at once, quietly, with no model file."""
