@@ -841,6 +841,24 @@ def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys)
     assert os.listdir(tmp_path) == []
 
 
+def test_a_cpu_run_is_refused_where_its_gradients_and_moments_do_not_fit(monkeypatch):
+    """train.check_memory: a CPU run holds each parameter with its gradient and AdamW's two moments (16 bytes),
+    an accelerator's host only the fp32 weights (4). A host share between the two (LOCAL_WORLD_SIZE processes
+    on this host, as torchrun says it) refuses the CPU run before any work, and lets the other through."""
+    import torch
+    import model as llama
+    cfg = configs.from_args(["--model.vocab_size=32000", "--model.dim=256", "--model.n_heads=4", "--model.n_kv_heads=4",
+                             "--model.ffn_dim=512", "--model.n_layers=2"])
+    m, d = cfg.model, cfg.data
+    largest = 4 * max(m.vocab_size * m.dim, m.ffn_dim * m.dim, m.n_heads * m.head_dim * m.dim)
+    act = 2 * d.micro_batch * d.seq_len ** 2 * d.document_mask
+    room = (4 * llama.num_params(m) + 16 * llama.num_params(m)) / 2 + largest + act
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // room)))
+    with pytest.raises(configs.ConfigError, match="does not fit in memory"):
+        train.check_memory(cfg, torch.device("cpu"))
+    train.check_memory(cfg, torch.device("meta"))          # not a CPU run: the weights alone on the host
+
+
 def test_ctrl_c_in_train_pys_set_up_is_one_word_and_the_shells_status(W, tmp_path, monkeypatch, capsys):
     """A KeyboardInterrupt before the training loop's graceful stop is installed (the config checked, the corpus
     indexed, a tokenizer trained): "interrupted", no traceback, status 130 (128 + SIGINT, what the shell and
