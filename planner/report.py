@@ -84,6 +84,10 @@ def plan(cfg: Config, world: int | None = None, top: int = 10) -> str:
         lines.append(f"  {y.tp:3d} {y.pp:3d} {y.dp:4d}  {'yes' if y.sp else 'no ':3s} {'yes' if y.zero1 else 'no ':6s} "
                      f"{y.checkpointing:9s} {y.micro_batch:3d} {gib(x.total)} {x.step_s:7.2f} {x.mfu:4.0%} "
                      f"{x.tp_bytes / 1e9:7.2f} {x.pp_bytes / 1e9:6.2f} {x.dp_bytes / 1e9:6.2f}")
+    if fit:                             # to copy into the launch line
+        y = fit[0].layout
+        lines.append(f"  the fastest as flags: --tp={y.tp} --pp={y.pp} --sp={str(y.sp).lower()} --zero1={str(y.zero1).lower()} "
+                     f"--model.checkpointing={y.checkpointing} --micro_batch={y.micro_batch}")
     if not fit and every:               # layouts that run, none in memory: the batch is not why
         lines.append(f"  none: the smallest needs {min(x.total for x in every) / 2**30:.2f} GiB per core of "
                      f"{(hw.hbm - RESERVE) / 2**30:.0f} usable; give more cores (--parallel.cores): more pipeline "

@@ -62,8 +62,11 @@ def test_plan_command_prints_the_tables(capsys):
     text = capsys.readouterr().out
     assert "configured layout: TP=32 PP=8 DP=16 SP ZeRO-1 selective mb=1" in text
     assert "layouts that fit, fastest first" in text and "GFLOP per token" in text and "EFA" in text
-    steps = [float(line.split()[8]) for line in text.split("fastest first")[1].splitlines()[2:] if line.strip()]
+    table, flags = text.split("fastest first")[1].split("  the fastest as flags: ")
+    steps = [float(line.split()[8]) for line in table.splitlines()[2:] if line.strip()]
     assert steps and steps == sorted(steps)
+    plan.main(["--preset", "llama2_70b", *flags.split()])     # the flags line, copied: that layout, that step
+    assert f"estimated step {steps[0]:.2f} s" in capsys.readouterr().out
 
 
 def test_issue_10s_spelling_configs_py_plan_is_the_planner(capsys):
