@@ -294,6 +294,17 @@ def test_every_presets_config_json_reads_back_as_the_same_model(preset):
         assert back == m, (back, m)
 
 
+def test_the_auto_export_dtype_is_bf16_above_a_billion_parameters_only():
+    """--export_dtype=auto (docs/huggingface.md): bf16 above 1B parameters (half a 7B export's 27 GB), else fp32, which
+    a small model's logits compare in; fp32 and bf16 as given."""
+    import configs
+    models = {p: configs.PRESETS[p]().model for p in ("tiny", "llama3_2_1b", "llama2_7b")}
+    assert {p: hf_io.export_dtype("auto", m) for p, m in models.items()} == {
+        "tiny": torch.float32, "llama3_2_1b": torch.bfloat16, "llama2_7b": torch.bfloat16}
+    assert hf_io.export_dtype("fp32", models["llama2_7b"]) == torch.float32
+    assert hf_io.export_dtype("bf16", models["tiny"]) == torch.bfloat16
+
+
 # ----------------------------------------------------------------------------- tokenizers, runs, exports
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i} of the corpus, über ünïcode 中文\n" * (1 + i % 5)
