@@ -760,6 +760,16 @@ def test_a_resume_without_its_kept_tokenizer_is_refused_before_the_corpus_is_ind
     assert not (tmp_path / "out" / "ckpt" / "run.lock").exists(), "the checkpoint directory was claimed first"
 
 
+def test_a_fresh_run_over_checkpoints_checks_the_vocabulary_it_will_train(W, tmp_path, capsys):
+    """--ckpt.resume=false over step folders loads none of them and trains its tokenizer: the check before any work
+    is the vocabulary's (a 100-piece one cannot be trained), not the kept tokenizer only a resume needs."""
+    (tmp_path / "out" / "ckpt" / "step_00000001").mkdir(parents=True)
+    argv = [a.replace("{W}", str(W)).replace("{t}", str(tmp_path)) for a in T("--data.tokenizer=")[1]]
+    code, text = run_entry("train", [*argv, "--ckpt.resume=false", "--model.vocab_size=100"], capsys)
+    assert code == 1 and "a 100-piece tokenizer cannot hold the 256 byte pieces" in text, text
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out" / "ckpt" / "run.lock").exists()
+
+
 def test_checkpoints_beside_another_tokenizer_are_not_exported_with_it_nor_resumed_on_it(W, tmp_path, capsys):
     """Step folders copied beside another run's tokenizer/ (or a kept tokenizer damaged since): `checkpoint.py
     export` shipped that tokenizer with the model, exit 0, its token ids meaning other things than in training; a
