@@ -579,8 +579,9 @@ def main(argv: list[str]) -> None:
         cli(argv)
     except (CheckpointError, ConfigError) as e:                # ConfigError: hf.HFError, data.DataError
         sys.exit(f"checkpoint error: {e}" if not str(e).startswith("usage") else str(e))
-    except KeyboardInterrupt:
-        sys.exit("interrupted")
+    except KeyboardInterrupt:       # Ctrl-C: one word and the shell's status for it, 128 + SIGINT (as train.py)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except BrokenPipeError:         # `python checkpoint.py ... | head`: the reader left (as plan.py); no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)

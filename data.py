@@ -583,8 +583,9 @@ def main(argv: list[str] | None = None) -> None:
             print(build_tokenizer(cfg.data, args.vocab, flags=flags).path)
     except ConfigError as e:
         sys.exit(f"data error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted")
+    except KeyboardInterrupt:       # Ctrl-C: one word and the shell's status for it, 128 + SIGINT (as train.py)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

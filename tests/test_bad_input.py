@@ -847,8 +847,19 @@ def test_ctrl_c_in_data_prepare_leaves_nothing(W, tmp_path, monkeypatch, capsys)
     import tqdm
     monkeypatch.setattr(tqdm.tqdm, "update", interrupt)
     code, text = run_entry("data", ["prepare", str(W / "corpus"), "--out", str(tmp_path / "x.arrow")], capsys)
-    assert code == 1 and "interrupted" in text and "Traceback" not in text
+    assert code == 130 and "interrupted" in text and "Traceback" not in text    # was 1: train.py's 130, the shell's
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_in_checkpoint_py_is_one_word_and_the_shells_status(tmp_path, monkeypatch, capsys):
+    """checkpoint.py ls/export interrupted: "interrupted" and 130 (128 + SIGINT) as train.py and data.py; was 1,
+    which a script cannot tell from a refusal."""
+    import checkpoint
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "cli", interrupt)
+    code, text = run_entry("checkpoint", ["ls", str(tmp_path)], capsys)
+    assert (code, text.strip()) == (130, "interrupted")
 
 
 def test_a_cpu_run_is_refused_where_its_gradients_and_moments_do_not_fit(monkeypatch):
