@@ -29,32 +29,52 @@ def no_page_fault_churn():
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def take_turns(fns: dict, rounds: int) -> dict[str, list]:
+    """What each function returns, per round, the functions taking turns in every round so that the
+    machine's noise hits all alike. The order rotates from round to round, so that each function runs
+    in each place as often as the others: one run leaves the allocator and caches in its state for the
+    next. Every benchmark's rounds go through here: steps timed in-process (alternate), gloo layouts
+    and checkpoint restarts that time themselves in child processes."""
+    out, names = {name: [] for name in fns}, list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(fns[name]())
+    return out
+
+
 def alternate(fns: dict, rounds: int, reps: int = 1, sync=None) -> dict[str, list[float]]:
-    """Seconds of `reps` calls of each function, per round, the functions taking turns in every
-    round so that the machine's noise hits all alike; one warm-up call each first (allocator, kernels).
-    The order rotates from round to round, so that each function runs in each place as often as the
-    others: one step leaves the allocator and caches in its state for the next. sync: waits for an
-    asynchronous device (a GPU) before each clock read."""
+    """Seconds of `reps` calls of each function per round (take_turns' rotation), after one warm-up
+    call each (allocator, kernels). sync: waits for an asynchronous device (a GPU) before each clock read."""
     sync = sync or (lambda: None)
     for fn in fns.values():
         fn()
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = fns[name]
+
+    def timed(fn):
+        def run():
             sync()
             t = time.perf_counter()
             for _ in range(reps):
                 fn()
             sync()
-            times[name].append(time.perf_counter() - t)
-    return times
+            return time.perf_counter() - t
+        return run
+    return take_turns({name: timed(fn) for name, fn in fns.items()}, rounds)
 
 
 def median_ratio(num: list[float], den: list[float]) -> float:
     """The median over rounds of num / den, each round's pair measured side by side."""
-    return statistics.median(a / b for a, b in zip(num, den))
+    return median_spread(num, den)[0]
+
+
+def median_spread(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """The median over rounds of num / den, and the lowest and highest round's: how far to trust it."""
+    ratios = [a / b for a, b in zip(num, den)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def spread_text(m: tuple[float, float, float], fmt: str = ".2f", unit: str = "x") -> str:
+    """A median_spread as the reports print it: '0.81x (0.75-0.88)'."""
+    return f"{m[0]:{fmt}}{unit} ({m[1]:{fmt}}-{m[2]:{fmt}})"
 
 
 def table(header: list[str], rows: list[list]) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import launch_ranks, table, write_json
+from benchmarks.common import launch_ranks, median_spread, spread_text, table, take_turns, write_json
 
 
 def _rank(flags: list[str], steps: int, warmup: int, out: str) -> None:
@@ -53,23 +54,21 @@ def _rank(flags: list[str], steps: int, warmup: int, out: str) -> None:
 
 def _run_layouts(which: str, layouts: list, steps: int, warmup: int, rounds: int) -> dict | None:
     """name -> [(step seconds, the ranks' reports) per round] of each layout (name, world, threads,
-    flags). Rounds alternate over the layouts, so that load from other processes on this shared
-    machine does not land on one layout only. In a rank (BENCH_LAYOUT set): run it, return None."""
+    flags). Rounds alternate over the layouts (common.take_turns), so that load from other processes on
+    this shared machine does not land on one layout only; a report takes each round's ratios. In a rank (BENCH_LAYOUT set): run it, return None."""
     if "BENCH_LAYOUT" in os.environ:
         _rank(json.loads(os.environ["BENCH_LAYOUT"]), steps, warmup, os.environ["BENCH_OUT"])
         return None
-    runs = {name: [] for name, *_ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
-            for name, world, threads, flags in layouts:
-                out = os.path.join(tmp, "result.json")
-                launch_ranks(which, name, world, threads, steps, BENCH_LAYOUT=json.dumps(flags), BENCH_OUT=out)
-                ranks = []
-                for rank in range(world):
-                    with open(f"{out}.{rank}") as f:
-                        ranks.append(json.load(f))
-                runs[name].append((max(r["step_s"] for r in ranks), ranks))
-    return runs
+        def run(name, world, threads, flags):
+            out = os.path.join(tmp, "result.json")
+            launch_ranks(which, name, world, threads, steps, BENCH_LAYOUT=json.dumps(flags), BENCH_OUT=out)
+            ranks = []
+            for rank in range(world):
+                with open(f"{out}.{rank}") as f:
+                    ranks.append(json.load(f))
+            return max(r["step_s"] for r in ranks), ranks
+        return take_turns({name: (lambda lay=lay: run(*lay)) for lay in layouts for name in lay[:1]}, rounds)
 
 
 def bench_parallel(args):
@@ -77,7 +76,7 @@ def bench_parallel(args):
     against one process (one thread, and two threads: both cores), same global batch and tokens per
     step, the tiny preset, train.train_step."""
     import configs
-    steps, warmup, rounds = args.steps or 3, 1, 2
+    steps, warmup, rounds = args.steps or 3, 1, 3
     layouts = [("1 process x 1 thread", 1, 1, []), ("1 process x 2 threads", 1, 2, []),
                ("TP=2 (2 x 1 thread)", 2, 1, ["--tp=2"]), ("TP=2 + SP (2 x 1 thread)", 2, 1, ["--tp=2", "--sp"]),
                ("DP=2 (2 x 1 thread)", 2, 1, ["--dp=2"])]
@@ -85,26 +84,29 @@ def bench_parallel(args):
     if "BENCH_LAYOUT" not in os.environ:
         print(f"tiny preset: {cfg.model.dim} dim, {cfg.model.n_layers} layers, global batch "
               f"{cfg.data.global_batch} x {cfg.data.seq_len} tokens per step (micro {cfg.data.micro_batch}), "
-              f"{warmup} warm-up + {steps} timed steps, best of {rounds} rounds, gloo on CPU")
+              f"{warmup} warm-up + {steps} timed steps, {rounds} alternating rounds, gloo on CPU")
     runs = _run_layouts("parallel", layouts, steps, warmup, rounds)
     if runs is None:
         return
     tokens = cfg.data.global_batch * cfg.data.seq_len
-    tok_s = {name: [tokens / step_s for step_s, _ in r] for name, r in runs.items()}
-    base1, base2 = max(tok_s["1 process x 1 thread"]), max(tok_s["1 process x 2 threads"])
-    table(["layout", "tok/s (best round)", "rounds", "vs 1 thread", "vs 2 threads"],
-          [[name, f"{max(t):.0f}", ", ".join(f"{x:.0f}" for x in t), f"{max(t) / base1:.2f}x",
-            f"{max(t) / base2:.2f}x"] for name, t in tok_s.items()])
+    step = {name: [step_s for step_s, _ in r] for name, r in runs.items()}
+    one, two = step["1 process x 1 thread"], step["1 process x 2 threads"]
+    # tokens/s ratio = the reference's step time / the layout's, round by round; median (lowest-highest round)
+    table(["layout", "tok/s (median round)", "rounds", "vs 1 thread", "vs 2 threads"],
+          [[name, f"{tokens / statistics.median(t):.0f}", ", ".join(f"{tokens / x:.0f}" for x in t),
+            spread_text(median_spread(one, t)), spread_text(median_spread(two, t))] for name, t in step.items()])
+    return {name: {"vs_1_thread": median_spread(one, t), "vs_2_threads": median_spread(two, t)}
+            for name, t in step.items()}
 
 
 def bench_pp(args):
     """Step time of PP=2 (two gloo processes of one thread each) with the 1F1B and GPipe schedules
     (and 1F1B over the all-gather point-to-point NxD uses on XLA) against one process (one thread,
     and two threads: both cores) running the same model on the same global batch with
-    train.train_step. Tiny preset, 8 microbatches of 2 sequences per step (bubble 1/9); the faster
-    of 2 rounds is kept (a shared machine)."""
+    train.train_step. Tiny preset, 8 microbatches of 2 sequences per step (bubble 1/9); 3 alternating
+    rounds, each ratio the median of the rounds' (a shared machine), with the lowest and highest."""
     import configs
-    steps, warmup, rounds = args.steps or 4, 2, 2
+    steps, warmup, rounds = args.steps or 4, 2, 3
     mb = ["--data.micro_batch=2"]                                     # 16 / 2 = 8 microbatches
     pp = mb + ["--pp=2"]
     layouts = [("1 process x 1 thread", 1, 1, mb), ("1 process x 2 threads", 1, 2, mb),
@@ -115,20 +117,29 @@ def bench_pp(args):
     if "BENCH_LAYOUT" not in os.environ:
         print(f"tiny preset: {cfg.model.dim} dim, {cfg.model.n_layers} layers, global batch {cfg.data.global_batch} "
               f"x {cfg.data.seq_len} tokens = 8 microbatches of {cfg.data.micro_batch}; {warmup} warm-up + {steps} "
-              f"timed steps, best of {rounds} rounds, gloo on CPU ({os.cpu_count()} cores, load average "
+              f"timed steps, {rounds} alternating rounds, gloo on CPU ({os.cpu_count()} cores, load average "
               f"{os.getloadavg()[0]:.1f})")
     runs = _run_layouts("pp", layouts, steps, warmup, rounds)
     if runs is None:
         return
-    results = {name: min(r, key=lambda x: x[0]) for name, r in runs.items()}     # the faster round
-    base1, base2 = results["1 process x 1 thread"][0], results["1 process x 2 threads"][0]
-    table(["layout", "step", "speed-up vs 1 thread", "vs 2 threads", "bubble", "measured idle (stage 0, 1)",
-           "peak live"],
-          [[name, f"{step_s * 1e3:.0f} ms", f"{base1 / step_s:.2f}x", f"{base2 / step_s:.2f}x"]
-           + ([f"{ranks[0]['bubble']:.3f}", ", ".join(f"{r['idle']:.3f}" for r in ranks),
-               ", ".join(str(int(r["max_live"])) for r in ranks)] if len(ranks) > 1 else ["", "", ""])
-           for name, (step_s, ranks) in results.items()])
-    fo, gp = results["PP=2 1F1B (2 x 1 thread)"][0], results["PP=2 GPipe (2 x 1 thread)"][0]
-    print(f"1F1B / GPipe step time: {fo / gp:.2f}; 1F1B / one process (2 threads): {fo / base2:.2f}; "
-          f"(1 thread): {fo / base1:.2f}")
-    write_json(os.path.join(args.out, "pp.json"), {k: {"step_s": v[0], "ranks": v[1]} for k, v in results.items()})
+    step = {name: [step_s for step_s, _ in r] for name, r in runs.items()}
+    # each layout's ranks (bubble, idle, peak live) from its median round
+    ranks = {name: sorted(r, key=lambda x: x[0])[len(r) // 2][1] for name, r in runs.items()}
+    one, two = step["1 process x 1 thread"], step["1 process x 2 threads"]
+    table(["layout", "step (median round)", "speed-up vs 1 thread", "vs 2 threads", "bubble",
+           "measured idle (stage 0, 1)", "peak live"],
+          [[name, f"{statistics.median(t) * 1e3:.0f} ms", spread_text(median_spread(one, t)),
+            spread_text(median_spread(two, t))]
+           + ([f"{rk[0]['bubble']:.3f}", ", ".join(f"{r['idle']:.3f}" for r in rk),
+               ", ".join(str(int(r["max_live"])) for r in rk)] if len(rk) > 1 else ["", "", ""])
+           for (name, t), rk in zip(step.items(), ranks.values())])
+    fo, gp = step["PP=2 1F1B (2 x 1 thread)"], step["PP=2 GPipe (2 x 1 thread)"]
+    ratios = {"1f1b_over_gpipe": median_spread(fo, gp), "1f1b_over_2_threads": median_spread(fo, two),
+              "1f1b_over_1_thread": median_spread(fo, one)}
+    print("step time ratios, median of the rounds' (lowest-highest): 1F1B / GPipe "
+          f"{spread_text(ratios['1f1b_over_gpipe'], unit='')}; 1F1B / one process (2 threads): "
+          f"{spread_text(ratios['1f1b_over_2_threads'], unit='')}; (1 thread): "
+          f"{spread_text(ratios['1f1b_over_1_thread'], unit='')}")
+    res = {"ratios": ratios, "layouts": {k: {"step_s": step[k], "ranks": ranks[k]} for k in step}}
+    write_json(os.path.join(args.out, "pp.json"), res)
+    return res
