@@ -7,6 +7,8 @@ import os
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import common, layouts  # noqa: E402
@@ -78,3 +80,27 @@ def test_parallel_alternates_its_layouts_and_reports_the_median_ratio_and_its_sp
     assert res["TP=2 (2 x 1 thread)"]["vs_2_threads"] == (0.5, 0.25, 2.0)
     out = capsys.readouterr().out
     assert "| TP=2 (2 x 1 thread) |" in out and "0.50x (0.25-2.00)" in out and "best" not in out, out
+
+
+@pytest.mark.slow      # ~30-60 s: 4 kills and 4 restarts of a small model, each a fresh interpreter
+def test_ckpt_restarts_alternate_the_variants_and_report_the_median_ratio(monkeypatch, tmp_path, capsys):
+    import configs
+    from benchmarks import ckpt
+    order = []
+
+    def spy(fns, rounds):                                   # the real rotation, recording who ran when
+        return common.take_turns({k: (lambda k=k, f=f: order.append(k) or f()) for k, f in fns.items()}, rounds)
+    monkeypatch.setattr(ckpt, "take_turns", spy)
+    cfg = configs.Config(model=configs.ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                   ffn_dim=32, max_seq_len=256))
+    res = {}
+    ckpt.restarts(cfg, str(tmp_path), 1, res, rounds=2)
+    assert order == ["init_then_load", "empty_then_load", "empty_then_load", "init_then_load"]
+    empty, init = (res[v]["rounds"] for v in ("empty_then_load", "init_then_load"))
+    assert len(empty) == len(init) == 2
+    key = "restart_to_first_step_s"
+    assert res["restart_empty_over_init"] == common.median_spread([x[key] for x in empty], [x[key] for x in init])
+    assert res[key] == res["empty_then_load"][key]
+    out = capsys.readouterr().out
+    assert "median of 2 rounds" in out and "empty / initialized, median of the rounds' ratios" in out, out
+    assert "saves" not in out, out
