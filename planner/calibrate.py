@@ -33,13 +33,14 @@ from configs import check_layout, from_args
 from planner.cost import MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES, Estimate, Layout, estimate
 from planner.instances import INSTANCES
 
-# The model each published row names:
-# our presets, with NxD's 13B config and Llama 3.1 70B's config.json shapes where there is none.
+# The model each published row names: our presets, with the config.json of NxD's example where there is
+# none (Llama2-13B: tp_pp_llama2_hf_pretrain/13B_config, vocab_size 32016 in every release's copy; Llama 3.1 70B:
+# 70B_config_llama3.1). tests/test_plan.py checks each against NxD's config.
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trn1_training.csv")
 MODELS = {
     "Llama2-7B": ["--preset=llama2_7b"],
     "Llama2-13B": ["--preset=llama2_7b", "--model.dim=5120", "--model.n_layers=40", "--model.n_heads=40",
-                   "--model.n_kv_heads=40", "--model.ffn_dim=13824"],
+                   "--model.n_kv_heads=40", "--model.ffn_dim=13824", "--model.vocab_size=32016"],
     "Llama2-70B": ["--preset=llama2_70b"],
     "Llama-3.1-8B": ["--preset=llama3_8b"],
     "Llama-3.1-70B": ["--preset=llama3_8b", "--model.dim=8192", "--model.n_layers=80", "--model.n_heads=64",

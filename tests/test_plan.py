@@ -188,6 +188,33 @@ def test_published_rows_are_consistent():
         assert r["source"].startswith("aws-neuron/aws-neuron-sdk@") and len(r["source"].split("@")[1]) == 40
 
 
+# The model of each published row as NxD's example configs give it (config.json beside each script the CSV
+# names): vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size.
+# Llama2-13B: tp_pp_llama2_hf_pretrain/13B_config (a80091de, 4596e71) and tp_pp_llama_hf_pretrain/13B_config_llama2
+# (0598cd8) all say vocab_size 32016; Llama-3.1-70B: 70B_config_llama3.1 (0598cd8), 8 KV heads.
+NXD_CONFIGS = {
+    "Llama2-7B": (32000, 4096, 32, 32, 32, 11008),
+    "Llama2-13B": (32016, 5120, 40, 40, 40, 13824),
+    "Llama2-70B": (32000, 8192, 80, 64, 8, 28672),
+    "Llama-3.1-8B": (128256, 4096, 32, 32, 8, 14336),
+    "Llama-3.1-70B": (128256, 8192, 80, 64, 8, 28672),
+}
+
+
+def test_each_row_is_evaluated_in_the_configuration_neuron_published():
+    # What the planner evaluates for a row is that row: NxD's model config, and the layout, batch and
+    # sequence of the published table (TP, PP, DP, micro-batch 1, global batch 1024, microbatches per step).
+    for r in calibrate.published_rows():
+        m = configs.from_args(calibrate.MODELS[r["model"]]).model
+        assert (m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == NXD_CONFIGS[r["model"]], r["model"]
+        assert not m.tie_embeddings, r["model"]                          # tie_word_embeddings: false in every config
+        e = calibrate.row_estimate(r)
+        L = e.layout
+        assert (L.tp, L.pp, L.dp, L.micro_batch) == (int(r["tp"]), int(r["pp"]), int(r["dp"]), int(r["micro_batch"]))
+        assert e.microbatches == int(r["global_batch"]) // (L.dp * L.micro_batch)          # NUM_MICROBATCHES = GBS / DP
+        assert (L.sp, L.zero1, L.checkpointing) == (r["sp"] == "true", r["zero1"] == "true", r["checkpointing"])
+
+
 def test_validation_against_neuron_published_trn1_throughput():
     rows = calibrate.validation()
     print(calibrate.validation_table())
