@@ -34,8 +34,8 @@ PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 
 # by planner/calibrate.py, whose output they are (tests/test_plan.py reruns it); everything else is
 # a datasheet or a measurement, cited. `python plan.py --validate` prints the published rows
 # against these estimates, the 70B and Llama 3.1 rows predicted, not fitted.
-MATMUL_EFFICIENCY = 0.484      # fitted: share of the bf16 peak a large matmul sustains on trn1
-MICROBATCH_OVERHEAD = 0.0135   # fitted: seconds per microbatch and stage (graph launches, syncs)
+MATMUL_EFFICIENCY = 0.486      # fitted: share of the bf16 peak a large matmul sustains on trn1
+MICROBATCH_OVERHEAD = 0.0155   # fitted: seconds per microbatch and stage (graph launches, syncs)
 # (and SCORE_PASSES below)
 # Per-core HBM bandwidth: trn1 and trn1n 820 GiB/s per chip of 2 cores ("Trainium Architecture";
 # 13,120 GiB/s per instance in "Amazon EC2 Trn1/Trn1n Architecture"); trn2.48xlarge 46.4 TB/s per
@@ -248,27 +248,32 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
         name = "all" if last and first else "first" if first else "last" if last else f"middle #{s}"
         stages.append((states + bucket + act + loss - overlap, n, act, loss, name, bucket, overlap))
     total, n, act, loss, stage, bucket, overlap = max(stages)
-    t = _step_time(cfg, L, world, mbs, stage_layers(cfg, L.pp), n, kernel, calibration)
+    t = _step_time(cfg, L, world, mbs, every_stage(cfg, L.pp), n, kernel, calibration)
     return Estimate(L, mbs, n, n * wb, n * gb, n * ob / (L.dp if L.zero1 else 1), act, loss, total,
                     total <= hw.hbm - RESERVE, flops_per_token(m, d.seq_len) * d.global_batch * d.seq_len / world,
                     **t, stage=stage, peak=hw.fp32_flops if ab == 4 else hw.bf16_flops, bucket=bucket, overlap=overlap)
 
 
-def stage_layers(cfg: Config, pp: int) -> list[tuple[int, int]]:
-    """(stage, its layers) for the stages that can be the fullest or the slowest: the first (the most
-    microbatches in flight) and the last (the head), and any stage given more layers than the first.
-    Even (what-if tables: rounded up), or the configured --parallel.pp_cuts (pipeline.stage_bounds)."""
+def every_stage(cfg: Config, pp: int) -> list[int]:
+    """The layers of each stage: even (what-if tables: rounded up), or the configured --parallel.pp_cuts
+    (pipeline.stage_bounds)."""
     p, n = cfg.parallel, cfg.model.n_layers
     if pp != p.pp or not p.pp_cuts:
-        return [(0, -(-n // pp))] if pp == 1 else [(0, -(-n // pp)), (pp - 1, -(-n // pp))]
-    counts = [b - a for a, b in pipeline.stage_bounds(cfg)]
+        return [-(-n // pp)] * pp
+    return [b - a for a, b in pipeline.stage_bounds(cfg)]
+
+
+def stage_layers(cfg: Config, pp: int) -> list[tuple[int, int]]:
+    """(stage, its layers) for the stages that can be the fullest: the first (the most microbatches in
+    flight), the last (the head, the loss), and any stage given more layers than the first."""
+    counts = every_stage(cfg, pp)
     return [(s, k) for s, k in enumerate(counts) if s in (0, pp - 1) or k > counts[0]]
 
 
-def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[int, int]], n: int,
+def _step_time(cfg: Config, L: Layout, world: int, mbs: int, counts: list[int], n: int,
                attention: str, calibration: tuple[float, float, float] | None) -> dict:
-    """Seconds per optimizer step, by part, paced by the slowest stage (evenly split: the last, its
-    layers and the head)."""
+    """Seconds per optimizer step, by part, for stages of `counts` layers: paced by the slowest
+    (evenly split: the last, its layers and the head), filled and drained through the others."""
     m, d, hw = cfg.model, cfg.data, INSTANCES[cfg.parallel.instance]
     eff, per_mb, score_passes = calibration or (MATMUL_EFFICIENCY, MICROBATCH_OVERHEAD, SCORE_PASSES)
     wb, gb, ob, ab = PRECISION_BYTES[cfg.optim.precision]
@@ -318,7 +323,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[
             per_layer, n_layer = (4 + recomputed) * one + outlast, 8 + recomputed
     # Per microbatch, each stage's matmuls and TP time (the head on the last); the slowest paces the step.
     paced = []
-    for s, layers in stages:
+    for s, layers in enumerate(counts):
         extra = 0 if tp == 1 else (2 if s == 0 else 0) + (3 if s == L.pp - 1 else 0)
         on_stage = layers * (linear + attn) + (head if s == L.pp - 1 else 0.0)
         paced.append((on_stage + layers * per_layer + extra * one, on_stage, layers * per_layer + extra * one,
@@ -329,8 +334,10 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[
     pp_bytes = 0 if L.pp == 1 else 2 * mbs * M * m.dim * ab / (tp if L.sp else 1)
     pp_s, pp_link = _comm_seconds(hw, pp_bytes, tp * L.dp, L.pp, world, ring=False)
     pp_s += 0 if L.pp == 1 else 2 * mbs * _latency(1)     # NxD sends as a 2-rank all-gather (pipeline/comm.py)
-    # One microbatch on the stage; 1F1B and GPipe both idle (pp - 1) of them per step.
-    per = compute + tp_mb + pp_s / mbs + per_mb
+    # The slowest stage runs its microbatches back to back; the pipeline fills and drains through every
+    # other stage once (1F1B, NxD's Train1F1BSchedule and ours, and GPipe alike): step = microbatches x
+    # the slowest stage's slot + the other stages' slots. Even stages: (pp - 1) slots of one.
+    fill = sum(x[0] for x in paced) - max(paced)[0] + (L.pp - 1) * (pp_s / mbs + per_mb)
     # DP after the last microbatch, in the update's graph as in NxD and optim.py (not overlapped):
     # all-reduce of the gradients, or (ZeRO-1) reduce-scatter of the gradients + all-gather of the weights.
     dp_bytes = (L.dp - 1) / L.dp * n * (gb + (wb if L.zero1 else gb))
@@ -339,7 +346,7 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, stages: list[tuple[
     # weight (bandwidth-bound); clipping reads every local gradient and zeroing writes it.
     shard = n / (L.dp if L.zero1 else 1)
     opt_s = (shard * (gb + 2 * ob + wb) + 2 * n * gb) / hbm
-    return dict(compute_s=mbs * compute, bubble_s=(L.pp - 1) * per, tp_bytes=mbs * n_coll * coll_bytes,
+    return dict(compute_s=mbs * compute, bubble_s=fill, tp_bytes=mbs * n_coll * coll_bytes,
                 pp_bytes=pp_bytes, dp_bytes=dp_bytes, tp_s=mbs * tp_mb, pp_s=pp_s, dp_s=dp_s, opt_s=opt_s,
                 overhead_s=mbs * per_mb, pp_link=pp_link, dp_link=dp_link)
 
