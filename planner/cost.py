@@ -34,8 +34,8 @@ PRECISION_BYTES = {"fp32": (4, 4, 8, 4), "mixed": (2, 4, 12, 2), "bf16": (2, 2, 
 # by planner/calibrate.py, whose output they are (tests/test_plan.py reruns it); everything else is
 # a datasheet or a measurement, cited. `python plan.py --validate` prints the published rows
 # against these estimates, the 70B and Llama 3.1 rows predicted, not fitted.
-MATMUL_EFFICIENCY = 0.486      # fitted: share of the bf16 peak a large matmul sustains on trn1
-MICROBATCH_OVERHEAD = 0.0155   # fitted: seconds per microbatch and stage (graph launches, syncs)
+MATMUL_EFFICIENCY = 0.483      # fitted: share of the bf16 peak a large matmul sustains on trn1
+MICROBATCH_OVERHEAD = 0.0145   # fitted: seconds per microbatch and stage (graph launches, syncs)
 # (and SCORE_PASSES below)
 # Per-core HBM bandwidth: trn1 and trn1n 820 GiB/s per chip of 2 cores ("Trainium Architecture";
 # 13,120 GiB/s per instance in "Amazon EC2 Trn1/Trn1n Architecture"); trn2.48xlarge 46.4 TB/s per
@@ -293,9 +293,13 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, counts: list[int], 
     linear += {"full": qkv[0] + o[0] + up[0] + down[0], "selective+mlp": up[0] + down[0]}.get(ck, 0.0)
     # The attention core: QK^T and PV over the causal half of the scores (our ExplicitAttention's
     # query blocks, a flash kernel's skipped tiles; SDPA's math path on XLA computes the full square).
+    # Matmuls of [T, hd] x [hd, T] size: forward 2 (Q K^T, P V), backward 4 (dV, dP, dQ, dK), and the
+    # forward again under checkpointing; a flash kernel keeps no scores and recomputes only Q K^T in its
+    # backward, checkpointed or not: 7 (NxD's nki_flash_attn_func -> neuronxcc's flash_attn_bwd, steps 1-5).
     square = T * T * (1 if attention == "math" else 0.5)
-    recompute = ck != "none" or attention == "flash"
-    attn_flops = 4 * square * hd * h * L.micro_batch * (3 + recompute)
+    recompute = ck != "none"
+    matmuls = 7 if attention == "flash" else 6 + 2 * recompute
+    attn_flops = 2 * square * hd * h * L.micro_batch * matmuls
     written = 1 if recompute else WRITTEN_PASSES["none"] / WRITTEN_PASSES["recompute"]
     passes = 0 if attention == "flash" else score_passes * written
     attn = attn_flops / (peak * eff * _tile(hd)) + passes * square * h * L.micro_batch * ab / hbm

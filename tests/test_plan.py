@@ -416,6 +416,23 @@ def test_the_pipeline_fills_and_drains_through_the_other_stages_not_the_slowest(
     assert small.bubble_s < per_slot                                    # one slot of the faster stage
 
 
+def test_flash_attention_costs_seven_score_matmuls_recompute_eight_none_six():
+    # Over the causal half of the scores, per head: our ExplicitAttention without checkpointing runs 2
+    # matmuls forward (Q K^T, P V) and 4 backward (dV, dP, dQ, dK); selective checkpointing adds the
+    # forward again (8). NxD's flash kernel (kernels/flash_attn.py -> neuronxcc's flash_attn_bwd, whose
+    # docstring lists its steps) keeps no scores and recomputes only Q K^T in its backward: 2 + 5 = 7,
+    # and NxD's selective checkpoint wraps CoreAttention, which the flash path never calls. Score
+    # traffic aside (SCORE_PASSES 0), flash sits one matmul above `none` and one below `selective`.
+    cfg = configs.from_args(["--preset=llama2_7b", "--data.seq_len=8192", "--optim.precision=mixed"])
+    calib = (cost.MATMUL_EFFICIENCY, 0.0, 0.0)
+
+    def compute(ckpt, kernel):
+        return estimate(cfg, Layout(8, 1, 64, True, True, ckpt, 1), 512, attention=kernel, calibration=calib).compute_s
+    none, selective, flash = compute("none", "explicit"), compute("selective", "explicit"), compute("selective", "flash")
+    assert flash - none == pytest.approx(selective - flash, rel=1e-6) and selective > flash > none
+    assert compute("none", "flash") == pytest.approx(flash, rel=1e-9)    # the kernel recomputes for itself
+
+
 def test_gpipe_keeps_every_microbatch_on_the_last_stage_too():
     # pipeline.gpipe runs every forward before any backward, so every stage holds all m microbatches
     # (test_pipeline measures it: GPipe all m, 1F1B PP - s on stage s); the planner counted one on
