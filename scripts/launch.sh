@@ -122,6 +122,7 @@ if [[ -n "$NODE_RANK" ]]; then NODE_RANK=$((10#$NODE_RANK)); fi
 # instance type (--instance trn1|trn2) gives the ranks per node unless NPROC_PER_NODE is set.
 layout_text="$(PYTHONPATH="$root" "$PYTHON" -c '
 import sys
+from importlib.util import find_spec
 from configs import ConfigError, check_paths, from_args, resolve_dp, validate
 from planner.instances import INSTANCES, check_instances
 try:
@@ -136,9 +137,22 @@ try:
         check_instances(cfg, world)  # the planner rule that eks.py asks too: a TP group inside one instance
     if sys.argv[3] != "1":
         check_paths(cfg)
+        # What the workers import, found without importing it: a Python without it (the DLAMI venv not activated)
+        # was the traceback of the numpy import below, and one in each worker, retried by torchrun and the sbatch loop.
+        need = ["torch", "numpy", "pyarrow", "sentencepiece", "tokenizers", "safetensors"]
+        missing = [m for m in need + ["tensorboard"] * bool(cfg.log.tensorboard) if not find_spec(m)]
+        if missing:
+            missing = ", ".join(missing)
+            raise ConfigError(f"the Python launch.sh runs ({sys.executable}) has no {missing}: activate "
+                              f"the PyTorch venv of the Neuron DLAMI, with `pip install -r requirements.txt` in it "
+                              f"(docs/trn1.md), or give PYTHON=/path/to/that/python")
         from corpus import parse_mixture, resolve_paths    # numpy, pyarrow: what train.py reads --data with
         for entry, _ in parse_mixture(cfg.data.data):
             resolve_paths(entry, cfg.data.split)
+        if cfg.device in ("auto", "xla") and not find_spec("libneuronxla"):   # else an error of each worker, retried
+            raise ConfigError(f"--device={cfg.device} runs on Trainium under launch.sh (PJRT_DEVICE=NEURON, env.sh), "
+                              f"but this Python has no libneuronxla (the runtime of torch-neuronx): run it in the "
+                              f"PyTorch venv of the Neuron DLAMI, or give --device=cpu for a run on the CPU")
 except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)                      # as a usage error: no retry can help (eks.py: podFailurePolicy FailJob)

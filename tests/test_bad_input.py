@@ -1011,7 +1011,7 @@ def test_launch_sh_names_a_compile_cache_it_cannot_create(tmp_path):
     variable nor a fix, after the node's setup; now one line naming both, exit 2 as a config error, nothing run."""
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
            "NPROC_PER_NODE": "1", "TORCHRUN": "/bin/echo", "NEURON_CACHE_DIR": "/proc/nanotrn-cache"}
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", f"--out_dir={tmp_path}/o"],
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "train", f"--out_dir={tmp_path}/o", "--device=cpu"],
                        capture_output=True, text=True, timeout=60, env=env, cwd="/tmp")
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert r.returncode == 2 and errors == ["error: NEURON_CACHE_DIR=/proc/nanotrn-cache cannot be created here; give a "

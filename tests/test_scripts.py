@@ -4,6 +4,7 @@ The scripts are checked by bash -n, shellcheck and their dry-run output (nothing
 a Trainium job). The health check really runs: 4 gloo ranks under torchrun, one slowed on purpose.
 """
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -327,6 +328,38 @@ def test_a_command_launch_sh_runs_that_is_not_there_is_named_with_its_variable(t
     lines = [line for line in r.stderr.splitlines() if not line.startswith("warning:")]
     assert r.returncode == 2 and lines == [lines[0]] and lines[0].startswith("error: neuron_parallel_compile: no such "
                                                                              "command here"), r
+
+
+@pytest.mark.slow          # a venv made here (no torch's import: seconds)
+def test_a_python_without_the_runs_packages_or_the_neuron_runtime_is_refused_in_one_line(tmp_path):
+    """docs/trn1.md's step 1 done but its venv not activated: launch.sh ran the DLAMI's system python3, and its
+    config check died in numpy's import, a traceback with exit 1 that the sbatch loop retried 4 times. And the
+    right Python without the Neuron runtime (a CPU venv on the node): env.sh's PJRT_DEVICE=NEURON failed in every
+    worker, each saying "or unset it" (launch.sh sets it), torchrun retrying 3 times. Now one line each, exit 2,
+    no torchrun; a dry run prints a run for other machines and asks nothing of this one."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    started = tmp_path / "started"
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(f"#!/bin/sh\ntouch {started}\n")
+    torchrun.chmod(0o755)
+    env = {"TORCHRUN": str(torchrun), "NPROC_PER_NODE": "1", "NEURON_CACHE_DIR": str(tmp_path / "cache")}
+    args = [SCRIPTS / "launch.sh", "train", f"--out_dir={tmp_path}/run"]
+    r = run_script(args, PYTHON=str(bare / "bin" / "python"), **env)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"config error: the Python launch.sh runs ({bare}/bin/python) has no torch, numpy, "
+                               "pyarrow, sentencepiece, tokenizers, safetensors, tensorboard:"), r.stderr
+    assert "PyTorch venv" in r.stderr and "requirements.txt" in r.stderr and not started.exists()
+    if importlib.util.find_spec("libneuronxla") is None:     # (this host: no Neuron runtime)
+        r = run_script(args, **env)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not started.exists(), r.stderr
+        assert r.stderr.startswith("config error: --device=auto runs on Trainium under launch.sh (PJRT_DEVICE=NEURON, "
+                                   "env.sh), but this Python has no libneuronxla"), r.stderr
+        assert "--device=cpu" in r.stderr
+    r = run_script([*args, "--device=cpu", "--log.tensorboard="], **env)
+    assert r.returncode == 0 and started.exists(), r.stderr
+    r = run_script(args, PYTHON=str(bare / "bin" / "python"), DRY_RUN="1", **env)
+    assert r.returncode == 0 and "train.py --out_dir=" in r.stdout, r.stderr
 
 
 def test_dry_run_flag_after_the_mode_is_a_dry_run_too():
