@@ -494,19 +494,23 @@ class Watchdog:
 
 if __name__ == "__main__":
     # python monitor.py plot out/tb out/curves.png
-    usage = "usage: python monitor.py plot TB_DIR PNG   (the run's --log.tensorboard folder, default <out_dir>/tb)"
-    if {"-h", "--help"} & set(sys.argv[1:]):
+    usage = ("usage: python monitor.py plot [--overwrite] TB_DIR PNG   (the run's --log.tensorboard folder, default "
+             "<out_dir>/tb; --overwrite replaces an existing PNG)")
+    argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+    if {"-h", "--help"} & set(argv):
         print(usage)
-    elif len(sys.argv) == 4 and sys.argv[1] == "plot":
+    elif len(argv) == 3 and argv[0] == "plot":
         from matplotlib.backend_bases import FigureCanvasBase
-        png, kind = sys.argv[3], path_kind(sys.argv[3])
+        png, kind = argv[2], path_kind(argv[2])
         if kind not in ("nothing", "a file"):       # savefig("d") writes d.png beside a directory d, says d
             sys.exit(f"error: {png!r} is {kind}, not an image file: give a file path such as "
                      f"{os.path.join(png, 'curves.png') if kind == 'a directory' else 'curves.png'}")
         if os.path.splitext(png)[1][1:].lower() not in FigureCanvasBase.get_supported_filetypes():
             sys.exit(f"error: {png!r} does not end in an image format matplotlib writes: give e.g. curves.png "
                      f"(or .svg, .pdf)")
-        if not os.path.isdir(tb := sys.argv[2]) or not os.access(tb, os.R_OK | os.X_OK):     # (0300: was a traceback)
+        if kind == "a file" and "--overwrite" not in sys.argv:     # a figure the user keeps (nothing is overwritten unasked)
+            sys.exit(f"error: {png!r} exists: give another path, or pass --overwrite to replace it")
+        if not os.path.isdir(tb := argv[1]) or not os.access(tb, os.R_OK | os.X_OK):     # (0300: was a traceback)
             sys.exit(f"error: {tb} is not {'readable by this user' if os.path.isdir(tb) else 'a directory of TensorBoard event files'}"
                      " (the run's --log.tensorboard)")
         if not read_scalars(tb).get("train/loss"):      # else a blank figure, silently

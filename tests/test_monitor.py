@@ -352,10 +352,10 @@ def test_help_prints_the_usage_and_succeeds(monkeypatch, capsys):
     (was: the usage as an error, exit 1); no arguments, or wrong ones, stay an error."""
     for argv in (["--help"], ["-h"], ["plot", "--help"]):
         code, out, err = monitor_cli(argv, monkeypatch, capsys)
-        assert code == 0 and out.startswith("usage: python monitor.py plot TB_DIR PNG") and not err, (argv, out, err)
+        assert code == 0 and out.startswith("usage: python monitor.py plot [--overwrite] TB_DIR PNG") and not err, (argv, out, err)
     for argv in ([], ["plot", "out/tb"], ["plots", "a", "b"]):
         code, out, err = monitor_cli(argv, monkeypatch, capsys)
-        assert code == 1 and err.startswith("usage: python monitor.py plot TB_DIR PNG") and not out, (argv, out, err)
+        assert code == 1 and err.startswith("usage: python monitor.py plot [--overwrite] TB_DIR PNG") and not out, (argv, out, err)
 
 
 def test_plot_of_a_folder_without_the_runs_scalars_is_refused(tmp_path, monkeypatch, capsys):
@@ -546,6 +546,21 @@ def test_plot_of_a_resumed_run_says_only_the_png(tmp_path, monkeypatch, capsys, 
     assert (code, out, err) == (0, f"{tmp_path / 'c.png'}\n", "")
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]   # (pytest takes the log)
     assert [s for s, _ in monitor.read_scalars(cfg.log.tensorboard)["train/loss"]] == list(range(1, 9))
+
+
+def test_plot_over_an_existing_file_is_refused_unless_overwrite(tmp_path, monkeypatch, capsys):
+    """A PNG already there (the user's figure, an earlier plot) is kept: one line naming it and --overwrite, before
+    any reading (was: replaced in silence, exit 0); with --overwrite it is replaced, the path printed."""
+    cfg = small_cfg(tmp_path, interval=1)
+    mon = Monitor(cfg, 1e6, 1e12, print_fn=lambda *a: None)
+    mon.step(1, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), lr=1e-3, tokens=torch.tensor(64))
+    mon.close()
+    (png := tmp_path / "mine.png").write_bytes(b"the user's figure")
+    code, err = plot_cli(cfg.log.tensorboard, png, monkeypatch, capsys)
+    assert (code, err) == (1, f"error: {str(png)!r} exists: give another path, or pass --overwrite to replace it\n")
+    assert png.read_bytes() == b"the user's figure"
+    code, out, err = monitor_cli(["plot", "--overwrite", cfg.log.tensorboard, png], monkeypatch, capsys)
+    assert (code, out, err) == (0, f"{png}\n", "") and png.read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("out,says", [("c.txt", "c.txt' does not end in an image format"),
