@@ -209,10 +209,10 @@ class Corpus:
 
     def warning(self, kind: str, count: int) -> str:
         """The line that says a kind of data problem: the run's count and this rank's first example."""
-        what = {"bad_records": "bad records skipped (not JSON, or no text field)",
-                "utf8_replacements": "invalid UTF-8 sequences replaced by U+FFFD",
-                "empty_files": "empty files skipped"}[kind]
-        what = what.replace("s ", " ", 1) if count == 1 else what       # "1 bad record skipped", not "1 bad records"
+        one, many, rest = {"bad_records": ("bad record", "bad records", " skipped (not JSON, or no text field)"),
+                           "utf8_replacements": ("invalid UTF-8 sequence", "invalid UTF-8 sequences", " replaced by U+FFFD"),
+                           "empty_files": ("empty file", "empty files", " skipped")}[kind]
+        what = (one if count == 1 else many) + rest         # "1 bad record skipped", not "1 bad records"
         first = self.examples.get({"bad_records": "bad_record", "utf8_replacements": "utf8"}.get(kind, kind))
         return (f"data warning: {count:,} {what}" + (" so far (each counted once, however many epochs read it)"
                                                       if kind != "empty_files" else "")

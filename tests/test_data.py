@@ -601,6 +601,13 @@ def test_empty_files_empty_docs_and_bad_utf8_are_counted(tok, tmp_path, capsys):
     assert "invalid UTF-8" not in capsys.readouterr().err
     assert "c.txt" in loader.corpus.examples["utf8"] and "invalid UTF-8" in loader.corpus.examples["utf8"]
     assert loader.corpus.warning("empty_files", 1).startswith("data warning: 1 empty file skipped")
+    # Each kind's singular and plural, given per kind (an "s " dropped from a fixed phrase read '1 bad record' only
+    # while every phrase put its noun's plural first)
+    for kind, one, many in (("bad_records", "1 bad record skipped (not JSON", "2 bad records skipped (not JSON"),
+                            ("utf8_replacements", "1 invalid UTF-8 sequence replaced", "2 invalid UTF-8 sequences replaced"),
+                            ("empty_files", "1 empty file skipped (the first", "2 empty files skipped (the first")):
+        assert loader.corpus.warning(kind, 1).startswith("data warning: " + one), kind
+        assert loader.corpus.warning(kind, 2).startswith("data warning: " + many), kind
 
 
 
