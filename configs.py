@@ -186,8 +186,7 @@ def llama2_70b() -> Config:
 def llama3_8b() -> Config:
     # The paper's Table 3; TP=8 with ZeRO-1, the planner's fastest layout that fits (12 GiB a core).
     return _llama3("llama3_8b", ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
-                                            checkpointing="selective", attention="explicit"),
+                                            ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0, checkpointing="selective", attention="explicit"),
                    ParallelConfig(tp=8, pp=1, sp=True, zero1=True), lr=3e-4)
 
 
@@ -230,10 +229,8 @@ def _all_keys(cfg: Config) -> dict[str, tuple[object, dataclasses.Field]]:
     """Every settable dotted key -> (the dataclass that holds it, its field)."""
     keys = {}
     for f in fields(cfg):
-        if dataclasses.is_dataclass(value := getattr(cfg, f.name)):
-            keys.update({f"{f.name}.{g.name}": (value, g) for g in fields(value)})
-        else:
-            keys[f.name] = (cfg, f)
+        value = getattr(cfg, f.name)
+        keys.update({f"{f.name}.{g.name}": (value, g) for g in fields(value)} if dataclasses.is_dataclass(value) else {f.name: (cfg, f)})
     return keys
 
 
@@ -283,7 +280,7 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         holder, f = keys[key]
         value = _parse_value(key, text, f.type)
         if key in ("data.data", "data.tokenizer", "data.cache_dir", "init_from", "out_dir", "ckpt.dir", "log.tensorboard"):
-            value = ",".join(map(os.path.expanduser, value.split(",")))     # --data=~/x: bash expands ~ only at a word's start
+            value = expand_home(value)
         if key in CHOICES and value not in CHOICES[key]:
             raise ConfigError(f"--{key}={value!r}: choose one of {', '.join(CHOICES[key])}")
         setattr(holder, f.name, value)
@@ -337,8 +334,7 @@ def help_text(intro: str, argv: list[str]) -> str:
              "Set a key with --section.key=VALUE or --section.key VALUE; a bare --flag sets a bool."]
     section = None
     for key, (holder, f) in _all_keys(cfg).items():
-        if (key.rpartition(".")[0] or "run") != section:
-            section = key.rpartition(".")[0] or "run"
+        if section != (section := key.rpartition(".")[0] or "run"):      # (the old section, then the new one)
             lines += ["", f"{section}:"]
         value = getattr(holder, f.name)
         flag = f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
@@ -542,6 +538,10 @@ def path_kind(path: str) -> str:
         return f"unreadable ({e.strerror})"
     return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else
             "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def expand_home(paths: str) -> str:      # bash expands ~ only at a word's start: --data=~/x came as '~/x'
+    return ",".join(map(os.path.expanduser, paths.split(",")))
 
 
 def check_dir(key: str, path: str) -> None:

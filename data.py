@@ -32,7 +32,7 @@ if __name__ == "__main__":      # Ctrl-C while the imports below load (seconds):
 import numpy as np
 import torch
 
-from configs import Config, ConfigError, DataConfig, check_dir, check_values
+from configs import Config, ConfigError, DataConfig, check_dir, check_values, expand_home
 
 # data.py is what train.py and benchmarks/ read: the names they need from the other modules come from here.
 from corpus import Corpus, DataError, Tokenizer, build_tokenizer, find_tokenizer, load_tokenizer, train_tokenizer  # noqa: F401
@@ -550,8 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prepare", help="text/jsonl(.gz/.zst)/arrow/parquet shards -> Arrow, in parallel (prepare.py)")
     a.add_argument("sources", nargs="+", help="files, directories or globs of text/jsonl/arrow/parquet, or 'stdlib'")
-    home = lambda s: ",".join(map(os.path.expanduser, s.split(",")))     # noqa: E731  --out=~/x: bash leaves ~ after '='
-    a.add_argument("--out", required=True, type=home, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
+    a.add_argument("--out", required=True, type=expand_home, help="x.arrow: one Arrow file; dir/: one Arrow file per shard")
     a.add_argument("--text-field", default="text", help="the JSON key or column holding the text (default: text)")
     a.add_argument("--split", default="train", help="a DatasetDict's or dataset repository's split (default: train)")
     a.add_argument("-j", "--workers", type=int, default=0, help="worker processes (default: one per core)")
@@ -564,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
              "data.text_field": "--text-field", "data.split": "--split", "data.val_fraction": "--val-fraction"}
     for key, flag in flags.items():
         default = getattr(getattr(Config(), key.split(".")[0]), key.split(".")[1])
-        t.add_argument(flag, default=default, type=home if flag in ("--data", "--cache-dir") else type(default),
+        t.add_argument(flag, default=default, type=expand_home if flag in ("--data", "--cache-dir") else type(default),
                        help=f"train.py's --{key} (default: {default})")
     t.add_argument("--doc-per-line", action="store_true", help="train.py's --data.doc_per_line")
     args = p.parse_args(argv)
