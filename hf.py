@@ -183,9 +183,7 @@ def _hf_rows(name: str, cfg: ModelConfig) -> tuple[list[str], torch.Tensor]:
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     """Ours -> Hugging Face LlamaForCausalLM weights (no lm_head.weight when tied, as HF saves it)."""
     out = {}
-    for name in param_shapes(cfg):
-        if name == "lm_head.weight" and cfg.tie_embeddings:
-            continue
+    for name in (n for n in param_shapes(cfg) if n != "lm_head.weight" or not cfg.tie_embeddings):
         srcs, table = _hf_rows(name, cfg)
         for i, s in enumerate(srcs):
             mine = table[:, 0] == i
@@ -209,13 +207,15 @@ def read_config(folder: str, **overrides) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):     # another user's 0700: "no config.json"
         raise HFError(f"{folder} cannot be read by this user: fix its permissions, or copy the model to your own")
-    if not os.path.isfile(path):        # nanotrn's checkpoints (a --ckpt.dir, or one step of it): say how to use them
+    if not os.path.isfile(path):        # nanotrn's (a run's --out_dir, a --ckpt.dir or one step of it): say how to use them
+        if os.path.isfile(os.path.join(folder, "hf", "config.json")):      # the export train.py wrote into <out_dir>/hf
+            raise HFError(f"{folder} is a run's --out_dir: give its export, --init_from={os.path.join(folder, 'hf')}")
         d = os.path.abspath(folder)
         d = os.path.dirname(d) if STEP_DIR.match(os.path.basename(d)) else d
-        ours = os.path.isdir(d) and any(STEP_DIR.match(n) for n in os.listdir(d))
+        ours = [c for c in (d, os.path.join(d, "ckpt")) if os.path.isdir(c) and any(STEP_DIR.match(n) for n in os.listdir(c))]
         raise HFError(f"{folder} has no config.json: give a Hugging Face model folder (save_pretrained's output)" + (
-            f"; it holds nanotrn checkpoints: continue that run with --ckpt.dir={d}, or start from its weights "
-            f"with python checkpoint.py export {d} OUT and --init_from=OUT" if ours else ""))
+            f"; it holds nanotrn checkpoints: continue that run with --ckpt.dir={ours[0]}, or start from its weights "
+            f"with python checkpoint.py export {ours[0]} OUT and --init_from=OUT" if ours else ""))
     hf = json_object(path, "give a Hugging Face model folder")
     try:
         return model_config_from_hf(hf, **overrides)
@@ -296,9 +296,8 @@ def check_weights(folder: str, cfg: ModelConfig) -> tuple[SafetensorsFolder, dic
     if missing := sorted(want - set(st.where)):
         raise HFError(f"{folder} lacks {len(missing)} tensors a Llama of this config.json needs, e.g. "
                       f"{', '.join(missing[:3])}: the weights and config.json do not belong together")
-    extra = sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
-                   and not (n == "lm_head.weight" and cfg.tie_embeddings))
-    if extra:
+    if extra := sorted(n for n in set(st.where) - want if not n.endswith("rotary_emb.inv_freq")
+                       and not (n == "lm_head.weight" and cfg.tie_embeddings)):
         raise HFError(f"{folder} has {len(extra)} tensors nanotrn's Llama would not use, e.g. "
                       f"{', '.join(extra[:3])}: they belong to an architecture it does not implement")
     for name, (srcs, table) in tables.items():

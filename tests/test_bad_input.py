@@ -102,6 +102,8 @@ def W(tmp_path_factory):
     shutil.copytree(w / "run" / "hf", w / "usersdir", dirs_exist_ok=True)
     (w / "usersdir" / "notes.txt").write_text("what this model is")
     (w / "prev").mkdir()                            # an earlier run's export, and no checkpoint
+    (w / "killed").mkdir()                          # a run's --out_dir, killed before its export: checkpoints only
+    os.symlink(w / "run" / "ckpt", w / "killed" / "ckpt")
     shutil.copytree(w / "run" / "hf", w / "prev" / "hf")
     (w / "bad.txt.gz").write_bytes(b"not gzip at all")
     # --init_from folders: the run's export with one thing wrong.
@@ -339,6 +341,10 @@ CASES = [
     *[(f"init: a nanotrn checkpoint {what}", TI(f"--init_from={{W}}/run/ckpt{sub}"),       # was: only 'give a Hugging Face folder'
        ["has no config.json", "--ckpt.dir={W}/run/ckpt", "python checkpoint.py export {W}/run/ckpt OUT"], 1, True)
       for what, sub in (("directory", ""), ("step folder", "/step_00000002"))],
+    # a run's --out_dir (its export in hf/, its checkpoints in ckpt/): was only 'has no config.json: give a Hugging Face folder'
+    ("init: a run's --out_dir", TI("--init_from={W}/run"), ["{W}/run is a run's --out_dir", "--init_from={W}/run/hf"], 1, True),
+    ("init: a killed run's --out_dir", TI("--init_from={W}/killed"),       # its checkpoints, no export yet
+     ["has no config.json", "--ckpt.dir={W}/killed/ckpt", "python checkpoint.py export {W}/killed/ckpt OUT"], 1, True),
     # was: a traceback after the corpus index (resume set step_2 aside, then loaded the missing folder)
     ("init: folder gone, its checkpoints all interrupted", TI("--init_from={t}/gone", "--ckpt.dir={t}/ck"),
      ["--init_from={t}/gone does not exist"], 1, True),
