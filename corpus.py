@@ -79,8 +79,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float | None]]:
     if None in weights and any(w is not None for w in weights):
         raise DataError(f"--data {spec!r}: {out[weights.index(None)][0]!r} has no weight; give every source a "
                         f"weight (a.arrow:0.7,b.jsonl:0.3) or none")
-    bad = [f"{e}:{w:g}" for e, w in out if w is not None and not (0 < w < float("inf"))]
-    if bad:
+    if bad := [f"{e}:{w:g}" for e, w in out if w is not None and not (0 < w < float("inf"))]:
         raise DataError(f"--data: mixture weights must be positive numbers, got {', '.join(bad)} (leave a source "
                         f"out rather than weigh it 0)")
     if not np.isfinite(sum(w or 0 for w in weights)):   # 1e308 twice: normalized, each 0 (the first source's windows)
@@ -481,11 +480,12 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
                             f"and the sample would draw from them; set --model.vocab_size={tok.vocab_size} "
                             f"(or padded, at most {padded})")
     else:
-        check_vocab(vocab_size, flags)          # before the corpus is read
+        check_vocab(vocab_size, flags, cfg.cache_dir)       # before the corpus is read
         corpus = corpus or Corpus(cfg.data, cfg.text_field, cfg.doc_per_line, cfg.split, cfg.cache_dir, flags)
         key = hashlib.sha256(json.dumps([corpus.fingerprint, vocab_size, cfg.val_fraction,
                                          TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
-        path = os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")
+        if not os.path.exists(path := os.path.join(cfg.cache_dir, f"tokenizer-{vocab_size}-{key}.model")):
+            check_vocab(vocab_size, flags)      # to be trained now (check_vocab let a cached one through: not this one)
         # Every process of a launch calls this at once: one trains into FILE.tmp-HOST-PID (its .model and .vocab;
         # this host's killed trainings' removed first), the others wait for its file.
         build_once(path, lambda tmp: train_tokenizer(corpus, cfg.val_fraction, vocab_size, tmp, flags, shown=path))
@@ -503,12 +503,15 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
     return tok
 
 
-def check_vocab(vocab_size: int, flags: dict = FLAGS) -> None:
-    """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work)."""
+def check_vocab(vocab_size: int, flags: dict = FLAGS, cache_dir: str = "") -> None:
+    """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work). One above the bound
+    that an earlier nanotrn trained into cache_dir (tokenizer-VOCAB-KEY.model; a listing, only above it) is let
+    through: build_tokenizer takes it if it is this corpus's, and refuses training another."""
     if vocab_size < 260:            # sentencepiece's own error for these is an empty message
         raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
                         f"{flags['model.vocab_size']}=260 or more (the corpus's characters add to that){or_given(flags)}")
-    if vocab_size > MAX_TRAINED_VOCAB:      # Llama 3's 128,256: Meta's tokenizer, not one an 8M-character sample makes
+    if vocab_size > MAX_TRAINED_VOCAB and not (os.path.isdir(cache_dir) and any(    # (Llama 3's 128,256: Meta's
+            re.fullmatch(rf"tokenizer-{vocab_size}-[0-9a-f]{{12}}\.model", n) for n in os.listdir(cache_dir))):   # tokenizer)
         raise DataError(f"a {vocab_size:,}-piece tokenizer is more than nanotrn trains on its {TOKENIZER_CHARS:,}-character "
                         f"sample (at most {MAX_TRAINED_VOCAB:,}): set {flags['model.vocab_size']}={MAX_TRAINED_VOCAB} "
                         f"or less" + (f"{or_given(flags)} (a pretrained model's, e.g. Llama 3's tokenizer.json)" if or_given(flags) else ""))

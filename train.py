@@ -176,7 +176,7 @@ def check_tokenizer(cfg: configs.Config) -> None:
     if checkpoint.ckptdir.scan(cfg.ckpt.dir) and not tok and cfg.ckpt.resume:    # (listed first: unlistable, one line)
         checkpoint.kept_tokenizer(cfg.ckpt.dir, os.path.join(cfg.ckpt.dir, "tokenizer"))
     elif not tok:                       # one will be trained (a tokenizer/ alone too), of a vocabulary that fits
-        check_vocab(cfg.model.vocab_size)
+        check_vocab(cfg.model.vocab_size, cache_dir=cfg.data.cache_dir)
     if not tok:
         return
     gen = os.path.join(tok if os.path.isdir(tok) else os.path.dirname(tok), hf.GENERATION)

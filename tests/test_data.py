@@ -1359,6 +1359,38 @@ def test_tokenizer_command_caches_the_one_training_finds(tmp_path, capsys):
     assert data.build_tokenizer(DataConfig(data=str(tmp_path / "l.txt"), doc_per_line=True, cache_dir=cache), VOCAB).path == path
 
 
+def test_a_cached_tokenizer_above_the_trained_bound_is_taken_and_no_other_trained(tmp_path, capsys):
+    """corpus.MAX_TRAINED_VOCAB (65,536, d6a0b0e) bounds what is trained now; a tokenizer above it that an earlier
+    nanotrn trained into the cache (before that bound) is the user's: taken again by train.py's check, build_tokenizer
+    and `data.py tokenizer` (was: refused as if it had to be trained). Another corpus's is no reason to train one."""
+    import hashlib
+    import configs
+    import train
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "c.txt").write_text("\n".join(make_docs(300)) + "\n")
+    cache, big = str(tmp_path / "cache"), corpus.MAX_TRAINED_VOCAB + 64
+    small = data.build_tokenizer(DataConfig(data=str(tmp_path / "a"), cache_dir=cache), VOCAB)
+    m = pb.ModelProto()                 # the earlier one: these pieces and 65,200 more, the least likely last
+    m.ParseFromString(open(small.path, "rb").read())
+    for i in range(big - len(m.pieces)):
+        m.pieces.add(piece=f"▁w{i}", score=-1e4 - i, type=1)
+    key = hashlib.sha256(json.dumps([data.Corpus(str(tmp_path / "a"), cache_dir=cache).fingerprint, big, 0.01,
+                                     corpus.TOKENIZER_RECIPE]).encode()).hexdigest()[:12]
+    path = os.path.join(cache, f"tokenizer-{big}-{key}.model")
+    open(path, "wb").write(m.SerializeToString())
+    c = DataConfig(data=str(tmp_path / "a"), cache_dir=cache)
+    train.check_tokenizer(configs.Config(data=c, model=ModelConfig(vocab_size=big)))
+    assert data.build_tokenizer(c, big).path == path and data.build_tokenizer(c, big).vocab_size == big
+    data.main(["tokenizer", "--data", str(tmp_path / "a"), "--vocab", str(big), "--cache-dir", cache])
+    assert capsys.readouterr().out.strip() == path
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "c.txt").write_text("\n".join(make_docs(200)) + "\n")
+    with pytest.raises(data.DataError, match=f"a {big:,}-piece tokenizer is more than nanotrn trains"):
+        data.build_tokenizer(DataConfig(data=str(tmp_path / "b"), cache_dir=cache), big)
+    assert sorted(n for n in os.listdir(cache) if n.endswith(".model")) == sorted([os.path.basename(small.path), f"tokenizer-{big}-{key}.model"])
+
+
 def test_a_tilde_after_the_equals_sign_is_the_home_folder_in_data_py(tmp_path, monkeypatch, capsys):
     """As train.py's path keys: `data.py tokenizer --data=~/c.txt --cache-dir=~/cache` reached data.py as '~/c.txt'
     (bash expands ~ only at a word's start), refused as 'does not exist' (prepare's --out: test_prepare)."""
