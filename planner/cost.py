@@ -315,15 +315,27 @@ def _step_time(cfg: Config, L: Layout, world: int, mbs: int, counts: list[int], 
     # reduce-scatter while the weight gradient is; only what outlasts the matmul shows. Without SP,
     # all-reduces (twice the bytes): 2 forward, and 2 backward beside the weight gradients.
     # Recomputed projections gather and scatter again; embedding and head add 5 (2 on a first stage, 3 on a last).
+    # A recompute that ends with the MLP (full, selective+mlp) starts once the MLP's output gradient is
+    # there (torch_xla's checkpoint puts an optimization barrier on its inputs and that gradient), beside
+    # the backward: the gather of that gradient (token-free: xm.all_gather without output=) runs while the
+    # recomputed gate_up matmul does, and the recomputed reduce-scatter after down_proj, whose result
+    # feeds nothing but the collectives' token, while the backward's down_proj matmuls do (torch-xla 2.1
+    # and 2.5 torch_xla/utils/checkpoint.py, core/xla_model.py). Without SP: that reduce-scatter is an
+    # all-reduce, and the row-parallel backward gathers nothing. Only what outlasts those matmuls shows.
     one = M * m.dim * ab * (tp - 1) / tp / (hw.link_bw * LINK_EFFICIENCY) + _latency(tp - 1)
     per_layer = n_layer = 0
     if tp > 1:
         recomputed = {"full": 4, "selective+mlp": 2}.get(ck, 0)
+        beside = sum(down[1:]) if recomputed else 0.0         # the backward's down_proj matmuls
         if L.sp:
             outlast = sum(max(0.0, one - dx) + max(0.0, one - dw) for _, dx, dw in (qkv, up))
+            if recomputed:
+                outlast += max(0.0, one - up[0]) + max(0.0, one - beside) - 2 * one
             per_layer, n_layer = (6 + recomputed) * one + outlast, 10 + recomputed
         else:
             outlast = sum(max(0.0, 2 * one - dw) for _, _, dw in (qkv, up))
+            if recomputed:
+                outlast += max(0.0, 2 * one - beside) - 2 * one
             per_layer, n_layer = (4 + recomputed) * one + outlast, 8 + recomputed
     # Per microbatch, each stage's matmuls and TP time (the head on the last); the slowest paces the step.
     paced = []

@@ -244,7 +244,7 @@ def test_every_miss_is_explained_and_the_efficiency_diagnostic_says_why():
         needed.setdefault("3.1-70B" if r["model"] == "Llama-3.1-70B" else "noted" if r["note"] else "other",
                           []).append(calibrate.matching_efficiency(r, calibrate.row_estimate(r)))
     assert 0.4 <= min(needed["other"]) and max(needed["other"]) <= 0.65, needed
-    assert min(needed["3.1-70B"]) >= 0.75, needed
+    assert min(needed["3.1-70B"]) >= 0.65, needed
     e = calibrate.row_estimate(calibrate.published_rows()[0])          # the diagnostic inverts the estimate:
     r = dict(calibrate.published_rows()[0], seq_per_s=str(1024 / e.step_s))
     assert calibrate.matching_efficiency(r, e) == pytest.approx(cost.MATMUL_EFFICIENCY)
@@ -274,7 +274,7 @@ def test_llama31_70b_leaves_no_time_for_its_tp_collectives(monkeypatch):
     # and microbatch (10 collectives of [4096 x 8192] or [8192 x 4096] bf16): their published
     # difference measures the marginal matmul efficiency independently of the 7B/13B fit, and what
     # is left of their layer time is their TP time. Both agree with the model; Llama 3.1 70B at that
-    # efficiency leaves a fraction of its modelled TP time: the miss the CSV note explains.
+    # efficiency leaves about a third of its modelled TP time: the miss the CSV note explains.
     rows = {r["model"]: r for r in calibrate.published_rows() if r["release"] == "2.20.0"}
     (w8, tp8, t8), (w70, tp70, t70), (w31, tp31, t31) = (
         _per_layer(rows[m], monkeypatch) for m in ("Llama-3.1-8B", "Llama2-70B", "Llama-3.1-70B"))
@@ -285,19 +285,19 @@ def test_llama31_70b_leaves_no_time_for_its_tp_collectives(monkeypatch):
     assert eff == pytest.approx(cost.MATMUL_EFFICIENCY, rel=0.05)
     for w, tp, t in ((w8, tp8, t8), (w70, tp70, t70)):
         assert t - w / eff == pytest.approx(tp, rel=0.2)
-    assert t31 - w31 / eff < 0.3 * tp31
+    assert t31 - w31 / eff < 0.4 * tp31
 
 
 def test_llama31_70b_miss_is_its_mlp_recompute_not_its_head_or_launches(monkeypatch):
     # What the CSV note says was ruled out, measured on the model: the 4x vocabulary of the last
     # stage (Llama 2's 32000 instead) and every per-microbatch launch (none) together move the rows
-    # under 5 points; priced without the MLP recompute they are within 15% (the script recomputes it).
+    # under 6 points; priced without the MLP recompute they are within 15% (the script recomputes it).
     def err(row, calibration=None):
         return 1024 / calibrate.row_estimate(row, calibration).step_s / float(row["seq_per_s"]) - 1
     monkeypatch.setitem(calibrate.MODELS, "small head", calibrate.MODELS["Llama-3.1-70B"] + ["--model.vocab_size=32000"])
     for row in (r for r in calibrate.published_rows() if r["model"] == "Llama-3.1-70B"):
         light = err(dict(row, model="small head"), (cost.MATMUL_EFFICIENCY, 0.0, cost.SCORE_PASSES))
-        assert 0 < light - err(row) < 0.05, row["release"]
+        assert 0 < light - err(row) < 0.06, row["release"]
         assert -0.15 <= err(dict(row, checkpointing="selective")) < 0, row["release"]
 
 
@@ -431,6 +431,26 @@ def test_flash_attention_costs_seven_score_matmuls_recompute_eight_none_six():
     none, selective, flash = compute("none", "explicit"), compute("selective", "explicit"), compute("selective", "flash")
     assert flash - none == pytest.approx(selective - flash, rel=1e-6) and selective > flash > none
     assert compute("none", "flash") == pytest.approx(flash, rel=1e-9)    # the kernel recomputes for itself
+
+
+def test_a_recompute_ending_with_the_mlp_hides_the_backward_gather_and_its_own_reduce_scatter(monkeypatch):
+    # NxD at seq 8192 checkpoints LlamaMLP (Llama 3.1 70B's rows). Its recompute waits for the MLP's
+    # output gradient (torch_xla's optimization barrier) and runs beside the backward: the gather of that
+    # gradient (token-free) beside the recomputed gate_up matmul, and the recomputed reduce-scatter (its
+    # result only feeds the collectives' token) beside the backward's down_proj matmuls. Both collectives
+    # still move their bytes; at 70B's shapes (2.4 ms each, beside 5 ms matmuls) no time shows.
+    row = next(r for r in calibrate.published_rows() if r["model"] == "Llama-3.1-70B")
+    mlp, sel = calibrate.row_estimate(row), calibrate.row_estimate(dict(row, checkpointing="selective"))
+    layers, M = 10 * mlp.microbatches, int(row["seq_len"])
+    one_bytes = M * 8192 * 2 * 31 / 32
+    assert mlp.tp_bytes - sel.tp_bytes == pytest.approx(2 * layers * one_bytes)      # two more collectives
+    assert mlp.tp_s == pytest.approx(sel.tp_s, rel=1e-9)                              # hidden: no time
+    # A narrow MLP (ffn 1024: matmuls shorter than a collective): only what outlasts them shows.
+    monkeypatch.setitem(calibrate.MODELS, "narrow", calibrate.MODELS["Llama-3.1-70B"] + ["--model.ffn_dim=1024"])
+    narrow = dict(row, model="narrow")
+    mlp, sel = calibrate.row_estimate(narrow), calibrate.row_estimate(dict(narrow, checkpointing="selective"))
+    one = one_bytes / (instances.INSTANCES["trn1"].link_bw * cost.LINK_EFFICIENCY) + cost._latency(31)
+    assert 0 < mlp.tp_s - sel.tp_s < 2 * one * layers
 
 
 def test_gpipe_keeps_every_microbatch_on_the_last_stage_too():
