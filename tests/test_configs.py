@@ -288,6 +288,41 @@ def test_the_docs_train_flags_and_commands_exist():
     assert parsed >= 20, parsed                         # the pattern still finds the pages' commands
 
 
+def test_the_docs_bench_and_prepare_commands_parse(monkeypatch):
+    """The docs' other commands a user copies: every `bench.py WHICH --flag` (also `make bench ARGS=`) and `python
+    data.py prepare ... --flag` parses with the real parser, and bench.py's flags pass its checks (a flag its WHICH
+    does not read is refused). A flag renamed in benchmarks/cli.py or data.py fails here, not in the user's shell.
+    Nothing runs past the parse: parse_args hands back its result instead of returning to the command."""
+    import argparse
+    import re
+    import shlex
+    import data
+    from benchmarks import cli
+
+    class Parsed(Exception):
+        pass
+    parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", lambda self, a=None, n=None: (_ for _ in ()).throw(
+        Parsed(self, parse(self, a, n))))
+    pattern = re.compile(r"(\bbench\.py +|make bench ARGS=\"|\bpython data\.py +)(\w.*)")
+    parsed = 0
+    for doc in DOCS:
+        for command in doc_commands(open(os.path.join(ROOT, doc)).read()):
+            for tool, args in pattern.findall(command):
+                argv = shlex.split(re.split(r"\s#|[\"|;&`]", args)[0])
+                if "data.py" in tool and not any(a.startswith("-") for a in argv):
+                    continue                            # `python data.py prepare` named in a sentence
+                try:                                    # SystemExit 2: a flag or value the parser refuses,
+                    with pytest.raises(Parsed) as e:    # or one this benchmark does not read (check_args)
+                        (data.main if "data.py" in tool else cli.main)(argv)
+                    if "data.py" not in tool:
+                        cli.check_args(*e.value.args)
+                except SystemExit:
+                    pytest.fail(f"{doc}: `{tool}{shlex.join(argv)}` does not parse (above)")
+                parsed += 1
+    assert parsed >= 10, parsed                         # the pattern still finds the pages' commands
+
+
 def test_the_docs_links_and_cited_names_exist():
     """Every relative link of README.md and docs/*.md resolves, and every `module.name` they cite (spans.span_bytes,
     monitor.Watchdog) is still in that module: the pages send readers to code by these names."""
