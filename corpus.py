@@ -137,14 +137,15 @@ class Corpus:
         paths = [p for ps in per_entry for p in ps]
         stat = {p: os.stat(p) for p in paths}  # once a file: a metadata op per file and rank on a shared file system
         empty = [p for p in paths if stat[p].st_size == 0]
-        check_maps(sum(stat[p].st_size > 0 and (p.endswith(COPIED + (".jsonl", ".json", ".arrow")) or
-                                                 doc_per_line and p.endswith(".txt")) for p in paths))
-        # A UTF-16 file refused before the files ahead of it are copied (hours for a big corpus): the heads of those still
-        # to copy sniffed first (a first start only: a 4 KiB read of each a rank; later a stat of each copy a rank), and
-        # those whose lines are indexed (before a big .jsonl's index is built; LineDocs reads that page anyway).
-        lined = (".jsonl", ".json") + ((".txt",) if doc_per_line else ())
-        prepare.check_heads([p for p in paths if stat[p].st_size and (p.endswith(lined) or p.endswith(COMPRESSED) and not
-                             os.path.exists(prepare.copy_path(p, field_of[p], doc_per_line, cache_dir, stat[p])))])
+        lined, other = (".jsonl", ".json") + ((".txt",) if doc_per_line else ()), COPIED + (".arrow",)
+        check_maps(mapped := sum(stat[p].st_size > 0 and p.endswith(lined + other) for p in paths))     # indexed or copied
+        # A UTF-16 file refused before any file is indexed or copied (hours for a big corpus): the heads of those still to
+        # copy sniffed first (a first start only: a 4 KiB read of each a rank; later a stat of each copy a rank), those whose
+        # lines are indexed (LineDocs reads that page anyway), and whole files beside indexed or copied ones (a 4 KiB read
+        # of each a rank, each start; whole files alone: the span index build, their first work, sniffs them once a node).
+        prepare.check_heads([p for p in paths if stat[p].st_size and (p.endswith(lined) or mapped and not p.endswith(other) or
+                             p.endswith(COMPRESSED) and not os.path.exists(prepare.copy_path(p, field_of[p], doc_per_line,
+                                                                                             cache_dir, stat[p])))])
         docs_of = {}                            # path -> documents it holds (the mixture's groups)
         for p in paths:
             field = field_of[p]
@@ -542,8 +543,7 @@ def train_tokenizer(corpus: Corpus, val_fraction: float, vocab_size: int, path: 
     0/1/2) on lines of the train documents in a fixed permutation: deterministic, the same on every node.
     Written to `path` (build_tokenizer: build_once's temporary, renamed into place as `shown` once complete).
     probe: nothing written; returns the pieces it reaches, at most vocab_size (what sentencepiece's "too high" says)."""
-    t0, lines, n = time.time(), [], corpus.n_docs
-    chars = bad = 0
+    t0, lines, n, chars, bad = time.time(), [], corpus.n_docs, 0, 0
     for text, repl in sample_texts(corpus, val_fraction):
         bad += repl
         for c in (c for line in text.split("\n") if line.strip() for c in line_chunks(line)):

@@ -863,15 +863,17 @@ def test_a_compressed_utf16_file_is_refused_before_the_files_before_it_are_copie
     assert not list((tmp_path / "cache").glob("a-*.arrow"))
 
 
-@pytest.mark.parametrize("name,doc_per_line", [("a.jsonl", False), ("a.txt", True)])
-def test_a_utf16_file_is_refused_before_the_lines_of_the_files_before_it_are_indexed(tmp_path, name, doc_per_line):
+@pytest.mark.parametrize("name,doc_per_line,bad", [("a.jsonl", False, "z.jsonl"), ("a.txt", True, "z.txt"),
+                                                   ("a.jsonl", False, "z.txt")])
+def test_a_utf16_file_is_refused_before_the_lines_of_the_files_before_it_are_indexed(tmp_path, name, doc_per_line, bad):
     """A .jsonl (or a .txt read a line a document) has its newlines indexed once into the cache (minutes for 10s of GB):
     a UTF-16 one after it was refused only when reached, the big one's index built first (train.py over a 86 MB
-    a.jsonl and a UTF-16 b.jsonl: lines-*.idx of 2.4 MB written, then the refusal). Now their heads are sniffed first."""
+    a.jsonl and a UTF-16 b.jsonl: lines-*.idx of 2.4 MB written, then the refusal). Now their heads are sniffed first;
+    a whole-file .txt's too (was: sniffed by the span index build, after a 38 MB a.jsonl's lines were indexed)."""
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / name).write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100)))
-    (tmp_path / "c" / f"z{name[1:]}").write_text(json.dumps({"text": "saved as Unicode"}) + "\n", encoding="utf-16")
-    with pytest.raises(data.DataError, match=f"z{name[1:]} is UTF-16 text"):
+    (tmp_path / "c" / bad).write_text(json.dumps({"text": "saved as Unicode"}) + "\n", encoding="utf-16")
+    with pytest.raises(data.DataError, match=f"{bad} is UTF-16 text"):
         data.Corpus(str(tmp_path / "c"), cache_dir=str(tmp_path / "cache"), doc_per_line=doc_per_line)
     assert not list((tmp_path / "cache").glob("lines-*.idx"))
 
