@@ -19,7 +19,6 @@ import argparse
 import atexit
 import collections
 import dataclasses
-import os
 import queue
 import signal
 import sys
