@@ -371,7 +371,8 @@ def prepare(sources: list[str], out: str, text_field: str = "text", doc_per_line
         print(f"[prepare] {len(not_text):,} file{'s' * (len(not_text) > 1)} skipped, not UTF-8 text: "
               + ("the first: " if len(not_text) > 1 else "") + not_text[0], file=sys.stderr)
     if counts["bad_records"]:
-        print(f"[prepare] {counts['bad_records']:,} bad records skipped (pass --strict to stop at the first): "
+        n = counts["bad_records"]
+        print(f"[prepare] {n:,} bad record{'s' * (n > 1)} skipped (pass --strict to stop at the first): "
               + "; ".join(examples), file=sys.stderr)
     print(f"[prepare] wrote {out}" + (f" ({len(paths) - counts['not_text_files']} shards)" if not one else "") + ": "
           + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())), file=sys.stderr, flush=True)

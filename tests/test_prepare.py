@@ -77,6 +77,14 @@ def test_the_bar_counts_every_workers_last_report_before_the_file_is_written(sha
         assert sum(seen) == total, (k, sum(seen), total)
 
 
+def test_one_bad_record_is_said_in_the_singular(tmp_path, capsys):
+    """`python data.py prepare` over a file with one bad line said '[prepare] 1 bad records skipped' (training's
+    data warning says '1 bad record skipped'): the count's noun follows the count."""
+    (tmp_path / "a.jsonl").write_text('{"text": "good"}\nnot json\n')
+    prepare.prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "a.arrow"), workers=1)
+    assert "[prepare] 1 bad record skipped (pass --strict" in capsys.readouterr().err
+
+
 def test_every_format_in_parallel_into_one_file_and_one_per_shard(shards, tmp_path, capsys):
     out = tmp_path / "all.arrow"
     counts = prepare.prepare([str(shards)], str(out), workers=2)
