@@ -139,7 +139,8 @@ try:
         check_paths(cfg)
         # What the workers import, found without importing it: a Python without it (the DLAMI venv not activated)
         # was the traceback of the numpy import below, and one in each worker, retried by torchrun and the sbatch loop.
-        need = ["torch", "numpy", "pyarrow", "sentencepiece", "tokenizers", "safetensors"]
+        # (tqdm too: the span index build imports it, on the node that builds it, after the workers start)
+        need = ["torch", "numpy", "pyarrow", "sentencepiece", "tokenizers", "safetensors", "tqdm"]
         missing = [m for m in need + ["tensorboard"] * bool(cfg.log.tensorboard) if not find_spec(m)]
         if missing:
             missing = ", ".join(missing)

@@ -348,8 +348,19 @@ def test_a_python_without_the_runs_packages_or_the_neuron_runtime_is_refused_in_
     r = run_script(args, PYTHON=str(bare / "bin" / "python"), **env)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"config error: the Python launch.sh runs ({bare}/bin/python) has no torch, numpy, "
-                               "pyarrow, sentencepiece, tokenizers, safetensors, tensorboard:"), r.stderr
+                               "pyarrow, sentencepiece, tokenizers, safetensors, tqdm, tensorboard:"), r.stderr
     assert "PyTorch venv" in r.stderr and "requirements.txt" in r.stderr and not started.exists()
+    # A Python with all but tqdm (imported lazily, by the span index build of a run's first start: a traceback
+    # of the worker building it, after torchrun started), hidden from this one by a sitecustomize
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['tqdm'] = None\n")   # find_spec: None
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{hide}" exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    r = run_script([*args, "--log.tensorboard="], PYTHON=str(wrapper), **env)
+    assert r.returncode == 2 and not started.exists(), r.stderr
+    assert r.stderr.startswith(f"config error: the Python launch.sh runs ({sys.executable}) has no tqdm: "), r.stderr
     if importlib.util.find_spec("libneuronxla") is None:     # (this host: no Neuron runtime)
         r = run_script(args, **env)
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not started.exists(), r.stderr
