@@ -27,6 +27,7 @@ clocks are compared across nodes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -139,6 +140,11 @@ def check_args(args) -> None:
             bad.append(f"--backend=xla on XLA:CPU (PJRT_DEVICE={hardware.xla_platform() or 'unset'}) has no "
                        f"collectives between processes: run it on Trainium (PJRT_DEVICE=NEURON), or --backend=gloo")
         backend = resolve(args.backend)
+        # Else each rank's traceback at init_process_group (torch-xla: "No module named 'libneuronxla'").
+        if backend == "xla" and hardware.xla_platform() == "NEURON" and not importlib.util.find_spec("libneuronxla"):
+            bad.append(f"--backend={args.backend}: PJRT_DEVICE=NEURON but this Python has no libneuronxla (the runtime "
+                       f"of torch-neuronx): run it in the PyTorch venv of the Neuron DLAMI on Trainium, or give "
+                       f"--backend=gloo (launch.sh health: HEALTHCHECK_ARGS=--backend=gloo)")
         if backend == "nccl" and not torch.cuda.is_available():     # else each rank's ValueError traceback
             bad.append("--backend=nccl: no CUDA device is visible here; give --backend=gloo (CPU) or auto")
         elif 0 < args.mb < float("inf"):

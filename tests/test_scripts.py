@@ -618,6 +618,9 @@ REFUSALS = [
     # each process was a world of its own, timed nothing between them and said "healthy"
     (["--backend=xla"], {**WORLD4, "PJRT_DEVICE": "CPU"}, "--backend=xla on XLA:CPU (PJRT_DEVICE=CPU) has no collectives"),
     (["--backend=xla"], {**WORLD4}, "--backend=xla on XLA:CPU (PJRT_DEVICE=unset) has no collectives"),
+    # launch.sh health where the Python has no Neuron runtime (env.sh sets PJRT_DEVICE=NEURON): each rank's traceback
+    # from torch-xla's 'No module named libneuronxla', at init_process_group
+    ([], {**WORLD4, "PJRT_DEVICE": "NEURON"}, "--backend=auto: PJRT_DEVICE=NEURON but this Python has no libneuronxla"),
     # each rank's traceback once the group had formed: torch.ones' overflow, the allocator's 'can't allocate memory'
     (["--mb", "1e30"], {**WORLD4}, "--mb 1e+30: a rank holds"),
     (["--mb", "1e7"], {**WORLD4}, "--mb 1e+07: a rank holds"),
@@ -648,6 +651,8 @@ def test_healthcheck_refuses_before_any_process_group(refusals, case):
     args, env, says = REFUSALS[case]
     if "--backend=nccl" in args and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: nccl runs here")
+    if env.get("PJRT_DEVICE") == "NEURON" and importlib.util.find_spec("libneuronxla"):
+        pytest.skip("the Neuron runtime is installed here")
     r = refusals[case].result()
     assert r.returncode == 1 and r.stderr.startswith(f"healthcheck error: {says}") and "Traceback" not in r.stderr, r
 
