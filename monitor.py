@@ -12,8 +12,10 @@ import functools
 import logging
 import math
 import os
+import re
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
@@ -392,6 +394,31 @@ def say_once(message: str, wait_s: float = 30.0, where=None, out=None) -> int:
     if not said:
         print(message, file=out, flush=True)
     return 1
+
+
+# ----------------------------------------------------------------------------- gloo's lines on each group
+
+@contextlib.contextmanager
+def quiet_gloo():
+    """Build process groups in here. gloo (torch 2.9) prints on stdout, for every group a rank joins, 'Rank r is
+    connected to n peer ranks' and, connecting lazily (TORCH_GLOO_LAZY_INIT: env.sh, the XLA host group), 'Rank r
+    is NOT connected to: [...]' naming every other rank: about 24 KB a rank at 4096 ranks, 100 MB of a job's log
+    each start, for connections made later as needed (a failed one raises). Those lines go; the rest stays."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 1)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 1)
+                tmp.seek(0)
+                lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+                sys.stdout.write("".join(x for x in lines if not re.match(r"\[Gloo\] Rank \d+ is (NOT )?connected", x)))
+                sys.stdout.flush()
+    finally:
+        os.close(saved)
 
 
 # ----------------------------------------------------------------------------- the hang watchdog

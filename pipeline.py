@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import model as llama
+import monitor
 import parallel
 from configs import Config, ConfigError
 from parallel import Grid
@@ -148,7 +149,8 @@ class Comm:
                     next=grid.rank + stride if grid.pp_rank < grid.pp - 1 else None,
                     shape=(cfg.data.micro_batch, seq, cfg.model.dim), group=grid.pp_group)
         if comm.impl == "allgather":
-            comm.pairs = _pair_groups(grid)
+            with monitor.quiet_gloo():             # not gloo's lines for each pair group on each rank
+                comm.pairs = _pair_groups(grid)
         return comm
 
 

@@ -245,7 +245,8 @@ def run(argv: list[str]) -> None:
     for w in configs.warnings(cfg) if rank == 0 else []:
         print(f"warning: {w}", file=sys.stderr)
 
-    grid = parallel.init_distributed(cfg, device)
+    with monitor.quiet_gloo():                         # not gloo's lines for each group on each rank
+        grid = parallel.init_distributed(cfg, device)
     log = print if grid.is_main else (lambda *a, **k: None)
     # A hang ends the run with this rank's stacks (monitor.Watchdog): start-up, a resume, the first
     # compiles may take up to --log.hang_startup_s; a step, --log.hang_factor median steps.

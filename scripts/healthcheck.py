@@ -44,6 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import ConfigError, check_dir  # noqa: E402  (the repository root, where configs.py and parallel.py live)
 import hardware  # noqa: E402
+from monitor import quiet_gloo  # noqa: E402
 from planner.instances import INSTANCES  # noqa: E402
 from parallel import backend_for, launch_env, rank_groups  # noqa: E402
 
@@ -174,7 +175,8 @@ def measure(kinds, backend, device, sync, host_group, nbytes: int, warmup: int, 
         mine, pg = None, None
         for i, g in enumerate(groups):   # every rank creates every group, in the same order
             opts = {"xla_pg_options": {"mesh": groups}} if backend == "xla" else None
-            created = dist.new_group(g, pg_options=opts) if opts else dist.new_group(g)
+            with quiet_gloo():
+                created = dist.new_group(g, pg_options=opts) if opts else dist.new_group(g)
             if rank in g:
                 mine, pg = i, created
         n = len(groups[0])
@@ -334,7 +336,8 @@ def main(argv=None) -> int:
     check_args(args)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    backend, device, sync, host_group = setup(args.backend, args.timeout_s)
+    with quiet_gloo():          # not gloo's lines for each group on each rank (as train.py)
+        backend, device, sync, host_group = setup(args.backend, args.timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))     # (check_args checked both)
     delay = None

@@ -650,3 +650,20 @@ def test_an_event_folder_that_cannot_be_written_costs_the_events_not_the_run(tmp
     warned = [x for x in lines if "TensorBoard" in x]
     assert len(warned) == 1 and warned[0].startswith(f"warning: could not write TensorBoard events to {small / 'tb'}"), lines
     assert ("No space left" if how == "full" else "No such file") in warned[0], warned
+
+
+def test_glooss_lines_on_each_group_are_dropped_and_the_rest_of_stdout_kept(capfd):
+    """gloo (torch 2.9) prints on stdout, for every group each rank builds, '[Gloo] Rank r is connected to n peer
+    ranks...' and, connecting lazily (env.sh's TORCH_GLOO_LAZY_INIT, the XLA host group), '[Gloo] Rank r is NOT
+    connected to: [...]' with every other rank: about 24 KB a rank at 4096 ranks, 100 MB of a job's log at each start,
+    saying that connections made later, as needed, are not made yet. train.py and the health check build their
+    groups inside monitor.quiet_gloo: those lines go, anything else printed meanwhile stays, in order."""
+    import datetime
+    import torch.distributed as dist
+    with monitor.quiet_gloo():
+        print("before", flush=True)
+        dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))    # a real group of one
+        os.write(1, b"[Gloo] Rank 7 is NOT connected to: [0, 1, 2]\nafter\n")
+    print("outside", flush=True)
+    assert capfd.readouterr().out == "before\nafter\noutside\n"
+

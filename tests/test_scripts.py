@@ -865,6 +865,7 @@ def test_sigterm_to_launch_sh_stops_the_workers_without_torchruns_30s(tmp_path):
     # Ports it cannot reserve (no sudo here, or one that asks a password): its one warning, not sudo's line too.
     assert "sudo:" not in err, err[:2000]
     assert_stopped_with_checkpoint(out, err, tmp_path / "run" / "ckpt", "SIGUSR1")
+    assert "[Gloo]" not in out, out[:2000]       # each group's connectivity lines (monitor.quiet_gloo)
 
 
 @pytest.mark.slow
