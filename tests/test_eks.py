@@ -56,6 +56,22 @@ def container_env(job: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
+def test_the_docs_128_node_commands_write_the_blog128_run_not_the_1_node_runs_folder(tmp_path):
+    """docs/eks.md: 1 node first, 'then 128 nodes: the same three commands with --nodes 128 --name blog128
+    (out_dir /fsx/blog128)'. Its `--out manifests/` line for 128 nodes had no --name: copied, its Jobs were
+    nanotrn-* and its run /fsx/nanotrn, the 1-node trial's, which it resumed at 128 nodes. Each eks.py command of
+    the page, with the page's $K and $ARGS, through eks.py's own parser and checks."""
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "eks.md").read_text(), re.S).group(1)
+    sets = dict(re.findall(r'^(ARGS|K)="(.*)"$', block, re.M))
+    runs = {}
+    for line in re.findall(r"^python scripts/eks.py (.*?)(?:\s+\||\s+#|$)", block, re.M):
+        line = line.replace("$K", sets["K"]).replace("$ARGS", sets["ARGS"]).replace("$ECR", "ecr.example")
+        args, train_args = eks.parse(shlex.split(line.replace("--out manifests/", f"--out {tmp_path}/m")))
+        cfg = eks.check(args, train_args)[0]
+        runs.setdefault(args.nodes, set()).add((args.name, cfg.out_dir))
+    assert runs == {1: {("nanotrn", "/fsx/nanotrn")}, 128: {("blog128", "/fsx/blog128")}}, runs
+
+
 @pytest.mark.parametrize("instance", ["trn1", "trn2"])
 @pytest.mark.parametrize("nodes", [1, 128])
 def test_manifests_are_valid_kubernetes_and_say_what_launch_sh_does(tmp_path, instance, nodes):
