@@ -505,14 +505,14 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int, corpus: Corpus | None = No
 
 
 def check_vocab(vocab_size: int, flags: dict = FLAGS, cache_dir: str = "") -> None:
-    """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work). One above the bound
-    that an earlier nanotrn trained into cache_dir (tokenizer-VOCAB-KEY.model; a listing, only above it) is let
-    through: build_tokenizer takes it if it is this corpus's, and refuses training another."""
+    """Whether a tokenizer of vocab_size pieces can be trained (train.py asks before any work); above the bound (Llama 3's
+    128,256: Meta's, not what a sample makes) one an earlier nanotrn trained into cache_dir is let through for
+    build_tokenizer (tokenizer-VOCAB-KEY.model: a listing; a folder this user cannot list, mode 0300, holds none)."""
     if vocab_size < 260:            # sentencepiece's own error for these is an empty message
         raise DataError(f"a {vocab_size}-piece tokenizer cannot hold the 256 byte pieces and unk/bos/eos; set "
                         f"{flags['model.vocab_size']}=260 or more (the corpus's characters add to that){or_given(flags)}")
-    if vocab_size > MAX_TRAINED_VOCAB and not (os.path.isdir(cache_dir) and any(    # (Llama 3's 128,256: Meta's
-            re.fullmatch(rf"tokenizer-{vocab_size}-[0-9a-f]{{12}}\.model", n) for n in os.listdir(cache_dir))):   # tokenizer)
+    if vocab_size > MAX_TRAINED_VOCAB and not (os.path.isdir(cache_dir) and os.access(cache_dir, os.R_OK) and any(
+            re.fullmatch(rf"tokenizer-{vocab_size}-[0-9a-f]{{12}}\.model", n) for n in os.listdir(cache_dir))):
         raise DataError(f"a {vocab_size:,}-piece tokenizer is more than nanotrn trains on its {TOKENIZER_CHARS:,}-character "
                         f"sample (at most {MAX_TRAINED_VOCAB:,}): set {flags['model.vocab_size']}={MAX_TRAINED_VOCAB} "
                         f"or less" + (f"{or_given(flags)} (a pretrained model's, e.g. Llama 3's tokenizer.json)" if or_given(flags) else ""))

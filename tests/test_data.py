@@ -1393,6 +1393,22 @@ def test_a_cached_tokenizer_above_the_trained_bound_is_taken_and_no_other_traine
     assert sorted(n for n in os.listdir(cache) if n.endswith(".model")) == sorted([os.path.basename(small.path), f"tokenizer-{big}-{key}.model"])
 
 
+@pytest.mark.slow               # one process as a plain user (~2 s: numpy's and pyarrow's import)
+def test_a_cache_this_user_cannot_list_is_refused_above_the_trained_bound_as_one_without_it(tmp_path):
+    """check_vocab lists the cache for a tokenizer above the trained bound (f0c09f3); a cache folder of mode 0300,
+    which a run writes and reads by name, was a PermissionError traceback there (train.py --model.vocab_size=70000).
+    Now it holds none: the refusal of a run without a cache, one line. Root's bypass is dropped (as_plain_user)."""
+    from conftest import ROOT, as_plain_user
+    (cache := tmp_path / "cache").mkdir()
+    cache.chmod(0o300)
+    big = corpus.MAX_TRAINED_VOCAB + 64
+    script = (f"import sys\nsys.path.insert(0, {ROOT!r})\nimport corpus\ntry:\n    corpus.check_vocab({big}, "
+              f"cache_dir={str(cache)!r})\nexcept corpus.DataError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([*as_plain_user(), sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith(f"refused: a {big:,}-piece tokenizer is more than nanotrn trains"), r.stdout
+
+
 def test_a_tilde_after_the_equals_sign_is_the_home_folder_in_data_py(tmp_path, monkeypatch, capsys):
     """As train.py's path keys: `data.py tokenizer --data=~/c.txt --cache-dir=~/cache` reached data.py as '~/c.txt'
     (bash expands ~ only at a word's start), refused as 'does not exist' (prepare's --out: test_prepare)."""
