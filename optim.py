@@ -498,7 +498,7 @@ class Zero1AdamW(AdamW):
         shard = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         norm = parallel.global_norm([(shard[s.lo:s.hi], s.norm_weight) for s in self.slots], g, device, over_dp=True)
         if max_norm > 0:
-            shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(dtype))
+            parallel.scale_to_norm_([shard], norm, max_norm)
         self._grad_shard = shard
         return norm
 
