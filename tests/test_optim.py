@@ -64,7 +64,7 @@ def reference_step(ref, ref_opt, tokens, targets, clip: float, active: bool = Tr
     backward(ref, tokens, targets)
     grads = [g for g in map(parallel.grad_of, ref.parameters()) if g is not None]
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    for g in grads:
+    for g in grads if clip > 0 else ():       # 0: no clipping
         g.mul_(torch.clamp(clip / (ref_norm + 1e-6), max=1.0))
     optim.guarded_step(ref_opt, apply)
     ref_opt.zero_grad()
@@ -627,8 +627,10 @@ def _zero1_worker(rank: int, world: int, store_file: str):
     grid = Grid(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))))
     try:
         # clip 0.5 is below the tiny model's grad norm: clipping is active, so the global norm matters;
-        # clip 50 is above it: the gradients must stay as they are, not be scaled up to the limit
-        for precision, clip in (("fp32", 0.5), ("mixed", 0.5), ("bf16", 0.5), ("bf16_sr", 0.5), ("fp32", 50.0)):
+        # clip 50 is above it: the gradients must stay as they are, not be scaled up to the limit; clip 0 is
+        # --optim.grad_clip=0, no clipping: the gradients as they are, not scaled to a norm of 0
+        for precision, clip in (("fp32", 0.5), ("mixed", 0.5), ("bf16", 0.5), ("bf16_sr", 0.5), ("fp32", 50.0),
+                                ("fp32", 0.0)):
             cfg = tiny_config(precision, grad_clip=clip, lr=3e-3)
             cfg.parallel.zero1 = True
             model, ref = tiny_model(cfg), tiny_model(cfg)
