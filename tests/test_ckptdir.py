@@ -642,3 +642,20 @@ def test_start_fresh_in_a_directory_without_checkpoints_moves_nothing(tmp_path, 
     start(cfg_for(tmp_path, "--ckpt.resume=false", "--ckpt.start_fresh")).close()
     assert tree(tmp_path) == before and not list(tmp_path.glob("previous_*"))
     assert "start_fresh" not in capsys.readouterr().err
+
+
+def test_a_file_grown_past_its_marker_or_a_manifest_of_another_world_is_damage_named_so(tmp_path):
+    """ckptdir.check compares each file's size with its marker's both ways (a file with bytes appended, a copy or a
+    write gone wrong, is named by its size before any crc32 is read), and the manifest's world with the markers' (a
+    manifest of a save at another world beside these markers: two saves mixed in one folder)."""
+    save(cfg_for(tmp_path), 3)
+    d = tmp_path / "step_00000003"
+    f, body = d / "model_tp00_pp00.pt", (d / "model_tp00_pp00.pt").read_bytes()
+    f.write_bytes(body + b"\0")
+    assert ckptdir.check(d)[:2] == (ckptdir.DAMAGED, f"model_tp00_pp00.pt is {len(body) + 1} bytes, its marker says "
+                                                     f"{len(body)} (truncated or damaged)")
+    f.write_bytes(body)
+    assert ckptdir.check(d)[0] == ckptdir.OK
+    man = json.loads((d / ckptdir.MANIFEST).read_text())
+    (d / ckptdir.MANIFEST).write_text(json.dumps({**man, "world": 2}))
+    assert ckptdir.check(d)[:2] == (ckptdir.DAMAGED, "its manifest belongs to another save")
