@@ -222,7 +222,7 @@ def test_help_says_every_flag_and_its_default(capsys):
 def test_the_mount_itself_is_on_fsx(tmp_path):
     """--cache-dir=/fsx is the shared file system (and a second volume at the FSx mount's path,
     which the API server rejects): refused; --out_dir=/fsx is on it: accepted (was the reverse,
-    with 'is not on the FSx mount /fsx')."""
+    with 'is not on the FSx mount /fsx'); --out_dir=/fsx2/run is not."""
     r = subprocess.run([sys.executable, str(SCRIPTS / "eks.py"), "--nodes=2", *BASE, *ARGS_7B, "--cache-dir=/fsx/"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stdout == "" and "not on FSx" in r.stderr, r.stderr
@@ -231,6 +231,10 @@ def test_the_mount_itself_is_on_fsx(tmp_path):
     assert "--out_dir=/fsx" in c["command"][2]
     mounts = [m["mountPath"] for m in c["volumeMounts"]]
     assert len(set(mounts)) == len(mounts)
+    # a path that only begins with the mount's name is off it (a pod's disk: gone with the pod)
+    with pytest.raises(SystemExit) as e:
+        eks.main(["--nodes=2", *BASE, *ARGS_7B, "--out_dir=/fsx2/run"])
+    assert "--out_dir=/fsx2/run is not on the FSx mount /fsx" in str(e.value.code), e.value.code
 
 
 def test_inputs_off_the_fsx_mount_are_said_in_one_line():
