@@ -271,6 +271,11 @@ def test_the_pods_grace_period_is_the_final_saves_budget(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr
     assert "--ckpt.grace_s=100" in r.stderr and "--grace-period" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # inside the grace period but not its last STOP_MARGIN_S (the stop's own): refused too (in-process)
+    with pytest.raises(SystemExit) as e:
+        eks.main(["--nodes=2", *BASE, *ARGS_7B, f"--ckpt.grace_s={60 - eks.STOP_MARGIN_S + 2}"])
+    assert (f"does not fit the pod's --grace-period 60 (minus {eks.STOP_MARGIN_S} s to stop): give --grace-period "
+            f"{60 + 2} or more") in str(e.value.code), e.value.code
 
 
 def test_the_pods_launch_exports_what_its_manifest_states(tmp_path):
