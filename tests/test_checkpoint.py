@@ -536,6 +536,32 @@ def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     assert not fits and why.startswith("0.0 s of the 1.5 s grace period are left and this rank's last save"), why
 
 
+def test_a_stops_save_is_budgeted_by_the_last_saves_time_less_its_wait_for_a_cpu(tmp_path):
+    """checkpoint.stop_budget: without an earlier save in this run the stop's save is tried (nothing to time it by);
+    after one, its need is that save's staging, deferred copy and write less what the write waited for a CPU at
+    SCHED_IDLE (the stop's save runs at normal priority), + 1 s. The stats are set: a wait for a CPU is the host's."""
+    cfg = tiny_cfg(tmp_path / "ckpt")
+    model, opt = trained(cfg)
+    grid = parallel.Grid()
+    ck = Checkpointer(cfg, grid)
+    ck.claim()
+    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
+    try:
+        stop = checkpoint.StopSignal(grid)
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    stop.heard_at = time.monotonic()
+    fits, why = checkpoint.stop_budget(ck, stop, grid, 5.0)
+    assert fits and why.endswith("(no earlier save in this run to time)"), why
+    ck.save(2, model.state_dict(), opt.state_dict(), data={"d": 0})
+    ck.wait()
+    ck.stats.update(blocked_s=0.5, deferred_copy_s=0.5, write_s=3.0, starved_s=2.5)     # needs 0.5 + 0.5 + 3 - 2.5 + 1
+    fits, why = checkpoint.stop_budget(ck, stop, grid, 5.0)
+    ck.close()
+    assert fits and why.endswith("took 2.5 s"), why
+
+
 # ----------------------------------------------------------------------------- multi-rank bookkeeping
 
 def ranks_save(cfg, step, world, tp, dp, make_state, skip_ranks=()):
