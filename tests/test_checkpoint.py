@@ -562,6 +562,22 @@ def test_a_stops_save_is_budgeted_by_the_last_saves_time_less_its_wait_for_a_cpu
     assert fits and why.endswith("took 2.5 s"), why
 
 
+def test_a_tensor_saved_again_in_another_dtype_is_saved_in_that_dtype(tmp_path):
+    """The background save stages into host buffers kept from the previous save (ckptsave.Writer._copy): a tensor of
+    the same name and shape in another dtype (bf16 weights where the last save had fp32 ones) needs a buffer of its
+    own dtype; the last save's would hold it converted, saved in the wrong dtype."""
+    cfg = tiny_cfg(tmp_path / "ckpt")
+    cfg.ckpt.async_save = True
+    ck = Checkpointer(cfg)
+    ck.claim()
+    w = torch.arange(6, dtype=torch.float32) / 3
+    ck.save(1, {"w": w}, None, data={"d": 0})
+    ck.save(2, {"w": w.bfloat16()}, None, data={"d": 0})
+    ck.close()
+    saved = torch.load(tmp_path / "ckpt" / "step_00000002" / "model_tp00_pp00.pt")["w"]
+    assert saved.dtype == torch.bfloat16 and torch.equal(saved, w.bfloat16()), saved
+
+
 # ----------------------------------------------------------------------------- multi-rank bookkeeping
 
 def ranks_save(cfg, step, world, tp, dp, make_state, skip_ranks=()):
