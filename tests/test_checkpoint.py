@@ -562,6 +562,23 @@ def test_a_stops_save_is_budgeted_by_the_last_saves_time_less_its_wait_for_a_cpu
     assert fits and why.endswith("took 2.5 s"), why
 
 
+def test_a_signal_during_a_step_stops_the_run_at_that_steps_boundary(capsys):
+    """checkpoint.StopSignal: a SIGTERM that arrives during step 1 (after the boundary of step 0) counts for the
+    boundary after step 1: every rank stops there, with that step's checkpoint; a step later would spend a step
+    of the grace period (1.5 s at 7B on 128 nodes). A real signal, raised in this process."""
+    grid = parallel.Grid()
+    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
+    try:
+        stop = checkpoint.StopSignal(grid)
+        assert stop.requested(0) is None                 # nothing heard: step 1 begins
+        signal.raise_signal(signal.SIGTERM)              # heard during step 1
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert "SIGTERM during step 1: stopping after it with a checkpoint" in capsys.readouterr().err
+    assert stop.requested(1) == "SIGTERM"
+
+
 def test_a_tensor_saved_again_in_another_dtype_is_saved_in_that_dtype(tmp_path):
     """The background save stages into host buffers kept from the previous save (ckptsave.Writer._copy): a tensor of
     the same name and shape in another dtype (bf16 weights where the last save had fp32 ones) needs a buffer of its
