@@ -752,6 +752,11 @@ def test_shared_files_are_written_by_spread_replicas(tmp_path):
     assert [r for r, names in wrote.items() if "meta.json" in names] == [0]
     assert [checkpoint.writer_dp_rank(k, parallel.Grid(world=8, tp=2, dp=4, tp_rank=t), False)
             for k in (0, 1) for t in (0, 1)] == [0, 1, 2, 3]
+    # at 7B on 128 trn1 nodes (TP 8, DP 512, 32 ranks a node) the 16 shared files are written, and read back, by 16
+    # nodes, not by the first 4: each node's link to the shared file system carries one file
+    nodes = {(checkpoint.writer_dp_rank(k, g, False) * 8 + t) // 32 for k in (0, 1) for t in range(8)
+             for g in [parallel.Grid(world=4096, tp=8, dp=512, tp_rank=t)]}
+    assert len(nodes) == 16, sorted(nodes)
     g6 = parallel.Grid(world=8, rank=6, tp=2, dp=4, tp_rank=0, dp_rank=3)
     got = Checkpointer(cfg, g6).load_latest()
     assert torch.equal(got.model["w"], torch.full((4,), 1.0)) and torch.equal(got.optim["state"]["m"], torch.full((2,), 5.0))
