@@ -10,6 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from conftest import cache_arg  # noqa: E402
+import configs  # noqa: E402
+import optim  # noqa: E402
 pytestmark = pytest.mark.slow         # each test runs train.py in a subprocess
 
 
@@ -37,6 +39,11 @@ def test_tiny_training_run_loss_falls(tmp_path):
     ls = losses(r.stdout)
     assert len(ls) == 8, r.stdout
     assert ls[-1] < ls[0] - 1.0, ls                     # from ~ln(4096)=8.3 down by well over a nat
+    # the line of step s says the lr that step s trained with: the schedule's at its 0-based index s - 1
+    o = configs.from_args(["--optim.max_steps=16", "--optim.warmup_steps=4", "--optim.decay_steps=12",
+                           "--optim.lr=3e-3"]).optim
+    lrs = re.findall(r"step\s+(\d+) \| loss [0-9.]+ \| lr (\S+) ", r.stdout)
+    assert lrs == [(s, f"{optim.lr_at(int(s) - 1, o):.2e}") for s, _ in lrs] and len(lrs) == 8, lrs
     assert "val loss" in r.stdout and "sample:" in r.stdout
     # the last line says what to do next (it was the sample's text): where the export, checkpoints, curves are
     assert r.stdout.splitlines()[-1] == (f"next: {tmp_path}/out/hf loads in transformers (docs/huggingface.md); checkpoints: "
