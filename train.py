@@ -516,7 +516,8 @@ def cli(argv: list[str], keep_signals: bool = False) -> None:
             raise
         why = (str(e).split("] ", 1)[-1].splitlines() or [""])[0]      # nccl's DistError adds a "Last error:" block
         sys.exit(f"error: [rank {os.environ.get('RANK', 0)}] a collective failed: another rank is gone or hung "
-                 f"({why}); torchrun --max-restarts resumes from the newest complete checkpoint")
+                 f"({why}); the restart (torchrun --max-restarts; under SLURM slurm_train.sbatch's MAX_RESTARTS) "
+                 f"resumes from the newest complete checkpoint")
     except KeyboardInterrupt:                           # Ctrl-C: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -232,6 +232,9 @@ def test_a_failed_collective_is_one_line_naming_the_restart(monkeypatch, message
         train.cli([])
     said = str(e.value.code)
     assert "\n" not in said and said.startswith("error: [rank 0] a collective failed") and "resumes from" in said
+    # who restarts it: torchrun (--max-restarts), or under slurm_train.sbatch (static node ranks, torchrun's
+    # --max-restarts=0) the sbatch loop (MAX_RESTARTS); it named torchrun's alone, which does not there
+    assert "torchrun --max-restarts" in said and "slurm_train.sbatch's MAX_RESTARTS" in said
     assert ("Connection reset by peer" if error is RuntimeError else "NCCL error: remote process exited") in said
 
 
