@@ -931,6 +931,29 @@ def _reshard_worker(rank: int, port: int, dir_a: str, dir_b: str):
     dist.destroy_process_group()
 
 
+def test_zero1_shards_are_cut_back_into_parameters_up_to_the_flat_spaces_last_element(tmp_path):
+    """reshard.SavedOptim cuts saved ZeRO-1 shards back into per-parameter tensors, each from the one or two shards
+    holding it (at another layout, and `checkpoint.py export`'s masters). Where DP divides the flat space, the last
+    parameter ends exactly at the last shard's end: no shard past it is opened (there is none). Where it does not,
+    the shards are ceil(N / DP) long, the last one padded."""
+    cfg = tiny_cfg(tmp_path)
+    named = list(seeded_model(cfg, parallel.Grid()).named_parameters())
+    n = sum(p.numel() for _, p in named)
+    for dp in (2, 3):
+        assert (n % dp == 0) == (dp == 2), n
+        d = tmp_path / f"dp{dp}"
+        d.mkdir()
+        for r in range(dp):
+            opt = optim.Zero1AdamW(named, cfg.optim, parallel.Grid(dp=dp, dp_rank=r))
+            opt.flat["exp_avg"].copy_(torch.arange(r * opt.shard, (r + 1) * opt.shard))     # each element its flat index
+            torch.save(opt.state_dict(), d / reshard.optim_name(r, reshard.tag(0, 0), True))
+        saved, off = reshard.SavedOptim(d, reshard.tag(0, 0), {"zero1": True}, "step_00000001"), 0
+        for name, p in named:
+            want = torch.arange(off, off + p.numel(), dtype=torch.float32).view(p.shape)
+            assert torch.equal(saved[f"{name}.exp_avg"], want), (dp, name)
+            off += p.numel()
+
+
 @pytest.mark.slow
 def test_reshard_tp2_dp2_and_back_and_export(tmp_path):
     """1 process -> TP=2 x DP=2 -> 1 process, with the real model, parallel.py and optim.py:
