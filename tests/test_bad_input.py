@@ -667,6 +667,7 @@ def test_a_folder_this_user_cannot_list_is_named_so(W, tmp_path):
     assert not any((tmp_path / d).exists() for d in ("c", "out", "x.arrow", "curves.png")), "work started"
 
 
+@pytest.mark.slow       # one process (~4 s: torch's import)
 def test_an_init_from_folder_or_weights_this_user_cannot_read_is_one_line(W, tmp_path):
     """--init_from another user's folder (mode 0700) was a PermissionError traceback in hf.read_config (it lists the
     folder for nanotrn checkpoints once config.json seems missing); a model.safetensors of mode 0000 was 'cannot read
