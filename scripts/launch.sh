@@ -145,7 +145,7 @@ try:
         if missing:
             missing = ", ".join(missing)
             raise ConfigError(f"the Python launch.sh runs ({sys.executable}) has no {missing}: activate "
-                              f"the PyTorch venv of the Neuron DLAMI, with `pip install -r requirements.txt` in it "
+                              f"the PyTorch venv of the Neuron DLAMI, with pip install -r requirements.txt run in it "
                               f"(docs/trn1.md), or give PYTHON=/path/to/that/python")
         from corpus import parse_mixture, resolve_paths    # numpy, pyarrow: what train.py reads --data with
         for entry, _ in parse_mixture(cfg.data.data):
