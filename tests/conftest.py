@@ -60,9 +60,12 @@ def _session_environ():
 
 @pytest.fixture(autouse=True)
 def _environ():
-    """Undo what a test set (an in-process import of torch_xla) before the next one's fixtures."""
+    """Undo what a test set (an in-process import of torch_xla) before the next one's fixtures. A test that
+    changes torch's thread count restores it: the tests after it in the session would run on its count."""
+    threads = torch.get_num_threads()
     yield
     restore_environ()
+    assert torch.get_num_threads() == threads, f"the test left torch at {torch.get_num_threads()} threads, not {threads}"
 
 
 # The session's one data cache, passed to every train.py run as --data.cache_dir (gloo_spawn.run_train

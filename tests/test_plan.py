@@ -114,9 +114,13 @@ def measured_peak_bytes(cfg) -> int:
 
 @pytest.mark.parametrize("ckpt", ["none", "full"])
 def test_tiny_memory_estimate_matches_a_measured_step(ckpt):
-    torch.set_num_threads(1)
     cfg = configs.from_args([f"--model.checkpointing={ckpt}"])          # the tiny preset, fp32
-    measured = measured_peak_bytes(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)              # one thread's buffers; restored: the tests after this one keep theirs
+    try:
+        measured = measured_peak_bytes(cfg)
+    finally:
+        torch.set_num_threads(threads)
     # CPU PyTorch runs SDPA (with the document mask too) as its flash kernel, which keeps the
     # output and logsumexp instead of the probabilities XLA's math path keeps: tell the planner.
     planned = estimate(cfg, world=1, attention="flash").total
