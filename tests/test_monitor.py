@@ -652,7 +652,7 @@ def test_an_event_folder_that_cannot_be_written_costs_the_events_not_the_run(tmp
     assert ("No space left" if how == "full" else "No such file") in warned[0], warned
 
 
-def test_glooss_lines_on_each_group_are_dropped_and_the_rest_of_stdout_kept(capfd):
+def test_gloos_lines_on_each_group_are_dropped_and_the_rest_of_stdout_kept(capfd):
     """gloo (torch 2.9) prints on stdout, for every group each rank builds, '[Gloo] Rank r is connected to n peer
     ranks...' and, connecting lazily (env.sh's TORCH_GLOO_LAZY_INIT, the XLA host group), '[Gloo] Rank r is NOT
     connected to: [...]' with every other rank: about 24 KB a rank at 4096 ranks, 100 MB of a job's log at each start,

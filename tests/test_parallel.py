@@ -545,7 +545,7 @@ def test_clipping_bf16_gradients_rounds_each_element_once():
     """The clip coefficient stays fp32 and multiplies each bf16 gradient in fp32 (parallel.scale_to_norm_, ZeRO-1's
     too). Rounded to bf16 first (up to 2^-9), it moved every clipped norm: over 200 gradient scales |clipped norm /
     max_norm - 1| averaged 1.44e-3 (worst 3.57e-3); in fp32 9.2e-5, worst 1.74e-3, the floor of exact clipping rounded
-    once (notes/numerics2-scripts/clip.py). Bounds: 3x the fp32 mean, 1.1x the floor."""
+    once (this loop, 2026-11-29). Bounds: 3x the fp32 mean, 1.1x the floor."""
     torch.manual_seed(0)
     base = [torch.randn(64, 64), torch.randn(4096), torch.randn(32, 128)]
     worst, floor, total = 0.0, 0.0, 0.0
@@ -560,7 +560,6 @@ def test_clipping_bf16_gradients_rounds_each_element_once():
         rounded_once = torch.cat([(g.double() / (exact + 1e-6)).bfloat16().double().flatten() for g in grads]).norm()
         worst, floor, total = max(worst, abs(ratio - 1)), max(floor, abs(rounded_once.item() - 1)), total + abs(ratio - 1)
     assert total / 200 < 3e-4 and worst <= 1.1 * floor, (total / 200, worst, floor)
-
 
 
 def test_clip_at_zero_is_no_clipping():
