@@ -237,8 +237,11 @@ def estimate(cfg: Config, layout: Layout | None = None, world: int | None = None
                            + (ab + 8) * embed / m.dim)
         elif last:              # final norm and the fused loss's input gradient kept; its weight's gradient
             # (the weights' dtype), one chunk of logits (in ab, their log-softmax in fp32, its gradient in ab)
-            chunk = LinearCrossEntropy.chunk_rows(rows, m.vocab_size, m.dim) * m.vocab_size
+            chunk_rows = LinearCrossEntropy.chunk_rows(rows, m.vocab_size, m.dim)
+            chunk = chunk_rows * m.vocab_size
             loss = in_flight * rows * (4 + 3 * ab) * m.dim + wb * embed + (2 * ab + 4) * chunk
+            if wb < 4 and 3 * chunk_rows < rows:    # 16-bit weights over three chunks: its sum in fp32 too
+                loss += 4 * embed
         states = n * (wb + gb + ob / (L.dp if L.zero1 else 1))
         # + one collective bucket in flight (optim.Zero1AdamW; 0: the whole gradient)
         bucket = min(p.zero1_bucket_mb * 2**20 or n * gb, n * gb) if L.zero1 else 0.0

@@ -620,3 +620,42 @@ def test_the_docs_trn1_and_trn2_step_times_are_the_planners():
             cfg = configs.from_args([f"--preset={preset}", f"--parallel.instance={instance}"])
             step = estimate(cfg, world=128 * instances.INSTANCES[instance].cores).step_s
             assert f"est. {step:.2f} s/step" in cell, (name, instance, cell, step)
+
+
+def test_the_fused_loss_fp32_sum_of_many_chunks_is_in_the_plan():
+    """In 16-bit weights the fused loss sums its weight gradient in an fp32 [vocab, dim] buffer past three chunks
+    (model.LinearCrossEntropy): measured, the peak of its forward grows by that buffer from 3 to 4 chunks of the
+    same rows; the planner's loss term (TP=1, one microbatch in flight) grows by it too."""
+    from torch.profiler import ProfilerActivity, profile
+    vocab, dim, rows = 1024, 512, 48
+
+    def peak(chunk):
+        h = torch.randn(rows, dim).bfloat16()
+        w = torch.randn(vocab, dim).bfloat16().requires_grad_()
+        t = torch.randint(0, vocab, (rows,))
+        real = llama.LinearCrossEntropy.chunk_rows
+        llama.LinearCrossEntropy.chunk_rows = staticmethod(lambda n, v, d: chunk)
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                llama.LinearCrossEntropy.apply(h, w, t, True, torch.tensor(1.0 / rows))
+        finally:
+            llama.LinearCrossEntropy.chunk_rows = real
+        live = top = 0
+        for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            top = max(top, live)
+        return top
+    grown = peak(rows // 4) - peak(rows // 3)              # 4 chunks, then 3 (the chunk itself shrinks)
+    assert grown >= 0.9 * 4 * vocab * dim, grown
+
+    def loss_term(micro_batch):
+        cfg = configs.from_args(["--model.n_layers=2", "--model.dim=256", "--optim.precision=bf16",
+                                 "--data.seq_len=256", f"--data.micro_batch={micro_batch}", "--data.global_batch=64"])
+        return cfg, estimate(cfg, world=1).loss
+    (c3, three), (c4, four) = loss_term(12), loss_term(16)   # 3072 rows: 3 chunks of 1024; 4096: 4
+    m = c4.model
+    assert llama.LinearCrossEntropy.chunk_rows(4096, m.vocab_size, m.dim) * 3 < 4096
+    assert llama.LinearCrossEntropy.chunk_rows(3072, m.vocab_size, m.dim) * 3 >= 3072
+    per_row = (4 + 3 * 2) * m.dim                          # what grows with the rows alone (kept per row)
+    assert four - three - 1024 * per_row >= 4 * m.vocab_size * m.dim, (four - three - 1024 * per_row)
