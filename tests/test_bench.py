@@ -191,11 +191,13 @@ def test_a_flag_the_benchmark_does_not_read_is_refused(argv, monkeypatch, capsys
 
 
 def test_the_flags_a_benchmark_reads_pass_the_check(monkeypatch):
+    import torch
     from benchmarks import cli
-    ran = []
+    ran, threads = [], torch.get_num_threads()
     for argv in (["init", "--lr", "0.1", "--layers", "4", "--steps", "2"], ["data", "--data_part", "memory"],
                  ["step", "--dtype", "bfloat16", "--step_tokens", "0", "--device", "cpu", "--steps", "1"],
                  ["parallel", "--threads", "1", "--steps", "3"], ["pp", "--threads", "1", "--steps", "3"]):  # each rank's
         monkeypatch.setitem(cli.BENCHES, argv[0], lambda args: ran.append(args.which))     # (common.launch_ranks)
         cli.main(argv)
+        torch.set_num_threads(threads)      # cli.main sets the benchmark's --threads: this process's tests keep theirs
     assert ran == ["init", "data", "step", "parallel", "pp"]
