@@ -8,6 +8,7 @@ the ranks of one checkpoint are written one after another by Checkpointers with 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -513,6 +514,17 @@ def test_an_export_of_a_checkpoint_pruned_meanwhile_is_one_line(tmp_path, monkey
     assert "step_00000001" in str(e.value.code) and "was removed while it was read" in str(e.value.code), e.value.code
 
 
+@contextlib.contextmanager
+def handlers_kept():
+    """checkpoint.StopSignal installs its signal handlers: pytest's are back after the block."""
+    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+
+
 def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     """checkpoint.stop_budget after the grace period has run out (the previous save in flight took it
     all): the stop's save is not started, and the reason says 0.0 s are left. It said "-0.0 s of
@@ -524,12 +536,8 @@ def test_a_stop_heard_past_its_grace_period_says_0_s_left_not_minus(tmp_path):
     ck = Checkpointer(cfg, grid)
     ck.claim()
     ck.save(2, model.state_dict(), opt.state_dict(), data={"d": 0})
-    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
-    try:
+    with handlers_kept():
         stop = checkpoint.StopSignal(grid)
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
     stop.heard_at = time.monotonic() - 1.51                     # heard 1.51 s ago, the grace is 1.5 s
     fits, why = checkpoint.stop_budget(ck, stop, grid, 1.5)
     ck.close()
@@ -545,12 +553,8 @@ def test_a_stops_save_is_budgeted_by_the_last_saves_time_less_its_wait_for_a_cpu
     grid = parallel.Grid()
     ck = Checkpointer(cfg, grid)
     ck.claim()
-    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
-    try:
+    with handlers_kept():
         stop = checkpoint.StopSignal(grid)
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
     stop.heard_at = time.monotonic()
     fits, why = checkpoint.stop_budget(ck, stop, grid, 5.0)
     assert fits and why.endswith("(no earlier save in this run to time)"), why
@@ -567,14 +571,10 @@ def test_a_signal_during_a_step_stops_the_run_at_that_steps_boundary(capsys):
     boundary after step 1: every rank stops there, with that step's checkpoint; a step later would spend a step
     of the grace period (1.5 s at 7B on 128 nodes). A real signal, raised in this process."""
     grid = parallel.Grid()
-    handlers = {sig: signal.getsignal(sig) for sig in checkpoint.StopSignal.SIGNALS}
-    try:
+    with handlers_kept():
         stop = checkpoint.StopSignal(grid)
         assert stop.requested(0) is None                 # nothing heard: step 1 begins
         signal.raise_signal(signal.SIGTERM)              # heard during step 1
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
     assert "SIGTERM during step 1: stopping after it with a checkpoint" in capsys.readouterr().err
     assert stop.requested(1) == "SIGTERM"
 
